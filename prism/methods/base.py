@@ -1,0 +1,74 @@
+"""The interface every method implements: a privatiser plus an update rule (SPEC §2–§3).
+
+The training loop (:mod:`prism.train`) drives one logical step as::
+
+    method.zero_accumulators()
+    for micro_batch in logical_batch:          # physical micro-batches only bound memory
+        grads = <per-example grads of the per-example losses>   # DP:     name -> [k, *shape]
+              | <sum over the micro-batch of those grads>       # non-DP: name -> [*shape]
+        method.accumulate(grads)
+    stats = method.step(denominator, generator)
+
+* DP (``privacy`` given): ``accumulate`` clips each example (flat factor norm for the baselines,
+  global intrinsic norm for PRISM) and sums; ``step`` adds the Gaussian noise once, with standard
+  deviation ``σ·C`` on the *sum* (i.e. ``σC/B`` after dividing by the expected batch size
+  ``denominator = B``), then applies the update.
+* Non-DP (``privacy is None``): ``accumulate`` sums, ``step`` divides by the realised batch size
+  and applies the update. No clipping, no noise.
+
+Keys are the trainable parameter names of the peft model (``...lora_A.default.weight``).
+"""
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class PrivacySpec:
+    """What the accountant assumed: noise multiplier σ and clipping norm C."""
+
+    sigma: float
+    clip_norm: float
+
+
+class Method(abc.ABC):
+    """Privatiser + update rule over a fixed set of named trainable parameters."""
+
+    def __init__(self, params: Mapping[str, nn.Parameter], privacy: PrivacySpec | None) -> None:
+        self.params = dict(params)
+        self.privacy = privacy
+
+    @property
+    def dp(self) -> bool:
+        return self.privacy is not None
+
+    @abc.abstractmethod
+    def zero_accumulators(self) -> None:
+        """Start a logical step."""
+
+    @abc.abstractmethod
+    def accumulate(self, grads: Mapping[str, Tensor]) -> None:
+        """Add one micro-batch: per-example grads ``[k, *shape]`` (DP) or their sum ``[*shape]``."""
+
+    @abc.abstractmethod
+    def step(self, denominator: float, generator: torch.Generator | None) -> dict[str, float]:
+        """Noise (DP), normalise by ``denominator``, update the parameters; return step statistics.
+
+        Statistics use these keys where they apply: ``clip_fraction`` (share of examples whose
+        norm exceeded C), ``grad_norm_mean`` (mean per-example norm before clipping),
+        ``noise_norm`` (Frobenius norm of the intrinsic noise added to ΔZ, summed over modules in
+        quadrature, after division by ``denominator``), ``update_norm``.
+        """
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume bit-identically (optimizer moments, counters)."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
