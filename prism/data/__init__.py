@@ -1,0 +1,108 @@
+"""Suites (report §3.1, §3.4–3.5): GLUE8 and Math-10K at paper scale, and their embedded stand-ins.
+
+A :class:`Suite` is one training set plus evaluation sets per task; every evaluation task names the
+Table 2 column it scores (``task_columns``). Paper and embedded suites share the prompt, tokenisation,
+decoding and metric code: only where the rows come from differs.
+
+``build_suite(cfg_suite, seed)`` reads ``name``, ``scale``, ``family``, ``train_on_inputs``,
+``cutoff_len``, ``eval_limit`` and the scale's own node ``cfg_suite[scale]`` (see
+:mod:`prism.data.embedded`, :mod:`prism.data.glue`, :mod:`prism.data.math10k` for its fields).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Table 2 column names, in the paper's order.
+PAPER_COLUMNS = ("CoLA", "SST-2", "MRPC", "STS-B", "QQP", "MNLI", "QNLI", "RTE", "GSM8K", "AQuA", "MAWPS", "SVAMP")
+SUITE_FAMILIES = {"glue8": "glue", "math10k": "math"}
+SCALES = ("embedded", "paper")
+
+
+class DataUnavailableError(RuntimeError):
+    """A dataset is neither cached nor reachable; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One instruction-format row: `output` is the training target text, `answer` the gold value
+    used by evaluation (class index, STS-B score, number, or AQuA letter)."""
+
+    task: str
+    instruction: str
+    input: str
+    output: str
+    answer: int | float | str
+
+
+@dataclass
+class Suite:
+    """Training examples, evaluation examples per task, and the task → Table 2 column map."""
+
+    name: str
+    scale: str
+    family: str
+    train: list[Example]
+    eval: dict[str, list[Example]]
+    train_on_inputs: bool
+    cutoff_len: int
+    task_columns: dict[str, str]
+    skipped: dict[str, int] = field(default_factory=dict)  # source → malformed rows dropped
+
+
+def cache_dir() -> Path:
+    """Local data cache: ``$PRISM_CACHE/data`` (default ``~/.cache/prism/data``)."""
+    return Path(os.environ.get("PRISM_CACHE", "~/.cache/prism")).expanduser() / "data"
+
+
+def sub_seed(seed: int, *parts: str) -> int:
+    """A stable 31-bit seed derived from `seed` and names (independent streams per task/split)."""
+    digest = hashlib.sha256(":".join([str(seed), *parts]).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def seeded_subset(rows: list, n: int | None, seed: int, *parts: str) -> list:
+    """At most `n` rows, drawn without replacement with a derived seed, original order kept."""
+    if n is None or n >= len(rows):
+        return list(rows)
+    keep = sorted(random.Random(sub_seed(seed, *parts)).sample(range(len(rows)), int(n)))
+    return [rows[i] for i in keep]
+
+
+def build_suite(cfg_suite: Any, seed: int) -> Suite:
+    """Build the suite named by ``cfg_suite.name`` at ``cfg_suite.scale`` (deterministic in `seed`)."""
+    from prism.data import embedded, glue, math10k
+
+    name, scale = cfg_suite.get("name"), cfg_suite.get("scale", "embedded")
+    if name not in SUITE_FAMILIES:
+        raise ValueError(f"unknown suite {name!r}; valid suites: {', '.join(SUITE_FAMILIES)}")
+    if scale not in SCALES:
+        raise ValueError(f"unknown suite.scale {scale!r}; valid scales: {', '.join(SCALES)}")
+    family = cfg_suite.get("family", SUITE_FAMILIES[name])
+    if family != SUITE_FAMILIES[name]:
+        raise ValueError(f"suite {name!r} has family {SUITE_FAMILIES[name]!r}, config says {family!r}")
+    node = cfg_suite.get(scale) or {}
+    if scale == "embedded":
+        parts = embedded.build(name, node, seed)
+    elif name == "glue8":
+        parts = glue.build_paper(node, seed)
+    else:
+        parts = math10k.build_paper(node, seed)
+    train, evals, columns, skipped = parts
+    limit = cfg_suite.get("eval_limit")
+    evals = {task: seeded_subset(rows, limit, seed, "eval_limit", task) for task, rows in evals.items()}
+    return Suite(
+        name=name,
+        scale=scale,
+        family=family,
+        train=train,
+        eval=evals,
+        train_on_inputs=bool(cfg_suite.get("train_on_inputs", family == "math")),
+        cutoff_len=int(cfg_suite.get("cutoff_len", 384 if family == "glue" else 256)),
+        task_columns=columns,
+        skipped=skipped,
+    )

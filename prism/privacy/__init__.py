@@ -1,0 +1,15 @@
+"""DP plumbing (SPEC §3): PRV accounting, Poisson sampling, per-example losses and gradients."""
+from prism.privacy.accounting import Accountant, calibrate_sigma, calibration_steps, epsilon_spent
+from prism.privacy.per_example import PerExampleGradients, per_example_loss, summed_gradients
+from prism.privacy.sampling import PoissonSampler
+
+__all__ = [
+    "Accountant",
+    "PerExampleGradients",
+    "PoissonSampler",
+    "calibrate_sigma",
+    "calibration_steps",
+    "epsilon_spent",
+    "per_example_loss",
+    "summed_gradients",
+]

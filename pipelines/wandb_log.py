@@ -1,0 +1,92 @@
+"""Weights & Biases logging of one run (SPEC §6): config, per-step metrics, final scores.
+
+Offline by default (``logging.mode: offline``, files under ``logging.dir``; ``make wandb-sync``
+uploads them), ``online`` when asked, ``disabled`` in unit tests. The W&B run id is
+``<experiment>-<run hash>`` (the hash alone would collide across experiments that share a run,
+e.g. Table 2's and Table 4's r=16 ε=6 rows) with ``resume="allow"``, so a resumed or requeued job
+appends to the same W&B run; ``group`` = experiment; one ``axis:value`` tag per grid axis.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+MODES = ("offline", "online", "disabled")
+
+
+def run_id(cfg: DictConfig, run_hash: str, generation: int = 0) -> str:
+    """``<experiment>-<hash>``; ``-f<k>`` after the k-th ``force=true`` rerun of that folder."""
+    base = f"{cfg.experiment}-{run_hash}"
+    return base if generation == 0 else f"{base}-f{generation}"
+
+
+def tags(cfg: DictConfig) -> list[str]:
+    """One tag per grid axis: method, privacy, suite, backbone (the table row), rank, scale."""
+    return [
+        f"method:{cfg.method.name}",
+        f"privacy:{cfg.privacy.name}",
+        f"suite:{cfg.suite.name}",
+        f"backbone:{cfg.backbone.get('paper_name', cfg.backbone.name)}",
+        f"rank:{cfg.lora.r}",
+        f"scale:{cfg.suite.scale}",
+    ]
+
+
+def _finite(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """The finite numbers of a (nested) record, keys joined with ``/`` (W&B cannot chart ±inf)."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update(_finite(value, f"{prefix}{key}/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+class WandbRun:
+    """A W&B run bound to one run folder; every method is a no-op when ``mode == disabled``."""
+
+    def __init__(self, cfg: DictConfig, run_hash: str, generation: int = 0) -> None:
+        mode = str(cfg.logging.mode)
+        if mode not in MODES:
+            raise ValueError(f"logging.mode={mode!r}; choose one of {', '.join(MODES)}")
+        self.run = None
+        if mode == "disabled":
+            return
+        import wandb
+
+        directory = Path(cfg.logging.dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=str(cfg.logging.project),
+            entity=cfg.logging.entity,
+            dir=str(directory),
+            id=run_id(cfg, run_hash, generation),
+            name=f"{cfg.experiment}/{cfg.method.name}-{cfg.privacy.name}-{cfg.suite.name}-"
+                 f"{cfg.backbone.get('paper_name', cfg.backbone.name)}-r{cfg.lora.r}",
+            group=str(cfg.experiment),
+            tags=tags(cfg),
+            config=OmegaConf.to_container(cfg, resolve=True),
+            resume="allow",
+            mode=mode,
+            settings=wandb.Settings(console="off", quiet=True, x_disable_stats=True),
+        )
+
+    def log_step(self, record: dict[str, Any]) -> None:
+        """Per-step metrics at W&B step ``record['step']`` (a replayed step after resume is dropped by W&B)."""
+        if self.run is None:
+            return
+        step = record.get("step")
+        self.run.log(_finite(record), step=int(step) if step is not None else None)
+
+    def finish(self, final: dict[str, Any] | None, exit_code: int = 0) -> None:
+        """Write the final scores to the run summary and close the run."""
+        if self.run is None:
+            return
+        if final:
+            self.run.summary.update(_finite({k: v for k, v in final.items() if k != "run"}))
+        self.run.finish(exit_code=exit_code)
+        self.run = None

@@ -1,0 +1,193 @@
+"""DP-aware rank-space adaptive transform of PRISM (paper §3.3, eqs. 24–27, App. A.26–A.27).
+
+One factor ``X ∈ {A, B}`` of one module keeps a first moment ``m ∈ R^{rows×r}`` and a right-invariant
+rank-space second moment ``V ∈ R^{r×r}`` of its privatised tangent lift ``Δ`` (``rows = m`` for the
+A factor, ``n`` for the B factor)::
+
+    m ← β1 m + (1−β1) Δ,      V ← β2 V + (1−β2) ΔᵀΔ / rows                      (eq. 24)
+    U = m̂ P(V̂),               P(V̂) = E diag(p(w)) Eᵀ for V̂ = E diag(w) Eᵀ       (eq. 25)
+
+Two preconditioners ``P`` (config ``preconditioner``), the same code otherwise:
+
+* ``floor`` — what the released code ran (paper-and-reference-code §6.4): eigenvalues clamped at 0,
+  ``w ← max(w + eps, λ)`` (a floor, not a ridge), then the condition clamp
+  ``w ← max(w, max(w)/cond_max)``; ``p(w) = w^{-1/2}``. ``‖U‖_F ≤ λ^{-1/2}‖m̂‖_F``.
+* ``ridge`` — the paper's eq. 25: ``p(w) = (w + λ + eps)^{-1/2}`` (condition clamp optional), so
+  ``‖U‖_F ≤ λ^{-1/2}‖m̂‖_F`` (Thm. 3.5, eq. 27).
+* ``none`` — no adaptivity, ``U = Δ`` (the plain tangent mechanism of eq. 22).
+
+The DP floor ``λ`` scales with the per-coordinate noise variance ``τ² = (σC/B)²`` of the privatised
+lift (eq. 17): ``scalar`` mode ``λ = floor_factor·τ²`` (released code); ``geometry`` mode
+``λ = floor_factor·τ²·tr(Σ)/r`` with ``Σ`` the rank-space second moment of the unit noise (eq. 50):
+``Σ_A = E[Ξ_AᵀΞ_A/m] = ((m−r)/m) N⁻¹``, ``Σ_B = E[Ξ_BᵀΞ_B/n] = M⁻¹``. This is eq. 26
+(``λ_A ≍ (σC/B)² tr(N⁻¹)/r``) with the ``(m−r)/m`` factor of the exact noise moment kept (as the
+released code's unused geometry mode also does; it differs from eq. 26 by < r/m) and without that
+mode's extra ``max`` with the scalar floor. ``debias`` subtracts the known noise moment ``τ²Σ`` from
+``V̂`` and clamps the result PSD (App. A.26). Non-DP (``τ = 0``): ``λ = 0``, only ``eps`` and the
+condition clamp act.
+
+The transform is equivariant under orthogonal gauges (Lemma A.30): feeding ``ΔR`` and ``RᵀΣR``
+gives ``UR``. Everything is computed in the dtype of the inputs.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from prism.geometry import Frame
+
+PRECONDITIONERS = ("floor", "ridge", "none")
+FLOOR_MODES = ("scalar", "geometry")
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    """Knobs of the rank-space adaptive transform; defaults are the released code's (method ``prism``)."""
+
+    preconditioner: str = "floor"
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    floor_factor: float = 0.5
+    floor_mode: str = "scalar"
+    cond_max: float | None = 1e4
+    debias: bool = False
+    bias_correction: bool = True
+
+    def __post_init__(self) -> None:
+        if self.preconditioner not in PRECONDITIONERS:
+            raise ValueError(f"method.preconditioner={self.preconditioner!r}; choose one of {PRECONDITIONERS}")
+        if self.floor_mode not in FLOOR_MODES:
+            raise ValueError(f"method.floor_mode={self.floor_mode!r}; choose one of {FLOOR_MODES}")
+        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0):
+            raise ValueError(f"method.beta1/beta2 must lie in [0, 1), got {self.beta1}, {self.beta2}")
+        if self.eps < 0 or self.floor_factor < 0:
+            raise ValueError("method.eps and method.floor_factor must be ≥ 0")
+        if self.cond_max is not None and self.cond_max < 1:
+            raise ValueError(f"method.cond_max={self.cond_max} must be ≥ 1 or null (no condition clamp)")
+
+    @classmethod
+    def from_mapping(cls, cfg: Mapping[str, Any]) -> AdaptiveConfig:
+        """Pick this dataclass's fields out of a (method) config node; absent fields keep defaults."""
+        kwargs = {f.name: cfg[f.name] for f in fields(cls) if f.name in cfg}
+        for key in ("beta1", "beta2", "eps", "floor_factor"):
+            if key in kwargs:
+                kwargs[key] = float(kwargs[key])
+        if kwargs.get("cond_max") is not None:
+            kwargs["cond_max"] = float(kwargs["cond_max"])
+        return cls(**kwargs)
+
+
+def noise_second_moments(fr: Frame) -> tuple[Tensor, Tensor]:
+    """Eq. 50: rank-space moments of the unit tangent noise, ``Σ_A = ((m−r)/m) N⁻¹``, ``Σ_B = M⁻¹``.
+
+    ``N⁻¹ = R_B⁻¹R_B⁻ᵀ`` and ``M⁻¹ = R_A⁻¹R_A⁻ᵀ`` from the frame's thin QRs (no Gram inversion).
+    """
+    (m, r), eye = fr.A.shape, torch.eye(fr.A.shape[1], dtype=fr.A.dtype, device=fr.A.device)
+    RB_inv = torch.linalg.solve_triangular(fr.RB, eye, upper=True)
+    RA_inv = torch.linalg.solve_triangular(fr.RA, eye, upper=True)
+    return ((m - r) / m) * (RB_inv @ RB_inv.mT), RA_inv @ RA_inv.mT
+
+
+def noise_floor(cfg: AdaptiveConfig, tau: float, sigma_noise: Tensor) -> float:
+    """Eq. 26 DP floor ``λ``: ``floor_factor·τ²`` (scalar) or ``floor_factor·τ²·tr(Σ)/r`` (geometry)."""
+    base = cfg.floor_factor * tau**2
+    if cfg.floor_mode == "scalar":
+        return base
+    return base * sigma_noise.diagonal().sum().item() / sigma_noise.shape[-1]
+
+
+def preconditioner(cfg: AdaptiveConfig, V_hat: Tensor, floor: float) -> Tensor:
+    """``P(V̂) = E diag(p(w)) Eᵀ`` (eq. 25; ``floor`` or ``ridge`` form, see module docstring)."""
+    w, E = torch.linalg.eigh(0.5 * (V_hat + V_hat.mT))
+    w = w.clamp_min(0.0)
+    w = (w + cfg.eps).clamp_min(floor) if cfg.preconditioner == "floor" else w + floor + cfg.eps
+    if cfg.cond_max is not None:
+        w = torch.maximum(w, w.max() / cfg.cond_max)
+    return (E * w.rsqrt()) @ E.mT
+
+
+@dataclass
+class FactorMoments:
+    """State of one factor: first moment ``m`` [rows, r] and rank-space second moment ``V`` [r, r]."""
+
+    m: Tensor
+    V: Tensor
+
+
+def update_moments(cfg: AdaptiveConfig, state: FactorMoments, delta: Tensor) -> None:
+    """Eq. 24 in place: ``m ← β1 m + (1−β1)Δ``, ``V ← β2 V + (1−β2) ΔᵀΔ/rows``."""
+    state.m.mul_(cfg.beta1).add_(delta, alpha=1.0 - cfg.beta1)
+    state.V.mul_(cfg.beta2).add_(delta.mT @ delta, alpha=(1.0 - cfg.beta2) / delta.shape[-2])
+
+
+def moment_estimates(
+    cfg: AdaptiveConfig, state: FactorMoments, t: int, tau: float, sigma_noise: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``(m̂, V̂)`` at step ``t ≥ 1``: bias-corrected moments, ``V̂`` debiased when configured.
+
+    ``m̂ = m/(1−β1ᵗ)``, ``V̂ = V/(1−β2ᵗ)`` with ``bias_correction`` (else ``m``, ``V``). The debias
+    term is the expected noise part of ``V̂`` (App. A.26, eq. 50): ``τ²Σ`` with bias correction,
+    ``(1−β2ᵗ)τ²Σ`` without. Not yet clamped PSD (:func:`preconditioner` does that).
+    """
+    c1 = 1.0 - cfg.beta1**t if cfg.bias_correction else 1.0
+    c2 = 1.0 - cfg.beta2**t if cfg.bias_correction else 1.0
+    m_hat, V_hat = state.m / c1, state.V / c2
+    if cfg.debias and tau > 0:
+        V_hat = V_hat - (tau**2 * (1.0 - cfg.beta2**t) / c2) * sigma_noise
+    return m_hat, V_hat
+
+
+def factor_direction(
+    cfg: AdaptiveConfig, state: FactorMoments, t: int, tau: float, sigma_noise: Tensor
+) -> Tensor:
+    """Eq. 25 for one factor: ``U = m̂ P(V̂)`` with the floor ``λ`` of eq. 26."""
+    m_hat, V_hat = moment_estimates(cfg, state, t, tau, sigma_noise)
+    return m_hat @ preconditioner(cfg, V_hat, noise_floor(cfg, tau, sigma_noise))
+
+
+class RankSpaceAdaptive:
+    """Moments of one module's two factors plus the step counter ``t`` (eqs. 24–26)."""
+
+    def __init__(self, cfg: AdaptiveConfig, m: int, n: int, r: int, dtype: torch.dtype, device: torch.device):
+        self.cfg = cfg
+        self.t = 0
+        zeros = {"dtype": dtype, "device": device}
+        self.A = FactorMoments(m=torch.zeros(m, r, **zeros), V=torch.zeros(r, r, **zeros))
+        self.B = FactorMoments(m=torch.zeros(n, r, **zeros), V=torch.zeros(r, r, **zeros))
+
+    def step(
+        self, dA: Tensor, dB: Tensor, tau: float, sigma_A: Tensor, sigma_B: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Update the moments with the privatised lift ``(ΔA, ΔB)`` and return ``(U_A, U_B)``.
+
+        ``tau = σC/B`` is the noise scale of the lift (0 non-DP); ``sigma_A``, ``sigma_B`` are the
+        unit noise moments of :func:`noise_second_moments` (read only by geometry floor / debias).
+        """
+        if self.cfg.preconditioner == "none":
+            return dA, dB
+        self.t += 1
+        update_moments(self.cfg, self.A, dA)
+        update_moments(self.cfg, self.B, dB)
+        return (
+            factor_direction(self.cfg, self.A, self.t, tau, sigma_A),
+            factor_direction(self.cfg, self.B, self.t, tau, sigma_B),
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": self.t, "mA": self.A.m.clone(), "VA": self.A.V.clone(),
+                "mB": self.B.m.clone(), "VB": self.B.V.clone()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for key, target in (("mA", self.A.m), ("VA", self.A.V), ("mB", self.B.m), ("VB", self.B.V)):
+            if state[key].shape != target.shape:
+                raise ValueError(
+                    f"adaptive state {key} has shape {tuple(state[key].shape)}, expected {tuple(target.shape)}; "
+                    "the checkpoint was written for another LoRA rank or model"
+                )
+            target.copy_(state[key])
+        self.t = int(state["t"])

@@ -1,0 +1,45 @@
+"""Atomic checkpoints of everything a run needs to resume bit-identically (SPEC §6).
+
+A checkpoint holds the trainable LoRA tensors, the method's state (optimizer moments, counters),
+the accountant history, the step counter and every RNG state (Poisson sampler, noise, torch's
+global generator that drives dropout). It is written to a temporary file and moved into place
+with :func:`os.replace`, so a run killed mid-write leaves the previous checkpoint intact.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHECKPOINT_FILE = "state.pt"
+
+
+def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
+    """Write ``state`` atomically to ``directory/state.pt``; return the path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / CHECKPOINT_FILE
+    tmp = directory / f".{CHECKPOINT_FILE}.tmp-{os.getpid()}"
+    torch.save(state, tmp)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def load_checkpoint(directory: Path) -> dict[str, Any] | None:
+    """The last complete checkpoint in ``directory``, or ``None`` when there is none.
+
+    A file that cannot be read is reported, not silently ignored: resuming from a corrupt state
+    would break the privacy accounting.
+    """
+    path = directory / CHECKPOINT_FILE
+    if not path.exists():
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same thing
+        raise RuntimeError(
+            f"checkpoint {path} is unreadable ({exc}); delete it to restart the run from step 0"
+        ) from exc

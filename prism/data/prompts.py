@@ -1,0 +1,113 @@
+"""Prompt templates, tokenisation with label masking, and the padding collator.
+
+The strings follow the paper's pipeline (LLM-Adapters Alpaca templates, report §3.4–3.5), including
+the odd whitespace: the *training* templates indent every line by 16 spaces and carry trailing
+spaces, while the *Math evaluation* template has no indentation. This mismatch is inherited from
+LLM-Adapters and kept on purpose.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from prism.data import Example
+
+IGNORE_INDEX = -100
+RESPONSE_MARKER = "### Response:"
+
+_PAD = " " * 16
+TRAIN_TEMPLATE_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request. \n\n"
+    f"{_PAD}### Instruction:\n{_PAD}{{instruction}}\n{_PAD}\n"
+    f"{_PAD}### Input:\n{_PAD}{{input}}\n{_PAD}\n"
+    f"{_PAD}### Response:\n{_PAD}{{output}}"
+)
+TRAIN_TEMPLATE_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.  \n\n"
+    f"{_PAD}### Instruction:\n{_PAD}{{instruction}}\n{_PAD}\n"
+    f"{_PAD}### Response:\n{_PAD}{{output}}"
+)
+MATH_EVAL_TEMPLATE = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+
+def train_prompt(example: Example, with_output: bool = True) -> str:
+    """Training text (report §3.4): the with-input template when `input` is non-empty, else the other."""
+    output = example.output if with_output else ""
+    template = TRAIN_TEMPLATE_WITH_INPUT if example.input else TRAIN_TEMPLATE_NO_INPUT
+    return template.format(instruction=example.instruction, input=example.input, output=output)
+
+
+def eval_prompt(example: Example, family: str) -> str:
+    """Generation prompt (report §3.5): GLUE reuses the training template with an empty output;
+    Math uses the un-indented LLM-Adapters evaluation template (instruction only)."""
+    if family == "glue":
+        return train_prompt(example, with_output=False)
+    if family == "math":
+        return MATH_EVAL_TEMPLATE.format(instruction=example.instruction)
+    raise ValueError(f"unknown suite family {family!r}: use 'glue' or 'math'")
+
+
+def response_text(decoded: str) -> str:
+    """The part of a decoded generation after the first ``### Response:`` (whole text if absent)."""
+    _, marker, rest = decoded.partition(RESPONSE_MARKER)
+    return rest if marker else decoded
+
+
+def _ids(tokenizer: Any, text: str, cutoff_len: int) -> list[int]:
+    return list(tokenizer(text, truncation=True, max_length=cutoff_len, padding=False)["input_ids"])
+
+
+def tokenize_example(tokenizer: Any, example: Example, cutoff_len: int, train_on_inputs: bool) -> dict:
+    """Tokenise one training example (report §3.4).
+
+    Truncate the full prompt at `cutoff_len`; append EOS if it is not the last token and there is
+    room; ``labels = input_ids``; when `train_on_inputs` is False the first
+    ``len(tokenize(prompt with empty output))`` positions get label -100, so only the response
+    (and EOS) carry loss.
+    """
+    input_ids = _ids(tokenizer, train_prompt(example), cutoff_len)
+    eos = tokenizer.eos_token_id
+    if eos is not None and (not input_ids or input_ids[-1] != eos) and len(input_ids) < cutoff_len:
+        input_ids.append(eos)
+    labels = list(input_ids)
+    if not train_on_inputs:
+        n_prompt = len(_ids(tokenizer, train_prompt(example, with_output=False), cutoff_len))
+        labels[:n_prompt] = [IGNORE_INDEX] * min(n_prompt, len(labels))
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def collate(
+    features: Sequence[dict],
+    pad_id: int,
+    pad_to_multiple_of: int | None = 8,
+    padding_side: str = "right",
+) -> dict[str, torch.Tensor]:
+    """Pad a list of ``{input_ids, labels}`` to a common length (rounded up to `pad_to_multiple_of`):
+    inputs with `pad_id`, labels with -100, attention mask 0 on padding."""
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    if not features:
+        raise ValueError("collate needs at least one feature")
+    length = max(len(f["input_ids"]) for f in features)
+    if pad_to_multiple_of:
+        length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+    out: dict[str, list[list[int]]] = {"input_ids": [], "attention_mask": [], "labels": []}
+    for f in features:
+        ids = list(f["input_ids"])
+        labels = list(f.get("labels", ids))
+        n_pad = length - len(ids)
+        rows = (ids, [1] * len(ids), labels)
+        fills = (pad_id, 0, IGNORE_INDEX)
+        for key, row, fill in zip(out, rows, fills):
+            pad = [fill] * n_pad
+            out[key].append(pad + row if padding_side == "left" else row + pad)
+    return {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}

@@ -1,0 +1,116 @@
+"""Generation-based evaluation of a suite (report §3.5).
+
+Batched ``model.generate`` with left padding, greedy (``num_beams=1``) or beam search, the text after
+the first ``### Response:`` parsed per task rule; scores per task, per Table 2 column (MNLI = mean of
+matched and mismatched) and the suite average (mean over its columns). Parsing and metrics are the
+pure functions of :mod:`prism.metrics`, re-exported here.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from prism.data import Suite
+from prism.data.prompts import collate, eval_prompt, response_text
+from prism.metrics import (
+    extract_choice,
+    extract_number,
+    gold_is_valid,
+    math_correct,
+    parse_glue_label,
+    score_outputs,
+)
+
+__all__ = [
+    "evaluate_suite", "generate_responses", "parse_glue_label", "extract_number", "math_correct",
+    "extract_choice",
+]
+N_SAMPLES = 3  # generated responses kept per task in the result, for inspection
+
+
+def _pad_id(tokenizer: Any) -> int:
+    """Padding id for generation: the tokenizer's pad, else EOS, else 0 (the released code's choice)."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+@torch.inference_mode()
+def generate_responses(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    cfg_decoding: Any,
+    batch_size: int,
+) -> list[str]:
+    """Responses (text after the first ``### Response:``) for `prompts`, in input order.
+
+    Prompts are batched by length (less padding), left-padded, decoded with ``do_sample=False`` and
+    ``num_beams``/``max_new_tokens`` from `cfg_decoding`; an optional ``max_input_length`` keeps the
+    last tokens of a longer prompt so the response marker survives.
+    """
+    max_input = cfg_decoding.get("max_input_length")
+    pad = _pad_id(tokenizer)
+    device = next(model.parameters()).device
+    encoded = [list(tokenizer(p)["input_ids"]) for p in prompts]
+    if max_input:
+        encoded = [ids[-int(max_input):] for ids in encoded]
+    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
+    out: list[str] = [""] * len(prompts)
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        batch = collate([{"input_ids": encoded[i]} for i in idx], pad, pad_to_multiple_of=None, padding_side="left")
+        generated = model.generate(
+            input_ids=batch["input_ids"].to(device),
+            attention_mask=batch["attention_mask"].to(device),
+            do_sample=False,
+            num_beams=int(cfg_decoding.get("num_beams", 1)),
+            max_new_tokens=int(cfg_decoding.get("max_new_tokens", 8)),
+            pad_token_id=pad,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        for i, text in zip(idx, tokenizer.batch_decode(generated, skip_special_tokens=True)):
+            out[i] = response_text(text)
+    return out
+
+
+def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, batch_size: int) -> dict:
+    """Evaluate every task of `suite`.
+
+    Returns ``scores`` (task → score), ``columns`` (Table 2 column → mean of its tasks' scores),
+    ``average`` (mean over the suite's columns), ``parse_failure`` (task → fraction of responses the
+    rules could not parse; they are still scored), ``n`` (task → examples scored), ``skipped`` (task →
+    rows with an invalid gold answer), ``samples`` (task → first responses), ``seconds`` (task → time).
+    """
+    was_training = model.training
+    model.eval()
+    result: dict[str, dict] = {k: {} for k in ("scores", "parse_failure", "n", "skipped", "samples", "seconds")}
+    try:
+        for task, examples in suite.eval.items():
+            column = suite.task_columns[task]
+            rows = [ex for ex in examples if gold_is_valid(column, ex.answer)]
+            started = time.perf_counter()
+            texts = generate_responses(
+                model, tokenizer, [eval_prompt(ex, suite.family) for ex in rows], cfg_decoding, batch_size
+            )
+            score, failures = score_outputs(column, texts, [ex.answer for ex in rows])
+            result["scores"][task] = score
+            result["parse_failure"][task] = failures / len(rows) if rows else 0.0
+            result["n"][task] = len(rows)
+            result["skipped"][task] = len(examples) - len(rows)
+            result["samples"][task] = texts[:N_SAMPLES]
+            result["seconds"][task] = time.perf_counter() - started
+    finally:
+        model.train(was_training)
+    by_column: dict[str, list[float]] = {}
+    for task, score in result["scores"].items():
+        by_column.setdefault(suite.task_columns[task], []).append(score)
+    columns = {col: sum(v) / len(v) for col, v in by_column.items()}
+    average = sum(columns.values()) / len(columns) if columns else math.nan
+    return {**result, "columns": columns, "average": average, "suite": suite.name, "scale": suite.scale}
+

@@ -1,0 +1,252 @@
+"""Fixed-rank geometry of PRISM (paper §3, Algorithm 1, eqs. 11–23) as small batched torch functions.
+
+Notation (paper §3.1): ``A ∈ R^{m×r}``, ``B ∈ R^{n×r}``, ``Z = A Bᵀ``, ``M = AᵀA``, ``N = BᵀB``,
+``Π_A = A M⁻¹ Aᵀ``, ``Π_B = B N⁻¹ Bᵀ`` (eq. 12). Factor gradients ``g_A = G B`` and ``g_B = Gᵀ A``
+for the intrinsic gradient ``G = ∇_Z ℓ``.
+
+Conventions:
+
+* ``A``, ``B`` are unbatched ``[m, r]``, ``[n, r]``; factor-space tangent quantities (``g_A``,
+  ``ΔA``, …) may carry any leading batch dims (per-example gradients are ``[b, m, r]``).
+* Nothing here forms an ``m×n`` matrix except :func:`tangent_project`, the dense reference.
+* Gram inverses are never formed from ``AᵀA``: the thin QR ``A = Q_A R_A`` gives ``M = R_AᵀR_A``
+  and ``Π_A = Q_A Q_Aᵀ`` (Lemma A.18), so solves cost one triangular solve against ``R_A`` and
+  their error grows with ``κ(A)``, not ``κ(A)²``. No damping anywhere: a rank-deficient factor is
+  an error (:func:`check_full_rank`), never a silently shrunk noise covariance (SPEC §3).
+* :func:`retract` computes in float64 internally (its cost is ``O((m+n) r²)`` once per step per
+  module) and returns the input dtype; everything else computes in the input dtype.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class RankDeficientError(ValueError):
+    """A LoRA factor is rank-deficient or non-finite, so the tangent space of eq. 11 is undefined."""
+
+
+class Frame(NamedTuple):
+    """Per-step quantities of one module's factors, shared by every lift/norm/noise of that step.
+
+    ``A = Q_A R_A``, ``B = Q_B R_B`` (thin QR, ``Q`` orthonormal, ``R`` upper triangular), so
+    ``M = R_AᵀR_A``, ``N = R_BᵀR_B``, ``Π_A = Q_A Q_Aᵀ``, ``Π_B = Q_B Q_Bᵀ``.
+    """
+
+    A: Tensor
+    B: Tensor
+    QA: Tensor
+    RA: Tensor
+    QB: Tensor
+    RB: Tensor
+    M: Tensor
+    N: Tensor
+
+
+def frame(A: Tensor, B: Tensor) -> Frame:
+    """Factor ``A``, ``B`` once per step (thin QR and Gram matrices; Lemma A.18)."""
+    _check_pair(A, B)
+    QA, RA = torch.linalg.qr(A, mode="reduced")
+    QB, RB = torch.linalg.qr(B, mode="reduced")
+    return Frame(A=A, B=B, QA=QA, RA=RA, QB=QB, RB=RB, M=A.mT @ A, N=B.mT @ B)
+
+
+def _check_pair(A: Tensor, B: Tensor) -> None:
+    if A.ndim != 2 or B.ndim != 2 or A.shape[1] != B.shape[1]:
+        raise ValueError(
+            f"expected unbatched factors A [m, r] and B [n, r] with the same r, got {tuple(A.shape)} and "
+            f"{tuple(B.shape)}; pass the paper's A = lora_B.weight and B = lora_A.weightᵀ (prism.lora)"
+        )
+    if A.shape[1] > min(A.shape[0], B.shape[0]):
+        raise ValueError(f"rank r={A.shape[1]} exceeds min(m, n)={min(A.shape[0], B.shape[0])}; lower lora.r")
+
+
+def _frame(A: Tensor, B: Tensor, fr: Frame | None) -> Frame:
+    return frame(A, B) if fr is None else fr
+
+
+def _project(Q: Tensor, X: Tensor) -> Tensor:
+    """``Q Qᵀ X`` for orthonormal ``Q`` [p, r] and ``X`` [..., p, k]."""
+    return Q @ (Q.mT @ X)
+
+
+def _solve_gram(X: Tensor, R: Tensor) -> Tensor:
+    """``X (RᵀR)⁻¹`` by two triangular solves: ``X R⁻¹`` then ``· R⁻ᵀ``."""
+    Y = torch.linalg.solve_triangular(R, X, upper=True, left=False)
+    return torch.linalg.solve_triangular(R.mT, Y, upper=False, left=False)
+
+
+def tangent_project(A: Tensor, B: Tensor, G: Tensor) -> Tensor:
+    """Eq. 13: ``P_{A,B}(G) = Π_A G + G Π_B − Π_A G Π_B`` (dense reference; ``G`` [..., m, n])."""
+    _check_pair(A, B)
+    QA, _ = torch.linalg.qr(A, mode="reduced")
+    QB, _ = torch.linalg.qr(B, mode="reduced")
+    PA_G = _project(QA, G)
+    G_PB = _project(QB, G.mT).mT
+    return PA_G + G_PB - _project(QB, PA_G.mT).mT
+
+
+def lift(
+    A: Tensor, B: Tensor, gA: Tensor, gB: Tensor, frame: Frame | None = None
+) -> tuple[Tensor, Tensor]:
+    """Eq. 14, canonical lift of factor gradients ``g_A = G B`` [..., m, r], ``g_B = Gᵀ A`` [..., n, r].
+
+    ``ΔA = g_A N⁻¹ − ½ Π_A (g_A N⁻¹)``, ``ΔB = g_B M⁻¹ − ½ Π_B (g_B M⁻¹)``, so that
+    ``ΔA Bᵀ + A ΔBᵀ = P_{A,B}(G)`` (Lemma A.14).
+    """
+    fr = _frame(A, B, frame)
+    YA = _solve_gram(gA, fr.RB)
+    YB = _solve_gram(gB, fr.RA)
+    return YA - 0.5 * _project(fr.QA, YA), YB - 0.5 * _project(fr.QB, YB)
+
+
+def intrinsic_sqnorm(
+    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, frame: Frame | None = None
+) -> Tensor:
+    """Eq. 15: ``‖ΔA Bᵀ + A ΔBᵀ‖²_F = tr(ΔAᵀΔA N) + tr(ΔBᵀΔB M) + 2 tr((AᵀΔA)(BᵀΔB))``.
+
+    Valid for any lift of the tangent vector (Prop. A.15); batched ``dA`` [b, m, r] gives ``[b]``.
+    """
+    fr = _frame(A, B, frame)
+    term_A = ((dA @ fr.N) * dA).sum((-2, -1))
+    term_B = ((dB @ fr.M) * dB).sum((-2, -1))
+    cross = ((fr.A.mT @ dA) * (fr.B.mT @ dB).mT).sum((-2, -1))
+    return term_A + term_B + 2.0 * cross
+
+
+def tangent_noise(
+    A: Tensor,
+    B: Tensor,
+    generator: torch.Generator | None = None,
+    frame: Frame | None = None,
+    sample_shape: tuple[int, ...] = (),
+) -> tuple[Tensor, Tensor]:
+    """Eq. 19 at unit scale: factor noise whose image ``Ξ_A Bᵀ + A Ξ_Bᵀ`` has the law of ``P_{A,B}(Ξ)``.
+
+    With ``Ξ`` dense N(0, I), ``P(Ξ) = Q_A (Q_AᵀΞ) + (I − Π_A)(Ξ Q_B) Q_Bᵀ``; the two blocks
+    ``Q_AᵀΞ`` and ``(I − Π_A)Ξ`` are independent, so ``P(Ξ) =_d Q_A Ω_Bᵀ + (I − Π_A) Ω_A Q_Bᵀ``
+    with independent ``Ω_A ~ N(0, I_{m×r})``, ``Ω_B ~ N(0, I_{n×r})`` (Lemmas A.17–A.19). In
+    factors: ``Ξ_A = (I − Π_A) Ω_A R_B⁻ᵀ``, ``Ξ_B = Ω_B R_A⁻ᵀ`` — the rows of ``Ω R⁻ᵀ`` have
+    covariance ``R⁻¹R⁻ᵀ = N⁻¹`` (resp. ``M⁻¹``), the same law as the paper's ``Ω N^{-1/2}``.
+    ``O((m+n) r)`` random numbers; the caller multiplies by ``σC/b`` (eq. 17). ``sample_shape``
+    prepends independent draws.
+    """
+    fr = _frame(A, B, frame)
+    (m, r), n = fr.A.shape, fr.B.shape[0]
+    opts = {"generator": generator, "dtype": fr.A.dtype, "device": fr.A.device}
+    Omega_A = torch.randn(*sample_shape, m, r, **opts)
+    Omega_B = torch.randn(*sample_shape, n, r, **opts)
+    Omega_A = Omega_A - _project(fr.QA, Omega_A)
+    XiA = torch.linalg.solve_triangular(fr.RB.mT, Omega_A, upper=False, left=False)
+    XiB = torch.linalg.solve_triangular(fr.RA.mT, Omega_B, upper=False, left=False)
+    return XiA, XiB
+
+
+def _spectrum(R: Tensor) -> tuple[Tensor, Tensor]:
+    """Eigen-decomposition of ``RᵀR`` from the SVD of ``R`` (eigenvalues ``s²``, eigenvectors ``V``)."""
+    _, s, Vh = torch.linalg.svd(R)
+    return s.square(), Vh.mT
+
+
+def horizontalize(
+    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, frame: Frame | None = None
+) -> tuple[Tensor, Tensor]:
+    """Minimum-factor-norm representative ``(ΔA + AΩ, ΔB − BΩᵀ)`` of the tangent vector (Prop. A.11).
+
+    ``Ω`` solves the Sylvester equation ``M Ω + Ω N = ΔBᵀB − AᵀΔA`` (the stationarity condition of
+    ``‖ΔA + AΩ‖² + ‖ΔB − BΩᵀ‖²``; eq. 39 prints ``BᵀΔB`` — a transpose typo), via the
+    eigendecompositions ``M = U diag(μ) Uᵀ``, ``N = V diag(ν) Vᵀ``:
+    ``Ω = U [(UᵀCV)_ij / (μ_i + ν_j)] Vᵀ``. The result satisfies ``AᵀΔA' = (BᵀΔB')ᵀ`` (eq. 30).
+    """
+    fr = _frame(A, B, frame)
+    mu, U = _spectrum(fr.RA)
+    nu, V = _spectrum(fr.RB)
+    C = dB.mT @ fr.B - fr.A.mT @ dA
+    Omega = U @ ((U.mT @ C @ V) / (mu[:, None] + nu[None, :])) @ V.mT
+    return dA + fr.A @ Omega, dB - fr.B @ Omega.mT
+
+
+def retract(
+    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float, align: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Eq. 22: best rank-r approximation of the first-order point ``Z − lr (ΔA Bᵀ + A ΔBᵀ)``.
+
+    ``[A, ΔA] K [B, ΔB]ᵀ`` with ``K = [[I, −lr I], [−lr I, 0]]`` equals that point (no ``lr² ΔAΔBᵀ``
+    term); thin QRs ``[A, ΔA] = Q_u R_u``, ``[B, ΔB] = Q_v R_v`` reduce it to the SVD of the
+    ``2r×2r`` core ``R_u K R_vᵀ = U_c S V_cᵀ``. Balanced refactorisation ``A' = Q_u U_c √S_r``,
+    ``B' = Q_v V_c √S_r`` (``A'ᵀA' = B'ᵀB' = S_r``); with ``align`` the factors are rotated by the
+    orthogonal Procrustes solution ``Q = U'V'ᵀ`` of ``A'ᵀA + B'ᵀB = U'ΣV'ᵀ``, which keeps ``Z'``,
+    ``Π_{A'}``, ``Π_{B'}`` and the balance (App. A.22, A.24). Computed in float64, returned in the
+    input dtype. If the point has rank < r the trailing columns are zero; the next step's
+    :func:`check_full_rank` reports it.
+    """
+    _check_pair(A, B)
+    dtype, r = A.dtype, A.shape[1]
+    A64, B64, dA64, dB64 = (t.to(torch.float64) for t in (A, B, dA, dB))
+    Qu, Ru = torch.linalg.qr(torch.cat([A64, dA64], dim=1), mode="reduced")
+    Qv, Rv = torch.linalg.qr(torch.cat([B64, dB64], dim=1), mode="reduced")
+    eye = torch.eye(r, dtype=torch.float64, device=A.device)
+    K = torch.cat([torch.cat([eye, -lr * eye], 1), torch.cat([-lr * eye, torch.zeros_like(eye)], 1)], 0)
+    Uc, S, Vch = torch.linalg.svd(Ru @ K @ Rv.mT)
+    root = S[:r].sqrt()
+    A_new = Qu @ (Uc[:, :r] * root)
+    B_new = Qv @ (Vch[:r].mT * root)
+    if align:
+        Up, _, Vph = torch.linalg.svd(A_new.mT @ A64 + B_new.mT @ B64)
+        Q = Up @ Vph
+        A_new, B_new = A_new @ Q, B_new @ Q
+    return A_new.to(dtype), B_new.to(dtype)
+
+
+def default_rcond(dtype: torch.dtype) -> float:
+    """Default relative singular-value cutoff: ``√eps`` (float32 ≈ 3.5e-4, float64 ≈ 1.5e-8)."""
+    return math.sqrt(torch.finfo(dtype).eps)
+
+
+def check_full_rank(A: Tensor, B: Tensor, module: str, rcond: float | None = None) -> None:
+    """Raise :class:`RankDeficientError` unless both factors are finite with ``σ_min > rcond·σ_max``.
+
+    The tangent space (eq. 11), the lift (eq. 14) and the noise sampler (eq. 19) need full column
+    rank; ``rcond`` defaults to :func:`default_rcond` of the factors' dtype (solves then lose at
+    most ``√eps`` relative accuracy).
+    """
+    _check_pair(A, B)
+    cutoff = default_rcond(A.dtype) if rcond is None else rcond
+    for name, X in (("A (peft lora_B)", A), ("B (peft lora_A)", B)):
+        if not torch.isfinite(X).all():
+            raise RankDeficientError(
+                f"{module}: LoRA factor {name} has non-finite entries; lower the learning rate or the "
+                "noise, or restart from the last checkpoint"
+            )
+        s = torch.linalg.svdvals(X.detach())
+        ratio = (s[-1] / s[0]).item() if s[0] > 0 else 0.0
+        if ratio <= cutoff:
+            raise RankDeficientError(
+                f"{module}: LoRA factor {name} is rank-deficient (σ_min/σ_max = {ratio:.3g} ≤ rcond "
+                f"{cutoff:.3g}); PRISM needs full-rank factors — use method.init=spectral instead of "
+                "the peft zero init, or lower lora.r"
+            )
+
+
+def tangent_dim(m: int, n: int, r: int) -> int:
+    """``dim T_Z M_r = r(m + n − r)`` (§3.1)."""
+    return r * (m + n - r)
+
+
+def factor_noise_energy(A: Tensor, B: Tensor, tau: float) -> float:
+    """Eq. 8: first-order ``E‖ξ_A Bᵀ + A ξ_Bᵀ‖²_F = τ²(m‖B‖²_F + n‖A‖²_F)`` for factor DP-SGD."""
+    m, n = A.shape[0], B.shape[0]
+    return tau**2 * (m * B.square().sum().item() + n * A.square().sum().item())
+
+
+def bilinear_noise_energy(m: int, n: int, r: int, tau: float) -> float:
+    """Eq. 9: ``E‖ξ_A ξ_Bᵀ‖²_F = m n r τ⁴``."""
+    return m * n * r * tau**4
+
+
+def prism_noise_energy(m: int, n: int, r: int, tau: float) -> float:
+    """Eq. 20–21: ``E‖τ P_{A,B}(Ξ)‖²_F = τ² r(m + n − r)``, independent of ``A``, ``B``."""
+    return tau**2 * tangent_dim(m, n, r)

@@ -1,0 +1,147 @@
+"""Answer parsing and task metrics (report §3.5), as pure functions.
+
+GLUE: rule-based label parsing with the released code's fallbacks, then CoLA = Matthews correlation,
+MRPC/QQP = (accuracy + F1)/2, STS-B = (Pearson + Spearman)/2, others accuracy (MNLI's two validation
+sets are separate tasks averaged into one column by the caller). Math: last number in the text,
+correct iff |gold − pred| ≤ 1e-3; AQuA: last standalone letter A–E. Metrics use scikit-learn/scipy.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+import numpy as np
+from scipy.stats import pearsonr, spearmanr
+from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
+
+# Table 2 column → parsing/metric rule.
+COLUMN_RULES = {
+    "CoLA": "cola", "SST-2": "sst2", "MRPC": "mrpc", "STS-B": "stsb", "QQP": "qqp", "MNLI": "mnli",
+    "QNLI": "qnli", "RTE": "rte", "GSM8K": "number", "AQuA": "choice", "MAWPS": "number", "SVAMP": "number",
+}
+
+# Substring rules, checked in this order (negated words first); value = GLUE label index.
+GLUE_LABEL_RULES: dict[str, tuple[tuple[tuple[str, ...], int], ...]] = {
+    "cola": ((("unacceptable", "not acceptable"), 0), (("acceptable",), 1)),
+    "sst2": ((("positive",), 1), (("negative",), 0)),
+    "mrpc": ((("not_equivalent", "not equivalent"), 0), (("equivalent",), 1)),
+    "qqp": ((("not_duplicate", "not duplicate"), 0), (("duplicate",), 1)),
+    "qnli": ((("not_entailment", "not entailment"), 1), (("entailment",), 0)),
+    "rte": ((("not_entailment", "not entailment"), 1), (("entailment",), 0)),
+    "mnli": ((("contradiction",), 2), (("neutral",), 1), (("entailment",), 0)),
+}
+# Fallback for a leading "yes"/"no" (still counted as a parse failure): (label for yes, label for no).
+YES_NO_LABELS = {"cola": (1, 0), "sst2": (1, 0), "mrpc": (1, 0), "qqp": (1, 0),
+                 "qnli": (0, 1), "rte": (0, 1), "mnli": (0, 2)}
+
+_PREFIX = re.compile(r"^(?:answer|label|prediction|pred)\s*:\s*")
+_YES_NO = re.compile(r"^(yes|no)\b")
+_NUMBER = re.compile(r"-?\d+\.?\d*")
+_STANDALONE_CHOICE = re.compile(r"(?<![A-Z])([A-E])(?![A-Z])")
+MATH_TOLERANCE = 1e-3
+
+
+def normalize_response(text: str) -> str:
+    """Lower-case, collapse whitespace, strip a leading ``answer:``/``label:``/``prediction:``/``pred:``."""
+    return _PREFIX.sub("", " ".join(text.lower().split()))
+
+
+def parse_glue_label(task: str, text: str) -> tuple[int | float, bool]:
+    """GLUE label from a generated response and whether the rules parsed it (report §3.5).
+
+    STS-B: first number (commas removed) clipped to [0, 5]. Others: substring rules in order; a
+    leading yes/no is mapped but counts as a parse failure; anything else → label 0 (STS-B 0.0),
+    unparsed outputs are scored, not dropped.
+    """
+    text = normalize_response(text)
+    if task == "stsb":
+        found = _NUMBER.search(text.replace(",", ""))
+        return (min(max(float(found.group()), 0.0), 5.0), True) if found else (0.0, False)
+    if task not in GLUE_LABEL_RULES:
+        raise ValueError(f"unknown GLUE task {task!r}; valid: stsb, {', '.join(GLUE_LABEL_RULES)}")
+    for words, label in GLUE_LABEL_RULES[task]:
+        if any(word in text for word in words):
+            return label, True
+    leading = _YES_NO.match(text)
+    if leading:
+        yes, no = YES_NO_LABELS[task]
+        return (yes if leading.group(1) == "yes" else no), False
+    return 0, False
+
+
+def extract_number(text: str) -> float | None:
+    """The LAST number matching ``-?\\d+\\.?\\d*`` after removing commas (LLM-Adapters), or None."""
+    found = _NUMBER.findall(text.replace(",", ""))
+    return float(found[-1]) if found else None
+
+
+def math_correct(pred: float | None, gold: float) -> bool:
+    """Exact-answer accuracy: |gold − pred| ≤ 1e-3; a missing number is wrong."""
+    return pred is not None and math.isfinite(pred) and abs(float(gold) - pred) <= MATH_TOLERANCE
+
+
+def extract_choice(text: str) -> str | None:
+    """AQuA letter: the last standalone A–E in the upper-cased text, else the last A–E character.
+
+    Lookarounds (not the released regex's consumed neighbours) so adjacent letters such as "A B"
+    are both seen. Inherited weakness: upper-casing makes any word "a"/"A" a standalone letter, so
+    "A store sells 5 pens." yields "A" when no later letter follows.
+    """
+    upper = text.upper()
+    found = _STANDALONE_CHOICE.findall(upper)
+    if found:
+        return found[-1]
+    letters = [c for c in upper if c in "ABCDE"]
+    return letters[-1] if letters else None
+
+
+def _correlation(fn, preds: Sequence[float], golds: Sequence[float]) -> float:
+    """Pearson/Spearman; 0.0 when undefined (constant predictions, e.g. every output unparsed)."""
+    if len(preds) < 2 or np.ptp(preds) == 0 or np.ptp(golds) == 0:
+        return 0.0
+    return float(fn(preds, golds)[0])
+
+
+def glue_score(task: str, preds: Sequence[int | float], golds: Sequence[int | float]) -> float:
+    """Per-task GLUE score: CoLA MCC; MRPC/QQP (acc+F1)/2; STS-B (Pearson+Spearman)/2; else accuracy."""
+    if task == "stsb":
+        p, g = np.asarray(preds, float), np.asarray(golds, float)
+        return (_correlation(pearsonr, p, g) + _correlation(spearmanr, p, g)) / 2
+    p, g = np.asarray(preds, int), np.asarray(golds, int)
+    if task == "cola":
+        return float(matthews_corrcoef(g, p))
+    acc = float(accuracy_score(g, p))
+    if task in ("mrpc", "qqp"):
+        return (acc + float(f1_score(g, p, zero_division=0.0))) / 2
+    return acc
+
+
+def score_outputs(column: str, texts: Sequence[str], golds: Sequence) -> tuple[float, int]:
+    """Score generated responses for one task of Table 2 column `column`: (score, parse failures)."""
+    rule = COLUMN_RULES.get(column)
+    if rule is None:
+        raise ValueError(f"unknown paper column {column!r}; valid: {', '.join(COLUMN_RULES)}")
+    if not texts:
+        return 0.0, 0
+    if rule == "number":
+        preds = [extract_number(t) for t in texts]
+        correct = [math_correct(p, g) for p, g in zip(preds, golds)]
+    elif rule == "choice":
+        preds = [extract_choice(t) for t in texts]
+        correct = [p == g for p, g in zip(preds, golds)]
+    else:
+        parsed = [parse_glue_label(rule, t) for t in texts]
+        return glue_score(rule, [p for p, _ in parsed], golds), sum(not ok for _, ok in parsed)
+    return sum(correct) / len(correct), sum(p is None for p in preds)
+
+
+def gold_is_valid(column: str, answer) -> bool:
+    """Whether an evaluation row's gold answer fits its column's rule (bad rows are skipped)."""
+    rule = COLUMN_RULES[column]
+    if rule == "choice":
+        return isinstance(answer, str) and answer in tuple("ABCDE")
+    if rule in ("number", "stsb"):
+        return isinstance(answer, int | float) and not isinstance(answer, bool) and math.isfinite(answer)
+    labels = {label for _, label in GLUE_LABEL_RULES[rule]}
+    return isinstance(answer, int) and not isinstance(answer, bool) and answer in labels

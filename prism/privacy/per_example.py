@@ -1,0 +1,148 @@
+"""Per-example losses and gradients of the trainable LoRA factors (SPEC §3).
+
+The per-example loss ``ℓ_i`` is the mean token cross-entropy over example ``i``'s supervised
+tokens (paper §3: clipping bounds ``∇ℓ_i`` per record). HF's ``labels=`` loss is one mean over all
+tokens of the micro-batch, which weights examples by their token count, so it is not used.
+
+DP runs get ``∇ℓ_i`` for every example from Opacus' ``GradSampleModule`` in hooks mode with
+``loss_reduction="sum"`` applied to ``Σ_i ℓ_i`` (the sum keeps each example's gradient unscaled).
+Only trainable modules (peft's ``lora_A`` / ``lora_B`` linears) get hooks; the frozen base is never
+touched. Hooks are enabled only inside :meth:`PerExampleGradients.compute`. Non-DP runs use
+:func:`summed_gradients`, plain autograd of ``Σ_i ℓ_i``, and skip the per-example cost.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from opacus import GradSampleModule
+from torch import Tensor, nn
+
+IGNORE_INDEX = -100
+
+
+def per_example_loss(logits: Tensor, labels: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    """``ℓ_i`` = mean over supervised tokens of ``−log p(y_{t+1} | y_{≤t})`` for each example.
+
+    ``logits`` ``[k, L, V]``, ``labels`` ``[k, L]`` with ``−100`` on unsupervised positions; the
+    causal shift pairs ``logits[:, t]`` with ``labels[:, t+1]``. With ``attention_mask``, a target
+    predicted from a padding position (the first real token of a left-padded row) is not
+    supervised, so padding never changes ``ℓ_i``. Returns ``[k]`` in at least float32. An example
+    without supervised tokens has loss 0 and zero gradient (no NaN).
+    """
+    if logits.shape[:2] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on [k, L]")
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    targets = labels[:, 1:]
+    if attention_mask is not None:
+        targets = targets.masked_fill(attention_mask[:, :-1] == 0, IGNORE_INDEX)
+    shifted_logits = logits[:, :-1]
+    token_loss = F.cross_entropy(
+        shifted_logits.reshape(-1, shifted_logits.shape[-1]),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    ).view(targets.shape)
+    counts = (targets != IGNORE_INDEX).sum(dim=1).clamp(min=1).to(token_loss.dtype)
+    return token_loss.sum(dim=1) / counts
+
+
+def _trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    if not params:
+        raise ValueError("the model has no trainable parameters; attach LoRA adapters before computing gradients")
+    return params
+
+
+@contextmanager
+def _quiet_input_hook_warning() -> Iterator[None]:
+    """Opacus' full backward hooks warn when a layer's input needs no grad (the frozen base's)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        yield
+
+
+def _losses(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> Tensor:
+    """Training-mode forward (dropout as configured) and the per-example losses ``[k]``."""
+    model.train()
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    return per_example_loss(logits, labels, attention_mask)
+
+
+class PerExampleGradients:
+    """Per-example gradients ``∇ℓ_i`` of every trainable parameter via Opacus hooks.
+
+    ``compute`` returns ``(losses [k], {name: grad [k, *param.shape]})`` with the peft model's own
+    parameter names. Opacus records activations only in ``train()`` mode, so ``compute`` puts the
+    model in train mode; switch dropout off through the config, never with ``eval()``.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.params = _trainable(model)
+        self.module = GradSampleModule(model, batch_first=True, loss_reduction="sum", strict=True)
+        self.module.disable_hooks()
+
+    def compute(self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """Losses ``[k]`` and per-example gradients ``{name: [k, *shape]}`` of one micro-batch."""
+        k = input_ids.shape[0]
+        params = _trainable(self.model)
+        if list(params) != list(self.params):
+            # Opacus hooks follow the trainable set at wrapping time; a factor frozen later still fires them
+            raise RuntimeError(
+                "the trainable parameters changed after PerExampleGradients was built; "
+                "build it after the method has frozen its factors (e.g. FFA's lora_A)"
+            )
+        self.module.enable_hooks()
+        try:
+            losses = _losses(self.module, input_ids, attention_mask, labels)
+            with _quiet_input_hook_warning():
+                losses.sum().backward()
+            grads = {name: self._take(name, p, k) for name, p in params.items()}
+        finally:
+            self.module.disable_hooks()
+            self._clear(params.values())
+        return losses.detach(), grads
+
+    @staticmethod
+    def _take(name: str, p: nn.Parameter, k: int) -> Tensor:
+        grad_sample = getattr(p, "grad_sample", None)
+        if not isinstance(grad_sample, Tensor) or grad_sample.shape != (k, *p.shape):
+            got = tuple(grad_sample.shape) if isinstance(grad_sample, Tensor) else type(grad_sample).__name__
+            raise RuntimeError(
+                f"no per-example gradient of shape {(k, *p.shape)} for trainable parameter {name} (got {got}); "
+                "freeze it, or make sure the forward uses it"
+            )
+        return grad_sample.detach()
+
+    def _clear(self, params: Iterable[nn.Parameter]) -> None:
+        """Drop grad samples, ``.grad`` and stale activations so micro-batches never accumulate."""
+        for p in params:
+            p.grad_sample = None
+            p.grad = None
+            p._forward_counter = 0
+            if hasattr(p, "_current_grad_sample"):
+                del p._current_grad_sample
+        for module in self.model.modules():
+            if hasattr(module, "activations"):
+                module.activations = []
+            if hasattr(module, "max_batch_len"):
+                del module.max_batch_len
+
+
+def summed_gradients(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, labels: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Non-DP: losses ``[k]`` and ``{name: Σ_i ∇ℓ_i}`` (shape ``[*param.shape]``) by plain autograd."""
+    params = _trainable(model)
+    losses = _losses(model, input_ids, attention_mask, labels)
+    with _quiet_input_hook_warning():
+        grads = torch.autograd.grad(losses.sum(), list(params.values()), allow_unused=True)
+    for name, grad in zip(params, grads):
+        if grad is None:
+            raise RuntimeError(f"trainable parameter {name} got no gradient; freeze it or check the model")
+    return losses.detach(), dict(zip(params, grads))

@@ -1,0 +1,58 @@
+"""Poisson subsampling of logical batches (SPEC §3; the sampling Thm 3.4 and the accountant assume).
+
+Each step includes every example independently with probability ``q = B/N``, so the realised
+batch size is Binomial(N, q) with mean B and may be zero. The sampler owns its ``torch.Generator``
+(never the global RNG), and its state dict captures that generator so a resumed run draws the
+same batches bit for bit.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class PoissonSampler:
+    """Draws logical batches: example ``i`` is in a batch with probability ``batch_size / num_examples``."""
+
+    def __init__(self, num_examples: int, batch_size: int, generator_seed: int) -> None:
+        if num_examples < 1:
+            raise ValueError(f"num_examples={num_examples}: the training set is empty; check the suite config")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be ≥ 1; set train.batch_size")
+        if batch_size > num_examples:
+            raise ValueError(
+                f"batch_size={batch_size} is larger than the dataset ({num_examples} examples); "
+                "lower train.batch_size or use more training examples"
+            )
+        self.num_examples = num_examples
+        self.batch_size = batch_size
+        self.generator = torch.Generator().manual_seed(generator_seed)
+
+    @property
+    def sample_rate(self) -> float:
+        """Poisson rate ``q = B / N``."""
+        return self.batch_size / self.num_examples
+
+    def sample(self) -> Tensor:
+        """Sorted int64 indices of one logical batch; possibly empty (the step still counts for ε)."""
+        include = torch.rand(self.num_examples, generator=self.generator, dtype=torch.float64) < self.sample_rate
+        return torch.nonzero(include).flatten()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "num_examples": self.num_examples,
+            "batch_size": self.batch_size,
+            "generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved = (state["num_examples"], state["batch_size"])
+        if saved != (self.num_examples, self.batch_size):
+            raise ValueError(
+                f"checkpoint sampler has (num_examples, batch_size)={saved}, this run "
+                f"{(self.num_examples, self.batch_size)}; resume with the same data and train.batch_size"
+            )
+        self.generator.set_state(state["generator"])

@@ -1,0 +1,226 @@
+"""One training loop for every method, private or not (SPEC §3, Algorithm 1).
+
+All six methods receive their privacy from the same Poisson sampler, the same σ (PRV-calibrated
+for the exact number of steps), the same clipping norm C and the same number of steps; they differ
+only in the :class:`~prism.methods.base.Method` that clips, noises and updates.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch import Tensor, nn
+
+from prism.checkpoint import load_checkpoint, save_checkpoint
+from prism.data import build_suite
+from prism.data.prompts import collate, tokenize_example
+from prism.evaluate import evaluate_suite
+from prism.methods import PrivacySpec, build_method
+from prism.methods.base import Method
+from prism.models import attach_lora, export_adapter, load_backbone, peak_memory_mb, trainable_parameters
+from prism.privacy import (
+    Accountant,
+    PerExampleGradients,
+    PoissonSampler,
+    calibrate_sigma,
+    calibration_steps,
+    summed_gradients,
+)
+
+LogFn = Callable[[dict[str, Any]], None]
+
+
+class TrainingDivergedError(RuntimeError):
+    """A non-finite loss, gradient or factor: the run stops, its last checkpoint is kept."""
+
+
+@dataclass
+class Setup:
+    """Everything the loop needs, built once per run."""
+
+    model: nn.Module
+    tokenizer: Any
+    suite: Any
+    features: list[dict[str, list[int]]]
+    params: dict[str, nn.Parameter]
+    method: Method
+    sampler: PoissonSampler
+    accountant: Accountant
+    noise: torch.Generator
+    gradients: Callable[[dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
+    sigma: float
+    device: torch.device
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when present; nothing assumes a GPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no GPU is visible; use train.device=auto or cpu")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build(cfg: DictConfig) -> Setup:
+    """Model, data, privacy calibration and method for one resolved config."""
+    seed_everything(cfg.seed)
+    device = resolve_device(cfg.train.device)
+    model, tokenizer = load_backbone(cfg.backbone, device)
+    suite = build_suite(cfg.suite, cfg.seed)
+    n_train = len(suite.train)
+    if cfg.train.batch_size > n_train:
+        raise ValueError(
+            f"train.batch_size={cfg.train.batch_size} is larger than the {n_train} training examples "
+            f"of suite {suite.name}; lower train.batch_size"
+        )
+    init_generator = torch.Generator().manual_seed(cfg.seed)
+    model = attach_lora(model, cfg.lora, cfg.backbone, init=cfg.method.init, generator=init_generator)
+    features = [tokenize_example(tokenizer, ex, suite.cutoff_len, suite.train_on_inputs) for ex in suite.train]
+    sampler = PoissonSampler(n_train, cfg.train.batch_size, generator_seed=cfg.seed + 1)
+    dp = math.isfinite(float(cfg.privacy.epsilon))
+    sigma = 0.0
+    if dp:
+        calib = calibration_steps(cfg.train.steps, sampler.sample_rate, cfg.privacy.calibration)
+        sigma = calibrate_sigma(cfg.privacy.epsilon, cfg.privacy.delta, sampler.sample_rate, calib)
+    params = trainable_parameters(model)
+    privacy = PrivacySpec(sigma=sigma, clip_norm=float(cfg.privacy.clip_norm)) if dp else None
+    method = build_method(cfg.method, params, privacy)
+    params = {name: p for name, p in params.items() if p.requires_grad}  # FFA freezes peft lora_A
+    noise = torch.Generator(device=device).manual_seed(cfg.seed + 2)
+    if dp:
+        per_example = PerExampleGradients(model)
+        gradients = lambda batch: per_example.compute(**batch)  # noqa: E731
+    else:
+        gradients = lambda batch: summed_gradients(model, **batch)  # noqa: E731
+    return Setup(model, tokenizer, suite, features, params, method, sampler, Accountant(), noise,
+                 gradients, sigma, device)
+
+
+def _check_finite(what: str, tensors: dict[str, Tensor] | Tensor) -> None:
+    items = tensors.items() if isinstance(tensors, dict) else [("loss", tensors)]
+    for name, tensor in items:
+        if not torch.isfinite(tensor).all():
+            raise TrainingDivergedError(
+                f"non-finite {what} in {name}; the run stopped and its last checkpoint is kept "
+                "(lower method.lr or check the data)"
+            )
+
+
+def _state(s: Setup, step: int) -> dict[str, Any]:
+    return {
+        "step": step,
+        "params": {name: p.detach().cpu().clone() for name, p in s.params.items()},
+        "method": s.method.state_dict(),
+        "sampler": s.sampler.state_dict(),
+        "accountant": s.accountant.state_dict(),
+        "noise_rng": s.noise.get_state(),
+        "torch_rng": torch.get_rng_state(),
+    }
+
+
+def _restore(s: Setup, state: dict[str, Any]) -> int:
+    with torch.no_grad():
+        for name, p in s.params.items():
+            p.copy_(state["params"][name].to(p.device))
+    s.method.load_state_dict(state["method"])
+    s.sampler.load_state_dict(state["sampler"])
+    s.accountant.load_state_dict(state["accountant"])
+    s.noise.set_state(state["noise_rng"])
+    torch.set_rng_state(state["torch_rng"])
+    return int(state["step"])
+
+
+def train_step(s: Setup, cfg: DictConfig) -> dict[str, float]:
+    """One logical step: Poisson batch → micro-batches → clip & sum → noise once → update."""
+    indices = s.sampler.sample()
+    if s.method.dp:
+        s.accountant.step(noise_multiplier=s.sigma, sample_rate=s.sampler.sample_rate)
+    if len(indices) == 0:  # an empty Poisson batch still counts for the accountant
+        return {"batch_size": 0}
+    s.method.zero_accumulators()
+    losses = []
+    for chunk in indices.split(cfg.train.micro_batch_size):
+        batch = collate([s.features[i] for i in chunk.tolist()], pad_id=s.tokenizer.pad_token_id)
+        loss, grads = s.gradients({k: v.to(s.device) for k, v in batch.items()})
+        _check_finite("loss", loss)
+        _check_finite("gradient", grads)
+        s.method.accumulate(grads)
+        losses.append(loss.detach().float().cpu())
+    denominator = cfg.train.batch_size if s.method.dp else len(indices)
+    stats = s.method.step(float(denominator), s.noise)
+    _check_finite("factor", dict(s.params))
+    return {"loss": torch.cat(losses).mean().item(), "batch_size": len(indices), **stats}
+
+
+def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = None) -> dict[str, Any]:
+    """Train (resuming from ``run_dir/checkpoint`` when present), evaluate, return the final record."""
+    started = time.time()
+    s = build(cfg)
+    log = log_fn or (lambda record: None)
+    ckpt_dir = Path(run_dir) / "checkpoint"
+    state = load_checkpoint(ckpt_dir)
+    start = _restore(s, state) if state is not None else 0
+    initial = {name: p.detach().clone() for name, p in s.params.items()}
+    benchmark = cfg.train.get("benchmark")
+    steps = benchmark.warmup + benchmark.measure if benchmark else cfg.train.steps
+    step_times, empty = [], 0
+    if s.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(s.device)
+    for step in range(start, steps):
+        tic = time.perf_counter()
+        record = train_step(s, cfg)
+        if s.device.type == "cuda":
+            torch.cuda.synchronize(s.device)
+        record.update(step=step + 1, sigma=s.sigma, step_time_s=time.perf_counter() - tic)
+        if s.method.dp:
+            record["epsilon_spent"] = s.accountant.epsilon(cfg.privacy.delta)
+        empty += record["batch_size"] == 0
+        step_times.append(record["step_time_s"])
+        if step == start and record["batch_size"] > 0:
+            _assert_moved(s.params, initial)
+        log(record)
+        if not benchmark and ((step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == steps):
+            save_checkpoint(ckpt_dir, _state(s, step + 1))
+    train_time = time.time() - started
+    final: dict[str, Any] = {
+        "sigma": s.sigma,
+        "sample_rate": s.sampler.sample_rate,
+        "steps": steps,
+        "empty_batches": empty,
+        "n_train": len(s.suite.train),
+        "epsilon_spent": s.accountant.epsilon(cfg.privacy.delta) if s.method.dp else math.inf,
+        "peak_memory_mb": peak_memory_mb(s.device),
+        "train_time_s": train_time,
+    }
+    if benchmark:
+        measured = step_times[benchmark.warmup:]
+        final["step_time_s"] = float(np.mean(measured)) if measured else float("nan")
+    else:
+        final["step_time_s"] = float(np.mean(step_times)) if step_times else float("nan")
+        final.update(evaluate_suite(s.model, s.tokenizer, s.suite, cfg.suite.decoding, cfg.train.eval_batch_size))
+        export_adapter(s.model, Path(run_dir) / "adapter")
+    final["wall_time_s"] = time.time() - started
+    return final
+
+
+def _assert_moved(params: dict[str, nn.Parameter], initial: dict[str, Tensor]) -> None:
+    """Guard against a known silent failure: an update that never reaches the LoRA weights."""
+    if all(torch.equal(p.detach(), initial[name]) for name, p in params.items()):
+        raise RuntimeError(
+            "the LoRA weights did not change after the first update: the optimizer is not wired to "
+            "the model's trainable parameters (check the peft/Opacus wrapping)"
+        )

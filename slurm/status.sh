@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Progress of the latest slurm/submit.sh array of an experiment, read from the run folders.
+#   slurm/status.sh <experiment> [submission dir]
+# Counts the jobs of jobs.txt by their run folder's status.json: finished / running / failed /
+# corrupt / missing (no folder yet), lists the failed ones with their error, and (when squeue is
+# reachable) shows the array's pending/running tasks as SLURM sees them.
+set -euo pipefail
+
+if [[ $# -lt 1 ]]; then
+  echo "usage: slurm/status.sh <experiment> [results/slurm/<experiment>-<time>]" >&2
+  exit 2
+fi
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+experiment=$1
+dir=${2:-$(ls -d "$repo/results/slurm/$experiment"-* 2>/dev/null | sort | tail -n 1 || true)}
+[[ -f $dir/jobs.txt ]] || { echo "no submission of $experiment under results/slurm/ (run slurm/submit.sh)" >&2; exit 1; }
+echo "submission: $dir"
+if [[ -f $dir/job_id ]] && command -v squeue >/dev/null; then
+  echo "squeue (array $(cat "$dir/job_id")):"
+  squeue -h -r -j "$(cat "$dir/job_id")" -o %T 2>/dev/null | sort | uniq -c | sed 's/^/  /' || true
+fi
+cd "$repo"
+"${PRISM_PYTHON:-$repo/.venv/bin/python}" - "$dir/jobs.txt" <<'PY'
+import shlex, sys
+from collections import Counter
+from pipelines.grid import job_config
+from pipelines.store import inspect_run, run_dir
+
+counts, failed = Counter(), []
+for line in open(sys.argv[1]).read().splitlines():
+    if not line.strip():
+        continue
+    folder = run_dir(job_config(shlex.split(line)))
+    info = inspect_run(folder)
+    state = info.state  # absent | finished | incomplete (running, failed, no status yet) | corrupt
+    if state in ("absent", "incomplete"):
+        state = (info.status or {}).get("state", "missing")
+        state = state if state in ("running", "failed") else "missing"
+    counts[state] += 1
+    if state in ("failed", "corrupt"):
+        failed.append(f"  {state}: {folder} {(info.status or {}).get('error') or info.reason}")
+print(" ".join(f"{k}={counts[k]}" for k in ("finished", "running", "failed", "corrupt", "missing")),
+      f"total={sum(counts.values())}")
+if failed:
+    print("\n".join(failed))
+PY

@@ -1,0 +1,146 @@
+"""PRV accounting: golden values, calibration round trip, agreement with Google's PLD accountant."""
+from __future__ import annotations
+
+import io
+import math
+
+import dp_accounting
+import pytest
+import torch
+from opacus.accountants import PRVAccountant
+
+from prism.privacy import Accountant, calibrate_sigma, calibration_steps, epsilon_spent
+
+DELTA = 1e-5
+MATH_Q = 64 / 9919  # Math-10K: N = 9,919, B = 64
+GLUE_Q = 64 / 10000  # GLUE8: N = 10,000, B = 64
+
+
+def pld_epsilon(sigma: float, q: float, steps: int, delta: float = DELTA) -> float:
+    """ε from dp-accounting's privacy-loss-distribution accountant, an independent implementation."""
+    accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3)
+    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+    accountant.compose(event, steps)
+    return accountant.get_epsilon(delta)
+
+
+def test_prv_golden_value() -> None:
+    # Known PRV value for this setting (the PRV accountant's standard example): ε ≈ 6.777.
+    assert epsilon_spent(1.5, 0.04, 2250, DELTA) == pytest.approx(6.777, abs=0.02)
+
+
+@pytest.mark.parametrize(
+    ("sigma", "q", "steps"),
+    # σ from the reference doc §10 for the paper's grid: (Math, GLUE8) × (ε=6, ε=3)
+    [(0.518, MATH_Q, 300), (0.643, MATH_Q, 300), (0.548, GLUE_Q, 500), (0.677, GLUE_Q, 500)],
+)
+def test_prv_agrees_with_dp_accounting_pld(sigma: float, q: float, steps: int) -> None:
+    assert epsilon_spent(sigma, q, steps, DELTA) == pytest.approx(pld_epsilon(sigma, q, steps), abs=0.05)
+
+
+def test_calibrate_then_spend_round_trips() -> None:
+    target = 3.0
+    sigma = calibrate_sigma(target, DELTA, MATH_Q, 300)
+    eps = epsilon_spent(sigma, MATH_Q, 300, DELTA)
+    assert target - 0.01 <= eps <= target
+    assert pld_epsilon(sigma, MATH_Q, 300) == pytest.approx(target, abs=0.05)
+
+
+def test_released_code_epoch_calibration_matches_reference_table() -> None:
+    """Reference doc §10: Math-10K ε=6 calibrated for 310 steps gives σ≈0.518, ≈5.95 spent in 300."""
+    steps = calibration_steps(300, MATH_Q, "epochs")
+    assert steps == 310
+    sigma = calibrate_sigma(6.0, DELTA, MATH_Q, steps)
+    assert sigma == pytest.approx(0.518, abs=0.005)
+    assert epsilon_spent(sigma, MATH_Q, 300, DELTA) == pytest.approx(5.95, abs=0.03)
+
+
+@pytest.mark.parametrize(
+    ("steps", "q", "mode", "expected"),
+    [
+        (300, MATH_Q, "exact", 300),
+        (300, MATH_Q, "epochs", 310),  # ⌈9919/64⌉ = 155 batches per epoch, 2 epochs
+        (500, GLUE_Q, "epochs", 628),  # ⌈10000/64⌉ = 157, 4 epochs
+        (310, MATH_Q, "epochs", 310),
+        (300, 64 / 9600, "epochs", 300),  # N/B = 150 exactly: no float round-up to 151
+        (1, 0.5, "epochs", 2),
+        (7, 1.0, "epochs", 7),
+    ],
+)
+def test_calibration_steps(steps: int, q: float, mode: str, expected: int) -> None:
+    assert calibration_steps(steps, q, mode) == expected
+
+
+def test_infinite_epsilon_means_no_noise() -> None:
+    assert calibrate_sigma(math.inf, DELTA, MATH_Q, 300) == 0.0
+    assert epsilon_spent(0.0, MATH_Q, 300, DELTA) == math.inf
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"epsilon": 0.0}, "privacy.epsilon"),
+        ({"epsilon": -1.0}, "privacy.epsilon"),
+        ({"delta": 0.0}, "privacy.delta"),
+        ({"delta": 1.0}, "privacy.delta"),
+        ({"sample_rate": 0.0}, "train.batch_size"),
+        ({"sample_rate": 1.5}, "train.batch_size"),
+        ({"steps": 0}, "train.steps"),
+        ({"accountant": "moments"}, "prv"),
+    ],
+)
+def test_calibrate_sigma_rejects_bad_input(kwargs: dict, match: str) -> None:
+    args = {"epsilon": 6.0, "delta": DELTA, "sample_rate": MATH_Q, "steps": 300, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        calibrate_sigma(**args)
+
+
+def test_calibration_steps_rejects_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="privacy.calibration"):
+        calibration_steps(300, MATH_Q, "rounded")
+
+
+def test_accountant_matches_closed_history_and_resumes() -> None:
+    sigma, q = 0.6, 0.01
+    full = Accountant()
+    assert full.epsilon(DELTA) == 0.0
+    for _ in range(40):
+        full.step(noise_multiplier=sigma, sample_rate=q)
+    assert full.steps == 40
+    assert full.epsilon(DELTA) == epsilon_spent(sigma, q, 40, DELTA)  # Opacus' plain PRV accountant
+
+    first = Accountant()
+    for _ in range(25):
+        first.step(noise_multiplier=sigma, sample_rate=q)
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = Accountant()
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    assert resumed.epsilon(DELTA) == first.epsilon(DELTA)
+    for _ in range(15):
+        resumed.step(noise_multiplier=sigma, sample_rate=q)
+    assert resumed.history == full.history
+    assert resumed.epsilon(DELTA) == full.epsilon(DELTA)
+
+
+def test_accountant_equals_opacus_prv_on_mixed_history() -> None:
+    """The cached-RDP domain must reproduce Opacus' PRV ε exactly, also for a history with two (σ, q)."""
+    accountant = Accountant()
+    for sigma, q, steps in [(0.7, 0.02, 5), (1.1, 0.05, 3)]:
+        for _ in range(steps):
+            accountant.step(noise_multiplier=sigma, sample_rate=q)
+    reference = PRVAccountant()
+    reference.history = [(0.7, 0.02, 5), (1.1, 0.05, 3)]
+    assert accountant.history == reference.history
+    assert accountant.epsilon(DELTA) == reference.get_epsilon(DELTA)
+
+
+def test_accountant_epsilon_grows_and_rejects_zero_noise() -> None:
+    accountant = Accountant()
+    accountant.step(noise_multiplier=0.6, sample_rate=0.01)
+    one = accountant.epsilon(DELTA)
+    accountant.step(noise_multiplier=0.6, sample_rate=0.01)
+    assert accountant.epsilon(DELTA) > one > 0
+    with pytest.raises(ValueError, match="non-DP"):
+        accountant.step(noise_multiplier=0.0, sample_rate=0.01)

@@ -1,0 +1,229 @@
+"""pipelines.aggregate: tables from fake run folders (the aggregator's input format) vs hand-computed values."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import yaml
+
+from pipelines import aggregate as agg
+
+PAPER = agg.PAPER_DIR
+
+
+def make_run(root: Path, run_hash: str, *, method: str, privacy: str, suite: str, columns: dict | None = None,
+             state: str = "finished", scale: str = "embedded", r: int = 16, backbone: str = "smollm2-135m",
+             paper_name: str = "gemma-3-4b-pt", final_text: str | None = None, status_text: str | None = None, **final_extra) -> Path:
+    folder = root / run_hash
+    folder.mkdir(parents=True)
+    eps = {"nondp": math.inf, "eps6": 6.0, "eps3": 3.0}[privacy]
+    config = {"backbone": {"name": backbone, "paper_name": paper_name}, "suite": {"name": suite, "scale": scale},
+              "method": {"name": method}, "privacy": {"name": privacy, "epsilon": eps}, "lora": {"r": r}}
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    status = {"state": state} if state != "failed" else {"state": "failed", "error": "CUDA out of memory"}
+    (folder / "status.json").write_text(status_text if status_text is not None else json.dumps(status))
+    if state == "finished":
+        final = {"scores": {}, "columns": columns or {}, "epsilon_spent": None if eps == math.inf else eps - 0.01,
+                 **final_extra}
+        (folder / "final.json").write_text(final_text if final_text is not None else json.dumps(final))
+    return folder
+
+
+@pytest.fixture
+def table2_runs(tmp_path: Path) -> Path:
+    root = tmp_path / "runs" / "table2"
+    make_run(root, "a1", method="prism", privacy="eps6", suite="glue8", columns={"SST-2": 0.8, "CoLA": 0.3})
+    make_run(root, "a2", method="prism", privacy="eps6", suite="math10k", columns={"GSM8K": 0.2})
+    make_run(root, "a3", method="prism", privacy="eps6", suite="math10k", columns={"GSM8K": 0.4})  # 2nd seed
+    make_run(root, "b1", method="adamw", privacy="eps6", suite="glue8", columns={"SST-2": 0.9, "CoLA": 0.1})
+    make_run(root, "b2", method="adamw", privacy="eps6", suite="math10k", columns={"GSM8K": 0.5})
+    make_run(root, "c1", method="loraplus", privacy="eps6", suite="glue8", columns={"SST-2": 0.85, "CoLA": 0.2})
+    make_run(root, "c2", method="loraplus", privacy="eps6", suite="math10k", state="failed")
+    make_run(root, "d1", method="prism", privacy="nondp", suite="glue8", final_text="{not json")
+    make_run(root, "d2", method="prism", privacy="nondp", suite="math10k", columns={"GSM8K": 0.6})
+    make_run(root, "e1", method="ffa", privacy="eps3", suite="glue8", status_text="[broken")
+    make_run(root, "f1", method="ffa", privacy="eps3", suite="math10k", state="running")
+    make_run(root, "b3", method="adamw", privacy="eps6", suite="glue8", state="failed")  # superseded by b1
+    make_run(root, "g1", method="adamw", privacy="eps6", suite="glue8", scale="paper", columns={"SST-2": 0.1})
+    (root / "h1").mkdir()  # a folder the runner created but never wrote into
+    return tmp_path / "runs"
+
+
+def _row(frame: pd.DataFrame, *key) -> pd.Series:
+    mask = pd.Series(True, index=frame.index)
+    for col, value in zip(frame.columns, key):
+        mask &= frame[col] == value
+    assert mask.sum() == 1, key
+    return frame[mask].iloc[0]
+
+
+def test_table2_values_means_and_deltas(table2_runs: Path) -> None:
+    res = agg.build_table(agg.SPECS["table2"], agg.read_run_folders(table2_runs, "table2"), "embedded")
+    f = res.frame
+    assert list(f[["Setting", "Method"]].itertuples(index=False, name=None))[:6] == [
+        ("Non-DP", m) for m in ("FFA", "RITE", "AdamW", "LoRA+", "LAMB", "PRISM")]
+    prism6 = _row(f, "ε=6", "PRISM")
+    assert prism6["GSM8K"] == pytest.approx(0.3)  # mean of the two seeds
+    assert prism6["Avg"] == pytest.approx((0.8 + 0.3 + 0.3) / 3)  # every available task of both suites
+    assert math.isnan(prism6["MRPC"])  # no stand-in at embedded scale
+    assert prism6["SST-2_paper"] == 0.919 and prism6["SST-2_delta"] == pytest.approx(0.8 - 0.919)
+    assert prism6["Avg_delta"] == pytest.approx(1.4 / 3 - 0.690)
+    assert prism6["eps_spent_glue8"] == pytest.approx(5.99) and prism6["n_runs"] == 3
+    adamw6 = _row(f, "ε=6", "AdamW")
+    assert adamw6["Avg"] == pytest.approx(0.5)
+    assert math.isnan(_row(f, "ε=6", "LoRA+")["Avg"])  # its math10k run failed: no 12-task average
+    assert math.isnan(_row(f, "Non-DP", "PRISM")["SST-2"]) and _row(f, "Non-DP", "PRISM")["GSM8K"] == 0.6
+
+
+def test_table2_best_marks_within_setting_block(table2_runs: Path) -> None:
+    f = agg.build_table(agg.SPECS["table2"], agg.read_run_folders(table2_runs, "table2"), "embedded").frame
+    best = {(s, m): row for (s, m), row in zip(f[["Setting", "Method"]].itertuples(index=False, name=None),
+                                                f.to_dict("records"))}
+    assert [k for k, r in best.items() if r["SST-2_best"]] == [("ε=6", "AdamW")]
+    assert [k for k, r in best.items() if r["CoLA_best"]] == [("ε=6", "PRISM")]
+    # GSM8K: 0.6 is best in the Non-DP block and does not hide 0.5, the best of the ε=6 block
+    assert [k for k, r in best.items() if r["GSM8K_best"]] == [("Non-DP", "PRISM"), ("ε=6", "AdamW")]
+    assert [k for k, r in best.items() if r["Avg_best"]] == [("ε=6", "AdamW")]
+
+
+def test_table2_missing_list_reports_failed_corrupt_running_and_absent(table2_runs: Path) -> None:
+    res = agg.build_table(agg.SPECS["table2"], agg.read_run_folders(table2_runs, "table2"), "embedded")
+    text = "\n".join(res.missing)
+    assert "ε=6 / LoRA+ / math10k: status failed: CUDA out of memory" in text
+    assert "Non-DP / PRISM / glue8: finished but corrupt final.json" in text
+    assert "ε=3 / FFA / glue8: corrupt status.json" in text
+    assert "ε=3 / FFA / math10k: status running" in text
+    assert "ε=3 / PRISM / glue8: no run folder" in text and "ε=3 / PRISM / math10k: no run folder" in text
+    assert any(m.startswith("no config.yaml") and m.endswith("h1)") for m in res.missing)
+    assert "ε=6 / AdamW / glue8: status failed: CUDA out of memory" in text and "has a finished run" in text
+    assert len(res.missing) == 2 * 18 - 6 + 2  # 36 cell-suites, 6 with a finished run, + b3 + the empty folder
+    assert res.ignored and "scale paper" in res.ignored[0]  # the paper-scale run is not mixed in
+
+
+def test_outputs_written_with_marks_paper_and_scale(table2_runs: Path, tmp_path: Path) -> None:
+    out = tmp_path / "tables"
+    assert agg.main(["experiment=table2", f"runs_dir={table2_runs}", f"out_dir={out}", "scale=embedded"]) == 0
+    md = (out / "table2.md").read_text()
+    assert "NOT comparable" in md and "Scale: embedded" in md
+    assert "**0.900** (paper 0.915, -0.015)" in md  # AdamW ε=6 SST-2, best of its block
+    assert "0.800 (paper 0.919, -0.119)" in md
+    assert "— (paper 0.798)" in md  # PRISM ε=6 MRPC: no stand-in
+    assert md.index("## Missing") > md.index("| ε=3 | PRISM |")
+    csv = pd.read_csv(out / "table2.csv")
+    assert {"scale", "SST-2_paper", "SST-2_delta", "SST-2_best", "eps_spent_glue8", "eps_spent_math10k"} <= set(
+        csv.columns)
+    assert csv["SST-2_best"].sum() == 1
+    tex = (out / "table2.tex").read_text()
+    assert r"\textbf{0.900}" in tex and r"$\varepsilon$=6" in tex
+    png = out / "table2_privacy_utility.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(pd.read_csv(out / "table2_missing.csv")) == 32
+
+
+def test_table4_and_table5_layouts(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    make_run(root / "table4", "r8g", method="adamw", privacy="eps6", suite="glue8", r=8,
+             columns={"SST-2": 0.6, "CoLA": 0.2})
+    make_run(root / "table4", "r8m", method="adamw", privacy="eps6", suite="math10k", r=8, columns={"GSM8K": 0.3})
+    make_run(root / "table4", "r8p", method="prism", privacy="eps6", suite="glue8", r=8, columns={"SST-2": 0.7})
+    t4 = agg.build_table(agg.SPECS["table4"], agg.read_run_folders(root, "table4"), "embedded").frame
+    row = _row(t4, 8, "AdamW")
+    assert (row["GLUE8_Avg"], row["Math_Avg"]) == (pytest.approx(0.4), pytest.approx(0.3))
+    assert row["Avg_12"] == pytest.approx((0.6 + 0.2 + 0.3) / 3) and row["Avg_12_paper"] == 0.614
+    assert _row(t4, 8, "PRISM")["GLUE8_Avg_best"] and not row["GLUE8_Avg_best"]
+    assert math.isnan(_row(t4, 8, "PRISM")["Avg_12"])
+
+    for name, method, step, mem in (("x", "adamw", 1.5, 900.0), ("y", "prism", 2.5, 800.0)):
+        make_run(root / "table5", name, method=method, privacy="eps6", suite="math10k", columns={"GSM8K": 0.1},
+                 step_time_s=step, peak_memory_mb=mem)
+    t5 = agg.build_table(agg.SPECS["table5"], agg.read_run_folders(root, "table5"), "embedded").frame
+    assert _row(t5, "AdamW")["Step_time_s_best"] and not _row(t5, "PRISM")["Step_time_s_best"]  # lower wins
+    assert _row(t5, "PRISM")["Peak_memory_MB_best"]
+    assert _row(t5, "PRISM")["Step_time_s_delta"] == pytest.approx(2.5 - 18.64)
+    assert math.isnan(_row(t5, "LoRA+")["Step_time_s"])
+
+
+def test_table3_backbones_paper_and_embedded(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    make_run(root / "table3", "p", method="prism", privacy="eps6", suite="math10k", scale="paper",
+             backbone="gemma-2-9b", paper_name="gemma-2-9b", columns={"GSM8K": 0.66, "AQuA": 0.5, "MAWPS": 0.8, "SVAMP": 0.7})
+    make_run(root / "table3", "e", method="prism", privacy="eps6", suite="math10k", backbone="gemma3-270m",
+             paper_name="gemma-2-9b", columns={"GSM8K": 0.1})
+    make_run(root / "table3", "x", method="adamw", privacy="eps6", suite="math10k", backbone="tiny-llama",
+             paper_name="tiny-llama", columns={"GSM8K": 0.2})
+    records = agg.read_run_folders(root, "table3")
+    paper = agg.build_table(agg.SPECS["table3"], records, "paper").frame
+    row = _row(paper, "Gemma-2-9B", "PRISM")
+    assert row["Avg"] == pytest.approx(0.665) and row["Avg_paper"] == 0.7019 and row["Avg_best"]
+    assert len(paper) == 9 and "(paper 0.6603" in agg.to_markdown(agg.build_table(agg.SPECS["table3"], records, "paper"))
+    embedded = agg.build_table(agg.SPECS["table3"], records, "embedded")
+    # the stand-in run fills the paper's Gemma-2-9B row; a non-paper backbone becomes an extra row
+    assert _row(embedded.frame, "Gemma-2-9B", "PRISM")["GSM8K"] == 0.1 and len(embedded.frame) == 10
+    assert _row(embedded.frame, "tiny-llama", "AdamW")["Avg"] == 0.2
+    assert "Gemma-2-9B" in embedded.frame["Backbone"].iloc[3]
+    assert "gemma-2-9b → gemma3-270m" in agg.to_markdown(embedded)
+
+
+def _as_wandb_run(folder: Path, flatten: bool) -> SimpleNamespace:
+    """A W&B public-API-shaped run built from a real run folder (config → run.config, final → summary)."""
+    status = json.loads((folder / "status.json").read_text())
+    final = json.loads((folder / "final.json").read_text()) if status["state"] == "finished" else {}
+    summary = dict(final)
+    if flatten:
+        summary = {k: v for k, v in final.items() if k != "columns"}
+        summary.update({f"columns/{c}": v for c, v in final.get("columns", {}).items()})
+    summary["_step"] = 10
+    state = {"failed": "crashed"}.get(status["state"], status["state"])
+    return SimpleNamespace(id=folder.name, state=state, config=yaml.safe_load((folder / "config.yaml").read_text()),
+                           summary=summary)
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_wandb_records_give_the_same_table(table2_runs: Path, flatten: bool) -> None:
+    folders = [p for p in sorted((table2_runs / "table2").iterdir()) if p.name[0] in "abc"]
+    spec = agg.SPECS["table2"]
+    from_runs = agg.build_table(spec, [agg.read_run_folder(p) for p in folders], "embedded")
+    from_wandb = agg.build_table(spec, [agg.record_from_wandb(_as_wandb_run(p, flatten)) for p in folders],
+                                 "embedded")
+    pd.testing.assert_frame_equal(from_runs.frame, from_wandb.frame)
+    assert any("LoRA+ / math10k: W&B state crashed" in m for m in from_wandb.missing)
+
+
+def test_wandb_keeps_the_latest_forced_rerun_of_a_folder() -> None:
+    a, b = "table2-0123456789ab", "table2-f12345678901"  # b: a hash that itself looks like "-f<k>"
+    runs = [SimpleNamespace(id=i) for i in (a, f"{a}-f2", f"{a}-f1", b)]
+    assert sorted(r.id for r in agg.latest_generation(runs)) == sorted([f"{a}-f2", b])
+
+
+def test_bad_arguments_name_the_fix() -> None:
+    with pytest.raises(SystemExit, match="experiment= must be one of"):
+        agg.parse_args(["experiment=table9"])
+    with pytest.raises(SystemExit, match="unknown argument 'runsdir=x'"):
+        agg.parse_args(["experiment=table2", "runsdir=x"])
+
+
+@pytest.mark.parametrize("name, tasks", [("table2", (*agg.GLUE8, *agg.MATH4)), ("table3", agg.MATH4)])
+def test_paper_reference_avg_is_mean_of_tasks(name: str, tasks: tuple[str, ...]) -> None:
+    paper = pd.read_csv(PAPER / f"{name}.csv")
+    assert (paper[list(tasks)].mean(axis=1) - paper["Avg"]).abs().max() < 0.0006
+
+
+def test_paper_reference_tables_are_mutually_consistent() -> None:
+    t2, t3, t4 = (pd.read_csv(PAPER / f"table{i}.csv") for i in (2, 3, 4))
+    eps6 = t2[t2["Setting"] == "ε=6"].set_index("Method")
+    # Table 3's 4B rows are Table 2's ε=6 math columns
+    for _, row in t3[t3["Backbone"] == "Gemma-3-4B-pt"].iterrows():
+        assert list(row[list(agg.MATH4)]) == list(eps6.loc[row["Method"], list(agg.MATH4)])
+    # Table 4's r=16 rows are Table 2's ε=6 suite averages; Avg_12 weighs GLUE8 8:4 against Math
+    for _, row in t4[t4["Rank"] == 16].iterrows():
+        ref = eps6.loc[row["Method"]]
+        assert abs(ref[list(agg.GLUE8)].mean() - row["GLUE8_Avg"]) < 0.0006
+        assert abs(ref[list(agg.MATH4)].mean() - row["Math_Avg"]) < 0.0006
+        assert abs(ref["Avg"] - row["Avg_12"]) < 0.0006
+    # three rounded numbers: each within 0.0005, so the weighted identity holds within 0.001
+    assert ((8 * t4["GLUE8_Avg"] + 4 * t4["Math_Avg"]) / 12 - t4["Avg_12"]).abs().max() < 0.001

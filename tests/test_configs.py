@@ -1,0 +1,170 @@
+"""The Hydra config tree: grid sizes, resolved schema, Table 7/8 values, bad input, run hashes."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import DictConfig
+
+from pipelines import store
+from pipelines.grid import experiment_jobs, job_config
+from pipelines.run import ConfigError, validate
+
+# Independent expectations, written from the paper (Tables 2–5, 7, 8) and docs/ARCHITECTURE.md.
+GRID_SIZES = {"table2": 36, "table3": 9, "table4": 18, "table5": 3}
+TABLE8_LR = {("lamb", "glue"): 5e-3, ("lamb", "math"): 5e-3}
+TABLE8_LR.update({(m, f): lr for m in ("adamw", "ffa", "lora_rite", "loraplus", "prism", "prism_paper")
+                  for f, lr in (("glue", 2e-4), ("math", 3e-4))})
+SCHEMA = {
+    "backbone": {"name", "dtype", "lora_layers"},
+    "suite": {"name", "scale", "family", "train_on_inputs", "cutoff_len", "eval_limit", "decoding"},
+    "method": {"name", "lr", "init"},
+    "privacy": {"name", "epsilon", "delta", "clip_norm", "calibration"},
+    "lora": {"r", "alpha", "dropout", "targets"},
+    "train": {"steps", "batch_size", "micro_batch_size", "checkpoint_every", "eval_batch_size", "device"},
+}
+
+
+def check_schema(cfg: DictConfig) -> None:
+    assert isinstance(cfg.seed, int) and isinstance(cfg.experiment, str)
+    for section, keys in SCHEMA.items():
+        assert keys <= set(cfg[section]), (section, keys - set(cfg[section]))
+    assert type(cfg.method.lr) is float
+    assert cfg.method.lr == pytest.approx(TABLE8_LR[(cfg.method.name, cfg.suite.family)])
+    assert cfg.method.init == ("spectral" if cfg.method.name.startswith("prism") else "peft")
+    assert cfg.suite.family == {"glue8": "glue", "math10k": "math"}[cfg.suite.name]
+    assert cfg.privacy.delta == 1e-5 and cfg.privacy.clip_norm == 1.0
+    assert cfg.privacy.epsilon == {"nondp": math.inf, "eps6": 6.0, "eps3": 3.0}[cfg.privacy.name]
+    assert list(cfg.lora.targets) == ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
+    assert cfg.lora.alpha == 16
+
+
+@pytest.fixture(scope="module")
+def embedded_grids() -> dict[str, list[DictConfig]]:
+    """Every job of every table at the default (embedded) scale, composed once per module."""
+    return {e: [job_config(job) for job in experiment_jobs(e)] for e in GRID_SIZES}
+
+
+@pytest.mark.parametrize("scale", ["embedded", "paper"])
+@pytest.mark.parametrize("experiment", sorted(GRID_SIZES))
+def test_grid_sizes(experiment: str, scale: str) -> None:
+    jobs = experiment_jobs(experiment, [f"scale={scale}"])
+    assert len(jobs) == GRID_SIZES[experiment]
+    assert all(f"scale={scale}" in job for job in jobs)
+
+
+def test_every_embedded_job_has_the_schema(embedded_grids: dict[str, list[DictConfig]]) -> None:
+    for experiment, configs in embedded_grids.items():
+        assert len(configs) == GRID_SIZES[experiment]
+        for cfg in configs:
+            check_schema(cfg)
+            assert cfg.experiment == experiment and cfg.suite.scale == "embedded"
+        # every cell of the grid is a distinct run folder
+        assert len({store.run_hash(c) for c in configs}) == len(configs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", sorted(GRID_SIZES))
+def test_every_paper_job_has_the_schema(experiment: str) -> None:
+    configs = [job_config(job) for job in experiment_jobs(experiment, ["scale=paper"])]
+    for cfg in configs:
+        check_schema(cfg)
+        assert cfg.suite.scale == "paper" and cfg.train.batch_size == 64
+    assert len({store.run_hash(c) for c in configs}) == GRID_SIZES[experiment]
+
+
+def test_table_axes_match_the_paper(embedded_grids: dict[str, list[DictConfig]]) -> None:
+    t2 = embedded_grids["table2"]
+    assert {(c.method.name, c.privacy.name, c.suite.name) for c in t2} == set(itertools.product(
+        ["prism", "adamw", "loraplus", "lamb", "ffa", "lora_rite"], ["nondp", "eps6", "eps3"], ["glue8", "math10k"]))
+    assert {c.backbone.paper_name for c in t2} == {"gemma-3-4b-pt"} and {c.lora.r for c in t2} == {16}
+    t3 = embedded_grids["table3"]
+    assert {(c.backbone.paper_name, c.backbone.name) for c in t3} == {
+        ("gemma-3-4b-pt", "smollm2-135m"), ("gemma-2-9b", "gemma3-270m"), ("gemma-3-12b-pt", "gemma3-270m")}
+    assert {(c.privacy.name, c.suite.name) for c in t3} == {("eps6", "math10k")}
+    t4 = embedded_grids["table4"]
+    assert {(c.lora.r, c.lora.alpha) for c in t4} == {(8, 16), (16, 16), (32, 16)}
+    t5 = embedded_grids["table5"]
+    assert {c.method.name for c in t5} == {"loraplus", "adamw", "prism"}
+    assert all(c.train.benchmark.warmup == 10 and c.train.benchmark.measure == 30 for c in t5)
+    assert {(c.train.steps, c.train.batch_size, c.backbone.lora_layers, c.lora.dropout)
+            for cs in embedded_grids.values() for c in cs} == {(30, 16, 4, 0.0)}
+
+
+def test_paper_scale_budgets_are_table7() -> None:
+    for suite, steps in (("glue8", 500), ("math10k", 300)):
+        cfg = job_config(["experiment=table2", "scale=paper", f"suite={suite}", "method=adamw", "privacy=eps6"])
+        assert cfg.train.steps == steps
+        assert (cfg.train.batch_size, cfg.train.micro_batch_size, cfg.train.checkpoint_every) == (64, 4, 25)
+        assert cfg.backbone.name == "gemma-3-4b-pt" and cfg.backbone.dtype == "bfloat16"
+        assert cfg.backbone.lora_layers is None and cfg.lora.dropout == 0.05 and cfg.suite.eval_limit is None
+        assert cfg.suite.cutoff_len == {"glue8": 384, "math10k": 256}[suite]
+        assert cfg.suite.train_on_inputs == (suite == "math10k")
+
+
+def test_prism_variants() -> None:
+    released, paper = job_config(["method=prism"]).method, job_config(["method=prism_paper"]).method
+    assert (released.floor_mode, released.floor_factor, released.debias) == ("scalar", 0.5, False)
+    assert (paper.floor_mode, paper.floor_factor, paper.debias) == ("geometry", 1.0, True)
+    assert job_config(["method=loraplus"]).method.loraplus_lr_ratio == 6.0
+
+
+def test_unknown_option_lists_the_valid_ones() -> None:
+    with pytest.raises(MissingConfigException) as err:
+        job_config(["method=adam"])
+    assert "Available options" in str(err.value) and "loraplus" in str(err.value)
+
+
+def test_unknown_key_is_rejected() -> None:
+    with pytest.raises(ConfigCompositionException, match="train.stepz"):
+        job_config(["train.stepz=3"])
+
+
+@pytest.mark.parametrize("override, field", [
+    ("privacy.epsilon=0", "privacy.epsilon"), ("privacy.epsilon=-3", "privacy.epsilon"),
+    ("privacy.delta=0", "privacy.delta"), ("privacy.delta=1.0", "privacy.delta"),
+    ("privacy.delta=2", "privacy.delta"), ("train.batch_size=0", "train.batch_size"),
+    ("train.micro_batch_size=32", "train.micro_batch_size"), ("method.lr=0.0", "method.lr"),
+])
+def test_bad_values_fail_with_one_line(override: str, field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(job_config([override]))
+    assert field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_non_dp_and_defaults_validate() -> None:
+    validate(job_config(["privacy=nondp"]))
+    validate(job_config([]))
+
+
+def test_hash_ignores_bookkeeping_and_tracks_results() -> None:
+    base = store.run_hash(job_config([]))
+    assert store.run_hash(job_config([])) == base
+    for same in ("logging=online", "launcher=slurm", "force=true", "results_dir=/elsewhere"):
+        assert store.run_hash(job_config([same])) == base, same
+    renamed = job_config([])
+    renamed.experiment = "another_experiment"
+    assert store.run_hash(renamed) == base
+    for different in ("method.lr=1e-3", "seed=1", "lora=r8", "scale=paper", "privacy=eps3", "train.steps=31"):
+        assert store.run_hash(job_config([different])) != base, different
+
+
+def test_hash_is_canonical() -> None:
+    payload = store.hash_payload(job_config([]))
+    reordered = {k: payload[k] for k in reversed(list(payload))}
+    assert store.run_hash(reordered) == store.run_hash(payload)
+    assert len(store.run_hash(payload)) == store.HASH_LEN
+
+
+@pytest.mark.parametrize("launcher, target", [
+    ("local", "BasicLauncher"), ("slurm", "SlurmLauncher"), ("submitit_local", "LocalLauncher")])
+def test_launchers_select_the_hydra_plugin(launcher: str, target: str) -> None:
+    from pipelines.grid import compose_config
+
+    cfg = compose_config(["experiment=table5", f"launcher={launcher}"], with_hydra=True)
+    assert cfg.hydra.launcher._target_.endswith(target)
+    assert dict(cfg.hydra.sweeper.params) == {"method": "loraplus,adamw,prism"}
+    if launcher == "slurm":
+        assert cfg.hydra.launcher.max_num_timeout == 3 and cfg.hydra.launcher.gpus_per_node == 1

@@ -1,0 +1,119 @@
+"""evaluate_suite end to end: a scripted model (known answers → known scores) and a tiny random Llama."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_prompts import char_tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from prism.data import Example, Suite
+from prism.data.prompts import eval_prompt
+from prism.evaluate import evaluate_suite, generate_responses
+from prism.metrics import parse_glue_label
+
+KEYS = {"scores", "columns", "average", "parse_failure", "n", "skipped", "samples", "seconds", "suite", "scale"}
+
+
+def _glue_suite() -> Suite:
+    def nli(task, i, label):
+        return Example(task, "Task: MNLI.", f"Premise: p{i}\nHypothesis: h{i}", "", label)
+
+    evals = {
+        "mnli_matched": [nli("mnli_matched", i, i % 3) for i in range(6)],
+        "mnli_mismatched": [nli("mnli_mismatched", i, i % 3) for i in range(4)],
+        "tweet_sentiment": [Example("tweet_sentiment", "Task: SST-2.", f"Sentence: s{i}", "", i % 2) for i in range(5)]
+        + [Example("tweet_sentiment", "Task: SST-2.", "Sentence: bad", "", 7)],  # invalid gold → skipped
+    }
+    columns = {"mnli_matched": "MNLI", "mnli_mismatched": "MNLI", "tweet_sentiment": "SST-2"}
+    return Suite("glue8", "embedded", "glue", [], evals, False, 384, columns)
+
+
+def _math_suite() -> Suite:
+    evals = {
+        "gsm_symbolic": [Example("gsm_symbolic", f"What is {i}+{i}?", "", "", float(2 * i)) for i in range(5)],
+        "arith_choice": [Example("arith_choice", f"Pick {c}. Answer Choices: (A) 1 (B) 2", "", "", c) for c in "AB"],
+    }
+    return Suite("math10k", "embedded", "math", [], evals, True, 256, {"gsm_symbolic": "GSM8K", "arith_choice": "AQuA"})
+
+
+class ScriptedModel(torch.nn.Module):
+    """Stands in for a causal LM: "generates" a fixed answer chosen from the (left-padded) prompt text."""
+
+    def __init__(self, tokenizer, answer_for) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.tokenizer, self.answer_for = tokenizer, answer_for
+        self.calls: list[dict] = []
+
+    def generate(self, input_ids, attention_mask, **kwargs):
+        self.calls.append({"shape": tuple(input_ids.shape), "mask": attention_mask.clone(), **kwargs})
+        rows = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+            prompt = self.tokenizer.decode([t for t, m in zip(ids, mask) if m])
+            rows.append(ids + self.tokenizer(self.answer_for(prompt))["input_ids"] + [self.tokenizer.eos_token_id])
+        width = max(map(len, rows))
+        return torch.tensor([r + [self.tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+
+
+def _nli_answer(prompt: str) -> str:
+    i = int(prompt.split("Premise: p")[1].split("\n")[0]) if "Premise: p" in prompt else 0
+    if "Task: SST-2" in prompt:
+        return ["negative", "positive", "positive", "???", "Yes"][int(prompt.split("Sentence: s")[1][0])]
+    return ["entailment", "neutral", "contradiction"][i % 3] if i != 5 else "unclear"
+
+
+def test_scripted_glue_scores_columns_and_failures() -> None:
+    tok = char_tokenizer()
+    model = ScriptedModel(tok, _nli_answer)
+    model.train()
+    res = evaluate_suite(model, tok, _glue_suite(), {"num_beams": 1, "max_new_tokens": 8}, batch_size=4)
+    assert set(res) == KEYS and model.training  # mode restored
+    assert res["n"] == {"mnli_matched": 6, "mnli_mismatched": 4, "tweet_sentiment": 5}
+    assert res["skipped"] == {"mnli_matched": 0, "mnli_mismatched": 0, "tweet_sentiment": 1}
+    assert res["scores"]["mnli_matched"] == pytest.approx(5 / 6)  # "unclear" → fallback label 0 vs gold 2
+    assert res["scores"]["mnli_mismatched"] == 1.0
+    # SST-2 golds 0,1,0,1,0; predictions negative, positive, positive, ??? (→0), Yes (→1, failure)
+    assert res["scores"]["tweet_sentiment"] == pytest.approx(2 / 5)
+    assert res["parse_failure"] == {"mnli_matched": 1 / 6, "mnli_mismatched": 0.0, "tweet_sentiment": 2 / 5}
+    assert res["columns"] == pytest.approx({"MNLI": (5 / 6 + 1) / 2, "SST-2": 2 / 5})
+    assert res["average"] == pytest.approx(((5 / 6 + 1) / 2 + 2 / 5) / 2)
+    first = model.calls[0]
+    assert first["num_beams"] == 1 and first["max_new_tokens"] == 8 and first["do_sample"] is False
+    assert (first["mask"][:, -1] == 1).all()  # left padding: every prompt ends at the last column
+
+
+def test_scripted_math_template_and_extraction() -> None:
+    tok = char_tokenizer()
+
+    def answer(prompt: str) -> str:
+        assert prompt.endswith("\n\n### Response:\n")  # un-indented Math evaluation template
+        if "Pick" in prompt:
+            return "A store sells it. The answer is (B)."  # gold A then B: 1 of 2 right
+        i = int(prompt.split("What is ")[1].split("+")[0])
+        return f"{i}+{i} is {2 * i:,}." if i != 4 else "I cannot tell."
+
+    res = evaluate_suite(ScriptedModel(tok, answer), tok, _math_suite(), {"num_beams": 4, "max_new_tokens": 10}, 2)
+    assert res["scores"] == {"gsm_symbolic": pytest.approx(4 / 5), "arith_choice": 0.5}
+    assert res["parse_failure"] == {"gsm_symbolic": pytest.approx(1 / 5), "arith_choice": 0.0}
+    assert res["columns"] == {"GSM8K": pytest.approx(0.8), "AQuA": 0.5}
+
+
+def test_tiny_llama_end_to_end() -> None:
+    tok = char_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    model = LlamaForCausalLM(config)
+    suite = _glue_suite()
+    for decoding in ({"num_beams": 1, "max_new_tokens": 4}, {"num_beams": 2, "max_new_tokens": 3}):
+        res = evaluate_suite(model, tok, suite, decoding, batch_size=4)
+        assert set(res) == KEYS and set(res["columns"]) == {"MNLI", "SST-2"}
+        assert all(0.0 <= f <= 1.0 for f in res["parse_failure"].values())
+    # the reported failure rate is what the rules give on the same (greedy, deterministic) responses
+    examples = suite.eval["mnli_matched"]
+    texts = generate_responses(model, tok, [eval_prompt(ex, "glue") for ex in examples],
+                               {"num_beams": 2, "max_new_tokens": 3}, batch_size=3)
+    assert res["samples"]["mnli_matched"] == texts[:3]
+    failures = sum(not parse_glue_label("mnli", t)[1] for t in texts)
+    assert res["parse_failure"]["mnli_matched"] == pytest.approx(failures / len(texts))
+    assert all(len(t) <= 3 + 16 + 1 for t in texts)  # response starts after the prompt's marker

@@ -1,0 +1,113 @@
+"""Prompt strings (report §3.4–3.5), label masking and the collator, with an in-test character tokenizer."""
+from __future__ import annotations
+
+import string
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from prism.data import Example
+from prism.data.prompts import (
+    IGNORE_INDEX,
+    collate,
+    eval_prompt,
+    response_text,
+    tokenize_example,
+    train_prompt,
+)
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character; <pad>=0, <eos>=1, <unk>=2; no BOS; exact round trip."""
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
+    vocab.update({c: i + 3 for i, c in enumerate(sorted(set(string.printable)))})
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>", clean_up_tokenization_spaces=False)
+
+
+# The report's literal strings (§3.4, §3.5), written out independently of prism.data.prompts.
+WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. Write a "
+    "response that appropriately completes the request. \n\n                ### Instruction:\n                {instruction}"
+    "\n                \n                ### Input:\n                {input}\n                \n                "
+    "### Response:\n                {output}"
+)
+NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.  "
+    "\n\n                ### Instruction:\n                {instruction}\n                \n                "
+    "### Response:\n                {output}"
+)
+MATH_EVAL = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+    "\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+GLUE_EX = Example("rte", "Decide.", "Premise: a\nHypothesis: b", "not_entailment", 1)
+MATH_EX = Example("gsm8k", "What is 2+3?", "", "The answer is 5.", 5.0)
+
+
+def test_training_templates_exact() -> None:
+    assert train_prompt(GLUE_EX) == WITH_INPUT.format(instruction="Decide.", input=GLUE_EX.input, output="not_entailment")
+    assert train_prompt(MATH_EX) == NO_INPUT.format(instruction="What is 2+3?", output="The answer is 5.")
+    assert train_prompt(GLUE_EX, with_output=False).endswith("### Response:\n" + " " * 16)
+
+
+def test_eval_templates_exact() -> None:
+    assert eval_prompt(MATH_EX, "math") == MATH_EVAL.format(instruction="What is 2+3?")
+    assert eval_prompt(GLUE_EX, "glue") == WITH_INPUT.format(instruction="Decide.", input=GLUE_EX.input, output="")
+    with pytest.raises(ValueError, match="glue"):
+        eval_prompt(MATH_EX, "vision")
+
+
+def test_response_text_splits_at_first_marker() -> None:
+    assert response_text("prompt ### Response:\n positive ### Response: x") == "\n positive ### Response: x"
+    assert response_text("no marker") == "no marker"
+
+
+def test_masking_only_response_carries_loss() -> None:
+    tok = char_tokenizer()
+    feat = tokenize_example(tok, GLUE_EX, cutoff_len=1024, train_on_inputs=False)
+    full = train_prompt(GLUE_EX)
+    assert feat["input_ids"] == [*tok(full)["input_ids"], tok.eos_token_id]
+    supervised = [t for t in feat["labels"] if t != IGNORE_INDEX]
+    # one token per character: exactly the output characters plus EOS carry loss, at the end
+    assert len(supervised) == len("not_entailment") + 1
+    assert tok.decode(supervised, skip_special_tokens=True) == "not_entailment"
+    assert feat["labels"][-len(supervised):] == feat["input_ids"][-len(supervised):]
+    both = tokenize_example(tok, GLUE_EX, cutoff_len=1024, train_on_inputs=True)
+    assert both["labels"] == both["input_ids"] == feat["input_ids"]
+
+
+def test_truncation_and_eos_rule() -> None:
+    tok = char_tokenizer()
+    n = len(train_prompt(MATH_EX))
+    cut = tokenize_example(tok, MATH_EX, cutoff_len=40, train_on_inputs=True)
+    assert len(cut["input_ids"]) == 40 and cut["input_ids"][-1] != tok.eos_token_id
+    exact = tokenize_example(tok, MATH_EX, cutoff_len=n, train_on_inputs=True)  # no room left for EOS
+    assert len(exact["input_ids"]) == n and exact["input_ids"][-1] != tok.eos_token_id
+    roomy = tokenize_example(tok, MATH_EX, cutoff_len=n + 1, train_on_inputs=True)
+    assert roomy["input_ids"][-1] == tok.eos_token_id and len(roomy["input_ids"]) == n + 1
+    masked = tokenize_example(tok, GLUE_EX, cutoff_len=30, train_on_inputs=False)  # all prompt: no loss
+    assert all(t == IGNORE_INDEX for t in masked["labels"])
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_collate_pads_to_multiple(side: str) -> None:
+    feats = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": list(range(10, 20)), "labels": list(range(10, 20))}]
+    out = collate(feats, pad_id=0, pad_to_multiple_of=8, padding_side=side)
+    assert out["input_ids"].shape == (2, 16) and out["input_ids"].dtype == torch.long
+    pad = [0] * 13
+    exp_ids = [5, 6, 7] + pad if side == "right" else pad + [5, 6, 7]
+    exp_lab = [-100, 6, 7] + [-100] * 13 if side == "right" else [-100] * 13 + [-100, 6, 7]
+    exp_mask = [1] * 3 + [0] * 13 if side == "right" else [0] * 13 + [1] * 3
+    assert out["input_ids"][0].tolist() == exp_ids
+    assert out["labels"][0].tolist() == exp_lab
+    assert out["attention_mask"][0].tolist() == exp_mask
+    assert out["attention_mask"][1].sum() == 10
+    with pytest.raises(ValueError, match="padding_side"):
+        collate(feats, 0, padding_side="middle")

@@ -1,0 +1,158 @@
+"""Suite construction: embedded determinism and sizes, paper-scale loading from a local cache, bad rows."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from prism.data import DataUnavailableError, build_suite
+from prism.data.embedded import EMBEDDED_TASKS
+from prism.data.glue import GLUE_TASKS
+from prism.metrics import extract_choice, extract_number, gold_is_valid
+
+SIZES = {"train_per_task": 24, "eval_per_task": 8}
+
+
+def _embedded(name: str, seed: int, **extra):
+    return build_suite({"name": name, "scale": "embedded", "embedded": {**SIZES, **extra}}, seed)
+
+
+@pytest.mark.parametrize("name", ["glue8", "math10k"])
+def test_embedded_deterministic_sizes_columns(name: str) -> None:
+    a, b, c = _embedded(name, 7), _embedded(name, 7), _embedded(name, 8)
+    assert a.train == b.train and a.eval == b.eval
+    assert a.train != c.train and a.eval == c.eval  # eval sets are fixed, training rows follow the seed
+    tasks = list(EMBEDDED_TASKS[name])
+    assert list(a.eval) == tasks and len(a.train) == 24 * len(tasks)
+    assert all(len(rows) == 8 for rows in a.eval.values())
+    assert a.task_columns == {t: EMBEDDED_TASKS[name][t][0] for t in tasks}
+    assert a.family == ("glue" if name == "glue8" else "math")
+    assert a.train_on_inputs is (name == "math10k") and a.skipped == {}
+    for task, rows in a.eval.items():
+        train_keys = {(ex.instruction, ex.input) for ex in a.train if ex.task == task}
+        assert not train_keys & {(ex.instruction, ex.input) for ex in rows}  # disjoint
+        assert all(gold_is_valid(a.task_columns[task], ex.answer) for ex in rows)
+
+
+def test_embedded_glue_uses_paper_instructions_and_balanced_labels() -> None:
+    suite = _embedded("glue8", 0)
+    spec = {"tweet_sentiment": GLUE_TASKS["sst2"], "syllogism": GLUE_TASKS["rte"]}
+    for ex in suite.train:
+        assert ex.instruction == spec[ex.task].instruction
+        assert ex.output == spec[ex.task].label_words[ex.answer]
+    counts = Counter((ex.task, ex.answer) for ex in suite.train)
+    assert set(counts.values()) == {12}
+    assert all(Counter(ex.answer for ex in rows) == {0: 4, 1: 4} for rows in suite.eval.values())
+
+
+def test_embedded_math_targets_extract_to_gold() -> None:
+    suite = _embedded("math10k", 0)
+    for ex in suite.train + [ex for rows in suite.eval.values() for ex in rows]:
+        if ex.task == "arith_choice":
+            assert extract_choice(ex.output) == ex.answer
+        else:
+            assert extract_number(ex.output) == ex.answer and ex.output.startswith("The answer is ")
+
+
+def test_embedded_task_subset_and_eval_limit() -> None:
+    suite = build_suite({"name": "math10k", "scale": "embedded", "eval_limit": 3,
+                         "embedded": {**SIZES, "tasks": ["leg_counting"]}}, 1)
+    assert suite.task_columns == {"leg_counting": "SVAMP"} and len(suite.eval["leg_counting"]) == 3
+
+
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        ({"name": "superglue", "scale": "embedded"}, "glue8, math10k"),
+        ({"name": "glue8", "scale": "huge"}, "embedded, paper"),
+        ({"name": "glue8", "scale": "embedded", "family": "math"}, "family"),
+        ({"name": "glue8", "scale": "embedded", "embedded": {"tasks": ["cola"]}}, "tweet_sentiment, syllogism"),
+        ({"name": "glue8", "scale": "paper", "paper": {"tasks": ["wnli"]}}, "cola, sst2"),
+        ({"name": "math10k", "scale": "paper", "paper": {"tests": ["asdiv"]}}, "gsm8k, aqua"),
+    ],
+)
+def test_unknown_names_list_valid_ones(cfg: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_suite(cfg, 0)
+
+
+def test_paper_math_unavailable_names_the_fix(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PRISM_CACHE", str(tmp_path))
+    with pytest.raises(DataUnavailableError, match=r"make data.*suite.scale=embedded") as err:
+        build_suite({"name": "math10k", "scale": "paper", "paper": {}}, 0)
+    assert "\n" not in str(err.value) and "math_10k.json" in str(err.value)
+
+
+def _write_jsonl(path, rows) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_paper_glue_from_cache_stratified(tmp_path, monkeypatch) -> None:
+    """Paper-scale GLUE reads the `make data` cache: stratified sampling, MNLI's two splits, bad rows."""
+    monkeypatch.setenv("PRISM_CACHE", str(tmp_path))
+    root = tmp_path / "data" / "glue"
+    _write_jsonl(root / "rte" / "train.jsonl",
+                 [{"sentence1": f"p{i}", "sentence2": f"h{i}", "label": int(i % 4 == 0)} for i in range(80)])
+    _write_jsonl(root / "rte" / "validation.jsonl",
+                 [{"sentence1": "a", "sentence2": "b", "label": 1}, {"sentence1": "a", "sentence2": "b", "label": -1},
+                  {"sentence1": None, "sentence2": "b", "label": 0}])
+    _write_jsonl(root / "stsb" / "train.jsonl",
+                 [{"sentence1": f"s{i}", "sentence2": "t", "label": (i % 11) / 2} for i in range(110)])
+    _write_jsonl(root / "stsb" / "validation.jsonl", [{"sentence1": "x", "sentence2": "y", "label": 2.25}])
+    for split in ("train", "validation_matched", "validation_mismatched"):
+        _write_jsonl(root / "mnli" / f"{split}.jsonl",
+                     [{"premise": f"p{i}", "hypothesis": "h", "label": i % 3} for i in range(30)])
+    suite = build_suite({"name": "glue8", "scale": "paper", "paper": {"tasks": ["rte", "stsb", "mnli"],
+                                                                       "train_per_task": 20}}, 42)
+    by_task = Counter(ex.task for ex in suite.train)
+    assert by_task == {"rte": 20, "stsb": 20, "mnli": 20}
+    assert Counter(ex.answer for ex in suite.train if ex.task == "rte") == {0: 15, 1: 5}  # 3:1 kept
+    assert sorted(Counter(ex.answer for ex in suite.train if ex.task == "mnli").values()) == [6, 7, 7]
+    stsb = [ex for ex in suite.train if ex.task == "stsb"]
+    assert all(ex.output == f"{ex.answer:.1f}" for ex in stsb)
+    assert suite.task_columns == {"rte": "RTE", "stsb": "STS-B", "mnli_matched": "MNLI", "mnli_mismatched": "MNLI"}
+    assert [ex.input for ex in suite.eval["rte"]] == ["Premise: a\nHypothesis: b"]
+    assert suite.skipped == {"glue/rte": 2}  # label −1 and a missing sentence
+    assert suite.train_on_inputs is False and suite.cutoff_len == 384
+    again = build_suite({"name": "glue8", "scale": "paper", "paper": {"tasks": ["rte", "stsb", "mnli"],
+                                                                       "train_per_task": 20}}, 42)
+    assert again.train == suite.train
+
+
+def test_paper_math_bad_rows_skipped_and_counted(tmp_path) -> None:
+    root = tmp_path / "LLM-Adapters"
+    train = [{"instruction": "q", "input": "", "output": "The answer is 1.", "answer": "1"}] * 4 + [{"input": ""}]
+    (root / "ft").mkdir(parents=True)
+    (root / "ft" / "math_10k.json").write_text(json.dumps(train))
+    tests = {
+        "gsm8k": [{"instruction": "a", "answer": "1,234"}, {"instruction": "b", "answer": "n/a"}],
+        "AQuA": [{"instruction": "c", "answer": "B"}, {"instruction": "d", "answer": "F"}],
+        "mawps": [{"instruction": "e", "answer": 3}],
+        "SVAMP": [{"instruction": "", "answer": "2"}, {"instruction": "f", "answer": "-2.5"}],
+    }
+    for folder, rows in tests.items():
+        (root / "dataset" / folder).mkdir(parents=True)
+        (root / "dataset" / folder / "test.json").write_text(json.dumps(rows))
+    node = {"train_file": str(root / "ft" / "math_10k.json"), "llm_adapters": str(root), "train_rows": 5}
+    suite = build_suite({"name": "math10k", "scale": "paper", "paper": node}, 0)
+    assert len(suite.train) == 4 and suite.train_on_inputs is True and suite.cutoff_len == 256
+    assert [ex.answer for ex in suite.eval["gsm8k"]] == [1234.0]
+    assert [ex.answer for ex in suite.eval["aqua"]] == ["B"]
+    assert [ex.answer for ex in suite.eval["svamp"]] == [-2.5]
+    assert suite.skipped == {"math10k/train": 1, "math/gsm8k": 1, "math/aqua": 1, "math/svamp": 1}
+    with pytest.raises(DataUnavailableError, match="rows, expected 9919"):
+        build_suite({"name": "math10k", "scale": "paper", "paper": {**node, "train_rows": 9919}}, 0)
+    with pytest.raises(DataUnavailableError, match="sha256"):
+        build_suite({"name": "math10k", "scale": "paper", "paper": {**node, "train_sha256": "0342d0d8...0418b8"}}, 0)
+
+
+def test_fetch_data_offline_fails_in_one_line(tmp_path, monkeypatch, capsys) -> None:
+    from pipelines import fetch_data
+
+    monkeypatch.setenv("PRISM_CACHE", str(tmp_path))
+    monkeypatch.setattr(fetch_data, "reachable", lambda host, timeout=5.0: False)
+    assert fetch_data.main(["--only", "math"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "math_10k.json" in err and "SVAMP/test.json" in err and "make data" in err
