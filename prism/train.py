@@ -75,6 +75,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def total_steps(cfg: DictConfig) -> int:
+    """Updates the run performs: ``train.steps``, or warm-up + measured updates in benchmark mode."""
+    benchmark = cfg.train.get("benchmark")
+    return int(benchmark.warmup + benchmark.measure) if benchmark else int(cfg.train.steps)
+
+
 def build(cfg: DictConfig) -> Setup:
     """Model, data, privacy calibration and method for one resolved config."""
     seed_everything(cfg.seed)
@@ -94,7 +100,7 @@ def build(cfg: DictConfig) -> Setup:
     dp = math.isfinite(float(cfg.privacy.epsilon))
     sigma = 0.0
     if dp:
-        calib = calibration_steps(cfg.train.steps, sampler.sample_rate, cfg.privacy.calibration)
+        calib = calibration_steps(total_steps(cfg), sampler.sample_rate, cfg.privacy.calibration)
         sigma = calibrate_sigma(cfg.privacy.epsilon, cfg.privacy.delta, sampler.sample_rate, calib)
     params = trainable_parameters(model)
     privacy = PrivacySpec(sigma=sigma, clip_norm=float(cfg.privacy.clip_norm)) if dp else None
@@ -176,7 +182,7 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
     start = _restore(s, state) if state is not None else 0
     initial = {name: p.detach().clone() for name, p in s.params.items()}
     benchmark = cfg.train.get("benchmark")
-    steps = benchmark.warmup + benchmark.measure if benchmark else cfg.train.steps
+    steps = total_steps(cfg)
     step_times, empty = [], 0
     if s.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(s.device)
