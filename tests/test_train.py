@@ -84,15 +84,15 @@ def test_resume_after_interruption_is_bitwise_identical(tmp_path: Path) -> None:
     cfg = tiny_cfg("method=prism", "privacy=eps6", "train.steps=4", "train.checkpoint_every=2")
     T.train_and_evaluate(cfg, tmp_path / "straight")
 
-    class Killed(Exception):
+    class KilledError(Exception):
         pass
 
     def kill_at_step_3(record: dict) -> None:
         if record["step"] == 3:
-            raise Killed
+            raise KilledError
 
     interrupted = tmp_path / "interrupted"
-    with pytest.raises(Killed):
+    with pytest.raises(KilledError):
         T.train_and_evaluate(cfg, interrupted, kill_at_step_3)
     resumed_log: list[dict] = []
     final = T.train_and_evaluate(cfg, interrupted, resumed_log.append)
