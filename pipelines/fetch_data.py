@@ -2,10 +2,11 @@
 
 Writes ``<cache>/glue/<task>/<split>.jsonl`` (from the HF hub's GLUE), ``<cache>/url/...`` copies of
 ``math_10k.json`` and the four LLM-Adapters test sets, and ``<cache>/manifest.json`` (sha256 and row
-count per file). ``<cache>`` is ``$PRISM_CACHE/data`` (default ``~/.cache/prism/data``). Files already
+count per file), and downloads the paper backbones (Gemma checkpoints, gated: accept their licence
+and ``huggingface-cli login`` first) into the Hugging Face cache. ``<cache>`` is ``$PRISM_CACHE/data`` (default ``~/.cache/prism/data``). Files already
 cached are kept (use ``--force`` to refetch). Offline, it exits with one line naming what is missing.
 
-    python -m pipelines.fetch_data [--only glue|math] [--force]
+    python -m pipelines.fetch_data [--only glue|math|models] [--force]
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from prism.data.math10k import (
     sha256_matches,
     testset_location,
 )
+from prism.models import BACKBONES
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -75,6 +77,14 @@ def fetch_url(url: str, force: bool) -> Path:
     return path
 
 
+def fetch_model(repo_id: str, force: bool) -> Path:
+    """A paper backbone's checkpoint into the HF cache (where ``from_pretrained`` finds it offline)."""
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id, force_download=force, allow_patterns=["*.json", "*.safetensors",
+                                                                            "*.model", "*.txt"]))
+
+
 def _rows(path: Path) -> int:
     if path.suffix == ".jsonl":
         return sum(1 for line in path.open(encoding="utf-8") if line.strip())
@@ -89,6 +99,9 @@ def jobs(only: str | None, llm_adapters: str, math_train: str) -> list[tuple[str
             for split in ["train", *(s for _, s in spec.eval_splits)]:
                 out.append((f"GLUE {task}/{split}", lambda f, t=task, s=split: fetch_glue(t, s, f),
                             VALIDATION_ROWS.get((task, split)), None))
+    if only in (None, "models"):
+        for spec in (b for b in BACKBONES.values() if b.kind == "hub"):
+            out.append((f"model {spec.source}", lambda f, repo=spec.source: fetch_model(repo, f), None, None))
     if only in (None, "math"):
         rows, sha = (MATH10K_ROWS, MATH10K_SHA256) if math_train == MATH10K_URL else (None, None)
         out.append(("math_10k.json", lambda f: fetch_url(math_train, f), rows, sha))
@@ -100,7 +113,7 @@ def jobs(only: str | None, llm_adapters: str, math_train: str) -> list[tuple[str
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["glue", "math"], help="fetch one suite only")
+    parser.add_argument("--only", choices=["glue", "math", "models"], help="fetch one part only")
     parser.add_argument("--force", action="store_true", help="refetch files that are already cached")
     parser.add_argument("--llm-adapters", default=LLM_ADAPTERS_URL, help="raw-file base URL of LLM-Adapters")
     parser.add_argument("--math-train", default=MATH10K_URL, help="URL of math_10k.json")
@@ -118,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             path = fetch(args.force)
         except Exception as err:  # network, hub or HTTP errors: report the file, keep going
             missing.append(f"{name} ({type(err).__name__})")
+            continue
+        if path.is_dir():  # a model snapshot: the HF cache verifies its own files by hash
+            print(f"ok  {name}: {path}")
             continue
         digest, rows = sha256_file(path), _rows(path)
         if rows_expected is not None and rows != rows_expected:

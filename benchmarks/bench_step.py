@@ -1,0 +1,103 @@
+"""Table 5 at embedded scale: step time and peak memory of non-private LoRA, DP-AdamW, DP-LoRA+ and PRISM.
+
+Every method runs in its own fresh process (so peak memory is its own), one after the other in one
+invocation, with the same data, batch and seed; the first ``--warmup`` updates are discarded and the
+next ``--measure`` timed. Besides the step time, each worker splits it into per-example gradients
+(forward + backward through Opacus hooks), the method's clip-and-accumulate and the method's
+noise-and-update, so a missed target says where the time goes.
+
+    python benchmarks/bench_step.py            # embedded backbone (smollm2-135m)
+    python benchmarks/bench_step.py --quick    # tiny random-config model, seconds
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = [("nonprivate", ["method=adamw", "privacy=nondp"]), ("dp_adamw", ["method=adamw", "privacy=eps6"]),
+           ("dp_loraplus", ["method=loraplus", "privacy=eps6"]), ("prism", ["method=prism", "privacy=eps6"])]
+QUICK = ["backbone=tiny-llama", "suite.cutoff_len=1024", "suite.embedded.train_per_task=64"]
+TARGETS = [("prism", "dp_adamw", "step_s", 1.25), ("dp_adamw", "nonprivate", "step_s", 1.35),
+           ("prism", "dp_adamw", "peak_mb", 1.05)]
+
+
+def _timed(fn, bucket: list[float]):
+    def wrapper(*args, **kwargs):
+        tic = time.perf_counter()
+        out = fn(*args, **kwargs)
+        bucket.append(time.perf_counter() - tic)
+        return out
+    return wrapper
+
+
+def worker(overrides: list[str], warmup: int, measure: int) -> dict[str, float]:
+    """Run in a fresh process: build one method, time ``measure`` updates after ``warmup``."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    torch.set_num_threads(1)
+    from pipelines.grid import compose_config, resolve
+    from prism import train as T
+    from prism.models import peak_memory_mb
+
+    cfg = resolve(compose_config(["suite=math10k", "logging=disabled", *overrides]))
+    setup = T.build(cfg)
+    parts: dict[str, list[float]] = {"grads": [], "accumulate": [], "update": []}
+    setup.gradients = _timed(setup.gradients, parts["grads"])
+    setup.method.accumulate = _timed(setup.method.accumulate, parts["accumulate"])
+    setup.method.step = _timed(setup.method.step, parts["update"])
+    steps, sizes = [], []
+    for i in range(warmup + measure):
+        if i == warmup:
+            for bucket in parts.values():
+                bucket.clear()
+        tic = time.perf_counter()
+        record = T.train_step(setup, cfg)
+        if i >= warmup:
+            steps.append(time.perf_counter() - tic)
+            sizes.append(record["batch_size"])
+    n = max(len(steps), 1)
+    return {"step_s": median(steps), "mean_batch": sum(sizes) / n, "peak_mb": peak_memory_mb(setup.device),
+            **{f"{k}_s_per_step": sum(v) / n for k, v in parts.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny random-config model instead of smollm2-135m")
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--measure", type=int, default=None)
+    parser.add_argument("--worker", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
+    measure = args.measure if args.measure is not None else (5 if args.quick else 10)
+    if args.worker is not None:
+        print(json.dumps(worker(args.worker, warmup, measure)))
+        return
+    results = {}
+    for name, overrides in METHODS:
+        cmd = [sys.executable, __file__, "--warmup", str(warmup), "--measure", str(measure), "--worker",
+               *(QUICK if args.quick else []), *overrides]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout
+        results[name] = json.loads(out.strip().splitlines()[-1])
+        print(f"measured {name}", file=sys.stderr)
+    scale = "tiny-llama" if args.quick else "smollm2-135m (embedded scale)"
+    print(f"Table 5 at {scale}, suite math10k, {warmup} warm-up + {measure} measured updates, 1 thread\n")
+    print(f"{'method':<12} {'step s':>8} {'grads s':>8} {'accum s':>8} {'update s':>9} {'peak MB':>9} {'batch':>6}")
+    for name, r in results.items():
+        print(f"{name:<12} {r['step_s']:8.3f} {r['grads_s_per_step']:8.3f} {r['accumulate_s_per_step']:8.3f} "
+              f"{r['update_s_per_step']:9.3f} {r['peak_mb']:9.1f} {r['mean_batch']:6.1f}")
+    print("\nratio                     measured  target")
+    for a, b, key, target in TARGETS:
+        ratio = results[a][key] / results[b][key]
+        verdict = "ok" if ratio <= target else "MISSED"
+        print(f"{a}/{b} {key:<8} {ratio:8.3f}  <= {target:<5} {verdict}")
+
+
+if __name__ == "__main__":
+    main()
