@@ -31,7 +31,7 @@ test: setup  ## fast test suite (CPU, tiny models)
 	$(PY) -m pytest -q
 
 test-all: setup  ## every test, including real checkpoints and end-to-end runs
-	$(PY) -m pytest -q -m "" --ignore-glob='*slurm*'
+	$(PY) -m pytest -q -m ""
 
 test-slurm: setup  ## SLURM integration (installs slurm-wlm + munge, needs root)
 	$(PY) -m pytest -q -m slurm tests/test_slurm.py

@@ -26,6 +26,7 @@ from prism.evaluate import evaluate_suite
 from prism.methods import PrivacySpec, build_method
 from prism.methods.base import Method
 from prism.models import attach_lora, export_adapter, load_backbone, peak_memory_mb, trainable_parameters
+from prism.prefix import PrefixCache, prefix_cache
 from prism.privacy import (
     Accountant,
     PerExampleGradients,
@@ -55,9 +56,10 @@ class Setup:
     sampler: PoissonSampler
     accountant: Accountant
     noise: torch.Generator
-    gradients: Callable[[dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
+    gradients: Callable[[dict[str, Any]], tuple[Tensor, dict[str, Tensor]]]
     sigma: float
     device: torch.device
+    prefix: PrefixCache | None  # exact cache of the frozen lower layers' hidden states (None: full forward)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -106,6 +108,7 @@ def build(cfg: DictConfig) -> Setup:
     privacy = PrivacySpec(sigma=sigma, clip_norm=float(cfg.privacy.clip_norm)) if dp else None
     method = build_method(cfg.method, params, privacy)
     params = {name: p for name, p in params.items() if p.requires_grad}  # FFA freezes peft lora_A
+    prefix = prefix_cache(model, features, cfg.train.get("prefix_cache", "auto"), name=cfg.backbone.name)
     noise = torch.Generator(device=device).manual_seed(cfg.seed + 2)
     if dp:
         per_example = PerExampleGradients(model)
@@ -113,7 +116,15 @@ def build(cfg: DictConfig) -> Setup:
     else:
         gradients = lambda batch: summed_gradients(model, **batch)  # noqa: E731
     return Setup(model, tokenizer, suite, features, params, method, sampler, Accountant(), noise,
-                 gradients, sigma, device)
+                 gradients, sigma, device, prefix)
+
+
+def _micro_batch(s: Setup, indices: list[int]) -> dict[str, Any]:
+    """From the prefix cache when there is one, else tokens collated onto the device."""
+    if s.prefix is not None:
+        return s.prefix.batch(indices)
+    batch = collate([s.features[i] for i in indices], pad_id=s.tokenizer.pad_token_id)
+    return {k: v.to(s.device) for k, v in batch.items()}
 
 
 def _check_finite(what: str, tensors: dict[str, Tensor] | Tensor) -> None:
@@ -160,8 +171,7 @@ def train_step(s: Setup, cfg: DictConfig) -> dict[str, float]:
     s.method.zero_accumulators()
     losses = []
     for chunk in indices.split(cfg.train.micro_batch_size):
-        batch = collate([s.features[i] for i in chunk.tolist()], pad_id=s.tokenizer.pad_token_id)
-        loss, grads = s.gradients({k: v.to(s.device) for k, v in batch.items()})
+        loss, grads = s.gradients(_micro_batch(s, chunk.tolist()))
         _check_finite("loss", loss)
         _check_finite("gradient", grads)
         s.method.accumulate(grads)
@@ -211,6 +221,8 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
         "epsilon_spent": s.accountant.epsilon(cfg.privacy.delta) if s.method.dp else math.inf,
         "peak_memory_mb": peak_memory_mb(s.device),
         "train_time_s": train_time,
+        "prefix_depth": s.prefix.depth if s.prefix is not None else None,
+        "prefix_build_s": s.prefix.build_seconds if s.prefix is not None else 0.0,
     }
     if benchmark:
         measured = step_times[benchmark.warmup:]

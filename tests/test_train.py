@@ -118,3 +118,21 @@ def test_batch_larger_than_dataset_fails_before_training(tmp_path: Path) -> None
     with pytest.raises(ValueError, match="lower train.batch_size"):
         T.train_and_evaluate(cfg, tmp_path)
     assert not (tmp_path / "checkpoint").exists()
+
+
+def test_prefix_cache_trains_exactly_like_the_full_forward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cached frozen prefix is an optimisation only: same losses, same updates."""
+    monkeypatch.setenv("PRISM_CACHE", str(tmp_path / "cache"))
+    common = ("backbone.lora_layers=1", "method=prism", "privacy=eps6", "train.steps=2")
+    cached_cfg = tiny_cfg(*common, "train.prefix_cache=auto")
+    setup = T.build(cached_cfg)
+    assert setup.prefix is not None and setup.prefix.depth == 1
+    cached = [T.train_step(setup, cached_cfg)["loss"] for _ in range(2)]
+    cached_params = {k: v.detach().clone() for k, v in setup.params.items()}
+    full_cfg = tiny_cfg(*common, "train.prefix_cache=off")
+    setup = T.build(full_cfg)
+    assert setup.prefix is None
+    full = [T.train_step(setup, full_cfg)["loss"] for _ in range(2)]
+    assert cached == pytest.approx(full, rel=1e-5)
+    for name, value in cached_params.items():
+        torch.testing.assert_close(setup.params[name].detach(), value, rtol=1e-4, atol=1e-6)

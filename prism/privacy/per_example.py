@@ -9,11 +9,16 @@ DP runs get ``∇ℓ_i`` for every example from Opacus' ``GradSampleModule`` in 
 Only trainable modules (peft's ``lora_A`` / ``lora_B`` linears) get hooks; the frozen base is never
 touched. Hooks are enabled only inside :meth:`PerExampleGradients.compute`. Non-DP runs use
 :func:`summed_gradients`, plain autograd of ``Σ_i ℓ_i``, and skip the per-example cost.
+
+The training forward applies the LM head only where a label is read (:func:`supervised_positions`,
+HF's ``logits_to_keep``): ``ℓ_i`` is unchanged and most of the vocabulary projection is skipped when
+``train_on_inputs`` is false. Both entry points take either a token micro-batch or a ``loss_fn``
+(:data:`LossFn`), e.g. a forward from cached frozen-prefix states (:mod:`prism.prefix`).
 """
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -22,6 +27,10 @@ from opacus import GradSampleModule
 from torch import Tensor, nn
 
 IGNORE_INDEX = -100
+
+LossFn = Callable[[nn.Module], Tensor]
+"""Given the (possibly Opacus-wrapped) model, run a training-mode forward of one micro-batch and
+return the per-example losses ``ℓ_i`` ``[k]``; every trainable parameter must take part."""
 
 
 def per_example_loss(logits: Tensor, labels: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -35,20 +44,48 @@ def per_example_loss(logits: Tensor, labels: Tensor, attention_mask: Tensor | No
     """
     if logits.shape[:2] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on [k, L]")
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
     targets = labels[:, 1:]
     if attention_mask is not None:
         targets = targets.masked_fill(attention_mask[:, :-1] == 0, IGNORE_INDEX)
-    shifted_logits = logits[:, :-1]
+    return mean_token_loss(logits[:, :-1], targets)
+
+
+def mean_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """``[k]`` mean cross-entropy of ``logits`` ``[k, P, V]`` against aligned ``targets`` ``[k, P]`` over
+    the entries that are not ``−100`` (0 for a row without any), in at least float32."""
+    if logits.shape[:2] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree on [k, P]; "
+                         "the model must honour logits_to_keep")
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
     token_loss = F.cross_entropy(
-        shifted_logits.reshape(-1, shifted_logits.shape[-1]),
-        targets.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
     ).view(targets.shape)
     counts = (targets != IGNORE_INDEX).sum(dim=1).clamp(min=1).to(token_loss.dtype)
     return token_loss.sum(dim=1) / counts
+
+
+def supervised_positions(labels: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The positions whose logits ``ℓ_i`` reads: row ``i`` lists, in order, every ``t`` whose next
+    token ``t+1`` is supervised (label ≠ −100, and ``t`` is not padding, as in
+    :func:`per_example_loss`), padded to a common count ``P ≥ 1`` with position 0 and target −100.
+
+    Returns ``positions`` ``[k, P]`` (HF's 2-D ``logits_to_keep``) and the aligned ``targets``
+    ``[k, P]``, so ``mean_token_loss(logits[:, positions], targets)`` equals ``per_example_loss``.
+    """
+    k, length = labels.shape
+    if length < 2:  # nothing to predict
+        return labels.new_zeros(k, 1), labels.new_full((k, 1), IGNORE_INDEX)
+    supervised = labels[:, 1:] != IGNORE_INDEX
+    if attention_mask is not None:
+        supervised &= attention_mask[:, :-1] != 0
+    counts = supervised.sum(dim=1)
+    width = max(int(counts.max()), 1)
+    # a stable sort of "unsupervised" flags puts each row's supervised positions first, in order
+    order = torch.sort((~supervised).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+    filler = torch.arange(width, device=labels.device) >= counts[:, None]
+    targets = labels.gather(1, order + 1).masked_fill(filler, IGNORE_INDEX)
+    return order.masked_fill(filler, 0), targets
 
 
 def _trainable(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -66,11 +103,31 @@ def _quiet_input_hook_warning() -> Iterator[None]:
         yield
 
 
-def _losses(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> Tensor:
-    """Training-mode forward (dropout as configured) and the per-example losses ``[k]``."""
+def supervised_losses(model: nn.Module, labels: Tensor, attention_mask: Tensor, **inputs: Tensor) -> Tensor:
+    """Training-mode forward (dropout as configured) of ``inputs`` (``input_ids`` or ``inputs_embeds``,
+    optionally ``position_ids``) with the LM head applied only at :func:`supervised_positions`;
+    returns the per-example losses ``ℓ_i`` ``[k]`` (equal to :func:`per_example_loss` of the full logits)."""
+    positions, targets = supervised_positions(labels, attention_mask)
     model.train()
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    return per_example_loss(logits, labels, attention_mask)
+    logits = model(attention_mask=attention_mask, logits_to_keep=positions, use_cache=False, **inputs).logits
+    return mean_token_loss(logits, targets)
+
+
+def token_loss_fn(input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> LossFn:
+    """The :data:`LossFn` of a token micro-batch (as produced by ``prism.data.prompts.collate``)."""
+    return lambda model: supervised_losses(model, labels, attention_mask, input_ids=input_ids)
+
+
+def _loss_fn(input_ids: Tensor | None, attention_mask: Tensor | None, labels: Tensor | None,
+             loss_fn: LossFn | None) -> LossFn:
+    tokens = (input_ids, attention_mask, labels)
+    if loss_fn is not None:
+        if any(t is not None for t in tokens):
+            raise ValueError("pass either a token micro-batch (input_ids, attention_mask, labels) or loss_fn, not both")
+        return loss_fn
+    if any(t is None for t in tokens):
+        raise ValueError("a token micro-batch needs input_ids, attention_mask and labels (or pass loss_fn=...)")
+    return token_loss_fn(input_ids, attention_mask, labels)
 
 
 class PerExampleGradients:
@@ -87,9 +144,17 @@ class PerExampleGradients:
         self.module = GradSampleModule(model, batch_first=True, loss_reduction="sum", strict=True)
         self.module.disable_hooks()
 
-    def compute(self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """Losses ``[k]`` and per-example gradients ``{name: [k, *shape]}`` of one micro-batch."""
-        k = input_ids.shape[0]
+    def compute(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+        *,
+        loss_fn: LossFn | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Losses ``[k]`` and per-example gradients ``{name: [k, *shape]}`` of one micro-batch, given
+        as tokens or as a ``loss_fn`` (e.g. :meth:`prism.prefix.PrefixCache.batch`)."""
+        forward = _loss_fn(input_ids, attention_mask, labels, loss_fn)
         params = _trainable(self.model)
         if list(params) != list(self.params):
             # Opacus hooks follow the trainable set at wrapping time; a factor frozen later still fires them
@@ -99,7 +164,8 @@ class PerExampleGradients:
             )
         self.module.enable_hooks()
         try:
-            losses = _losses(self.module, input_ids, attention_mask, labels)
+            losses = forward(self.module)
+            k = losses.shape[0]
             with _quiet_input_hook_warning():
                 losses.sum().backward()
             grads = {name: self._take(name, p, k) for name, p in params.items()}
@@ -135,11 +201,18 @@ class PerExampleGradients:
 
 
 def summed_gradients(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, labels: Tensor
+    model: nn.Module,
+    input_ids: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    labels: Tensor | None = None,
+    *,
+    loss_fn: LossFn | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Non-DP: losses ``[k]`` and ``{name: Σ_i ∇ℓ_i}`` (shape ``[*param.shape]``) by plain autograd."""
+    """Non-DP: losses ``[k]`` and ``{name: Σ_i ∇ℓ_i}`` (shape ``[*param.shape]``) by plain autograd;
+    the micro-batch is given as tokens or as a ``loss_fn``."""
+    forward = _loss_fn(input_ids, attention_mask, labels, loss_fn)
     params = _trainable(model)
-    losses = _losses(model, input_ids, attention_mask, labels)
+    losses = forward(model)
     with _quiet_input_hook_warning():
         grads = torch.autograd.grad(losses.sum(), list(params.values()), allow_unused=True)
     for name, grad in zip(params, grads):

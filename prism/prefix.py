@@ -1,0 +1,335 @@
+"""An exact, cached frozen prefix: train the top LoRA layers from stored hidden states.
+
+With LoRA on the last ``K`` of ``L`` decoder layers (``backbone.lora_layers``), the embedding and the
+first ``d = L − K`` decoder layers are frozen and deterministic (no dropout), so the hidden state
+that enters layer ``d`` is the same for a training example in every step and in every run that
+shares the backbone and the data (PRISM's spectral init only rewrites the base weights of LoRA
+layers, all at depth ``≥ d``). :class:`PrefixCache` computes these states once per example (right
+padded, positions ``0..len−1`` as in training), persists them under
+``$PRISM_CACHE/prefix/<key>/`` and replays micro-batches through the top ``K`` layers only: the
+lower layers are swapped for pass-throughs while the forward runs, so the model's own code computes
+masks, rotary embeddings and per-layer attention types at their true layer indices.
+
+Exactness (checked by ``tests/test_prefix.py``): logits, per-example losses and per-example LoRA
+gradients equal those of the full forward up to float rounding. :func:`prefix_depth` returns
+``None`` wherever that is not established, and the loop then runs the full forward.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from filelock import FileLock
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from prism.models import cache_root
+from prism.privacy.per_example import IGNORE_INDEX, LossFn, supervised_losses
+
+FORMAT = 1
+"""Bump when the stored layout or the key changes."""
+
+SUPPORTED = {"LlamaForCausalLM": "LlamaModel", "Gemma3ForCausalLM": "Gemma3TextModel",
+             "Gemma2ForCausalLM": "Gemma2Model"}
+"""Causal-LM class → decoder class whose forward was checked to replay exactly from ``inputs_embeds``
+(transformers 5.24): the embedding (Gemma's √hidden scaling included) happens before the first
+layer, the loop feeds each layer its mask / rotary embedding by its index in ``config.layer_types``."""
+
+MODES = ("auto", "off")
+_STATES, _META = "states.safetensors", "meta.json"
+
+
+# ------------------------------------------------------------------------------------------ depth
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The Hugging Face causal LM inside an Opacus ``GradSampleModule`` and/or a peft model."""
+    while True:
+        if hasattr(model, "_module"):  # Opacus
+            model = model._module
+        elif hasattr(model, "get_base_model"):  # peft
+            model = model.get_base_model()
+        else:
+            return model
+
+
+def _decoder(model: nn.Module) -> nn.Module | None:
+    base = _unwrap(model)
+    decoder = getattr(base, "model", None)
+    if SUPPORTED.get(type(base).__name__) != type(decoder).__name__:
+        return None
+    return decoder if isinstance(getattr(decoder, "layers", None), nn.ModuleList) else None
+
+
+def _has_dropout(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
+
+
+def prefix_depth(model: nn.Module) -> int | None:
+    """``d``: the index of the first decoder layer holding a trainable parameter (``L − K`` with LoRA
+    on the last ``K`` layers), or ``None`` when a cached prefix would not be exact or is not
+    supported: an unverified architecture, nothing trainable, a trainable parameter in layer 0 or
+    outside the decoder layers below the final norm, stochastic layers below ``d`` (dropout), or
+    Gemma's bidirectional-attention variant."""
+    decoder = _decoder(model)
+    if decoder is None:
+        return None
+    config = decoder.config
+    if getattr(config, "use_bidirectional_attention", False) or getattr(config, "attention_dropout", 0.0):
+        return None
+    trainable = [name for name, p in decoder.named_parameters() if p.requires_grad]
+    layer_of = [re.match(r"layers\.(\d+)\.", name) for name in trainable]
+    if any(match is None and not name.startswith("norm.") for name, match in zip(trainable, layer_of)):
+        return None
+    trainable_layers = [int(match.group(1)) for match in layer_of if match is not None]
+    if not trainable_layers:
+        return None
+    depth = min(trainable_layers)
+    lower = [decoder.embed_tokens, *decoder.layers[:depth]]
+    if depth == 0 or any(_has_dropout(module) for module in lower):
+        return None
+    return depth
+
+
+# ------------------------------------------------------------------------------------------ key
+def _tensor_digest(digest: Any, name: str, tensor: Tensor) -> None:
+    digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+    digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def prefix_key(model: nn.Module, depth: int, input_ids: Sequence[Sequence[int]], name: str = "") -> str:
+    """sha256 of everything the cached states depend on: the backbone name and config (attention
+    implementation included), the bytes of every frozen-prefix parameter and buffer (embedding,
+    layers ``< depth``, rotary tables), the depth, dtype, device type, library versions and the
+    token ids of every example (labels are not part of it: states do not depend on them)."""
+    decoder = _decoder(model)
+    if decoder is None:
+        raise ValueError(f"{type(_unwrap(model)).__name__} has no supported decoder; check prefix_depth first")
+    digest = hashlib.sha256()
+    header = {"format": FORMAT, "name": name, "class": type(decoder).__name__, "depth": depth,
+              "config": decoder.config.to_json_string(use_diff=False),
+              "attn": decoder.config._attn_implementation, "dtype": str(decoder.embed_tokens.weight.dtype),
+              "device": decoder.embed_tokens.weight.device.type, "torch": torch.__version__,
+              "transformers": transformers.__version__}
+    digest.update(json.dumps(header, sort_keys=True).encode())
+    prefix = re.compile(rf"(embed_tokens|rotary_emb|layers\.({'|'.join(map(str, range(depth)))}))\.")
+    for tensors in (decoder.named_parameters(), decoder.named_buffers()):
+        for tensor_name, tensor in sorted(tensors):
+            if prefix.match(tensor_name):
+                _tensor_digest(digest, tensor_name, tensor)
+    digest.update(json.dumps([list(map(int, ids)) for ids in input_ids]).encode())
+    return digest.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------ compute
+class _PrefixCapturedError(Exception):
+    """Raised by the capture hook: nothing above the prefix needs computing."""
+
+
+class _PassThrough(nn.Module):
+    """Stands in for a frozen lower decoder layer while replaying from cached states."""
+
+    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return hidden_states
+
+
+@contextmanager
+def _top_layers_only(decoder: nn.Module, depth: int) -> Iterator[None]:
+    """Swap layers ``< depth`` for pass-throughs (indices of the others unchanged); restore on exit."""
+    layers = decoder.layers
+    skip = _PassThrough()
+    decoder.layers = nn.ModuleList([skip] * depth + list(layers[depth:]))
+    try:
+        yield
+    finally:
+        decoder.layers = layers
+
+
+def _pad(rows: Sequence[Sequence[int]], fill: int, device: torch.device) -> Tensor:
+    length = max(len(row) for row in rows)
+    return torch.tensor([list(row) + [fill] * (length - len(row)) for row in rows], dtype=torch.long, device=device)
+
+
+@torch.no_grad()
+def compute_prefix_states(model: nn.Module, depth: int, input_ids: Sequence[Sequence[int]],
+                          micro_batch_size: int = 16) -> list[Tensor]:
+    """Per example, the hidden states ``[len_i, hidden]`` (CPU, model dtype) at the input of decoder
+    layer ``depth``, from the model's own forward on right-padded micro-batches (similar lengths
+    together), stopped at that layer. The model is in ``eval()`` meanwhile (restored after)."""
+    decoder = _decoder(model)
+    if decoder is None:
+        raise ValueError(f"{type(_unwrap(model)).__name__} has no supported decoder; check prefix_depth first")
+    device = decoder.embed_tokens.weight.device
+    captured: list[Tensor] = []
+
+    def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        captured.append(args[0] if args else kwargs["hidden_states"])
+        raise _PrefixCapturedError
+
+    order = sorted(range(len(input_ids)), key=lambda i: len(input_ids[i]))
+    states: list[Tensor | None] = [None] * len(input_ids)
+    was_training = decoder.training
+    handle = decoder.layers[depth].register_forward_pre_hook(capture, with_kwargs=True)
+    decoder.eval()
+    try:
+        for start in range(0, len(order), micro_batch_size):
+            chunk = order[start:start + micro_batch_size]
+            rows = [input_ids[i] for i in chunk]
+            ids = _pad(rows, 0, device)
+            mask = _pad([[1] * len(row) for row in rows], 0, device)
+            captured.clear()
+            with suppress(_PrefixCapturedError):
+                decoder(input_ids=ids, attention_mask=mask, use_cache=False)
+            hidden = captured[0].cpu()
+            for row, i in enumerate(chunk):
+                states[i] = hidden[row, :len(input_ids[i])].clone()
+    finally:
+        handle.remove()
+        decoder.train(was_training)
+    return [s for s in states if s is not None]
+
+
+# ------------------------------------------------------------------------------------------ storage
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_atomic(path: Path, write: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _save(directory: Path, key: str, states: list[Tensor]) -> None:
+    """States file first, then the meta file that names its sha256 (the commit marker)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lengths = torch.tensor([s.shape[0] for s in states], dtype=torch.long)
+    tensors = {"states": torch.cat(states).contiguous(), "lengths": lengths}
+    _write_atomic(directory / _STATES, lambda tmp: save_file(tensors, str(tmp)))
+    meta = {"format": FORMAT, "key": key, "examples": len(states), "sha256": _file_sha256(directory / _STATES)}
+    _write_atomic(directory / _META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2)))
+
+
+def _load(directory: Path, key: str, lengths: list[int]) -> list[Tensor] | None:
+    """The stored states, or ``None`` when missing, incomplete, corrupt or for other inputs."""
+    try:
+        meta = json.loads((directory / _META).read_text())
+        if (meta.get("format"), meta.get("key"), meta.get("examples")) != (FORMAT, key, len(lengths)):
+            return None
+        if _file_sha256(directory / _STATES) != meta.get("sha256"):
+            return None
+        tensors = load_file(str(directory / _STATES))
+    except (OSError, ValueError, json.JSONDecodeError):
+        return None
+    stored = tensors.get("lengths")
+    states = tensors.get("states")
+    if stored is None or states is None or stored.tolist() != lengths or states.shape[0] != sum(lengths):
+        return None
+    return list(states.split(lengths))
+
+
+# ------------------------------------------------------------------------------------------ cache
+@dataclass
+class PrefixBatch:
+    """A :data:`prism.privacy.per_example.LossFn` replaying one right-padded micro-batch from cached
+    states: zero states on padding (masked out, so they never reach a real position)."""
+
+    decoder: nn.Module
+    depth: int
+    inputs_embeds: Tensor
+    attention_mask: Tensor
+    labels: Tensor
+
+    def __call__(self, model: nn.Module) -> Tensor:
+        if _decoder(model) is not self.decoder:
+            raise ValueError("this prefix batch belongs to another model; build the PrefixCache from the trained model")
+        length = self.inputs_embeds.shape[1]
+        position_ids = torch.arange(length, device=self.inputs_embeds.device).unsqueeze(0)
+        with _top_layers_only(self.decoder, self.depth):
+            return supervised_losses(model, self.labels, self.attention_mask,
+                                     inputs_embeds=self.inputs_embeds, position_ids=position_ids)
+
+
+class PrefixCache:
+    """Frozen-prefix hidden states of every training example, and micro-batches replayed from them."""
+
+    def __init__(self, model: nn.Module, depth: int, states: list[Tensor], labels: Sequence[Sequence[int]],
+                 build_seconds: float = 0.0) -> None:
+        decoder = _decoder(model)
+        if decoder is None:
+            raise ValueError(f"{type(_unwrap(model)).__name__} has no supported decoder; check prefix_depth first")
+        if len(states) != len(labels):
+            raise ValueError(f"{len(states)} cached examples but {len(labels)} label rows")
+        self.decoder, self.depth, self.states, self.labels = decoder, depth, states, labels
+        self.device = decoder.embed_tokens.weight.device
+        self.build_seconds = build_seconds
+
+    @classmethod
+    def build(cls, model: nn.Module, features: Sequence[dict], cache_dir: str | os.PathLike[str] | None = None,
+              name: str = "", micro_batch_size: int = 16) -> PrefixCache:
+        """Load the states for ``features`` (``{input_ids, labels}`` as from ``tokenize_example``) from
+        ``cache_dir`` (default ``$PRISM_CACHE/prefix``), computing and storing them first when absent
+        or invalid. A file lock per key makes parallel workers compute them once.
+        ``build_seconds`` is the time spent computing (0 on a cache hit)."""
+        depth = prefix_depth(model)
+        if depth is None:
+            raise ValueError("this model has no exact frozen prefix (prefix_depth is None); "
+                             "use the full forward (train.prefix_cache=off)")
+        input_ids = [f["input_ids"] for f in features]
+        lengths = [len(ids) for ids in input_ids]
+        if min(lengths, default=0) < 1:
+            raise ValueError("every training example needs at least one token; check the tokenised features")
+        key = prefix_key(model, depth, input_ids, name)
+        root = Path(cache_dir) if cache_dir is not None else cache_root() / "prefix"
+        root.mkdir(parents=True, exist_ok=True)
+        seconds = 0.0
+        with FileLock(str(root / f"{key}.lock")):
+            states = _load(root / key, key, lengths)
+            if states is None:
+                tic = time.perf_counter()
+                states = compute_prefix_states(model, depth, input_ids, micro_batch_size)
+                seconds = time.perf_counter() - tic
+                _save(root / key, key, states)
+        labels = [f.get("labels", f["input_ids"]) for f in features]
+        return cls(model, depth, states, labels, build_seconds=seconds)
+
+    def batch(self, indices: Sequence[int]) -> dict[str, LossFn]:
+        """``{"loss_fn": PrefixBatch}`` for the examples ``indices``, right-padded to their longest,
+        on the model's device: pass it as ``PerExampleGradients.compute(**batch)`` or
+        ``summed_gradients(model, **batch)``."""
+        if len(indices) == 0:
+            raise ValueError("a micro-batch needs at least one example index")
+        rows = [self.states[i] for i in indices]
+        length = max(row.shape[0] for row in rows)
+        embeds = rows[0].new_zeros(len(rows), length, rows[0].shape[1])
+        for r, row in enumerate(rows):
+            embeds[r, :row.shape[0]] = row
+        mask = _pad([[1] * row.shape[0] for row in rows], 0, self.device)
+        labels = _pad([self.labels[i] for i in indices], IGNORE_INDEX, self.device)
+        return {"loss_fn": PrefixBatch(self.decoder, self.depth, embeds.to(self.device), mask, labels)}
+
+
+def prefix_cache(model: nn.Module, features: Sequence[dict], mode: str = "auto",
+                 cache_dir: str | os.PathLike[str] | None = None, name: str = "") -> PrefixCache | None:
+    """``train.prefix_cache``: ``auto`` builds/loads the cache when :func:`prefix_depth` says it is
+    exact, else ``None`` (full forward); ``off`` always ``None``."""
+    if mode not in MODES:
+        raise ValueError(f"unknown train.prefix_cache {mode!r}; use one of {', '.join(MODES)}")
+    if mode == "off" or prefix_depth(model) is None:
+        return None
+    return PrefixCache.build(model, features, cache_dir=cache_dir, name=name)
