@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from prism.data import Suite
-from prism.data.prompts import collate, eval_prompt, response_text
+from prism.data.prompts import collate, encode_prompt_as_trained, eval_prompt, response_text
 from prism.metrics import (
     extract_choice,
     extract_number,
@@ -52,12 +52,20 @@ def generate_responses(
 
     Prompts are batched by length (less padding), left-padded, decoded with ``do_sample=False`` and
     ``num_beams``/``max_new_tokens`` from `cfg_decoding`; an optional ``max_input_length`` keeps the
-    last tokens of a longer prompt so the response marker survives.
+    last tokens of a longer prompt so the response marker survives. ``prompt_encoding`` is ``text``
+    (the released code: tokenize the prompt string alone) or ``as_trained`` (see
+    :func:`prism.data.prompts.encode_prompt_as_trained`).
     """
     max_input = cfg_decoding.get("max_input_length")
     pad = _pad_id(tokenizer)
     device = next(model.parameters()).device
-    encoded = [list(tokenizer(p)["input_ids"]) for p in prompts]
+    encoding = cfg_decoding.get("prompt_encoding", "text")
+    if encoding == "as_trained":
+        encoded = [encode_prompt_as_trained(tokenizer, p) for p in prompts]
+    elif encoding == "text":
+        encoded = [list(tokenizer(p)["input_ids"]) for p in prompts]
+    else:
+        raise ValueError(f"decoding.prompt_encoding={encoding!r}: use 'as_trained' or 'text'")
     if max_input:
         encoded = [ids[-int(max_input):] for ids in encoded]
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))

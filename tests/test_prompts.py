@@ -111,3 +111,27 @@ def test_collate_pads_to_multiple(side: str) -> None:
     assert out["attention_mask"][1].sum() == 10
     with pytest.raises(ValueError, match="padding_side"):
         collate(feats, 0, padding_side="middle")
+
+
+@pytest.mark.parametrize("output", ["positive", "not_entailment", "The answer is 42."])
+def test_prompt_as_trained_is_the_prefix_the_model_saw_in_training(output: str) -> None:
+    """The eval prompt's tokens equal the masked prefix of the training sequence (BPE space merge)."""
+    from tokenizers import trainers
+
+    from prism.data.prompts import encode_prompt_as_trained
+
+    ex = Example("sst2", "Classify.", "Sentence: fine", output, 1)
+    # a GPT-2 style byte-level BPE trained on the template, so whitespace runs and " word" merge
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([train_prompt(ex)] * 50, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    prompt = train_prompt(ex, with_output=False)
+    trained = tok(train_prompt(ex))["input_ids"]
+    as_trained = encode_prompt_as_trained(tok, prompt)
+    assert trained[: len(as_trained)] == as_trained
+    assert tok.decode(trained[len(as_trained):]).strip() == output  # the rest is the response
+    # the plain text encoding ends on a whitespace token that training never produced
+    assert tok(prompt)["input_ids"] != as_trained

@@ -56,6 +56,21 @@ def eval_prompt(example: Example, family: str) -> str:
     raise ValueError(f"unknown suite family {family!r}: use 'glue' or 'math'")
 
 
+def encode_prompt_as_trained(tokenizer: Any, prompt: str) -> list[int]:
+    """Token ids of `prompt` exactly as they appear inside a training sequence ``prompt + output``.
+
+    The templates end in whitespace and the response follows without a separator, so in training
+    a BPE tokenizer (SmolLM2's, GPT-2 style) moves the last space into the first response token:
+    ``"…Response:\n" + 16 spaces + "positive"`` becomes ``[…, "\n"+15 spaces, " positive"]``.
+    Tokenizing the prompt alone gives ``"\n"+16 spaces`` instead, a boundary the model never saw,
+    and it answers with a fresh line rather than the label. Here a word is glued to the prompt as
+    the response is in training, and only tokens that end inside the prompt are kept. For
+    tokenizers without that merge (SentencePiece, Gemma) this equals tokenizing the prompt alone.
+    """
+    encoded = tokenizer(prompt + "a", return_offsets_mapping=True)
+    return [tok for tok, (_, end) in zip(encoded["input_ids"], encoded["offset_mapping"]) if end <= len(prompt)]
+
+
 def response_text(decoded: str) -> str:
     """The part of a decoded generation after the first ``### Response:`` (whole text if absent)."""
     _, marker, rest = decoded.partition(RESPONSE_MARKER)
