@@ -32,7 +32,7 @@ def check_schema(cfg: DictConfig) -> None:
     for section, keys in SCHEMA.items():
         assert keys <= set(cfg[section]), (section, keys - set(cfg[section]))
     assert type(cfg.method.lr) is float
-    assert cfg.method.lr == pytest.approx(TABLE8_LR[(cfg.method.name, cfg.suite.family)])
+    assert cfg.method.lr == pytest.approx(TABLE8_LR[(cfg.method.name, cfg.suite.family)] * cfg.train.lr_multiplier)
     assert cfg.method.init == ("spectral" if cfg.method.name.startswith("prism") else "peft")
     assert cfg.suite.family == {"glue8": "glue", "math10k": "math"}[cfg.suite.name]
     assert cfg.privacy.delta == 1e-5 and cfg.privacy.clip_norm == 1.0
@@ -168,3 +168,9 @@ def test_launchers_select_the_hydra_plugin(launcher: str, target: str) -> None:
     assert dict(cfg.hydra.sweeper.params) == {"method": "loraplus,adamw,prism"}
     if launcher == "slurm":
         assert cfg.hydra.launcher.max_num_timeout == 3 and cfg.hydra.launcher.gpus_per_node == 1
+
+
+def test_paper_scale_uses_table8_learning_rates_unscaled() -> None:
+    for method, suite, lr in (("adamw", "glue8", 2e-4), ("prism", "math10k", 3e-4), ("lamb", "glue8", 5e-3)):
+        cfg = job_config([f"method={method}", f"suite={suite}", "scale=paper"])
+        assert cfg.train.lr_multiplier == 1.0 and cfg.method.lr == lr
