@@ -29,10 +29,10 @@ from prism.data.math10k import (
     MATH10K_URL,
     MATH_TESTS,
     cached_path,
-    sha256_file,
     sha256_matches,
     testset_location,
 )
+from prism.fileio import sha256_file
 from prism.models import BACKBONES
 
 

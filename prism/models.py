@@ -23,7 +23,6 @@ Notation (SPEC §1): paper ``A`` (m×r) is peft ``lora_B.weight``, paper ``Bᵀ`
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -47,6 +46,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
+from prism.fileio import sha256_file
 from prism.lora import lora_pairs, peft_factors, read_pair
 
 ADAPTER = "default"
@@ -175,13 +175,6 @@ def cache_root() -> Path:
     return Path(os.environ.get("PRISM_CACHE") or Path.home() / ".cache" / "prism")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
 
 def _installed_version(distribution: str) -> str | None:
     try:
@@ -227,7 +220,7 @@ def _cache_is_valid(directory: Path, spec: BackboneSpec) -> bool:
     files = manifest.get("files") or {}
     if not any(name.endswith(".safetensors") for name in files):
         return False
-    return all((directory / name).is_file() and _sha256(directory / name) == digest
+    return all((directory / name).is_file() and sha256_file(directory / name) == digest
                for name, digest in files.items())
 
 
@@ -251,7 +244,7 @@ def _convert_gguf(spec: BackboneSpec, target: Path) -> None:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        files = {p.name: _sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
+        files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file()}
         manifest = {"format": _MANIFEST_FORMAT, "backbone": spec.name, "source_package": spec.source,
                     "source_version": _installed_version(spec.source), "gguf_file": gguf_name,
                     "files": files}

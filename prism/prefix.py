@@ -33,6 +33,7 @@ from filelock import FileLock
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from prism.fileio import sha256_file
 from prism.models import cache_root
 from prism.privacy.per_example import IGNORE_INDEX, LossFn, supervised_losses
 
@@ -198,13 +199,6 @@ def compute_prefix_states(model: nn.Module, depth: int, input_ids: Sequence[Sequ
 
 
 # ------------------------------------------------------------------------------------------ storage
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
 
 def _write_atomic(path: Path, write: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -221,7 +215,7 @@ def _save(directory: Path, key: str, states: list[Tensor]) -> None:
     lengths = torch.tensor([s.shape[0] for s in states], dtype=torch.long)
     tensors = {"states": torch.cat(states).contiguous(), "lengths": lengths}
     _write_atomic(directory / _STATES, lambda tmp: save_file(tensors, str(tmp)))
-    meta = {"format": FORMAT, "key": key, "examples": len(states), "sha256": _file_sha256(directory / _STATES)}
+    meta = {"format": FORMAT, "key": key, "examples": len(states), "sha256": sha256_file(directory / _STATES)}
     _write_atomic(directory / _META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2)))
 
 
@@ -231,7 +225,7 @@ def _load(directory: Path, key: str, lengths: list[int]) -> list[Tensor] | None:
         meta = json.loads((directory / _META).read_text())
         if (meta.get("format"), meta.get("key"), meta.get("examples")) != (FORMAT, key, len(lengths)):
             return None
-        if _file_sha256(directory / _STATES) != meta.get("sha256"):
+        if sha256_file(directory / _STATES) != meta.get("sha256"):
             return None
         tensors = load_file(str(directory / _STATES))
     except (OSError, ValueError, json.JSONDecodeError):

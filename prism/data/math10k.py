@@ -11,7 +11,6 @@ Node ``suite.paper`` fields:
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from prism.data import DataUnavailableError, Example, cache_dir
+from prism.fileio import sha256_file
 
 MATH10K_URL = "https://raw.githubusercontent.com/AGI-Edgerunners/LLM-Adapters/main/ft-training_set/math_10k.json"
 LLM_ADAPTERS_URL = "https://raw.githubusercontent.com/AGI-Edgerunners/LLM-Adapters/main"
@@ -54,13 +54,6 @@ def resolve(spec: str, what: str) -> Path:
         )
     return path
 
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def sha256_matches(actual: str, expected: str) -> bool:
