@@ -41,10 +41,13 @@ def ensure_installed() -> float:
     t0 = time.monotonic()
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     install = ["apt-get", "install", "-y", "-q", *PACKAGES]
-    done = _run(install, env=env, timeout=600)
-    if done.returncode != 0:
-        _run(["apt-get", "update", "-q"], env=env, timeout=600)
+    try:
         done = _run(install, env=env, timeout=600)
+        if done.returncode != 0:
+            _run(["apt-get", "update", "-q"], env=env, timeout=600)
+            done = _run(install, env=env, timeout=600)
+    except subprocess.TimeoutExpired as err:  # a hung mirror is an unavailable harness, not a failed test
+        raise HarnessUnavailableError(f"apt-get timed out after {err.timeout:.0f} s") from err
     if done.returncode != 0:
         raise HarnessUnavailableError(f"apt-get install {' '.join(PACKAGES)} failed: {done.stderr.strip()[-300:]}")
     return time.monotonic() - t0
