@@ -128,7 +128,10 @@ def _micro_batch(s: Setup, indices: list[int]) -> dict[str, Any]:
 
 
 def _check_finite(what: str, tensors: dict[str, Tensor] | Tensor) -> None:
-    items = tensors.items() if isinstance(tensors, dict) else [("loss", tensors)]
+    """One device sync for all tensors; the offending name is looked up only on failure."""
+    items = list(tensors.items()) if isinstance(tensors, dict) else [("loss", tensors)]
+    if bool(torch.stack([torch.isfinite(t).all() for _, t in items]).all()):
+        return
     for name, tensor in items:
         if not torch.isfinite(tensor).all():
             raise TrainingDivergedError(
