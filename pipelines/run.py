@@ -115,6 +115,7 @@ def execute(cfg: DictConfig, trainer: Trainer | None = None) -> str:
                     folder, store.lock_path(folder))
         return "busy"
     try:
+        store.adopt(folder, str(cfg.experiment))  # old-layout folder moved in; run tagged with the experiment
         info = store.inspect_run(folder)
         if info.state == "finished" and not cfg.force:
             log.info("run %s already finished; skipped (force=true trains it again)", folder)

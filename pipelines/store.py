@@ -1,15 +1,29 @@
-"""Run folders: the on-disk format every pipeline stage agrees on (SPEC §6).
+"""Run folders: the on-disk format every pipeline stage agrees on.
 
-Format (the spec; :mod:`pipelines.aggregate` and ``slurm/`` read it)
----------------------------------------------------------------------
-``<results_dir>/runs/<experiment>/<hash>/`` — one folder per resolved job config, where
+Layout (the spec; :mod:`pipelines.aggregate` and ``slurm/`` read it)
+--------------------------------------------------------------------
+The run store is content-addressed: one folder per result-changing config, shared by every
+experiment (table) whose grid contains that config, so Table 3's Gemma-3-4B rows and Table 4's
+r=16 rows reuse Table 2's finished runs instead of training them again.
 
-* ``<hash>`` = first 12 hex digits of sha256 over the canonical JSON (sorted keys, no spaces,
-  ``Infinity`` for ε = ∞) of the resolved fields that change the result: ``seed``, ``backbone``,
-  ``suite`` (incl. ``suite.scale``), ``method``, ``privacy``, ``lora``, ``train`` (see
-  :data:`RESULT_KEYS`). Not hashed: ``experiment``, ``force``, ``results_dir``, ``logging``,
-  launcher/``hydra`` settings. ``backbone.paper_name`` (the table row) is hashed, so two paper
-  backbones mapped onto the same embedded stand-in keep separate folders.
+* ``<results_dir>/runs/<hash>/`` — the run folder, where ``<hash>`` = first 12 hex digits of
+  sha256 over the canonical JSON (sorted keys, no spaces, ``Infinity`` for ε = ∞) of the resolved
+  config minus the fields that cannot change the result (:data:`NON_RESULT_KEYS`: ``experiment``,
+  ``force``, ``results_dir``, ``logging``, launcher/``hydra`` settings). Everything else is hashed,
+  including ``backbone.paper_name`` (the table row), so two paper backbones mapped onto the same
+  embedded stand-in keep separate folders, and any group added later (e.g. ``protocol``).
+* ``<results_dir>/runs/<hash>.lock`` — the ``filelock`` (``flock``) lock held by the job training
+  the run; a run whose ``status.json`` says ``running`` while no process holds this lock was killed
+  (:func:`run_state` calls it ``stale``; re-running the grid resumes it).
+* ``<results_dir>/runs/_views/<experiment>/<hash>`` — empty files: the experiments a run belongs
+  to. A job tags its run when it starts or skips it, and :mod:`pipelines.reproduce` tags the
+  finished runs it finds, so an experiment is a view over the shared store.
+* Older checkouts wrote ``<results_dir>/runs/<experiment>/<hash>/``. Those folders are still read
+  (:func:`find_run`), moved into the store by the job that next needs them (:func:`adopt`) or all
+  at once by ``python -m pipelines.store migrate <results_dir>``.
+
+Inside a run folder:
+
 * ``config.yaml`` — the resolved job config (``OmegaConf.load`` gives back what the core read).
 * ``metrics.jsonl`` — one JSON object per logical step, appended as training runs (the core's
   ``log_fn`` records: ``step, loss, clip_fraction, sigma, epsilon_spent, noise_norm, step_time_s``,
@@ -17,24 +31,28 @@ Format (the spec; :mod:`pipelines.aggregate` and ``slurm/`` read it)
   per ``step`` (:func:`read_metrics`); unparsable lines are skipped.
 * ``final.json`` — written once, atomically, when training and evaluation finished: the core's
   returned record verbatim at top level (task scores, ``sigma``, ``epsilon_spent`` (realised ε),
-  ``peak_memory_mb``, ``step_time_s``, ``wall_time_s``, …) plus ``"run"``: ``{hash, experiment,
-  wall_time_s (whole job incl. loading), peak_rss_mb, started, ended, attempts, versions {python,
-  torch, transformers, peft, opacus, hydra-core, wandb}, git_commit, git_dirty, hostname}``.
+  ``n_train``, ``eval_rows``, ``peak_memory_mb``, ``step_time_s``, ``wall_time_s``, …) plus
+  ``"run"``: ``{hash, experiment (the one that trained it), wall_time_s (whole job incl. loading),
+  peak_rss_mb, started, ended, attempts, versions {…}, git_commit, git_dirty, hostname}``.
 * ``status.json`` — written atomically (tmp + ``os.replace``): ``{state: running|finished|failed,
   error: str|null, started, ended, attempts}`` (times ISO-8601 UTC; ``attempts`` counts job starts).
 * ``checkpoint/`` (owned by the core), ``adapter/`` (exported LoRA adapter).
 * ``<name>.corrupt-<UTC timestamp>`` — a file found unreadable, kept aside (never deleted).
 
-A run is **finished** iff ``status.json`` says ``finished`` and ``final.json`` parses; only then
-is it skipped on re-submission. ``<hash>.lock`` (beside the folder) is the ``filelock`` lock held
-by the job training it. ``force=true`` renames a finished folder to ``<hash>.old-<timestamp>``.
+Files are written mode ``0666 & ~umask`` (0644 under the usual umask), readable by a group on a
+shared cluster. A run is **finished** iff ``status.json`` says ``finished`` and ``final.json``
+parses; only then is it skipped on re-submission. ``force=true`` renames a finished folder to
+``<hash>.old-<timestamp>`` (never deleted); the views keep pointing at the hash, i.e. at the rerun.
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import re
+import sys
 import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -43,8 +61,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-RESULT_KEYS = ("seed", "backbone", "suite", "method", "privacy", "lora", "train")
+REQUIRED_KEYS = ("seed", "backbone", "suite", "method", "privacy", "lora", "train")
+NON_RESULT_KEYS = frozenset({"experiment", "force", "results_dir", "logging", "launcher", "hydra"})
 HASH_LEN = 12
+HASH_RE = re.compile(rf"[0-9a-f]{{{HASH_LEN}}}")
+VIEWS = "_views"
 FILES = ("config.yaml", "metrics.jsonl", "final.json", "status.json")
 
 
@@ -53,24 +74,42 @@ def utc_stamp() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _plain(cfg: DictConfig | dict) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+
+
+def result_fields(cfg: DictConfig | dict) -> dict[str, Any]:
+    """The resolved config minus :data:`NON_RESULT_KEYS`: every field that can change a result."""
+    return {k: v for k, v in _plain(cfg).items() if k not in NON_RESULT_KEYS}
+
+
 def hash_payload(cfg: DictConfig | dict) -> dict[str, Any]:
-    """The resolved fields that change a run's result (:data:`RESULT_KEYS`)."""
-    plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
-    missing = [k for k in RESULT_KEYS if k not in plain]
+    """:func:`result_fields` of a complete job config (raises on a partial one)."""
+    plain = result_fields(cfg)
+    missing = [k for k in REQUIRED_KEYS if k not in plain]
     if missing:
         raise ValueError(f"config lacks {missing}; compose it from conf/config.yaml")
-    return {k: plain[k] for k in RESULT_KEYS}
+    return plain
+
+
+def canonical(obj: Any) -> str:
+    """Canonical JSON: sorted keys, no spaces, ``Infinity`` for ε = ∞."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True)
 
 
 def run_hash(cfg: DictConfig | dict) -> str:
     """Short sha256 of the canonical JSON of :func:`hash_payload`."""
-    text = json.dumps(hash_payload(cfg), sort_keys=True, separators=(",", ":"), allow_nan=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:HASH_LEN]
+    return hashlib.sha256(canonical(hash_payload(cfg)).encode()).hexdigest()[:HASH_LEN]
+
+
+def runs_root(cfg: DictConfig) -> Path:
+    """``<results_dir>/runs``: the store, its locks and its views."""
+    return Path(cfg.results_dir) / "runs"
 
 
 def run_dir(cfg: DictConfig) -> Path:
-    """``<results_dir>/runs/<experiment>/<hash>``."""
-    return Path(cfg.results_dir) / "runs" / str(cfg.experiment) / run_hash(cfg)
+    """``<results_dir>/runs/<hash>`` (the store folder, whichever experiment asks)."""
+    return runs_root(cfg) / run_hash(cfg)
 
 
 def lock_path(folder: Path) -> Path:
@@ -78,11 +117,125 @@ def lock_path(folder: Path) -> Path:
     return folder.with_name(folder.name + ".lock")
 
 
+def lock_held(folder: Path) -> bool:
+    """Whether a live process holds the run's lock (a shared ``flock`` probe, released at once).
+
+    ``flock`` locks die with their process, so a killed job leaves no holder behind."""
+    try:
+        fd = os.open(lock_path(folder), os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a probe lock that was granted
+    return False
+
+
+# ------------------------------------------------------------------------------------- views
+
+def tag(root: Path, experiment: str, run_hash_: str) -> None:
+    """Add run ``run_hash_`` to the view of ``experiment`` (idempotent; safe under concurrency)."""
+    view = Path(root) / VIEWS / experiment
+    view.mkdir(parents=True, exist_ok=True)
+    (view / run_hash_).touch(exist_ok=True)
+
+
+def view(root: Path, experiment: str) -> list[str]:
+    """Run hashes of ``experiment``: its view plus folders of the old ``runs/<experiment>/`` layout."""
+    root = Path(root)
+    tagged = root / VIEWS / experiment
+    names = [p.name for p in tagged.iterdir()] if tagged.is_dir() else []
+    legacy = root / experiment
+    if legacy.is_dir() and experiment != VIEWS:
+        names += [p.name for p in legacy.iterdir() if p.is_dir() and _is_run_name(p.name)]
+    return sorted(dict.fromkeys(names))
+
+
+def _is_run_name(name: str) -> bool:
+    return not name.startswith(".") and ".old-" not in name and ".corrupt-" not in name
+
+
+def legacy_dirs(root: Path, run_hash_: str) -> list[Path]:
+    """Folders of ``run_hash_`` in the old ``<root>/<experiment>/<hash>/`` layout."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p / run_hash_ for p in root.iterdir()
+                  if p.is_dir() and p.name != VIEWS and not HASH_RE.fullmatch(p.name.split(".")[0])
+                  and (p / run_hash_).is_dir())
+
+
+def find_run(root: Path, run_hash_: str) -> Path:
+    """Where run ``run_hash_`` lives: the store folder if present, else an old-layout folder (a
+    finished one first), else the (absent) store folder."""
+    folder = Path(root) / run_hash_
+    if folder.exists():
+        return folder
+    old = legacy_dirs(root, run_hash_)
+    finished = [p for p in old if inspect_run(p).state == "finished"]
+    return (finished or old or [folder])[0]
+
+
+def adopt(folder: Path, experiment: str) -> Path | None:
+    """Call with the run's lock held: move an old-layout copy of the run into the store folder
+    (when the store has none) and tag the run with ``experiment``. Returns the folder moved in."""
+    root, run_hash_ = folder.parent, folder.name
+    moved = None
+    old = legacy_dirs(root, run_hash_)
+    if not folder.exists() and old:
+        source = find_run(root, run_hash_)
+        if not lock_held(source):  # an old checkout may still be training it
+            source.rename(folder)
+            moved = source
+    for experiment_ in {p.parent.name for p in old}:
+        tag(root, experiment_, run_hash_)
+    tag(root, experiment, run_hash_)
+    return moved
+
+
+def migrate(results_dir: Path) -> list[tuple[Path, Path]]:
+    """Move every old-layout run folder into the store (a run already in the store, or a second
+    copy of a run, stays where it is and is still read through the views)."""
+    from filelock import FileLock, Timeout
+
+    root = Path(results_dir) / "runs"
+    moved = []
+    hashes = sorted({p.name for p in root.glob("*/*") if p.is_dir() and HASH_RE.fullmatch(p.name)
+                     and p.parent.name != VIEWS})
+    for run_hash_ in hashes:
+        folder = root / run_hash_
+        lock = FileLock(lock_path(folder))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            continue
+        try:
+            source = adopt(folder, legacy_dirs(root, run_hash_)[0].parent.name)
+            if source is not None:
+                moved.append((source, folder))
+        finally:
+            lock.release()
+    return moved
+
+
+# ------------------------------------------------------------------------------------- files
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write to a temp file in the same folder, fsync, then ``os.replace`` (never half-written)."""
+    """Write to a temp file in the same folder, fsync, then ``os.replace`` (never half-written);
+    the file gets the mode an ordinary ``open`` would give (0666 & ~umask, usually 0644)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp creates 0600
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -193,6 +346,21 @@ def inspect_run(folder: Path) -> RunInfo:
     return RunInfo("incomplete", status, reason=reason)
 
 
+RUN_STATES = ("finished", "running", "stale", "failed", "corrupt", "absent")
+
+
+def run_state(folder: Path, info: RunInfo | None = None) -> str:
+    """One of :data:`RUN_STATES`: ``running`` only while a live process holds the run's lock;
+    ``stale`` for a started run nobody holds (killed: status still says running, or no status);
+    ``failed`` when the job recorded its error. Stale and failed runs resume on re-submission."""
+    info = inspect_run(folder) if info is None else info
+    if info.state in ("absent", "finished", "corrupt"):
+        return info.state
+    if lock_held(folder):
+        return "running"
+    return "failed" if (info.status or {}).get("state") == "failed" else "stale"
+
+
 def quarantine(folder: Path, names: tuple[str, ...]) -> list[Path]:
     """Rename the listed files to ``<name>.corrupt-<timestamp>`` (kept for inspection, never deleted)."""
     stamp = utc_stamp().replace(":", "")
@@ -224,11 +392,7 @@ def config_matches(folder: Path, cfg: DictConfig) -> bool:
     if not path.exists():
         return True
     saved = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    return _canonical(hash_payload(saved)) == _canonical(hash_payload(cfg))
-
-
-def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return canonical(hash_payload(saved)) == canonical(hash_payload(cfg))
 
 
 def write_status(folder: Path, state: str, *, started: str, attempts: int, error: str | None = None,
@@ -237,3 +401,24 @@ def write_status(folder: Path, state: str, *, started: str, attempts: int, error
     write_json_atomic(folder / "status.json", {
         "state": state, "error": error, "started": started, "ended": ended, "attempts": attempts,
     })
+
+
+def main(argv: list[str]) -> int:
+    """``python -m pipelines.store migrate [results_dir]``: move old-layout run folders into the store."""
+    if not argv or argv[0] != "migrate" or len(argv) > 2:
+        print("usage: python -m pipelines.store migrate [results_dir]", file=sys.stderr)
+        return 2
+    results_dir = Path(argv[1] if len(argv) > 1 else "results")
+    if not (results_dir / "runs").is_dir():
+        print(f"error: no run store at {results_dir / 'runs'}, pass the results_dir that holds runs/",
+              file=sys.stderr)
+        return 2
+    moved = migrate(results_dir)
+    for source, target in moved:
+        print(f"moved {source} -> {target}")
+    print(f"{len(moved)} run folder(s) moved into {results_dir / 'runs'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

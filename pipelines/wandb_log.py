@@ -8,13 +8,61 @@ appends to the same W&B run; ``group`` = experiment; one ``axis:value`` tag per 
 """
 from __future__ import annotations
 
+import configparser
+import contextlib
 import math
+import netrc
+import os
+import socket
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
 MODES = ("offline", "online", "disabled")
+DEFAULT_BASE_URL = "https://api.wandb.ai"
+
+
+def base_url() -> str:
+    """The W&B server (``WANDB_BASE_URL``, else the public one)."""
+    return os.environ.get("WANDB_BASE_URL") or DEFAULT_BASE_URL
+
+
+def has_api_key(url: str | None = None) -> bool:
+    """Whether W&B would find an API key without prompting: ``WANDB_API_KEY``, the ``api_key`` of
+    W&B's settings file, or a ``.netrc`` entry for the server's host (where ``wandb login`` writes)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    settings = Path(os.environ.get("WANDB_CONFIG_DIR", Path.home() / ".config" / "wandb")) / "settings"
+    parser = configparser.ConfigParser()
+    with contextlib.suppress(configparser.Error):
+        parser.read(settings)
+    if parser.get("default", "api_key", fallback=""):
+        return True
+    host = urlparse(url or base_url()).hostname or ""
+    try:
+        auth = netrc.netrc(os.environ.get("NETRC")).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(auth and auth[2])
+
+
+def access_problem(url: str | None = None, timeout_s: float = 5.0) -> str | None:
+    """Why W&B cannot be reached right now (no API key, or no TCP connection to the server within
+    ``timeout_s``), as ``<what>, <how to fix>``; ``None`` when both are there. W&B itself retries
+    for minutes on an unreachable server, so callers check first."""
+    url = url or base_url()
+    if not has_api_key(url):
+        return (f"no W&B API key for {url}, run `wandb login` or set WANDB_API_KEY "
+                f"(offline runs stay under results/wandb until then)")
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        socket.create_connection((parsed.hostname or "", port), timeout=timeout_s).close()
+    except OSError as err:
+        return f"cannot reach the W&B server {url} ({err.strerror or err}), check the network or WANDB_BASE_URL"
+    return None
 
 
 def run_id(cfg: DictConfig, run_hash: str, generation: int = 0) -> str:

@@ -12,18 +12,28 @@ import pytest
 import yaml
 
 from pipelines import aggregate as agg
+from pipelines import store
 
 PAPER = agg.PAPER_DIR
 
 
 def make_run(root: Path, run_hash: str, *, method: str, privacy: str, suite: str, columns: dict | None = None,
              state: str = "finished", scale: str = "embedded", r: int = 16, backbone: str = "smollm2-135m",
-             paper_name: str = "gemma-3-4b-pt", final_text: str | None = None, status_text: str | None = None, **final_extra) -> Path:
+             paper_name: str = "gemma-3-4b-pt", final_text: str | None = None, status_text: str | None = None,
+             experiment: str | None = None, seed: int = 42, steps: int = 30, epsilon: float | None = None,
+             extra_config: dict | None = None, **final_extra) -> Path:
+    """A run folder at ``root/<run_hash>``; with ``experiment`` (``root`` = the store) it is tagged
+    into that view, without it ``root`` is an old-layout ``runs/<experiment>/`` folder."""
     folder = root / run_hash
     folder.mkdir(parents=True)
-    eps = {"nondp": math.inf, "eps6": 6.0, "eps3": 3.0}[privacy]
-    config = {"backbone": {"name": backbone, "paper_name": paper_name}, "suite": {"name": suite, "scale": scale},
-              "method": {"name": method}, "privacy": {"name": privacy, "epsilon": eps}, "lora": {"r": r}}
+    if experiment:
+        store.tag(root, experiment, run_hash)
+    eps = {"nondp": math.inf, "eps6": 6.0, "eps3": 3.0}[privacy] if epsilon is None else epsilon
+    config = {"seed": seed, "backbone": {"name": backbone, "paper_name": paper_name},
+              "suite": {"name": suite, "scale": scale}, "method": {"name": method},
+              "privacy": {"name": privacy, "epsilon": eps}, "lora": {"r": r},
+              "train": {"steps": steps, "batch_size": 16}, "experiment": experiment or root.name,
+              **(extra_config or {})}
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
     status = {"state": state} if state != "failed" else {"state": "failed", "error": "CUDA out of memory"}
     (folder / "status.json").write_text(status_text if status_text is not None else json.dumps(status))
@@ -39,7 +49,7 @@ def table2_runs(tmp_path: Path) -> Path:
     root = tmp_path / "runs" / "table2"
     make_run(root, "a1", method="prism", privacy="eps6", suite="glue8", columns={"SST-2": 0.8, "CoLA": 0.3})
     make_run(root, "a2", method="prism", privacy="eps6", suite="math10k", columns={"GSM8K": 0.2})
-    make_run(root, "a3", method="prism", privacy="eps6", suite="math10k", columns={"GSM8K": 0.4})  # 2nd seed
+    make_run(root, "a3", method="prism", privacy="eps6", suite="math10k", columns={"GSM8K": 0.4}, seed=43)  # 2nd seed
     make_run(root, "b1", method="adamw", privacy="eps6", suite="glue8", columns={"SST-2": 0.9, "CoLA": 0.1})
     make_run(root, "b2", method="adamw", privacy="eps6", suite="math10k", columns={"GSM8K": 0.5})
     make_run(root, "c1", method="loraplus", privacy="eps6", suite="glue8", columns={"SST-2": 0.85, "CoLA": 0.2})
@@ -94,13 +104,13 @@ def test_table2_best_marks_within_setting_block(table2_runs: Path) -> None:
 def test_table2_missing_list_reports_failed_corrupt_running_and_absent(table2_runs: Path) -> None:
     res = agg.build_table(agg.SPECS["table2"], agg.read_run_folders(table2_runs, "table2"), "embedded")
     text = "\n".join(res.missing)
-    assert "ε=6 / LoRA+ / math10k: status failed: CUDA out of memory" in text
-    assert "Non-DP / PRISM / glue8: finished but corrupt final.json" in text
-    assert "ε=3 / FFA / glue8: corrupt status.json" in text
-    assert "ε=3 / FFA / math10k: status running" in text
-    assert "ε=3 / PRISM / glue8: no run folder" in text and "ε=3 / PRISM / math10k: no run folder" in text
+    assert "ε=6 / LoRA+ / math10k: failed: CUDA out of memory" in text
+    assert "Non-DP / PRISM / glue8: corrupt: unreadable or missing: final.json" in text
+    assert "ε=3 / FFA / glue8: corrupt: unreadable or missing: status.json" in text
+    assert "ε=3 / FFA / math10k: stale: started but no live job holds its lock" in text  # nobody holds f1's lock
+    assert "ε=3 / PRISM / glue8: no run" in text and "ε=3 / PRISM / math10k: no run" in text
     assert any(m.startswith("no config.yaml") and m.endswith("h1)") for m in res.missing)
-    assert "ε=6 / AdamW / glue8: status failed: CUDA out of memory" in text and "has a finished run" in text
+    assert "ε=6 / AdamW / glue8: failed: CUDA out of memory" in text and "has a finished run" in text
     assert len(res.missing) == 2 * 18 - 6 + 2  # 36 cell-suites, 6 with a finished run, + b3 + the empty folder
     assert res.ignored and "scale paper" in res.ignored[0]  # the paper-scale run is not mixed in
 
@@ -108,21 +118,21 @@ def test_table2_missing_list_reports_failed_corrupt_running_and_absent(table2_ru
 def test_outputs_written_with_marks_paper_and_scale(table2_runs: Path, tmp_path: Path) -> None:
     out = tmp_path / "tables"
     assert agg.main(["experiment=table2", f"runs_dir={table2_runs}", f"out_dir={out}", "scale=embedded"]) == 0
-    md = (out / "table2.md").read_text()
+    md = (out / "table2.embedded.md").read_text()
     assert "NOT comparable" in md and "Scale: embedded" in md
     assert "**0.900** (paper 0.915, -0.015)" in md  # AdamW ε=6 SST-2, best of its block
     assert "0.800 (paper 0.919, -0.119)" in md
     assert "— (paper 0.798)" in md  # PRISM ε=6 MRPC: no stand-in
     assert md.index("## Missing") > md.index("| ε=3 | PRISM |")
-    csv = pd.read_csv(out / "table2.csv")
+    csv = pd.read_csv(out / "table2.embedded.csv")
     assert {"scale", "SST-2_paper", "SST-2_delta", "SST-2_best", "eps_spent_glue8", "eps_spent_math10k"} <= set(
         csv.columns)
     assert csv["SST-2_best"].sum() == 1
-    tex = (out / "table2.tex").read_text()
+    tex = (out / "table2.embedded.tex").read_text()
     assert r"\textbf{0.900}" in tex and r"$\varepsilon$=6" in tex
-    png = out / "table2_privacy_utility.png"
+    png = out / "table2.embedded_privacy_utility.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(pd.read_csv(out / "table2_missing.csv")) == 32
+    assert len(pd.read_csv(out / "table2.embedded_missing.csv")) == 32
 
 
 def test_table4_and_table5_layouts(tmp_path: Path) -> None:
@@ -201,9 +211,9 @@ def test_wandb_keeps_the_latest_forced_rerun_of_a_folder() -> None:
 
 
 def test_bad_arguments_name_the_fix() -> None:
-    with pytest.raises(SystemExit, match="experiment= must be one of"):
+    with pytest.raises(agg.AggregateError, match="use experiment= one of"):
         agg.parse_args(["experiment=table9"])
-    with pytest.raises(SystemExit, match="unknown argument 'runsdir=x'"):
+    with pytest.raises(agg.AggregateError, match="unknown argument 'runsdir=x'"):
         agg.parse_args(["experiment=table2", "runsdir=x"])
 
 

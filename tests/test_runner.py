@@ -49,7 +49,8 @@ def test_fresh_run_writes_the_folder_format(cfg: DictConfig) -> None:
     trainer = FakeTrainer()
     assert execute(cfg, trainer) == "finished"
     folder = store.run_dir(cfg)
-    assert folder.parent.name == "adhoc" and folder.name == store.run_hash(cfg)
+    assert folder.parent.name == "runs" and folder.name == store.run_hash(cfg)
+    assert store.view(folder.parent, "adhoc") == [folder.name]
     assert OmegaConf.load(folder / "config.yaml") == cfg
     assert [r["step"] for r in store.read_metrics(folder)] == [1, 2, 3, 4]
     final = read(folder, "final.json")

@@ -1,0 +1,31 @@
+"""Rebuild the paper's Tables 2–5 from the run store (or W&B) beside the paper's numbers.
+
+    python -m pipelines.aggregate experiment=table2 [source=runs|wandb] [runs_dir=results/runs]
+                                  [out_dir=results/tables] [scale=embedded|paper]
+                                  [wandb_project=prism-dp-lora] [wandb_entity=...]
+
+Input: the runs in the view of the experiment (``<runs_dir>/_views/<experiment>/`` over the shared
+store ``<runs_dir>/<hash>/``, plus the old ``<runs_dir>/<experiment>/<hash>/`` layout; see
+:mod:`pipelines.store`). Output: ``<out_dir>/<experiment>.<scale>.{md,csv,tex}`` and
+``<experiment>.<scale>_missing.csv`` (Table 2 also ``table2.<scale>_privacy_utility.png``).
+
+Each cell is the mean over the seeds of that cell: runs agreeing on every result-changing field
+but the seed; a cell whose runs differ otherwise is refused and listed. The header gives the runs'
+backbone, steps, batch, N, eval rows, protocol and counts per suite; an average over stand-in
+columns says so. The best value per column is marked within each block, the paper's number and
+the difference stand beside every cell, and runs that are missing, running, stale (killed),
+failed or corrupt are listed at the bottom instead of failing.
+
+Modules: :mod:`.records` (runs from the store), :mod:`.wandb_source` (runs from W&B),
+:mod:`.specs` (the tables), :mod:`.build` (cells), :mod:`.render` (files), :mod:`.cli`.
+"""
+from pipelines.aggregate.build import PAPER_DIR, TableResult, build_table, load_paper
+from pipelines.aggregate.cli import main, parse_args
+from pipelines.aggregate.records import AggregateError, RunRecord, read_run_folder, read_run_folders
+from pipelines.aggregate.render import to_latex, to_markdown, write_outputs
+from pipelines.aggregate.specs import GLUE8, MATH4, SPECS, TableSpec
+from pipelines.aggregate.wandb_source import latest_generation, read_wandb, record_from_wandb
+
+__all__ = ["GLUE8", "MATH4", "PAPER_DIR", "SPECS", "AggregateError", "RunRecord", "TableResult", "TableSpec",
+           "build_table", "latest_generation", "load_paper", "main", "parse_args", "read_run_folder",
+           "read_run_folders", "read_wandb", "record_from_wandb", "to_latex", "to_markdown", "write_outputs"]

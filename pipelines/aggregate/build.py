@@ -1,0 +1,272 @@
+"""Cells of a table from run records: grouping, refusals, paper numbers, best marks, header facts.
+
+A cell averages *seeds only*: its finished runs must agree on every result-changing field but the
+seed (:func:`pipelines.store.result_fields`). A cell whose runs differ in anything else (backbone,
+steps, learning rate, …) is refused — left empty and listed with the differing fields — never
+averaged. A run whose realised ε (``final.json``'s ``epsilon_spent``) does not fit its row's ε is
+left out and listed too.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from pipelines import store
+from pipelines.aggregate.records import AggregateError, RunRecord
+from pipelines.aggregate.specs import SUITE_TASKS, TableSpec, as_float, norm_name
+
+PAPER_DIR = Path(__file__).resolve().parents[1] / "paper_tables"
+SCALES = ("embedded", "paper")
+EPS_RTOL = 1e-3  # the accountant's calibration tolerance is far tighter
+
+
+@dataclass
+class TableResult:
+    """A built table: ``frame`` holds keys, value columns, ``<col>_paper``, ``<col>_delta``,
+    ``<col>_best``, ``eps_spent_<suite>`` and ``n_runs``; ``header`` the per-suite facts of the runs
+    behind it (``{suite: {fact: text}}``); ``warnings`` what a reader must know before trusting it."""
+
+    spec: TableSpec
+    scale: str
+    frame: pd.DataFrame
+    missing: list[str]
+    ignored: list[str]
+    stand_ins: list[str] = field(default_factory=list)
+    header: dict[str, dict[str, str]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    columns_seen: dict[str, list[str]] = field(default_factory=dict)
+    n_finished: int = 0
+
+
+def load_paper(name: str) -> pd.DataFrame:
+    """The paper's numbers for one table (``pipelines/paper_tables/<name>.csv``)."""
+    return pd.read_csv(PAPER_DIR / f"{name}.csv")
+
+
+def choose_scale(records: Sequence[RunRecord], scale: str | None) -> str:
+    """The requested scale, else the scale of most records (embedded when there are none)."""
+    if scale:
+        if scale not in SCALES:
+            raise AggregateError(f"scale={scale} is not known, use scale=embedded or scale=paper")
+        return scale
+    seen = pd.Series([r.get("suite.scale") for r in records]).dropna()
+    return str(seen.mode().iloc[0]) if not seen.empty else "embedded"
+
+
+def epsilon_problem(record: RunRecord) -> str:
+    """Why a finished run's realised ε does not fit the row of its target ε ('' when it does)."""
+    target = as_float(record.get("privacy.epsilon"))
+    if target is None or "epsilon_spent" not in record.final:
+        return ""
+    spent = as_float(record.final.get("epsilon_spent"))
+    if math.isinf(target):
+        return "" if spent is None or math.isinf(spent) else f"non-DP config but realised ε={spent:g}"
+    if spent is None or math.isnan(spent) or spent > target * (1 + EPS_RTOL):
+        return f"realised ε={spent} exceeds the row's ε={target:g}"
+    return ""
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(node, Mapping):
+        return {prefix: node}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        out.update(_flatten(value, f"{prefix}{key}."))
+    return {k.rstrip("."): v for k, v in out.items()}
+
+
+def config_signature(record: RunRecord) -> str:
+    """Canonical JSON of the run's result-changing config minus the seed (equal ⇔ seeds of one cell)."""
+    fields = store.result_fields(record.config)
+    fields.pop("seed", None)
+    return store.canonical(fields)
+
+
+def differing_fields(records: Sequence[RunRecord], limit: int = 4) -> str:
+    """``field: a | b`` for the config fields (seed excluded) on which ``records`` disagree."""
+    flat = [_flatten({k: v for k, v in store.result_fields(r.config).items() if k != "seed"}) for r in records]
+    keys = sorted({k for f in flat for k in f})
+    diffs = [f"{k}: {' | '.join(sorted({str(f.get(k)) for f in flat}))}" for k in keys
+             if len({store.canonical(f.get(k)) for f in flat}) > 1]
+    more = f" (+{len(diffs) - limit} more)" if len(diffs) > limit else ""
+    return "; ".join(diffs[:limit]) + more
+
+
+def expected_rows(paper: pd.DataFrame, keys: Sequence[str], seen: Iterable[tuple]) -> list[tuple]:
+    """Rows the table must have: the paper's rows in its order, then any extra rows the runs have."""
+    rows = [tuple(r) for r in paper[list(keys)].itertuples(index=False)]
+    return rows + [k for k in dict.fromkeys(seen) if k not in rows]
+
+
+def stand_ins(records: Sequence[RunRecord]) -> list[str]:
+    """``paper backbone → backbone actually run`` for runs on an embedded stand-in (Table 3)."""
+    pairs = {(r.get("backbone.paper_name"), r.get("backbone.name")) for r in records if r.config}
+    return sorted(f"{p} → {n}" for p, n in pairs if p and n and norm_name(p) != norm_name(n))
+
+
+def fmt_key(spec: TableSpec, key: tuple) -> str:
+    """A row key as text (``ε=6 / PRISM``, ``r=8 / AdamW``)."""
+    return " / ".join(f"r={k}" if name == "Rank" else str(k) for name, k in zip(spec.keys, key))
+
+
+# ----------------------------------------------------------------------------------------- header
+
+def _eval_rows(final: Mapping[str, Any]) -> str | None:
+    rows = final.get("eval_rows")
+    if not isinstance(rows, Mapping) or not rows:
+        return None
+    counts = sorted({int(v) for v in rows.values()})
+    per = str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
+    return f"{per} per task ({len(rows)} tasks)"
+
+
+def _steps(record: RunRecord) -> str:
+    bench = record.get("train.benchmark")
+    if isinstance(bench, Mapping):
+        return f"{bench.get('warmup')}+{bench.get('measure')} (benchmark)"
+    return str(record.get("train.steps"))
+
+
+def _backbone(record: RunRecord) -> str:
+    name, paper = record.get("backbone.name"), record.get("backbone.paper_name")
+    return f"{name} (for {paper})" if paper and norm_name(paper) != norm_name(name) else str(name)
+
+
+FACTS = (  # (header column, config field it comes from or None, value of one run)
+    ("backbone", "backbone", _backbone),
+    ("steps", "train", _steps),
+    ("batch", "train", lambda r: str(r.get("train.batch_size"))),
+    ("N (train)", "suite", lambda r: None if r.final.get("n_train") is None else str(r.final["n_train"])),
+    ("eval rows", "suite", lambda r: _eval_rows(r.final)),
+    ("protocol", "protocol", lambda r: None if r.get("protocol.name") is None else str(r.get("protocol.name"))),
+)
+
+
+def header_facts(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord]]) -> tuple[dict, list[str]]:
+    """Per suite, each fact of its runs (one value, or every value with its run count); and a
+    warning for each fact that differs between rows although it is not an axis of the table."""
+    header: dict[str, dict[str, str]] = {}
+    warnings = []
+    for suite, records in by_suite.items():
+        facts: dict[str, str] = {"runs": str(len(records))}
+        for name, source, get in FACTS:
+            counts = Counter(v for v in (get(r) for r in records) if v is not None)
+            if not counts:
+                continue
+            if len(counts) == 1:
+                facts[name] = next(iter(counts))
+                continue
+            facts[name] = ", ".join(f"{v} ({n} runs)" for v, n in sorted(counts.items()))
+            if source not in spec.axes:
+                warnings.append(f"{suite}: runs of different rows differ in {name} ({facts[name]})")
+        header[suite] = facts
+    return header, warnings
+
+
+# ----------------------------------------------------------------------------------------- table
+
+def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str | None = None,
+                paper: pd.DataFrame | None = None) -> TableResult:
+    """Cells from records, paper numbers and deltas beside them, best marks, the missing list."""
+    paper = load_paper(spec.name) if paper is None else paper
+    scale = choose_scale(records, scale)
+    ignored = [f"{r.run_id}: scale {r.get('suite.scale')}" for r in records
+               if r.config and r.get("suite.scale") not in (None, scale)]
+    records = [r for r in records if not r.config or r.get("suite.scale") in (None, scale)]
+    problems = [r for r in records if r.state != "finished"]
+    missing: list[str] = []
+    finished = []
+    for r in (r for r in records if r.state == "finished"):
+        why = epsilon_problem(r)
+        if why:
+            missing.append(f"{fmt_key(spec, spec.cell_key(r, paper))} / {r.get('suite.name')}: "
+                           f"left out, {why} ({r.run_id})")
+        else:
+            finished.append(r)
+    cells: dict[tuple, dict[str, list[RunRecord]]] = {}
+    for r in finished:
+        cells.setdefault(spec.cell_key(r, paper), {}).setdefault(str(r.get("suite.name")), []).append(r)
+    warnings = []
+    for key, by_suite in cells.items():
+        for suite, rs in list(by_suite.items()):
+            if len({config_signature(r) for r in rs}) > 1:
+                text = (f"{fmt_key(spec, key)} / {suite}: REFUSED, {len(rs)} runs differ in more than the "
+                        f"seed ({differing_fields(rs)}); not averaged — keep one config per cell")
+                missing.append(text)
+                warnings.append(text)
+                del by_suite[suite]
+    rows = expected_rows(paper, spec.keys, [*cells, *(spec.cell_key(r, paper) for r in problems if r.config)])
+    paper_idx = paper.set_index(list(spec.keys)).to_dict("index")
+    table = []
+    for key in rows:
+        by_suite = cells.get(key, {})
+        values = spec.cell_values(spec, by_suite)
+        row: dict[str, Any] = dict(zip(spec.keys, key))
+        for col in spec.columns:
+            ref = as_float(paper_idx.get(key[0] if len(key) == 1 else key, {}).get(col))
+            row[col] = values[col]
+            row[f"{col}_paper"] = math.nan if ref is None else ref
+            row[f"{col}_delta"] = values[col] - ref if ref is not None else math.nan
+        row.update(cell_epsilon(by_suite))
+        row["n_runs"] = sum(len(v) for v in by_suite.values())
+        table.append(row)
+        for suite in spec.suites:
+            if not by_suite.get(suite):
+                why = [f"{r.problem} ({r.run_id})" for r in problems
+                       if r.config and spec.cell_key(r, paper) == key and r.get("suite.name") == suite]
+                if why or not any(m.startswith(f"{fmt_key(spec, key)} / {suite}:") for m in missing):
+                    missing.append(f"{fmt_key(spec, key)} / {suite}: " + ("; ".join(why) or "no run"))
+    missing += [f"{fmt_key(spec, k)} / {r.get('suite.name')}: {r.problem} ({r.run_id}); the cell has a finished run"
+                for r in problems if r.config and cells.get(k := spec.cell_key(r, paper), {}).get(r.get("suite.name"))]
+    missing += [f"{r.problem} ({r.run_id})" for r in problems if not r.config]
+    columns = [*spec.keys, *(c for col in spec.columns for c in (col, f"{col}_paper", f"{col}_delta")),
+               *(f"eps_spent_{s}" for s in spec.suites), "n_runs"]
+    frame = pd.DataFrame(table, columns=columns)
+    used = {s: [r for by_suite in cells.values() for r in by_suite.get(s, [])] for s in spec.suites}
+    header, fact_warnings = header_facts(spec, {s: rs for s, rs in used.items() if rs})
+    seen = {s: sorted({c for r in rs for c in r.final.get("columns", {})}) for s, rs in used.items()}
+    return TableResult(spec, scale, mark_best(frame, spec), missing, ignored, stand_ins(records), header,
+                       fact_warnings + warnings, seen, sum(len(rs) for rs in used.values()))
+
+
+def cell_epsilon(by_suite: Mapping[str, Sequence[RunRecord]]) -> dict[str, float]:
+    """Realised ε per suite (the largest over the cell's runs) as read back from the accountant."""
+    out = {}
+    for suite, rs in by_suite.items():
+        eps = [e for e in (as_float(r.final.get("epsilon_spent")) for r in rs) if e is not None]
+        out[f"eps_spent_{suite}"] = max(eps) if eps else math.nan
+    return out
+
+
+def mark_best(frame: pd.DataFrame, spec: TableSpec) -> pd.DataFrame:
+    """Add ``<col>_best`` flags: the best value per column within each block (ties all marked)."""
+    frame = frame.copy()
+    blocks = frame.groupby(spec.block, sort=False) if spec.block else [(None, frame)]
+    for col in spec.columns:
+        flags = pd.Series(False, index=frame.index)
+        for _, part in blocks:
+            vals = pd.to_numeric(part[col], errors="coerce")
+            if vals.notna().any():
+                best = vals.min() if spec.lower_is_better else vals.max()
+                flags.loc[part.index] = (vals - best).abs() < 1e-12
+        frame[f"{col}_best"] = flags
+    return frame
+
+
+def average_label(result: TableResult, col: str, label: str) -> str:
+    """An average column's header: the paper's label when it covers every task of its suites, else
+    ``<label> (mean of K stand-in cols)`` — a stand-in table's Avg is not the paper's 12-task mean."""
+    suites = (result.spec.averages or {}).get(col)
+    if not suites:
+        return label
+    seen = sum(len(result.columns_seen.get(s, [])) for s in suites)
+    full = sum(len(SUITE_TASKS[s]) for s in suites)
+    if seen == 0 or seen >= full:
+        return label
+    return f"{label.replace(' (12 tasks)', '')} (mean of {seen} stand-in col{'s' * (seen != 1)})"

@@ -1,0 +1,183 @@
+"""Rendering a built table: Markdown, CSV, LaTeX and Table 2's privacy–utility plot, per scale.
+
+Every file name carries the scale (``table2.embedded.md``, ``table2.paper.md``, …), so an
+embedded-scale table never replaces a paper-scale one, and nothing is written for a table
+without a single finished run.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from pipelines.aggregate.build import FACTS, TableResult, average_label
+
+DASH = "—"
+LABELS = {"GLUE8_Avg": "GLUE8 Avg", "Math_Avg": "Math Avg", "Avg_12": "Avg (12 tasks)",
+          "Step_time_s": "Step time (s)", "Peak_memory_MB": "Peak memory (MB)"}
+
+
+def _digits(result: TableResult, col: str) -> int:
+    spec = result.spec
+    return spec.digits[spec.columns.index(col)] if spec.digits else 3
+
+
+def column_label(result: TableResult, col: str) -> str:
+    """A value column's header (an average says how many stand-in columns it covers)."""
+    return average_label(result, col, LABELS.get(col, col))
+
+
+def _cell_text(result: TableResult, row: pd.Series, col: str, bold: tuple[str, str]) -> str:
+    d = _digits(result, col)
+    value, ref, delta = row[col], row[f"{col}_paper"], row[f"{col}_delta"]
+    text = DASH if pd.isna(value) else f"{value:.{d}f}"
+    if not pd.isna(value) and row[f"{col}_best"]:
+        text = f"{bold[0]}{text}{bold[1]}"
+    if not pd.isna(ref):
+        ref_digits = next((i for i in range(d, 6) if abs(ref - round(ref, i)) < 1e-9), 6)
+        text += f" (paper {ref:.{ref_digits}f}"
+        text += f", {delta:+.{d}f})" if not pd.isna(delta) else ")"
+    return text
+
+
+def scale_line(result: TableResult) -> str:
+    """What the scale means for comparing with the paper."""
+    if result.scale == "paper":
+        return "Scale: paper (the paper's backbones and full suites; comparable with the paper's numbers)."
+    return ("Scale: embedded (small CPU backbone, stand-in tasks for the columns shown; these numbers are "
+            "NOT comparable with the paper's — the paper's numbers are shown for layout only).")
+
+
+def header_lines(result: TableResult) -> list[str]:
+    """The runs behind the table: one Markdown row per suite (backbone, steps, batch, N, eval rows,
+    protocol, run count), then the stand-in and average notes and any warnings."""
+    if not result.header:
+        return []
+    names = ["runs", *(n for n, _, _ in FACTS if any(n in f for f in result.header.values()))]
+    lines = [f"Runs behind the table ({result.n_finished} finished):", "",
+             "| suite | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for suite, facts in result.header.items():
+        lines.append(f"| {suite} | " + " | ".join(facts.get(n, DASH) for n in names) + " |")
+    lines.append("")
+    seen = [c for cols in result.columns_seen.values() for c in cols]
+    relabelled = [c for c in result.spec.columns if column_label(result, c) != LABELS.get(c, c)]
+    if relabelled:
+        lines += [f"Averages are unweighted means over the {len(seen)} stand-in column(s) with runs "
+                  f"({', '.join(seen)}), not over the paper's tasks; the paper's number beside them "
+                  "covers all of its tasks.", ""]
+    lines += [f"WARNING: {w}" for w in result.warnings]
+    return lines + ([""] if result.warnings else [])
+
+
+def to_markdown(result: TableResult) -> str:
+    """The table as Markdown: title, scale, run facts, rows, then the missing runs."""
+    spec, frame = result.spec, result.frame
+    head = [f"# Table {spec.name[-1]}: {spec.title}", "", scale_line(result), ""]
+    head += header_lines(result)
+    if result.stand_ins:
+        head += ["Backbones run in place of the paper's: " + ", ".join(result.stand_ins) + ".", ""]
+    head += ["Best per column " + (f"within each {spec.block} block " if spec.block else "")
+             + "in **bold**; beside each cell: the paper's number and our difference.", ""]
+    header = [*spec.keys, *(column_label(result, c) for c in spec.columns)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for _, row in frame.iterrows():
+        cells = [str(row[k]) for k in spec.keys] + [_cell_text(result, row, c, ("**", "**")) for c in spec.columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(head + lines + ["", *_missing_md(result)]) + "\n"
+
+
+def _missing_md(result: TableResult) -> list[str]:
+    out = ["## Missing, running, stale, failed, corrupt or refused runs", ""]
+    out += [f"- {m}" for m in result.missing] or ["- none"]
+    if result.ignored:
+        out += ["", f"Ignored (other scale than {result.scale}):", *(f"- {m}" for m in result.ignored)]
+    return out
+
+
+def _tex_escape(text: str) -> str:
+    return (text.replace("\\", r"\textbackslash{}").replace("&", r"\&").replace("%", r"\%")
+            .replace("_", r"\_").replace("#", r"\#").replace("ε", r"$\varepsilon$").replace("—", "--"))
+
+
+def to_latex(result: TableResult) -> str:
+    """The table as a booktabs ``tabular`` (scale, run facts and missing runs as comments)."""
+    spec, frame = result.spec, result.frame
+    cols = "l" * len(spec.keys) + "r" * len(spec.columns)
+    lines = [f"% {scale_line(result)}", *(f"% {line}" for line in header_lines(result) if line),
+             r"\begin{tabular}{" + cols + "}", r"\toprule",
+             " & ".join(_tex_escape(h) for h in (*spec.keys, *(column_label(result, c) for c in spec.columns)))
+             + r" \\", r"\midrule"]
+    previous = None
+    for _, row in frame.iterrows():
+        if spec.block and previous is not None and row[spec.block] != previous:
+            lines.append(r"\midrule")
+        previous = row[spec.block] if spec.block else None
+        cells = [_tex_escape(str(row[k])) for k in spec.keys]
+        cells += [_tex_escape(_cell_text(result, row, c, ("\x00", "\x01"))).replace("\x00", r"\textbf{")
+                  .replace("\x01", "}") for c in spec.columns]
+        lines.append(" & ".join(cells) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    lines += [f"% missing: {_tex_escape(m)}" for m in result.missing]
+    return "\n".join(lines) + "\n"
+
+
+def plot_privacy_utility(result: TableResult, path: Path) -> Path:
+    """Avg vs ε per method for Table 2 (ours solid, paper dashed); ε=∞ (Non-DP) drawn at the right end."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    frame = result.frame.copy()
+    frame["eps"] = [math.inf if s == "Non-DP" else float(str(s).split("=")[-1]) for s in frame["Setting"]]
+    finite = sorted(e for e in frame["eps"].unique() if not math.isinf(e)) or [1.0]
+    inf_x = finite[-1] * 2
+    frame["x"] = frame["eps"].replace(math.inf, inf_x)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (method, part) in enumerate(frame.sort_values("x").groupby("Method", sort=False)):
+        color = f"C{i % 10}"
+        ours = part.dropna(subset=["Avg"])
+        if not ours.empty:
+            ax.plot(ours["x"], ours["Avg"], "o-", color=color, label=f"{method}")
+        ref = part.dropna(subset=["Avg_paper"])
+        if not ref.empty:
+            ax.plot(ref["x"], ref["Avg_paper"], "x--", color=color, alpha=0.5,
+                    label=None if not ours.empty else f"{method} (paper only)")
+    ticks = [*finite, inf_x]
+    ax.set_xticks(ticks, [f"{e:g}" for e in finite] + ["∞\n(non-DP)"])
+    ax.set_xlabel("ε (δ = 1e-5)")
+    ax.set_ylabel(column_label(result, "Avg"))
+    ax.set_title(f"Privacy–utility ({result.scale} scale; dashed = paper)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def output_stem(result: TableResult) -> str:
+    """``<table>.<scale>``: the stem of every file of this table at this scale."""
+    return f"{result.spec.name}.{result.scale}"
+
+
+def write_outputs(result: TableResult, out_dir: Path) -> list[Path]:
+    """Write ``<table>.<scale>.{md,csv,tex}``, ``<table>.<scale>_missing.csv`` (and Table 2's plot);
+    return the paths. Writes nothing (returns ``[]``) for a table without a finished run."""
+    if result.n_finished == 0:
+        return []
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = output_stem(result)
+    paths = [out_dir / f"{stem}.{ext}" for ext in ("md", "csv", "tex")]
+    paths[0].write_text(to_markdown(result))
+    csv = result.frame.copy()
+    csv.insert(0, "scale", result.scale)
+    csv.to_csv(paths[1], index=False, float_format="%.6g")
+    paths[2].write_text(to_latex(result))
+    missing = out_dir / f"{stem}_missing.csv"
+    pd.DataFrame({"missing": result.missing}).to_csv(missing, index=False)
+    paths.append(missing)
+    if result.spec.plot:
+        paths.append(plot_privacy_utility(result, out_dir / f"{stem}_privacy_utility.png"))
+    return paths
