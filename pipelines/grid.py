@@ -7,7 +7,9 @@ the sweep; a user sweep ``key=a,b`` adds an axis), so the local dispatcher
 (:mod:`pipelines.reproduce`), Hydra multirun and the SLURM array scripts run the same jobs.
 
 Command line (for ``slurm/`` scripts): ``python -m pipelines.grid tableN [overrides...] [--pending]``
-prints one job per line (shell-quoted overrides); ``--pending`` leaves out finished runs.
+prints one job per line (shell-quoted overrides); ``--pending`` leaves out finished runs (trained
+for any experiment: the run store is shared) and tags them into this experiment's view. A config
+that does not compose is one ``error:`` line on stderr and exit code 2.
 """
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 CONFIG_NAME = "config"
@@ -36,6 +40,10 @@ def by_family(family: str, table: Mapping[str, Any], multiplier: float = 1.0) ->
     if family not in table:
         raise ValueError(f"no learning rate for suite family {family!r}; the method yaml lists {sorted(table)}")
     return float(f"{float(table[family]) * float(multiplier):.12g}")  # no 0.0029999999999999996 in configs
+
+
+class ComposeError(ValueError):
+    """Overrides that do not compose into a job config (message: Hydra's, on one line)."""
 
 
 def register_resolvers() -> None:
@@ -96,12 +104,16 @@ def _is_sweep(override: str) -> bool:
 
 
 def job_config(job: Sequence[str]) -> DictConfig:
-    """The resolved config of one job."""
-    return resolve(compose_config(job))
+    """The resolved config of one job; :class:`ComposeError` when the overrides do not compose."""
+    try:
+        return resolve(compose_config(job))
+    except (HydraException, OmegaConfBaseException, ValueError) as err:
+        first = " ".join(str(err).split("Config search path:")[0].split()) or type(err).__name__
+        raise ComposeError(f"{first} (overrides: {' '.join(job)})") from err
 
 
 def main(argv: Sequence[str]) -> int:
-    from pipelines.store import inspect_run, run_dir
+    from pipelines import store
 
     if not argv or argv[0].startswith("-"):
         print("usage: python -m pipelines.grid tableN [overrides...] [--pending]", file=sys.stderr)
@@ -109,12 +121,21 @@ def main(argv: Sequence[str]) -> int:
     pending = "--pending" in argv
     args = [a for a in argv if a != "--pending"]
     experiment = args[0] if args[0].startswith("table") else f"table{args[0]}"
-    for job in experiment_jobs(experiment, args[1:]):
-        if pending:
-            cfg = job_config(job)
-            if inspect_run(run_dir(cfg)).state == "finished" and not cfg.force:
-                continue
-        print(shlex.join(job))
+    lines = []
+    try:
+        for job in experiment_jobs(experiment, args[1:]):
+            if pending:
+                cfg = job_config(job)
+                root, run_hash = store.runs_root(cfg), store.run_hash(cfg)
+                if store.inspect_run(store.find_run(root, run_hash)).state == "finished" and not cfg.force:
+                    store.tag(root, experiment, run_hash)
+                    continue
+            lines.append(shlex.join(job))
+    except (ComposeError, HydraException, OmegaConfBaseException) as err:
+        print(f"error: {' '.join(str(err).split('Config search path:')[0].split())}", file=sys.stderr)
+        return 2
+    if lines:
+        print("\n".join(lines))
     return 0
 
 

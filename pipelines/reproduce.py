@@ -7,14 +7,20 @@
 progress bar over the grid and one line per running job (its last ``metrics.jsonl`` step).
 ``launcher=slurm`` (or ``submitit_local``): Hydra multirun through hydra-submitit-launcher
 (``python -m pipelines.run -m experiment=tableN ...``); the submitting process blocks until the
-array ends, so start it under tmux/nohup. Finished runs are skipped either way (each job checks its
-own folder), nothing is deleted, and the aggregator runs at the end if it is installed.
+array ends, so start it under tmux/nohup; a dead controller or a failed ``sbatch`` is reported as
+``0 of N submitted: <reason>`` (exit code 1, no traceback, no table touched). Finished runs — of
+this experiment or of any other whose grid holds the same config (the run store is shared, see
+:mod:`pipelines.store`) — are skipped and tagged into this experiment's view; nothing is deleted,
+and the aggregator runs at the end when a run was trained.
 """
 from __future__ import annotations
 
+import getpass
 import importlib.util
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -25,18 +31,24 @@ from pathlib import Path
 from tqdm import tqdm
 
 from pipelines import store
-from pipelines.grid import experiment_jobs, job_config
+from pipelines.grid import ComposeError, experiment_jobs, job_config
 
 POLL_S = 1.0
 
 
 @dataclass
 class Job:
-    """One grid job: its overrides, run folder and planned step count."""
+    """One grid job: its overrides, run (store root and hash) and planned step count."""
 
     overrides: list[str]
-    folder: Path
+    root: Path
+    run_hash: str
     steps: int
+
+    @property
+    def folder(self) -> Path:
+        """Where the run lives now (the runner may move an old-layout folder into the store)."""
+        return store.find_run(self.root, self.run_hash)
 
 
 def parse_args(argv: Sequence[str]) -> tuple[str, int, list[str]]:
@@ -56,15 +68,24 @@ def parse_args(argv: Sequence[str]) -> tuple[str, int, list[str]]:
 
 
 def plan(experiment: str, overrides: Sequence[str]) -> tuple[list[Job], list[Job]]:
-    """(pending, finished) jobs of the grid."""
+    """(pending, finished) jobs of the grid; finished runs (trained for any experiment, in the
+    store or the old layout) are tagged into ``experiment``'s view, as the runner would."""
     pending, finished = [], []
     for overrides_ in experiment_jobs(experiment, overrides):
         cfg = job_config(overrides_)
         bench = cfg.train.benchmark
-        job = Job(overrides_, store.run_dir(cfg), bench.warmup + bench.measure if bench else cfg.train.steps)
+        job = Job(overrides_, store.runs_root(cfg), store.run_hash(cfg),
+                  bench.warmup + bench.measure if bench else cfg.train.steps)
         done = store.inspect_run(job.folder).state == "finished" and not cfg.force
+        if done:
+            store.tag(job.root, experiment, job.run_hash)
         (finished if done else pending).append(job)
     return pending, finished
+
+
+def unfinished(jobs: Sequence[Job]) -> list[Job]:
+    """The jobs whose run is not finished now (each job's real run state, not a process's exit code)."""
+    return [job for job in jobs if store.inspect_run(job.folder).state != "finished"]
 
 
 def last_step(folder: Path) -> int:
@@ -95,20 +116,20 @@ def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list
             while queue and len(running) < workers:
                 job = queue.pop(0)
                 slot = next(i for i in range(workers) if i not in {s for s, _ in running.values()})
-                with open(log_dir / f"{job.folder.name}.log", "a") as out:
+                with open(log_dir / f"{job.run_hash}.log", "a") as out:
                     proc = subprocess.Popen([sys.executable, "-m", "pipelines.run", *job.overrides],
                                             stdout=out, stderr=subprocess.STDOUT, env=env)
                 running[proc] = (slot, job)
             for proc, (slot, job) in list(running.items()):
                 slots[slot].set_description_str(
-                    f"  {job.folder.name} {' '.join(job.overrides[1:])}: step {last_step(job.folder)}/{job.steps}")
+                    f"  {job.run_hash} {' '.join(job.overrides[1:])}: step {last_step(job.folder)}/{job.steps}")
                 if proc.poll() is None:
                     continue
                 del running[proc]
                 slots[slot].set_description_str("")
                 outcome["ok" if proc.returncode == 0 else "failed"].append(job)
                 if proc.returncode != 0:
-                    tqdm.write(f"FAILED {' '.join(job.overrides)} (log {log_dir / job.folder.name}.log)")
+                    tqdm.write(f"FAILED {' '.join(job.overrides)} (log {log_dir / job.run_hash}.log)")
                 grid_bar.update(1)
             time.sleep(POLL_S if running else 0)
     finally:
@@ -120,11 +141,46 @@ def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list
     return outcome
 
 
-def run_hydra_multirun(experiment: str, overrides: Sequence[str]) -> int:
-    """Hydra multirun (e.g. launcher=slurm): blocks until every job of the sweep has returned."""
+def slurm_problem(timeout_s: float = 30.0) -> str | None:
+    """Why SLURM cannot take a submission now (no ``sbatch``, or ``squeue`` cannot reach the
+    controller), or None."""
+    if shutil.which("sbatch") is None or shutil.which("squeue") is None:
+        return "sbatch/squeue not found (run this on a SLURM login node, or use launcher=local)"
+    try:
+        probe = subprocess.run(["squeue", "-h", "-u", getpass.getuser(), "-o", "%i"], capture_output=True,
+                               text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"squeue did not answer within {timeout_s:.0f} s (SLURM controller down?)"
+    if probe.returncode != 0:
+        lines = (probe.stderr or probe.stdout).strip().splitlines()
+        return f"squeue failed: {lines[-1] if lines else f'exit code {probe.returncode}'}"
+    return None
+
+
+ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
+
+
+def run_hydra_multirun(experiment: str, overrides: Sequence[str], log_path: Path) -> tuple[int, str]:
+    """Hydra multirun (e.g. launcher=slurm): blocks until every job of the sweep has returned.
+
+    The child's output goes to ``log_path`` in full and to the terminal without tracebacks;
+    returns (exit code, the error line of the last traceback or the last output line)."""
     cmd = [sys.executable, "-m", "pipelines.run", "-m", f"experiment={experiment}", *overrides]
     print("running:", " ".join(cmd), flush=True)
-    return subprocess.call(cmd)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    reason, in_traceback = "", False
+    with open(log_path, "a") as log, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                      text=True) as proc:
+        for line in proc.stdout or ():
+            log.write(line)
+            text = line.strip()
+            in_traceback = in_traceback or text.startswith("Traceback")
+            if in_traceback:
+                reason = text if ERROR_LINE.match(text) else reason
+            elif text:
+                print(line, end="", flush=True)
+                reason = text
+    return proc.returncode, reason
 
 
 def aggregate(experiment: str, results_dir: str, scale: str) -> None:
@@ -135,28 +191,56 @@ def aggregate(experiment: str, results_dir: str, scale: str) -> None:
     root = Path(results_dir)
     subprocess.call([sys.executable, "-m", "pipelines.aggregate", f"experiment={experiment}",
                      f"runs_dir={root / 'runs'}", f"out_dir={root / 'tables'}", f"scale={scale}"])
-    tables = sorted((Path(results_dir) / "tables").glob(f"{experiment}*"))
+    tables = sorted((Path(results_dir) / "tables").glob(f"{experiment}.{scale}*"))
     for table in tables:
         print("table:", table)
 
 
+def launch(experiment: str, launcher: str, pending: list[Job], workers: int, overrides: Sequence[str],
+           log_dir: Path) -> tuple[bool, str]:
+    """Train ``pending``; returns (whether anything was submitted, a one-line failure summary or '')."""
+    n = len(pending)
+    if launcher == "local":
+        run_local(pending, workers, log_dir)
+        failed = unfinished(pending)
+        if not failed:
+            return True, ""
+        return True, (f"{len(failed)} of {n} run(s) failed; logs in {log_dir} "
+                      f"({', '.join(j.run_hash for j in failed[:5])}{', …' if len(failed) > 5 else ''}); "
+                      "rerun the same command to retry them (finished runs are kept)")
+    if launcher == "slurm" and (problem := slurm_problem()):
+        return False, f"0 of {n} submitted: {problem}"
+    rc, reason = run_hydra_multirun(experiment, overrides, log_dir / f"multirun-{store.utc_stamp()}.log")
+    failed = unfinished(pending)
+    if rc == 0 and not failed:
+        return True, ""
+    if all(not job.folder.exists() for job in failed) and len(failed) == n:
+        return False, f"0 of {n} submitted: {reason or f'exit code {rc}'} (full log in {log_dir})"
+    return True, (f"{len(failed)} of {n} run(s) not finished: {reason or f'exit code {rc}'}; full log in "
+                  f"{log_dir}; rerun the same command to retry them (finished runs are kept)")
+
+
 def main(argv: Sequence[str]) -> int:
     experiment, workers, overrides = parse_args(argv)
-    cfg0 = job_config([f"experiment={experiment}", *[o for o in overrides if "," not in o]])
-    pending, finished = plan(experiment, overrides)
+    try:
+        cfg0 = job_config([f"experiment={experiment}", *[o for o in overrides if "," not in o]])
+        pending, finished = plan(experiment, overrides)
+    except ComposeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"{experiment}: {len(pending) + len(finished)} runs in the grid, {len(finished)} finished, "
           f"{len(pending)} to run", flush=True)
     launcher = next((o.split("=", 1)[1] for o in overrides if o.startswith("launcher=")), "local")
-    failed = 0
-    if pending and launcher == "local":
-        outcome = run_local(pending, workers, Path(cfg0.results_dir) / "logs" / experiment)
-        failed = len(outcome["failed"])
-    elif pending:
-        failed = int(run_hydra_multirun(experiment, overrides) != 0)
-    aggregate(experiment, str(cfg0.results_dir), str(cfg0.suite.scale))
-    if failed:
-        print(f"{failed} run(s) failed; rerun the same command to retry them (finished runs are kept)")
-    return 1 if failed else 0
+    submitted, failure = True, ""
+    if pending:
+        submitted, failure = launch(experiment, launcher, pending, workers, overrides,
+                                    Path(cfg0.results_dir) / "logs" / experiment)
+    if submitted:
+        aggregate(experiment, str(cfg0.results_dir), str(cfg0.suite.scale))
+    if failure:
+        print(failure, file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

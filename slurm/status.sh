@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Progress of the latest slurm/submit.sh array of an experiment, read from the run folders.
+# Progress of the latest successful slurm/submit.sh array of an experiment, read from the run folders.
 #   slurm/status.sh <experiment> [submission dir]
-# Counts the jobs of jobs.txt by their run folder's status.json: finished / running / failed /
-# corrupt / missing (no folder yet), lists the failed ones with their error, and (when squeue is
-# reachable) shows the array's pending/running tasks as SLURM sees them.
+# Counts the jobs of jobs.txt by their run's state (pipelines.store.run_state): finished / running
+# (its job holds the run's lock) / stale (started, no live holder: killed, resumes on re-submission)
+# / failed / corrupt / missing (no folder yet), lists the failed ones with their error, and (when
+# squeue is reachable) shows the array's pending/running tasks as SLURM sees them.
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
@@ -12,8 +13,13 @@ if [[ $# -lt 1 ]]; then
 fi
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 experiment=$1
-dir=${2:-$(ls -d "$repo/results/slurm/$experiment"-* 2>/dev/null | sort | tail -n 1 || true)}
-[[ -f $dir/jobs.txt ]] || { echo "no submission of $experiment under results/slurm/ (run slurm/submit.sh)" >&2; exit 1; }
+dir=${2:-}
+if [[ -z $dir ]]; then  # the newest submission that sbatch accepted (it has a job_id)
+  for candidate in $(ls -d "${PRISM_SLURM_DIR:-$repo/results/slurm}/$experiment"-* 2>/dev/null | sort -r); do
+    if [[ -f $candidate/job_id ]]; then dir=$candidate; break; fi
+  done
+fi
+[[ -n $dir && -f $dir/jobs.txt ]] || { echo "no submission of $experiment under results/slurm/ (run slurm/submit.sh)" >&2; exit 1; }
 echo "submission: $dir"
 if [[ -f $dir/job_id ]] && command -v squeue >/dev/null; then
   echo "squeue (array $(cat "$dir/job_id")):"
@@ -23,23 +29,21 @@ cd "$repo"
 "${PRISM_PYTHON:-$repo/.venv/bin/python}" - "$dir/jobs.txt" <<'PY'
 import shlex, sys
 from collections import Counter
+from pipelines import store
 from pipelines.grid import job_config
-from pipelines.store import inspect_run, run_dir
 
 counts, failed = Counter(), []
 for line in open(sys.argv[1]).read().splitlines():
     if not line.strip():
         continue
-    folder = run_dir(job_config(shlex.split(line)))
-    info = inspect_run(folder)
-    state = info.state  # absent | finished | incomplete (running, failed, no status yet) | corrupt
-    if state in ("absent", "incomplete"):
-        state = (info.status or {}).get("state", "missing")
-        state = state if state in ("running", "failed") else "missing"
+    cfg = job_config(shlex.split(line))
+    folder = store.find_run(store.runs_root(cfg), store.run_hash(cfg))
+    info = store.inspect_run(folder)
+    state = store.run_state(folder, info).replace("absent", "missing")
     counts[state] += 1
     if state in ("failed", "corrupt"):
         failed.append(f"  {state}: {folder} {(info.status or {}).get('error') or info.reason}")
-print(" ".join(f"{k}={counts[k]}" for k in ("finished", "running", "failed", "corrupt", "missing")),
+print(" ".join(f"{k}={counts[k]}" for k in ("finished", "running", "stale", "failed", "corrupt", "missing")),
       f"total={sum(counts.values())}")
 if failed:
     print("\n".join(failed))

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Submit one experiment grid as ONE SLURM job array (no process stays behind to babysit it).
 #
-#   slurm/submit.sh <experiment> [hydra overrides...]      e.g. slurm/submit.sh table2 scale=paper
+#   slurm/submit.sh [--dry-run] <experiment> [hydra overrides...]   e.g. slurm/submit.sh table2 scale=paper
 #
 # Writes the job list (one line of shell-quoted Hydra overrides per job, from `python -m
-# pipelines.grid`, finished runs left out) to results/slurm/<experiment>-<UTC time>/jobs.txt and
-# runs `sbatch --array=0-(N-1)%K slurm/array.sbatch jobs.txt`. Resources come from environment
-# variables; the defaults fit one Gemma-3-4B-pt job on one A100 (see slurm/README.md):
+# pipelines.grid`, finished runs left out — also those another table's grid already trained, the
+# run store is shared) to results/slurm/<experiment>-<UTC time>/jobs.txt and runs
+# `sbatch --array=0-(N-1)%K slurm/array.sbatch jobs.txt`. `--dry-run` prints the job list and the
+# sbatch command and writes nothing. A failed sbatch (dead controller, bad partition, ...) prints
+# "0 of N submitted: <reason>", exits 1 and removes the submission folder it had just created, so
+# slurm/status.sh keeps showing the latest successful submission.
+# Resources come from environment variables; the defaults fit one Gemma-3-4B-pt job on one A100
+# (see slurm/README.md):
 #   PRISM_SLURM_PARTITION  (cluster default)   PRISM_SLURM_ACCOUNT (none)   PRISM_SLURM_QOS (none)
 #   PRISM_SLURM_GPUS=1  PRISM_SLURM_CPUS=8  PRISM_SLURM_MEM=64G  PRISM_SLURM_TIME=12:00:00
 #   PRISM_SLURM_PARALLEL=16 (array tasks at once)  PRISM_SLURM_EXTRA="" (more sbatch flags)
@@ -14,24 +19,30 @@
 #   PRISM_SLURM_DIR=results/slurm (where submissions, job lists and logs go)
 set -euo pipefail
 
+dry_run=0
+if [[ ${1:-} == --dry-run ]]; then dry_run=1; shift; fi
 if [[ $# -lt 1 || $1 == -* ]]; then
-  echo "usage: slurm/submit.sh <experiment: table2|table3|table4|table5> [hydra overrides...]" >&2
+  echo "usage: slurm/submit.sh [--dry-run] <experiment: table2|table3|table4|table5> [hydra overrides...]" >&2
   exit 2
 fi
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 experiment=$1; shift
 python=${PRISM_PYTHON:-$repo/.venv/bin/python}
-command -v sbatch >/dev/null || { echo "sbatch not found: run this on a SLURM login node" >&2; exit 2; }
+if [[ $dry_run == 0 ]] && ! command -v sbatch >/dev/null; then
+  echo "0 of ? submitted: sbatch not found, run this on a SLURM login node (or --dry-run to preview)" >&2
+  exit 2
+fi
 
-dir=${PRISM_SLURM_DIR:-$repo/results/slurm}/$experiment-$(date -u +%Y%m%dT%H%M%SZ)
-mkdir -p "$dir/logs"
-(cd "$repo" && "$python" -m pipelines.grid "$experiment" "$@" --pending) > "$dir/jobs.txt"
-n=$(grep -c . "$dir/jobs.txt" || true)
+list=$(mktemp)
+trap 'rm -f "$list"' EXIT
+(cd "$repo" && "$python" -m pipelines.grid "$experiment" "$@" --pending) > "$list" || exit 2
+n=$(grep -c . "$list" || true)
 if [[ $n -eq 0 ]]; then
   echo "nothing to submit: every run of $experiment is finished (force=true re-runs)"
   exit 0
 fi
 
+dir=${PRISM_SLURM_DIR:-$repo/results/slurm}/$experiment-$(date -u +%Y%m%dT%H%M%SZ)
 gpus=${PRISM_SLURM_GPUS:-1}
 args=(--parsable --job-name="prism-$experiment" --chdir="$repo" --requeue
       --array="0-$((n - 1))%${PRISM_SLURM_PARALLEL:-16}"
@@ -45,8 +56,22 @@ args=(--parsable --job-name="prism-$experiment" --chdir="$repo" --requeue
 # shellcheck disable=SC2206  # PRISM_SLURM_EXTRA is a list of flags on purpose
 [[ -n ${PRISM_SLURM_EXTRA:-} ]] && args+=($PRISM_SLURM_EXTRA)
 
-job_id=$(sbatch "${args[@]}" "$repo/slurm/array.sbatch" "$dir/jobs.txt")
-job_id=${job_id%%;*}
+if [[ $dry_run == 1 ]]; then
+  echo "dry run: $n jobs of $experiment would be submitted (nothing written):"
+  sed 's/^/  /' "$list"
+  echo "sbatch ${args[*]} $repo/slurm/array.sbatch $dir/jobs.txt"
+  exit 0
+fi
+
+mkdir -p "$dir/logs"
+cp "$list" "$dir/jobs.txt"
+if ! out=$(sbatch "${args[@]}" "$repo/slurm/array.sbatch" "$dir/jobs.txt" 2>&1) || [[ ! ${out%%;*} =~ ^[0-9]+$ ]]; then
+  rm -rf "$dir"  # only what this call created: the list and an empty logs/ folder
+  reason=$(printf '%s\n' "$out" | grep . | tail -n 1)
+  echo "0 of $n submitted: ${reason:-sbatch gave no job id}" >&2
+  exit 1
+fi
+job_id=${out%%;*}
 echo "$job_id" > "$dir/job_id"
 echo "submitted array $job_id: $n jobs of $experiment; list $dir/jobs.txt, logs $dir/logs/"
 echo "progress: slurm/status.sh $experiment"

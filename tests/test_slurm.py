@@ -48,10 +48,10 @@ def _wait_queue_empty(cluster: LocalSlurm, timeout: float) -> float:
 
 
 def _run_states(results_dir: Path) -> dict[str, str]:
-    from pipelines.store import inspect_run
+    from pipelines import store
 
-    root = results_dir / "runs" / "table2"
-    return {p.name: inspect_run(p).state for p in sorted(root.iterdir()) if p.is_dir()} if root.is_dir() else {}
+    root = results_dir / "runs"
+    return {h: store.run_state(store.find_run(root, h)) for h in store.view(root, "table2")}
 
 
 def test_harness_runs_a_trivial_array(cluster: LocalSlurm, tmp_path: Path) -> None:
@@ -80,7 +80,7 @@ def test_submit_sh_array_runs_the_real_runner(cluster: LocalSlurm, tmp_path: Pat
     assert list(_run_states(tmp_path).values()) == ["finished"] * 4, logs
     status = subprocess.run([str(REPO / "slurm" / "status.sh"), "table2", str(submission)], env=env,
                             capture_output=True, text=True, cwd=REPO)
-    assert "finished=4 running=0 failed=0 corrupt=0 missing=0 total=4" in status.stdout, status.stderr
+    assert "finished=4 running=0 stale=0 failed=0 corrupt=0 missing=0 total=4" in status.stdout, status.stderr
 
 
 def test_submitit_launcher_runs_the_real_runner(cluster: LocalSlurm, tmp_path: Path) -> None:

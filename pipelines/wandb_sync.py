@@ -1,0 +1,67 @@
+"""Upload the offline W&B runs of a results folder: ``make wandb-sync`` (``DRY_RUN=1`` previews).
+
+    python -m pipelines.wandb_sync [results/wandb] [--dry-run]
+
+Finds every ``offline-run-*`` folder under the given directory that ``wandb sync`` has not marked
+synced (it leaves ``run-<id>.wandb.synced`` beside the log) and passes them to ``wandb sync --yes``
+(the pinned wandb has no ``--sync-all``; explicit run folders are its documented form). Before
+uploading it checks for an API key and a connection to the server, because ``wandb sync`` itself
+retries for minutes against an unreachable one: either problem is one ``error:`` line, exit code 2.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipelines.wandb_log import access_problem
+
+
+def offline_runs(directory: Path) -> list[Path]:
+    """Offline run folders under ``directory`` holding a ``.wandb`` log not yet marked synced."""
+    runs = []
+    for folder in sorted(Path(directory).rglob("offline-run-*")):
+        logs = list(folder.glob("run-*.wandb"))
+        if folder.is_dir() and logs and not all(log.with_name(log.name + ".synced").exists() for log in logs):
+            runs.append(folder)
+    return runs
+
+
+def wandb_cli() -> str:
+    """The ``wandb`` executable beside this interpreter (the pinned one), else the one on PATH."""
+    beside = Path(sys.executable).parent / "wandb"
+    return str(beside) if beside.exists() else (shutil.which("wandb") or "wandb")
+
+
+def main(argv: Sequence[str]) -> int:
+    dry_run = "--dry-run" in argv
+    args = [a for a in argv if a != "--dry-run"]
+    if len(args) > 1 or any(a.startswith("-") for a in args):
+        print("usage: python -m pipelines.wandb_sync [results/wandb] [--dry-run]", file=sys.stderr)
+        return 2
+    directory = Path(args[0] if args else "results/wandb")
+    if not directory.is_dir():
+        print(f"error: {directory} does not exist, runs log offline W&B data there (logging=offline)",
+              file=sys.stderr)
+        return 2
+    runs = offline_runs(directory)
+    if not runs:
+        print(f"no unsynced offline W&B runs under {directory}")
+        return 0
+    if not dry_run and (problem := access_problem()):
+        print(f"error: {len(runs)} offline run(s) not uploaded: {problem}", file=sys.stderr)
+        return 2
+    cmd = [wandb_cli(), "sync", "--dry-run" if dry_run else "--yes", *map(str, runs)]
+    done = subprocess.run(cmd, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        print(f"error: wandb sync exited with {done.returncode}, see its output above", file=sys.stderr)
+        return 1
+    if not dry_run:
+        print(f"synced {len(runs)} offline run(s) from {directory}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
