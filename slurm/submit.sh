@@ -43,6 +43,8 @@ if [[ $n -eq 0 ]]; then
 fi
 
 dir=${PRISM_SLURM_DIR:-$repo/results/slurm}/$experiment-$(date -u +%Y%m%dT%H%M%SZ)
+base=$dir; k=1
+while [[ -e $dir ]]; do dir=$base-$k; k=$((k + 1)); done  # never reuse (and never remove) another submission's folder
 gpus=${PRISM_SLURM_GPUS:-1}
 args=(--parsable --job-name="prism-$experiment" --chdir="$repo" --requeue
       --array="0-$((n - 1))%${PRISM_SLURM_PARALLEL:-16}"

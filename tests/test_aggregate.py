@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import json
 import math
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 import yaml
+from filelock import FileLock
 
 from pipelines import aggregate as agg
 from pipelines import store
 
 PAPER = agg.PAPER_DIR
+REPO = Path(__file__).resolve().parents[1]
 
 
 def make_run(root: Path, run_hash: str, *, method: str, privacy: str, suite: str, columns: dict | None = None,
@@ -237,3 +242,120 @@ def test_paper_reference_tables_are_mutually_consistent() -> None:
         assert abs(ref["Avg"] - row["Avg_12"]) < 0.0006
     # three rounded numbers: each within 0.0005, so the weighted identity holds within 0.001
     assert ((8 * t4["GLUE8_Avg"] + 4 * t4["Math_Avg"]) / 12 - t4["Avg_12"]).abs().max() < 0.001
+
+
+def _build(root: Path, name: str = "table2", scale: str | None = "embedded") -> agg.TableResult:
+    return agg.build_table(agg.SPECS[name], agg.read_run_folders(root, name), scale)
+
+
+def test_cell_averages_seeds_only_and_refuses_mixed_configs(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    kw = {"method": "prism", "privacy": "eps6", "experiment": "table2"}
+    make_run(root, "s1", suite="glue8", columns={"SST-2": 0.6}, seed=1, **kw)
+    make_run(root, "s2", suite="glue8", columns={"SST-2": 0.8}, seed=2, **kw)  # a seed: averaged
+    make_run(root, "m1", suite="math10k", columns={"GSM8K": 0.2}, seed=1, **kw)
+    make_run(root, "m2", suite="math10k", columns={"GSM8K": 0.9}, seed=2, steps=60, **kw)  # not a seed
+    make_run(root, "m3", suite="math10k", columns={"GSM8K": 0.7}, seed=3, backbone="gemma3-270m", **kw)
+    res = _build(root)
+    row = _row(res.frame, "ε=6", "PRISM")
+    assert row["SST-2"] == pytest.approx(0.7) and row["n_runs"] == 2
+    assert math.isnan(row["GSM8K"]) and math.isnan(row["Avg"])  # never averaged with other steps/backbones
+    refused = [m for m in res.missing if "REFUSED" in m]
+    assert len(refused) == 1 and refused[0].startswith("ε=6 / PRISM / math10k: REFUSED, 3 runs")
+    assert "backbone.name: gemma3-270m | smollm2-135m" in refused[0] and "train.steps: 30 | 60" in refused[0]
+    assert "seed" not in refused[0].split("(", 1)[1]
+    assert any("REFUSED" in w for w in res.warnings) and "WARNING: ε=6 / PRISM / math10k: REFUSED" in agg.to_markdown(res)
+
+
+def test_setting_row_comes_from_epsilon_and_realised_epsilon_is_checked(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    # privacy=eps6 privacy.epsilon=inf: trained without noise, so it is a Non-DP run whatever its name
+    make_run(root, "x1", method="adamw", privacy="eps6", epsilon=math.inf, suite="glue8",
+             columns={"SST-2": 0.9}, experiment="table2")
+    # a run whose accountant reports more than its row's ε is left out, not shown as ε=3
+    make_run(root, "x2", method="adamw", privacy="eps3", suite="glue8", columns={"SST-2": 0.8},
+             experiment="table2", epsilon_spent=4.5)
+    make_run(root, "x3", method="prism", privacy="eps3", suite="glue8", columns={"SST-2": 0.7}, experiment="table2")
+    res = _build(root)
+    assert _row(res.frame, "Non-DP", "AdamW")["SST-2"] == 0.9
+    assert math.isnan(_row(res.frame, "ε=6", "AdamW")["SST-2"])
+    assert math.isnan(_row(res.frame, "ε=3", "AdamW")["SST-2"]) and _row(res.frame, "ε=3", "PRISM")["SST-2"] == 0.7
+    assert any(m.startswith("ε=3 / AdamW / glue8: left out, realised ε=4.5 exceeds the row's ε=3") for m in res.missing)
+
+
+def test_header_gives_the_runs_facts_and_labels_stand_in_averages(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    extra = {"protocol": {"name": "released"}}
+    for h, method, suite, cols, rows in (("g1", "prism", "glue8", {"SST-2": 0.8, "CoLA": 0.3}, {"SST-2": 50, "CoLA": 50}),
+                                         ("m1", "prism", "math10k", {"GSM8K": 0.2}, {"GSM8K": 40}),
+                                         ("g2", "adamw", "glue8", {"SST-2": 0.7, "CoLA": 0.1}, {"SST-2": 50, "CoLA": 30})):
+        make_run(root, h, method=method, privacy="eps6", suite=suite, columns=cols, experiment="table2",
+                 extra_config=extra, n_train=400, eval_rows=rows, steps=30 if h != "g2" else 45)
+    res = _build(root)
+    md = agg.to_markdown(res)
+    assert "| suite | runs | backbone | steps | batch | N (train) | eval rows | protocol |" in md
+    assert "| glue8 | 2 | smollm2-135m (for gemma-3-4b-pt) | 30 (1 runs), 45 (1 runs) | 16 | 400 | " \
+           "30–50 per task (2 tasks) (1 runs), 50 per task (2 tasks) (1 runs) | released |" in md
+    assert "| math10k | 1 | smollm2-135m (for gemma-3-4b-pt) | 30 | 16 | 400 | 40 per task (1 tasks) | released |" in md
+    assert "WARNING: glue8: runs of different rows differ in steps" in md  # steps is not an axis of Table 2
+    assert "| Avg (mean of 3 stand-in cols) |" in md and "Avg (12" not in md
+    assert "over the 3 stand-in column(s) with runs (CoLA, SST-2, GSM8K)" in md
+    assert _row(res.frame, "ε=6", "PRISM")["Avg"] == pytest.approx((0.8 + 0.3 + 0.2) / 3)
+
+
+def test_missing_runs_dir_is_a_one_line_error(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "pipelines.aggregate", "experiment=table2",
+                           f"runs_dir={tmp_path / 'nope'}", f"out_dir={tmp_path / 'tables'}"],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"error: runs_dir={tmp_path / 'nope'} does not exist")
+    assert not (tmp_path / "tables").exists()
+
+
+def test_tables_are_written_per_scale_and_never_replaced_by_an_empty_one(tmp_path: Path, capsys) -> None:
+    root, out = tmp_path / "runs", tmp_path / "tables"
+    make_run(root, "e1", method="prism", privacy="eps6", suite="glue8", columns={"SST-2": 0.8}, experiment="table2")
+    assert agg.main(["experiment=table2", f"runs_dir={root}", f"out_dir={out}"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert "table2.embedded.md" in before
+    # a failed paper-scale launch has no finished run: nothing written, the embedded table untouched
+    assert agg.main(["experiment=table2", f"runs_dir={root}", f"out_dir={out}", "scale=paper"]) == 0
+    assert "no finished run at scale paper; no table written" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    make_run(root, "p1", method="prism", privacy="eps6", suite="glue8", columns={"SST-2": 0.9}, experiment="table2",
+             scale="paper")
+    assert agg.main(["experiment=table2", f"runs_dir={root}", f"out_dir={out}", "scale=paper"]) == 0
+    assert "0.900" in (out / "table2.paper.md").read_text() and (out / "table2.embedded.md").read_bytes() == before[
+        "table2.embedded.md"]
+
+
+def test_running_and_stale_runs_are_told_apart_by_the_lock(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    folder = make_run(root, "r1", method="prism", privacy="eps6", suite="glue8", state="running", experiment="table2")
+    with FileLock(store.lock_path(folder)):
+        assert agg.read_run_folder(folder).state == "running"
+        assert any("ε=6 / PRISM / glue8: running" in m for m in _build(root).missing)
+    assert agg.read_run_folder(folder).state == "stale"
+    assert any("ε=6 / PRISM / glue8: stale: started but no live job" in m for m in _build(root).missing)
+
+
+def test_source_wandb_without_key_or_network_is_a_one_line_error(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    assert agg.main(["experiment=table2", "source=wandb", f"out_dir={tmp_path / 't'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: source=wandb: no W&B API key") and "wandb login" in err
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{_closed_port()}")
+    assert agg.main(["experiment=table2", "source=wandb", f"out_dir={tmp_path / 't'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error: source=wandb: cannot reach the W&B server" in err
+    assert not (tmp_path / "t").exists()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from pipelines import store
 
@@ -66,3 +71,90 @@ def test_quarantine_and_move_aside_never_delete(tmp_path: Path) -> None:
     second = store.move_aside(make_run(tmp_path / "abc"))
     assert first != second and first.name.startswith("abc.old-") and (first / "config.yaml").exists()
     assert (second / "config.yaml").exists() and not folder.exists()
+
+
+def test_files_are_group_readable(tmp_path: Path) -> None:
+    """config.yaml / final.json / status.json are written 0666 & ~umask (0644 here), not mkstemp's 0600."""
+    old = os.umask(0o022)
+    try:
+        store.write_text_atomic(tmp_path / "config.yaml", "seed: 1\n")
+        store.write_json_atomic(tmp_path / "final.json", {"avg": 0.5})
+        store.write_status(tmp_path, "running", started="t0", attempts=1)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert modes == {"config.yaml": 0o644, "final.json": 0o644, "status.json": 0o644}
+
+
+def test_hash_covers_every_field_but_the_non_result_ones() -> None:
+    """Blacklist, not whitelist: a group added later (e.g. ``protocol``) changes the hash;
+    experiment, force, results_dir, logging and launcher settings do not."""
+    base = {k: {"x": 1} for k in store.REQUIRED_KEYS}
+    h = store.run_hash(base)
+    assert store.run_hash({**base, "protocol": {"name": "released"}}) != h
+    assert store.run_hash({**base, "protocol": {"name": "released"}}) != store.run_hash(
+        {**base, "protocol": {"name": "corrected"}})
+    same = {**base, "experiment": "table4", "force": True, "results_dir": "/x", "logging": {"mode": "online"},
+            "hydra": {"launcher": "slurm"}, "launcher": "slurm"}
+    assert store.run_hash(same) == h
+    assert store.run_hash({**base, "seed": {"x": 2}}) != h
+
+
+def test_run_state_tells_running_from_stale_by_the_lock(tmp_path: Path) -> None:
+    folder = make_run(tmp_path / "abc", state="running", final=None)
+    assert store.run_state(folder) == "stale"  # no lock file at all: killed before or after locking
+    lock = FileLock(store.lock_path(folder))
+    with lock:
+        assert store.lock_held(folder) and store.run_state(folder) == "running"
+    assert not store.lock_held(folder) and store.run_state(folder) == "stale"  # lock file left, no holder
+    # a holder in another process that gets killed: its flock dies with it
+    code = f"from filelock import FileLock; lock = FileLock({str(store.lock_path(folder))!r}); lock.acquire(); print('held', flush=True); input()"
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert store.run_state(folder) == "running"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert store.run_state(folder) == "stale"
+    store.write_status(folder, "failed", started="t0", attempts=1, error="boom")
+    assert store.run_state(folder) == "failed"
+    assert store.run_state(tmp_path / "none") == "absent"
+
+
+def test_views_tag_runs_and_read_the_old_layout(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    new = make_run(root / "aaaaaaaaaaaa")
+    store.tag(root, "table2", new.name)
+    store.tag(root, "table2", new.name)  # idempotent
+    old = make_run(root / "table4" / "bbbbbbbbbbbb")
+    make_run(root / "table4" / "bbbbbbbbbbbb.old-2026")  # a forced rerun's predecessor: not in the view
+    store.tag(root, "table4", new.name)
+    assert store.view(root, "table2") == ["aaaaaaaaaaaa"]
+    assert store.view(root, "table4") == ["aaaaaaaaaaaa", "bbbbbbbbbbbb"]
+    assert store.find_run(root, "aaaaaaaaaaaa") == new and store.find_run(root, "bbbbbbbbbbbb") == old
+    assert store.find_run(root, "cccccccccccc") == root / "cccccccccccc"
+
+
+def test_adopt_moves_an_old_layout_run_into_the_store_and_keeps_its_views(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    unfinished = make_run(root / "table2" / "bbbbbbbbbbbb", state="failed", final=None)
+    finished = make_run(root / "table4" / "bbbbbbbbbbbb")
+    folder = root / "bbbbbbbbbbbb"
+    assert store.adopt(folder, "table3") == finished  # the finished copy wins
+    assert store.inspect_run(folder).state == "finished" and unfinished.exists() and not finished.exists()
+    for experiment in ("table2", "table3", "table4"):
+        assert "bbbbbbbbbbbb" in store.view(root, experiment)
+    assert store.adopt(folder, "table5") is None and store.view(root, "table5") == ["bbbbbbbbbbbb"]
+
+
+def test_migrate_cli_moves_every_old_layout_run(tmp_path: Path) -> None:
+    for experiment, run_hash in (("table2", "aaaaaaaaaaaa"), ("table2", "bbbbbbbbbbbb"), ("table4", "aaaaaaaaaaaa")):
+        make_run(tmp_path / "runs" / experiment / run_hash)
+    assert store.main(["migrate", str(tmp_path)]) == 0
+    root = tmp_path / "runs"
+    assert sorted(p.name for p in root.iterdir() if p.is_dir() and store.HASH_RE.fullmatch(p.name)) == [
+        "aaaaaaaaaaaa", "bbbbbbbbbbbb"]
+    assert store.view(root, "table4") == ["aaaaaaaaaaaa"]  # its own copy stays readable, and tagged
+    assert store.view(root, "table2") == ["aaaaaaaaaaaa", "bbbbbbbbbbbb"]
+    assert store.main(["migrate", str(tmp_path / "nowhere")]) == 2
