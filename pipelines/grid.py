@@ -42,8 +42,12 @@ def by_family(family: str, table: Mapping[str, Any], multiplier: float = 1.0) ->
     return float(f"{float(table[family]) * float(multiplier):.12g}")  # no 0.0029999999999999996 in configs
 
 
-class ComposeError(ValueError):
-    """Overrides that do not compose into a job config (message: Hydra's, on one line)."""
+COMPOSE_ERRORS = (HydraException, OmegaConfBaseException, ValueError)  # what bad overrides raise
+
+
+def error_line(err: BaseException) -> str:
+    """Hydra's message about overrides that do not compose, on one line (no config search path)."""
+    return " ".join(str(err).split("Config search path:")[0].split()) or type(err).__name__
 
 
 def register_resolvers() -> None:
@@ -104,12 +108,8 @@ def _is_sweep(override: str) -> bool:
 
 
 def job_config(job: Sequence[str]) -> DictConfig:
-    """The resolved config of one job; :class:`ComposeError` when the overrides do not compose."""
-    try:
-        return resolve(compose_config(job))
-    except (HydraException, OmegaConfBaseException, ValueError) as err:
-        first = " ".join(str(err).split("Config search path:")[0].split()) or type(err).__name__
-        raise ComposeError(f"{first} (overrides: {' '.join(job)})") from err
+    """The resolved config of one job."""
+    return resolve(compose_config(job))
 
 
 def main(argv: Sequence[str]) -> int:
@@ -131,8 +131,8 @@ def main(argv: Sequence[str]) -> int:
                     store.tag(root, experiment, run_hash)
                     continue
             lines.append(shlex.join(job))
-    except (ComposeError, HydraException, OmegaConfBaseException) as err:
-        print(f"error: {' '.join(str(err).split('Config search path:')[0].split())}", file=sys.stderr)
+    except COMPOSE_ERRORS as err:
+        print(f"error: {error_line(err)}", file=sys.stderr)
         return 2
     if lines:
         print("\n".join(lines))

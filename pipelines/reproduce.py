@@ -31,7 +31,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from pipelines import store
-from pipelines.grid import ComposeError, experiment_jobs, job_config
+from pipelines.grid import COMPOSE_ERRORS, error_line, experiment_jobs, job_config
 
 POLL_S = 1.0
 
@@ -225,8 +225,8 @@ def main(argv: Sequence[str]) -> int:
     try:
         cfg0 = job_config([f"experiment={experiment}", *[o for o in overrides if "," not in o]])
         pending, finished = plan(experiment, overrides)
-    except ComposeError as err:
-        print(f"error: {err}", file=sys.stderr)
+    except COMPOSE_ERRORS as err:
+        print(f"error: {error_line(err)}", file=sys.stderr)
         return 2
     print(f"{experiment}: {len(pending) + len(finished)} runs in the grid, {len(finished)} finished, "
           f"{len(pending)} to run", flush=True)

@@ -2,8 +2,8 @@
 
 Offline by default (``logging.mode: offline``, files under ``logging.dir``; ``make wandb-sync``
 uploads them), ``online`` when asked, ``disabled`` in unit tests. The W&B run id is
-``<experiment>-<run hash>`` (the hash alone would collide across experiments that share a run,
-e.g. Table 2's and Table 4's r=16 ε=6 rows) with ``resume="allow"``, so a resumed or requeued job
+``<experiment>-<run hash>`` of the experiment that trains the run (a run shared by several tables
+is trained, and logged, once; the other tables reuse its folder) with ``resume="allow"``, so a resumed or requeued job
 appends to the same W&B run; ``group`` = experiment; one ``axis:value`` tag per grid axis.
 """
 from __future__ import annotations
