@@ -327,6 +327,9 @@ def test_tables_are_written_per_scale_and_never_replaced_by_an_empty_one(tmp_pat
     assert agg.main(["experiment=table2", f"runs_dir={root}", f"out_dir={out}", "scale=paper"]) == 0
     assert "0.900" in (out / "table2.paper.md").read_text() and (out / "table2.embedded.md").read_bytes() == before[
         "table2.embedded.md"]
+    (out / "table2.paper.md").unlink()
+    assert agg.main(["experiment=table2", f"runs_dir={root}", f"out_dir={out}"]) == 0  # no scale=: every scale
+    assert "0.900" in (out / "table2.paper.md").read_text() and "0.800" in (out / "table2.embedded.md").read_text()
 
 
 def test_running_and_stale_runs_are_told_apart_by_the_lock(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipelines.aggregate.build import build_table
+from pipelines.aggregate.build import SCALES, build_table
 from pipelines.aggregate.records import AggregateError, read_run_folders
 from pipelines.aggregate.render import to_markdown, write_outputs
 from pipelines.aggregate.specs import SPECS
@@ -33,21 +33,24 @@ def parse_args(argv: Sequence[str]) -> dict[str, str]:
 
 
 def run(args: dict[str, str]) -> None:
-    """Build, print and write each requested table."""
+    """Build, print and write each requested table, once per scale (``scale=`` picks one; by
+    default every scale the runs have, embedded when they have none)."""
     names = list(SPECS) if args["experiment"] == "all" else [args["experiment"]]
     for name in names:
         if args["source"] == "wandb":
             records = read_wandb(name, args["wandb_project"], args["wandb_entity"] or None)
         else:
             records = read_run_folders(Path(args["runs_dir"]), name)
-        result = build_table(SPECS[name], records, args["scale"] or None)
-        paths = write_outputs(result, Path(args["out_dir"]))
-        print(to_markdown(result))
-        if paths:
-            print("wrote " + ", ".join(str(p) for p in paths))
-        else:
-            print(f"{name}: no finished run at scale {result.scale}; no table written "
-                  f"(existing tables in {args['out_dir']} left as they are)")
+        seen = [s for s in SCALES if any(r.get("suite.scale") == s for r in records)]
+        for scale in [args["scale"]] if args["scale"] else seen or ["embedded"]:
+            result = build_table(SPECS[name], records, scale)
+            paths = write_outputs(result, Path(args["out_dir"]))
+            print(to_markdown(result))
+            if paths:
+                print("wrote " + ", ".join(str(p) for p in paths))
+            else:
+                print(f"{name}: no finished run at scale {result.scale}; no table written "
+                      f"(existing tables in {args['out_dir']} left as they are)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
