@@ -52,16 +52,18 @@ class Job:
 
 
 def parse_args(argv: Sequence[str]) -> tuple[str, int, list[str]]:
-    """``N [jobs=K] [overrides]`` → (experiment, K, overrides)."""
+    """``N [jobs=K] [overrides]`` → (experiment, K, overrides); ``ValueError`` naming the bad argument."""
     if not argv or not argv[0].removeprefix("table").isdigit():
-        raise SystemExit("usage: python -m pipelines.reproduce N [scale=..] [launcher=local|slurm] [jobs=K] [overrides]")
+        raise ValueError("the first argument is the table number, usage: python -m pipelines.reproduce N "
+                         "[scale=..] [launcher=local|slurm] [jobs=K] [overrides]")
     experiment = f"table{argv[0].removeprefix('table')}"
     jobs, overrides = 1, []
     for arg in argv[1:]:
         if arg.startswith("jobs="):
-            jobs = int(arg.split("=", 1)[1])
-            if jobs < 1:
-                raise SystemExit(f"jobs={jobs} must be >= 1")
+            value = arg.split("=", 1)[1]
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"jobs={value} must be an integer >= 1, e.g. jobs=2")
+            jobs = int(value)
         else:
             overrides.append(arg)
     return experiment, jobs, overrides
@@ -186,7 +188,7 @@ def run_hydra_multirun(experiment: str, overrides: Sequence[str], log_path: Path
 def aggregate(experiment: str, results_dir: str, scale: str) -> None:
     """Call ``python -m pipelines.aggregate experiment=tableN`` when that module exists."""
     if importlib.util.find_spec("pipelines.aggregate") is None:
-        print("pipelines.aggregate not installed; run folders are in", Path(results_dir) / "runs" / experiment)
+        print("pipelines.aggregate not installed; run folders are in", Path(results_dir) / "runs")
         return
     root = Path(results_dir)
     subprocess.call([sys.executable, "-m", "pipelines.aggregate", f"experiment={experiment}",
@@ -221,8 +223,8 @@ def launch(experiment: str, launcher: str, pending: list[Job], workers: int, ove
 
 
 def main(argv: Sequence[str]) -> int:
-    experiment, workers, overrides = parse_args(argv)
     try:
+        experiment, workers, overrides = parse_args(argv)
         cfg0 = job_config([f"experiment={experiment}", *[o for o in overrides if "," not in o]])
         pending, finished = plan(experiment, overrides)
     except COMPOSE_ERRORS as err:

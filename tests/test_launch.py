@@ -111,7 +111,7 @@ def test_local_failure_count_is_the_runs_not_finished(tmp_path: Path, monkeypatc
                                             f"({jobs[1].run_hash}, {jobs[2].run_hash})")
 
 
-@pytest.mark.parametrize("bad", ["scale=papr", "method=prism,nosuchmethod"])
+@pytest.mark.parametrize("bad", ["scale=papr", "method=prism,nosuchmethod", "jobs=0"])
 def test_reproduce_bad_overrides_are_one_line_errors(bad: str, tmp_path: Path, capsys) -> None:
     assert reproduce.main(["5", bad, "launcher=slurm", f"results_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
