@@ -34,7 +34,8 @@ if [[ $dry_run == 0 ]] && ! command -v sbatch >/dev/null; then
 fi
 
 list=$(mktemp)
-trap 'rm -f "$list"' EXIT
+errors=$(mktemp)
+trap 'rm -f "$list" "$errors"' EXIT
 (cd "$repo" && "$python" -m pipelines.grid "$experiment" "$@" --pending) > "$list" || exit 2
 n=$(grep -c . "$list" || true)
 if [[ $n -eq 0 ]]; then
@@ -67,12 +68,14 @@ fi
 
 mkdir -p "$dir/logs"
 cp "$list" "$dir/jobs.txt"
-if ! out=$(sbatch "${args[@]}" "$repo/slurm/array.sbatch" "$dir/jobs.txt" 2>&1) || [[ ! ${out%%;*} =~ ^[0-9]+$ ]]; then
+if ! out=$(sbatch "${args[@]}" "$repo/slurm/array.sbatch" "$dir/jobs.txt" 2>"$errors") \
+    || [[ ! ${out%%;*} =~ ^[0-9]+$ ]]; then
   rm -rf "$dir"  # only what this call created: the list and an empty logs/ folder
-  reason=$(printf '%s\n' "$out" | grep . | tail -n 1)
-  echo "0 of $n submitted: ${reason:-sbatch gave no job id}" >&2
+  reason=$(grep . "$errors" | tail -n 1 || true)
+  echo "0 of $n submitted: ${reason:-sbatch printed no job id (got: ${out:-nothing})}" >&2
   exit 1
 fi
+cat "$errors" >&2  # sbatch's warnings, if any, on a successful submission
 job_id=${out%%;*}
 echo "$job_id" > "$dir/job_id"
 echo "submitted array $job_id: $n jobs of $experiment; list $dir/jobs.txt, logs $dir/logs/"

@@ -37,14 +37,18 @@ def env_with(bin_dir: Path, tmp_path: Path) -> dict[str, str]:
 
 
 def test_submit_sh_dry_run_and_failed_sbatch_leave_no_submission(tmp_path: Path) -> None:
-    bin_dir = fake_bin(tmp_path, sbatch=f'echo "sbatch: error: Batch job submission failed: {DEAD}" >&2; exit 1')
+    dead = tmp_path / "controller-dead"
+    bin_dir = fake_bin(tmp_path, sbatch=f'if [[ -e {dead} ]]; then echo "sbatch: error: Batch job submission failed: '
+                                        f'{DEAD}" >&2; exit 1; fi; echo "sbatch: warning: no GPU requested" >&2; echo "41;c"')
     env = env_with(bin_dir, tmp_path)
-    # an earlier submission that sbatch accepted
-    earlier = tmp_path / "slurm" / "table5-20200101T000000Z"
-    earlier.mkdir(parents=True)
-    (earlier / "jobs.txt").write_text("experiment=table5 method=prism logging=disabled\n")
-    (earlier / "job_id").write_text("41\n")
     args = ["table5", *ONE_JOB, f"results_dir={tmp_path}"]
+    ok = subprocess.run([str(REPO / "slurm" / "submit.sh"), *args], env=env, capture_output=True, text=True, cwd=REPO,
+                        timeout=120)
+    assert ok.returncode == 0 and "submitted array 41: 1 jobs of table5" in ok.stdout, ok.stderr
+    assert "warning: no GPU requested" in ok.stderr  # a warning on stderr does not make it a failure
+    earlier = next((tmp_path / "slurm").iterdir())
+    assert (earlier / "job_id").read_text() == "41\n"
+    dead.touch()
     dry = subprocess.run([str(REPO / "slurm" / "submit.sh"), "--dry-run", *args], env=env, capture_output=True,
                          text=True, cwd=REPO, timeout=120)
     assert dry.returncode == 0, dry.stderr
