@@ -1,4 +1,4 @@
-"""Compose run configs and expand an experiment's sweep grid into a job list (SPEC §6).
+"""Compose run configs and expand an experiment's sweep grid into a job list.
 
 A *job* is a list of Hydra override strings; ``python -m pipelines.run <job...>`` runs it. The grid
 of ``experiment=tableN`` is the cartesian product of its ``hydra.sweeper.params`` with the user's

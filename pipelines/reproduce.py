@@ -1,4 +1,4 @@
-"""Reproduce one paper table: expand its grid, run what is not finished, aggregate (SPEC §6).
+"""Reproduce one paper table: expand its grid, run what is not finished, aggregate.
 
     python -m pipelines.reproduce N [scale=embedded|paper] [launcher=local|slurm] [jobs=K] [overrides...]
 

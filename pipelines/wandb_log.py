@@ -1,4 +1,4 @@
-"""Weights & Biases logging of one run (SPEC §6): config, per-step metrics, final scores.
+"""Weights & Biases logging of one run: config, per-step metrics, final scores.
 
 Offline by default (``logging.mode: offline``, files under ``logging.dir``; ``make wandb-sync``
 uploads them), ``online`` when asked, ``disabled`` in unit tests. The W&B run id is

@@ -1,4 +1,4 @@
-"""SLURM integration on a real single-node cluster (tests/slurm_harness.py, SPEC §9): `make test-slurm`.
+"""SLURM integration on a real single-node cluster (tests/slurm_harness.py): `make test-slurm`.
 
 The same 4-job tiny grid (Table 2 layout on the random-config `tiny-llama`, 2 methods × 2 privacy
 settings, GLUE8 stand-in, a 2-step budget) goes through both cluster paths — the plain
