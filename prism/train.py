@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from prism.checkpoint import load_checkpoint, save_checkpoint
 from prism.data import build_suite
-from prism.data.prompts import collate, tokenize_example
+from prism.data.prompts import collate, tokenize_train_set
 from prism.evaluate import evaluate_suite
 from prism.methods import PrivacySpec, build_method
 from prism.methods.base import Method
@@ -97,7 +97,7 @@ def build(cfg: DictConfig) -> Setup:
         )
     init_generator = torch.Generator().manual_seed(cfg.seed)
     model = attach_lora(model, cfg.lora, cfg.backbone, init=cfg.method.init, generator=init_generator)
-    features = [tokenize_example(tokenizer, ex, suite.cutoff_len, suite.train_on_inputs) for ex in suite.train]
+    features = tokenize_train_set(tokenizer, suite.train, suite.cutoff_len, suite.train_on_inputs, cfg.backbone.name)
     sampler = PoissonSampler(n_train, cfg.train.batch_size, generator_seed=cfg.seed + 1)
     dp = math.isfinite(float(cfg.privacy.epsilon))
     sigma = 0.0
