@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
+from prism.backbones import BACKBONES
 from prism.data import cache_dir
 from prism.data.glue import GLUE_HUB_ID, GLUE_TASKS, VALIDATION_ROWS
 from prism.data.math10k import (
@@ -33,7 +34,6 @@ from prism.data.math10k import (
     testset_location,
 )
 from prism.fileio import sha256_file, write_bytes_atomic
-from prism.backbones import BACKBONES
 
 
 def fetch_glue(task: str, split: str, force: bool) -> Path:
