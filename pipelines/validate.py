@@ -54,8 +54,7 @@ class ConfigError(ValueError):
 def load_job(overrides: Sequence[str]) -> DictConfig:
     """The validated, resolved job config of ``python -m pipelines.run <overrides>``."""
     parsed = _parse(overrides)
-    groups = [o.input_line for o in parsed if _is_group(o)]
-    reference = _resolve(_compose(groups), groups)
+    reference = _reference(tuple(o.input_line for o in parsed if _is_group(o)))
     for override in parsed:
         if not _is_group(override) and not override.key_or_group.startswith("hydra"):
             _check_override(override, reference)
@@ -95,6 +94,14 @@ def _parse(overrides: Sequence[str]) -> list[Override]:
         bad = re.search(r"'(.*)'", lines[0])
         raise ConfigError(f"cannot parse the override {bad.group(1) if bad else lines[0]!r}{detail}, "
                           "write key=value, e.g. train.steps=10 or method=adamw") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _reference(groups: tuple[str, ...]) -> DictConfig:
+    """The config of these group choices with no value override (read-only; cached)."""
+    reference = _resolve(_compose(groups), groups)
+    OmegaConf.set_readonly(reference, True)
+    return reference
 
 
 @functools.cache

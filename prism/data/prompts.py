@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from prism.data import Example
 
 IGNORE_INDEX = -100
@@ -138,6 +138,8 @@ def collate(
 ) -> dict[str, torch.Tensor]:
     """Pad a list of ``{input_ids, labels}`` to a common length (rounded up to `pad_to_multiple_of`):
     inputs with `pad_id`, labels with -100, attention mask 0 on padding."""
+    import torch  # here only: config validation reads the templates above without loading torch
+
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     if not features:
