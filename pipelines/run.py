@@ -212,6 +212,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # a check that itself failed on an odd config: still one line
+        if debug:
+            raise
+        print(f"error: the config could not be validated ({_one_line(err)}), check the overrides "
+              "(rerun with --debug for the traceback)", file=sys.stderr)
+        return 2
     setup_logging()
     try:
         execute(cfg)
@@ -257,6 +263,9 @@ def setup_logging() -> None:
 def _hydra(args: list[str]) -> int:
     """Hand the command line to Hydra (multirun, ``--cfg``, ``--help``); each job is validated
     again from its own overrides."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()  # validation initialised it; Hydra's main initialises its own
     sys.argv = [sys.argv[0], *args]
     _hydra_main()
     return 0

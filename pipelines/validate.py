@@ -54,6 +54,13 @@ class ConfigError(ValueError):
 def load_job(overrides: Sequence[str]) -> DictConfig:
     """The validated, resolved job config of ``python -m pipelines.run <overrides>``."""
     parsed = _parse(overrides)
+    for override in parsed:
+        if override.is_sweep_override():
+            raise ConfigError(f"{override.input_line} is a sweep, add -m to run one job per value "
+                              f"(or write {override.key_or_group}=[a,b] for a list value)")
+        if _is_group(override) and override.is_delete():
+            raise ConfigError(f"~{override.key_or_group} removes a config group the run needs, "
+                              f"choose one of its options instead ({override.key_or_group}=...)")
     reference = _reference(tuple(o.input_line for o in parsed if _is_group(o)))
     for override in parsed:
         if not _is_group(override) and not override.key_or_group.startswith("hydra"):
@@ -157,7 +164,13 @@ def _lookup(node: Any, key: str) -> Any:
 
 
 def _unknown(key: str, reference: Mapping) -> ConfigError:
+    if not key:
+        return ConfigError("an override has no key, write key=value, e.g. train.steps=10")
     parent, _, leaf = key.rpartition(".")
+    plain = OmegaConf.to_container(reference) if isinstance(reference, DictConfig) else reference
+    elsewhere = [path for path, _ in _leaves(plain, "") if path.rpartition(".")[2] == leaf]
+    if elsewhere:
+        return ConfigError(f"unknown key {key}, did you mean {' or '.join(sorted(elsewhere)[:3])}?")
     siblings = _lookup(reference, parent) if parent else reference
     if not isinstance(siblings, Mapping):
         return ConfigError(f"unknown key {key} ({parent} is a value, not a section), "
