@@ -133,6 +133,8 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
     if attempts > 1:
         log.info("run %s: attempt %d, resuming from %s", run_hash, attempts, folder / "checkpoint")
     generation = len(list(folder.parent.glob(f"{run_hash}.old-*")))
+    if cfg.logging.mode != "disabled":
+        log.info("run %s: W&B %s run under %s", run_hash, cfg.logging.mode, cfg.logging.dir)
     wb = WandbRun(cfg, run_hash, generation)
     total = total_updates(cfg)
 
@@ -245,11 +247,14 @@ def _one_line(err: BaseException) -> str:
 
 
 def quiet_third_party_warnings() -> None:
-    """Silence FutureWarning/DeprecationWarning from libraries (torch, transformers, peft, opacus),
-    which a user cannot act on; warnings raised by this project's own code still show."""
+    """Silence library noise a user cannot act on: FutureWarning/DeprecationWarning raised in
+    libraries (torch, transformers, peft, opacus), transformers' advisory warnings and weight-loading
+    progress bars, W&B's banner. Warnings raised in this project's own code still show."""
     for category in (FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=r"(?!prism\b|pipelines\b)")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # "Loading weights" bars: narrated instead
+    os.environ.setdefault("WANDB_SILENT", "true")
 
 
 def setup_logging() -> None:
