@@ -49,9 +49,11 @@ VERSIONED = ("torch", "transformers", "peft", "opacus", "hydra-core", "wandb")
 
 
 __all__ = ["ConfigError", "execute", "main", "validate"]
-HYDRA_FLAGS = ("-m", "--multirun", "--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--resolve",
-               "--package", "-p", "--shell-completion", "-sc", "--config-path", "-cp", "--config-name", "-cn",
-               "--config-dir", "-cd", "--experimental-rerun", "--version", "--run", "-r")
+HYDRA_SWITCHES = ("-m", "--multirun", "--help", "-h", "--hydra-help", "--resolve", "--version", "--run", "-r")
+HYDRA_OPTIONS = ("--cfg", "-c", "--package", "-p", "--shell-completion", "-sc", "--experimental-rerun",
+                 "--info", "-i")  # take a value (--info: optionally)
+OTHER_CONFIG = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")  # not conf/config.yaml
+INFO_TOPICS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
 
 
 def default_trainer(cfg: DictConfig, folder: Path, log_fn: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -200,15 +202,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     quiet_third_party_warnings()
     try:
-        flags = [a for a in args if a.startswith("-") and a.split("=", 1)[0] not in HYDRA_FLAGS]
+        flags, overrides = split_flags(args)
         if flags:
-            raise ConfigError(f"unknown option {flags[0]}, write overrides as key=value "
-                              "(options: --debug, -m, --cfg job, --help)")
-        if any(a.split("=", 1)[0] in HYDRA_FLAGS for a in args):
-            if "-m" in args or "--multirun" in args:
-                load_sweep([a for a in args if not a.startswith("-")])
+            if not any(f.split("=", 1)[0] in OTHER_CONFIG for f in flags):
+                load_sweep(overrides) if {"-m", "--multirun"} & set(flags) else load_job(overrides)
             return _hydra(args)
-        cfg = load_job(args)
+        cfg = load_job(overrides)
     except ConfigError as err:
         if debug:
             raise
@@ -231,6 +230,26 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2 if bad_input else 1
     return 0
+
+
+def split_flags(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(Hydra's flags with their values, the overrides); an unknown flag is a :class:`ConfigError`."""
+    flags: list[str] = []
+    overrides: list[str] = []
+    pending = False  # the last flag waits for its value
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        is_value = pending and not arg.startswith("-") and (flags[-1] not in ("--info", "-i") or arg in INFO_TOPICS)
+        pending = False
+        if is_value or name in HYDRA_SWITCHES + HYDRA_OPTIONS + OTHER_CONFIG:
+            flags.append(arg)
+            pending = not is_value and "=" not in arg and name in HYDRA_OPTIONS + OTHER_CONFIG
+        elif arg.startswith("-"):
+            raise ConfigError(f"unknown option {arg}, write overrides as key=value "
+                              "(options: --debug, -m, --cfg job, --help)")
+        else:
+            overrides.append(arg)
+    return flags, overrides
 
 
 def _core_input_errors() -> tuple[type[Exception], ...]:

@@ -89,17 +89,17 @@ def build(cfg: DictConfig) -> Setup:
     """Model, data, privacy calibration and method for one resolved config."""
     seed_everything(cfg.seed)
     device = resolve_device(cfg.train.device)
-    narrate("loading backbone %s on %s (an embedded one is converted from its GGUF on first use, ~1 min)",
-            cfg.backbone.name, device)
-    model, tokenizer = load_backbone(cfg.backbone, device)
     narrate("building suite %s (%s scale)", cfg.suite.name, cfg.suite.scale)
-    suite = build_suite(cfg.suite, cfg.seed)
+    suite = build_suite(cfg.suite, cfg.seed)  # before the model: a data error costs no model load
     n_train = len(suite.train)
     if cfg.train.batch_size > n_train:
         raise ValueError(
             f"train.batch_size={cfg.train.batch_size} is larger than the {n_train} training examples "
             f"of suite {suite.name}; lower train.batch_size"
         )
+    narrate("loading backbone %s on %s (an embedded one is converted from its GGUF on first use, ~1 min)",
+            cfg.backbone.name, device)
+    model, tokenizer = load_backbone(cfg.backbone, device)
     init_generator = torch.Generator().manual_seed(cfg.seed)
     model = attach_lora(model, cfg.lora, cfg.backbone, init=cfg.method.init, generator=init_generator)
     features = tokenize_train_set(tokenizer, suite.train, suite.cutoff_len, suite.train_on_inputs, cfg.backbone.name)

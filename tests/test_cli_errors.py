@@ -33,6 +33,12 @@ CASES: list[tuple[str, str]] = [
     ("train=3", "train"),
     ("~train.steps", "train.steps"),
     ("--frobnicate", "--frobnicate"),
+    ("lr=1e-3", "method.lr"),
+    ("=5", "key=value"),
+    ("~privacy", "privacy"),
+    ("seed=1,2", "-m"),
+    ("--cfg job train.stpes=5", "train.stpes"),
+    ("-m seed=1,2 train.steps=0", "train.steps"),
     # Hydra's own errors: unknown group option, bad syntax, interpolation to a missing value
     ("method=adam", "method"),
     ("backbone=llama-7b", "backbone"),
