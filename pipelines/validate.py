@@ -449,9 +449,14 @@ def _suite(cfg: DictConfig) -> None:
     if "prompt_encoding" in decoding:
         _require(decoding.prompt_encoding in ("as_trained", "text"),
                  f"suite.decoding.prompt_encoding={decoding.prompt_encoding!r} must be as_trained or text")
+    from prism.data import SCALES
+
+    _require(suite.scale in SCALES, f"suite.scale={suite.scale!r} is not a data scale, choose scale=<one of "
+                                    f"{', '.join(SCALES)}>")
     node = suite.get(suite.scale)
     _require(isinstance(node, Mapping), f"suite.{suite.scale} is missing, restore the suite_scale group's settings")
-    n_train = _embedded_size(suite.name, node) if suite.scale == "embedded" else _paper_size(suite.name, node)
+    sizes = {"embedded": _embedded_size, "paper": _paper_size}
+    n_train = sizes[suite.scale](suite.name, node) if suite.scale in sizes else None
     if n_train is not None:
         _require(cfg.train.batch_size <= n_train,
                  f"train.batch_size={cfg.train.batch_size} exceeds the {n_train} training examples of "
