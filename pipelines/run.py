@@ -130,7 +130,7 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
     store.seal_metrics(folder)
     started, t0 = store.utc_stamp(), time.time()
     store.write_status(folder, "running", started=started, attempts=attempts)
-    log.info("run %s: %s on %s (%s scale), %s, %s, %d steps; folder %s", run_hash, cfg.backbone.paper_name,
+    log.info("run %s: %s on %s (%s scale), %s, %s, train.steps=%d; folder %s", run_hash, cfg.backbone.paper_name,
              cfg.suite.name, cfg.suite.scale, cfg.method.name, cfg.privacy.name, total_updates(cfg), folder)
     if attempts > 1:
         log.info("run %s: attempt %d, resuming from %s", run_hash, attempts, folder / "checkpoint")

@@ -206,8 +206,7 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
     step_times, empty = [], 0
     if s.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(s.device)
-    narrate("training %d steps%s (σ = %.4g, q = %.4g)", steps - start, f" from step {start}" if start else "",
-            s.sigma, s.sampler.sample_rate)
+    narrate("training: steps %d..%d of %d (σ = %.4g, q = %.4g)", start + 1, steps, steps, s.sigma, s.sampler.sample_rate)
     for step in range(start, steps):
         tic = time.perf_counter()
         record = train_step(s, cfg)
