@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,6 +42,7 @@ from pipelines import store
 from pipelines.grid import resolve
 from pipelines.validate import ConfigError, load_job, load_sweep, validate
 from pipelines.wandb_log import WandbRun
+from prism.fileio import write_text_atomic
 
 log = logging.getLogger("pipelines.run")
 REPO = Path(__file__).resolve().parents[1]
@@ -150,6 +152,8 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
     except BaseException as exc:
         store.write_status(folder, "failed", started=started, attempts=attempts,
                            error=f"{type(exc).__name__}: {exc}", ended=store.utc_stamp())
+        write_text_atomic(folder / "traceback.txt", traceback.format_exc())
+        log.error("run %s failed; its traceback is in %s", run_hash, folder / "traceback.txt")
         wb.finish(None, exit_code=1)
         raise
     commit, dirty = git_state()
@@ -226,8 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             raise
         bad_input = isinstance(err, (ConfigError, *_core_input_errors()))
-        print(f"error: {_one_line(err)}{'' if bad_input else ' (rerun with --debug for the traceback)'}",
-              file=sys.stderr)
+        hint = "" if bad_input else " (traceback in the run folder's traceback.txt, or rerun with --debug)"
+        print(f"error: {_one_line(err)}{hint}", file=sys.stderr)
         return 2 if bad_input else 1
     return 0
 
