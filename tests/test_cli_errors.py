@@ -6,18 +6,22 @@ pipelines.run`` after interpreter start-up); a handful run as true subprocesses.
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from pipelines import run
 from pipelines.grid import experiment_jobs, job_config
 from pipelines.run import main
 from pipelines.validate import load_job
+from prism.data.prompts import TruncatedLabelError
 
 REPO = Path(__file__).resolve().parents[1]
 LIMIT_S = 10.0
@@ -186,3 +190,23 @@ def test_shipped_jobs_pass(experiment: str) -> None:
     last job of every table: a non-default backbone, suite, method or privacy level)."""
     job = experiment_jobs(experiment)[-1]
     assert load_job(job) == job_config(job)
+
+
+@pytest.mark.parametrize("raised, code", [(RuntimeError("boom"), 1), (TruncatedLabelError("suite.cutoff_len=9 cuts"), 2)])
+def test_a_failing_run_is_one_line_with_its_traceback_kept(raised: Exception, code: int, isolated: Path,
+                                                           capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past validation, a failure in the core (a bug: exit 1; input only the core can see, such
+    as a label cut off by the tokenizer: exit 2) is still one line; the traceback is kept."""
+    def trainer(cfg: Any, folder: Path, log_fn: Any) -> dict[str, Any]:
+        raise raised
+
+    monkeypatch.setattr(run, "default_trainer", trainer)
+    handlers, level = logging.root.handlers[:], logging.root.level
+    try:
+        assert main(["logging=disabled", f"results_dir={isolated / 'results'}"]) == code
+    finally:
+        logging.root.handlers[:], logging.root.level = handlers, level
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and str(raised) in err and "Traceback" not in err
+    assert "Traceback" in next((isolated / "results" / "runs" / "adhoc").glob("*/traceback.txt")).read_text()
