@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
+from prism.backbones import BACKBONES
 from prism.data import cache_dir
 from prism.data.glue import GLUE_HUB_ID, GLUE_TASKS, VALIDATION_ROWS
 from prism.data.math10k import (
@@ -32,15 +33,7 @@ from prism.data.math10k import (
     sha256_matches,
     testset_location,
 )
-from prism.fileio import sha256_file
-from prism.models import BACKBONES
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".part")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+from prism.fileio import sha256_file, write_bytes_atomic
 
 
 def fetch_glue(task: str, split: str, force: bool) -> Path:
@@ -53,7 +46,7 @@ def fetch_glue(task: str, split: str, force: bool) -> Path:
     rows = datasets.load_dataset(GLUE_HUB_ID, task, split=split)
     keep = [col for _, col in GLUE_TASKS[task].fields] + ["label"]
     lines = "".join(json.dumps({k: row[k] for k in keep}) + "\n" for row in rows)
-    _atomic_write(path, lines.encode("utf-8"))
+    write_bytes_atomic(path, lines.encode("utf-8"))
     return path
 
 
@@ -73,7 +66,7 @@ def fetch_url(url: str, force: bool) -> Path:
         if not reachable(host):
             raise ConnectionError(f"{host} unreachable")
         with urllib.request.urlopen(url, timeout=120) as response:
-            _atomic_write(path, response.read())
+            write_bytes_atomic(path, response.read())
     return path
 
 
@@ -142,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
             bad.append(f"{name}: sha256 {digest[:8]}...{digest[-6:]} differs from {sha_expected}")
         manifest[str(path.relative_to(cache_dir()))] = {"sha256": digest, "rows": rows, "source": name}
         print(f"ok  {name}: {rows} rows, sha256 {digest[:12]}  {path}")
-    _atomic_write(manifest_path, json.dumps(manifest, indent=2, sort_keys=True).encode())
+    write_bytes_atomic(manifest_path, json.dumps(manifest, indent=2, sort_keys=True).encode())
     if missing:
         print(f"make data: could not fetch {', '.join(missing)}; connect to the network (or warm the HF cache) "
-              "and re-run `make data`, or train with suite.scale=embedded", file=sys.stderr)
+              "and re-run `make data`, or train with scale=embedded", file=sys.stderr)
         return 1
     if bad:
         print(f"make data: unexpected content: {'; '.join(bad)}", file=sys.stderr)

@@ -1,12 +1,20 @@
-"""Hydra entry point: one job = one resolved config = one run folder (SPEC §6).
+"""Entry point: one job = one resolved config = one run folder (SPEC §6).
 
     python -m pipelines.run method=adamw privacy=eps3 suite=math10k        # one run
     python -m pipelines.run -m experiment=table2                           # Hydra multirun (basic launcher: sequential)
     python -m pipelines.run -m experiment=table2 scale=paper launcher=slurm   # SLURM array; blocks: use tmux/nohup
 
-Each job validates its config, takes the run folder's lock, skips a finished run (unless
-``force=true``), resumes an interrupted one, sets aside unreadable files of a corrupt one, then
-calls ``prism.train.train_and_evaluate`` and writes the folder format of :mod:`pipelines.store`.
+Every job's config is validated first (:mod:`pipelines.validate`; a multirun validates all its
+jobs before the first starts): a bad input prints ``error: <what>, <how to fix>`` on one line and
+exits with code 2, before any model load, W&B init or folder. ``--debug`` (or
+``HYDRA_FULL_ERROR=1``) shows tracebacks instead. A single run does not go through Hydra's run
+mode, so it leaves no ``hydra/`` output folder; Hydra's flags (``-m``, ``--cfg``, ``--help``, ...)
+hand the command line to Hydra.
+
+Each job takes the run folder's lock, skips a finished run (unless ``force=true``), resumes an
+interrupted one, sets aside unreadable files of a corrupt one, then calls
+``prism.train.train_and_evaluate`` and writes the folder format of :mod:`pipelines.store`. It
+narrates one line per phase on stdout and ends with the scores and the ``final.json`` path.
 """
 from __future__ import annotations
 
@@ -18,8 +26,11 @@ import platform
 import resource
 import socket
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +40,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipelines import store
 from pipelines.grid import resolve
+from pipelines.validate import ConfigError, load_job, load_sweep, validate
 from pipelines.wandb_log import WandbRun
+from prism.fileio import write_text_atomic
 
 log = logging.getLogger("pipelines.run")
 REPO = Path(__file__).resolve().parents[1]
@@ -37,35 +50,12 @@ Trainer = Callable[[DictConfig, Path, Callable[[dict[str, Any]], None]], dict[st
 VERSIONED = ("torch", "transformers", "peft", "opacus", "hydra-core", "wandb")
 
 
-class ConfigError(ValueError):
-    """A config value that cannot run; the message names the field and the fix."""
-
-
-def validate(cfg: DictConfig) -> None:
-    """Reject impossible configs before any work (rank/width and batch/data checks need the model
-    and data and run in the core, still before the first step)."""
-    eps, delta = float(cfg.privacy.epsilon), float(cfg.privacy.delta)
-    t = cfg.train
-    checks = [
-        (eps > 0, f"privacy.epsilon={eps} must be > 0 (use privacy=nondp for a non-private run)"),
-        (0 < delta < 1, f"privacy.delta={delta} must lie in (0, 1), e.g. 1e-5"),
-        (float(cfg.privacy.clip_norm) > 0, f"privacy.clip_norm={cfg.privacy.clip_norm} must be > 0"),
-        (t.batch_size >= 1, f"train.batch_size={t.batch_size} must be >= 1"),
-        (1 <= t.micro_batch_size <= t.batch_size,
-         f"train.micro_batch_size={t.micro_batch_size} must lie in [1, train.batch_size={t.batch_size}]"),
-        (t.steps >= 1, f"train.steps={t.steps} must be >= 1"),
-        (t.checkpoint_every >= 1, f"train.checkpoint_every={t.checkpoint_every} must be >= 1"),
-        (cfg.lora.r >= 1, f"lora.r={cfg.lora.r} must be >= 1"),
-        (0 <= float(cfg.lora.dropout) < 1, f"lora.dropout={cfg.lora.dropout} must lie in [0, 1)"),
-        (isinstance(cfg.method.lr, float) and cfg.method.lr > 0,
-         f"method.lr={cfg.method.lr!r} must be a positive float"),
-    ]
-    if t.benchmark is not None:
-        checks.append((t.benchmark.warmup >= 0 and t.benchmark.measure >= 1,
-                       "train.benchmark needs warmup >= 0 and measure >= 1"))
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
+__all__ = ["ConfigError", "execute", "main", "validate"]
+HYDRA_SWITCHES = ("-m", "--multirun", "--help", "-h", "--hydra-help", "--resolve", "--version", "--run", "-r")
+HYDRA_OPTIONS = ("--cfg", "-c", "--package", "-p", "--shell-completion", "-sc", "--experimental-rerun",
+                 "--info", "-i")  # take a value (--info: optionally)
+OTHER_CONFIG = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")  # not conf/config.yaml
+INFO_TOPICS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
 
 
 def default_trainer(cfg: DictConfig, folder: Path, log_fn: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -118,7 +108,9 @@ def execute(cfg: DictConfig, trainer: Trainer | None = None) -> str:
         store.adopt(folder, str(cfg.experiment))  # old-layout folder moved in; run tagged with the experiment
         info = store.inspect_run(folder)
         if info.state == "finished" and not cfg.force:
-            log.info("run %s already finished; skipped (force=true trains it again)", folder)
+            final = store.read_json(folder / "final.json")
+            log.info("run %s already finished, skipped (force=true trains it again): %s; results in %s",
+                     run_hash, scores_line(final), folder / "final.json")
             return "skipped"
         if info.state == "finished":
             log.warning("force=true: moved the finished run to %s", store.move_aside(folder))
@@ -141,11 +133,15 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
     store.seal_metrics(folder)
     started, t0 = store.utc_stamp(), time.time()
     store.write_status(folder, "running", started=started, attempts=attempts)
+    log.info("run %s: %s on %s (%s scale), %s, %s, train.steps=%d; folder %s", run_hash, cfg.backbone.paper_name,
+             cfg.suite.name, cfg.suite.scale, cfg.method.name, cfg.privacy.name, total_updates(cfg), folder)
     if attempts > 1:
-        log.info("run %s: attempt %d, resuming from %s", folder, attempts, folder / "checkpoint")
+        log.info("run %s: attempt %d, resuming from %s", run_hash, attempts, folder / "checkpoint")
     generation = len(list(folder.parent.glob(f"{run_hash}.old-*")))
+    if cfg.logging.mode != "disabled":
+        log.info("run %s: W&B %s run under %s", run_hash, cfg.logging.mode, cfg.logging.dir)
     wb = WandbRun(cfg, run_hash, generation)
-    total = cfg.train.benchmark.warmup + cfg.train.benchmark.measure if cfg.train.benchmark else cfg.train.steps
+    total = total_updates(cfg)
 
     def log_fn(record: dict[str, Any]) -> None:
         store.append_metrics(folder, record)
@@ -157,6 +153,8 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
     except BaseException as exc:
         store.write_status(folder, "failed", started=started, attempts=attempts,
                            error=f"{type(exc).__name__}: {exc}", ended=store.utc_stamp())
+        write_text_atomic(folder / "traceback.txt", traceback.format_exc())
+        log.error("run %s failed; its traceback is in %s", run_hash, folder / "traceback.txt")
         wb.finish(None, exit_code=1)
         raise
     commit, dirty = git_state()
@@ -169,8 +167,30 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
     store.write_json_atomic(folder / "final.json", final)
     store.write_status(folder, "finished", started=started, attempts=attempts, ended=final["run"]["ended"])
     wb.finish(final)
-    log.info("run %s finished in %.1f s", folder, final["run"]["wall_time_s"])
+    log.info("run %s finished in %.0f s: %s; results in %s", run_hash, final["run"]["wall_time_s"],
+             scores_line(final), folder / "final.json")
     return "finished"
+
+
+def total_updates(cfg: DictConfig) -> int:
+    """``train.steps``, or warm-up + measured updates in benchmark mode."""
+    bench = cfg.train.benchmark
+    return int(bench.warmup + bench.measure) if bench else int(cfg.train.steps)
+
+
+def scores_line(final: dict[str, Any]) -> str:
+    """The headline numbers of a ``final.json``: Table 2 columns and their average, or the Table 5
+    step time and memory of a benchmark run."""
+    columns = final.get("columns") or final.get("scores") or {}
+    parts = [f"{name} {value:.4g}" for name, value in columns.items() if isinstance(value, (int, float))]
+    if isinstance(final.get("average"), (int, float)):
+        parts.append(f"average {final['average']:.4g}")
+    if not parts and isinstance(final.get("step_time_s"), (int, float)):
+        parts.append(f"step time {final['step_time_s']:.3g} s, peak memory {final.get('peak_memory_mb', 0):.0f} MiB")
+    eps = final.get("epsilon_spent")
+    if isinstance(eps, (int, float)) and math.isfinite(eps):
+        parts.append(f"ε spent {eps:.3g}")
+    return ", ".join(parts) or "no scores"
 
 
 def _brief(record: dict[str, Any]) -> str:
@@ -179,11 +199,114 @@ def _brief(record: dict[str, Any]) -> str:
                     if isinstance(record.get(k), (int, float)) and math.isfinite(record[k]))
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> str:
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m pipelines.run [--debug] [hydra flags] overrides...``; returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    args = [a for a in args if a != "--debug"]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return execute(cfg)
+    quiet_third_party_warnings()
+    try:
+        flags, overrides = split_flags(args)
+        if flags:
+            if not any(f.split("=", 1)[0] in OTHER_CONFIG for f in flags):
+                load_sweep(overrides) if {"-m", "--multirun"} & set(flags) else load_job(overrides)
+            return _hydra(args)
+        cfg = load_job(overrides)
+    except ConfigError as err:
+        if debug:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # a check that itself failed on an odd config: still one line
+        if debug:
+            raise
+        print(f"error: the config could not be validated ({_one_line(err)}), check the overrides "
+              "(rerun with --debug for the traceback)", file=sys.stderr)
+        return 2
+    setup_logging()
+    try:
+        execute(cfg)
+    except Exception as err:
+        if debug:
+            raise
+        bad_input = isinstance(err, (ConfigError, *_core_input_errors()))
+        hint = "" if bad_input else " (traceback in the run folder's traceback.txt, or rerun with --debug)"
+        print(f"error: {_one_line(err)}{hint}", file=sys.stderr)
+        return 2 if bad_input else 1
+    return 0
+
+
+def split_flags(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(Hydra's flags with their values, the overrides); an unknown flag is a :class:`ConfigError`."""
+    flags: list[str] = []
+    overrides: list[str] = []
+    pending = False  # the last flag waits for its value
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        is_value = pending and not arg.startswith("-") and (flags[-1] not in ("--info", "-i") or arg in INFO_TOPICS)
+        pending = False
+        if is_value or name in HYDRA_SWITCHES + HYDRA_OPTIONS + OTHER_CONFIG:
+            flags.append(arg)
+            pending = not is_value and "=" not in arg and name in HYDRA_OPTIONS + OTHER_CONFIG
+        elif arg.startswith("-"):
+            raise ConfigError(f"unknown option {arg}, write overrides as key=value "
+                              "(options: --debug, -m, --cfg job, --help)")
+        else:
+            overrides.append(arg)
+    return flags, overrides
+
+
+def _core_input_errors() -> tuple[type[Exception], ...]:
+    """Errors the core raises for input only it can see (data files, tokenised lengths)."""
+    from prism.data import DataUnavailableError
+    from prism.data.prompts import TruncatedLabelError
+
+    return DataUnavailableError, TruncatedLabelError
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if isinstance(err, (ConfigError, *_core_input_errors())) else f"{type(err).__name__}: {text}"
+
+
+def quiet_third_party_warnings() -> None:
+    """Silence library noise a user cannot act on: FutureWarning/DeprecationWarning raised in
+    libraries (torch, transformers, peft, opacus), transformers' advisory warnings and weight-loading
+    progress bars, W&B's banner. Warnings raised in this project's own code still show."""
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"(?!prism\b|pipelines\b)")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # "Loading weights" bars: narrated instead
+    os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def setup_logging() -> None:
+    """Narration on stdout, one ``[HH:MM:SS] message`` line per event; libraries only warn."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="[%(asctime)s] %(message)s",
+                        datefmt="%H:%M:%S", force=True)
+    for noisy in ("httpx", "urllib3", "filelock", "wandb"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _hydra(args: list[str]) -> int:
+    """Hand the command line to Hydra (multirun, ``--cfg``, ``--help``); each job is validated
+    again from its own overrides."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()  # validation initialised it; Hydra's main initialises its own
+    sys.argv = [sys.argv[0], *args]
+    _hydra_main()
+    return 0
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> str:
+    from hydra.core.hydra_config import HydraConfig
+
+    del cfg  # composed by Hydra; validated again from the job's overrides
+    return execute(load_job(list(HydraConfig.get().overrides.task)))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

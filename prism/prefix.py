@@ -33,7 +33,7 @@ from filelock import FileLock
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from prism.fileio import sha256_file
+from prism.fileio import atomic_write, sha256_file, write_text_atomic
 from prism.models import cache_root
 from prism.privacy.per_example import IGNORE_INDEX, LossFn, supervised_losses
 
@@ -200,23 +200,14 @@ def compute_prefix_states(model: nn.Module, depth: int, input_ids: Sequence[Sequ
 
 # ------------------------------------------------------------------------------------------ storage
 
-def _write_atomic(path: Path, write: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _save(directory: Path, key: str, states: list[Tensor]) -> None:
     """States file first, then the meta file that names its sha256 (the commit marker)."""
     directory.mkdir(parents=True, exist_ok=True)
     lengths = torch.tensor([s.shape[0] for s in states], dtype=torch.long)
     tensors = {"states": torch.cat(states).contiguous(), "lengths": lengths}
-    _write_atomic(directory / _STATES, lambda tmp: save_file(tensors, str(tmp)))
+    atomic_write(directory / _STATES, lambda tmp: save_file(tensors, str(tmp)))
     meta = {"format": FORMAT, "key": key, "examples": len(states), "sha256": sha256_file(directory / _STATES)}
-    _write_atomic(directory / _META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2)))
+    write_text_atomic(directory / _META, json.dumps(meta, indent=2))
 
 
 def _load(directory: Path, key: str, lengths: list[int]) -> list[Tensor] | None:

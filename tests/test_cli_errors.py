@@ -1,0 +1,215 @@
+"""Bad input through the real command line: one line naming the field, exit code 2, no traceback,
+no folder, no model load (well under 10 s).
+
+Most cases call ``pipelines.run.main(argv)`` in this process (the code path of ``python -m
+pipelines.run`` after interpreter start-up); a handful run as true subprocesses.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipelines import run
+from pipelines.grid import experiment_jobs, job_config
+from pipelines.run import main
+from pipelines.validate import ConfigError, load_job
+from prism.data.prompts import TruncatedLabelError
+
+REPO = Path(__file__).resolve().parents[1]
+LIMIT_S = 10.0
+
+# (overrides, the field the one-line message must name)
+CASES: list[tuple[str, str]] = [
+    # unknown keys, also added with + / ++ (silently stored and ignored before)
+    ("+train.stpes=5", "train.stpes"),
+    ("train.stpes=5", "train.stpes"),
+    ("++lora.rank=8", "lora.rank"),
+    ("+seeds=3", "seeds"),
+    ("train.benchmark={warmup:1,measur:2}", "train.benchmark.measur"),
+    ("train=3", "train"),
+    ("~train.steps", "train.steps"),
+    ("--frobnicate", "--frobnicate"),
+    ("lr=1e-3", "method.lr"),
+    ("=5", "key=value"),
+    ("~privacy", "privacy"),
+    ("seed=1,2", "-m"),
+    ("--cfg job train.stpes=5", "train.stpes"),
+    ("-m seed=1,2 train.steps=0", "train.steps"),
+    # Hydra's own errors: unknown group option, bad syntax, interpolation to a missing value
+    ("method=adam", "method"),
+    ("backbone=llama-7b", "backbone"),
+    ("suite=glue9", "suite"),
+    ("experiment=table9", "experiment"),
+    ("train.steps==3", "train.steps"),
+    ("suite.scale=???", "suite.scale"),
+    # types: ints are ints
+    ("train.steps=2.5", "train.steps"),
+    ("train.batch_size=abc", "train.batch_size"),
+    ("seed=1.5", "seed"),
+    ("method.lr=abc", "method.lr"),
+    ("force=maybe", "force"),
+    ("train.steps=null", "train.steps"),
+    # ranges
+    ("train.steps=0", "train.steps"),
+    ("train.steps=-5", "train.steps"),
+    ("train.batch_size=0", "train.batch_size"),
+    ("train.checkpoint_every=0", "train.checkpoint_every"),
+    ("train.eval_batch_size=0", "train.eval_batch_size"),
+    ("privacy.epsilon=0", "privacy.epsilon"),
+    ("privacy.epsilon=-1", "privacy.epsilon"),
+    ("privacy.delta=0", "privacy.delta"),
+    ("privacy.delta=1.5", "privacy.delta"),
+    ("privacy.clip_norm=0", "privacy.clip_norm"),
+    ("privacy.calibration=rounded", "privacy.calibration"),
+    ("method.lr=-1", "method.lr"),
+    ("method.betas=[0.9,1.5]", "method.betas"),
+    ("lora.r=0", "lora.r"),
+    ("lora.dropout=1.0", "lora.dropout"),
+    ("lora.targets=[q_proj,qq_proj]", "lora.targets"),
+    ("suite.cutoff_len=0", "suite.cutoff_len"),
+    ("suite.decoding.num_beams=0", "suite.decoding.num_beams"),
+    ("suite.embedded.tasks=[tweets]", "suite.embedded.tasks"),
+    ("suite.embedded.train_per_task=0", "suite.embedded.train_per_task"),
+    ("train.device=tpu", "train.device"),
+    ("train.prefix_cache=maybe", "train.prefix_cache"),
+    ("logging.mode=verbose", "logging.mode"),
+    ("experiment=table5 train.benchmark.measure=0", "train.benchmark.measure"),
+    # cross-field rules
+    ("privacy=eps6 privacy.epsilon=inf", "privacy.epsilon"),
+    ("privacy=nondp privacy.epsilon=6", "privacy.epsilon"),
+    ("privacy.name=custom", "privacy.name"),
+    ("scale=paper suite.scale=embedded", "suite.scale"),
+    ("method.name=adamw", "method.name"),
+    ("lora.r=4096", "lora.r"),
+    ("backbone=tiny-llama lora.r=64", "lora.r"),
+    ("backbone.lora_layers=99", "backbone.lora_layers"),
+    ("train.micro_batch_size=32", "train.micro_batch_size"),
+    ("train.batch_size=1000", "train.batch_size"),
+    ("backbone=tiny-llama suite=glue8", "suite.cutoff_len"),
+    ("logging=online", "logging"),
+    # paper-scale data that is not there
+    ("scale=paper", "suite.paper"),
+    ("suite=math10k scale=paper", "suite.paper.train_file"),
+]
+
+SUBPROCESS_CASES: list[tuple[str, str]] = [
+    ("+train.stpes=5", "train.stpes"),
+    ("train.steps=2.5", "train.steps"),
+    ("experiment=table2 privacy=eps6 privacy.epsilon=inf", "privacy.epsilon"),
+    ("backbone=tiny-llama suite=glue8", "suite.cutoff_len"),
+    ("-m experiment=table2 privacy.epsilon=0", "privacy.epsilon"),
+]
+
+
+@pytest.fixture
+def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Empty caches and no W&B key, so 'data missing' and 'no key' are what this machine sees."""
+    for name, sub in (("PRISM_CACHE", "cache"), ("HF_HOME", "hf"), ("NETRC", "no-netrc")):
+        monkeypatch.setenv(name, str(tmp_path / sub))
+    for name in ("HF_DATASETS_CACHE", "WANDB_API_KEY", "HYDRA_FULL_ERROR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    return tmp_path
+
+
+def check_one_line(stderr: str, field: str, results: Path) -> None:
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("error: ") and field in lines[0], lines[0]
+    assert "Traceback" not in stderr
+    assert not results.exists(), "a bad input created the results folder"
+
+
+@pytest.mark.parametrize("overrides, field", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line(overrides: str, field: str, isolated: Path,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    results = isolated / "results"
+    started = time.perf_counter()
+    code = main([*overrides.split(), f"results_dir={results}"])
+    elapsed = time.perf_counter() - started
+    captured = capsys.readouterr()
+    assert code == 2
+    check_one_line(captured.err, field, results)
+    assert captured.out == ""
+    assert elapsed < LIMIT_S
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU is visible")
+def test_missing_gpu_is_one_line(isolated: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    results = isolated / "results"
+    assert main(["train.device=cuda", f"results_dir={results}"]) == 2
+    check_one_line(capsys.readouterr().err, "train.device", results)
+
+
+@pytest.mark.parametrize("overrides, field", SUBPROCESS_CASES, ids=[c[0] for c in SUBPROCESS_CASES])
+def test_bad_input_through_a_subprocess(overrides: str, field: str, isolated: Path) -> None:
+    results = isolated / "results"
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pipelines.run", *overrides.split(), f"results_dir={results}"],
+                          cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=60)
+    elapsed = time.perf_counter() - started
+    assert proc.returncode == 2, proc.stderr
+    check_one_line(proc.stderr, field, results)
+    assert not (REPO / "multirun").exists() and not (REPO / "outputs").exists()
+    assert elapsed < LIMIT_S
+
+
+@pytest.mark.parametrize("switch", ["--debug", "HYDRA_FULL_ERROR=1"])
+def test_debug_raises_instead(switch: str, isolated: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--debug`` or ``HYDRA_FULL_ERROR=1``: the error propagates (Python prints its traceback)."""
+    args = ["train.steps=2.5", f"results_dir={isolated / 'results'}"]
+    if switch == "--debug":
+        args.insert(0, switch)
+    else:
+        monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(ConfigError, match="train.steps"):
+        main(args)
+    assert not (isolated / "results").exists()
+
+
+def test_good_input_is_converted_not_refused(isolated: Path) -> None:
+    """An int given for a float is that float; ε = inf under nondp, a null where a yaml has null,
+    and keys set by another group option are accepted."""
+    cfg = load_job(["method.lr=1", f"results_dir={isolated}"])
+    assert type(cfg.method.lr) is float and cfg.method.lr == 1.0
+    assert load_job(["privacy=nondp"]).privacy.epsilon == float("inf")
+    assert load_job(["method.cond_max=null"]).method.cond_max is None
+    assert load_job(["experiment=table5"]).train.benchmark == {"warmup": 10, "measure": 30}
+    assert load_job(["backbone=tiny-llama", "suite.cutoff_len=1024"]).backbone.name == "tiny-llama"
+
+
+@pytest.mark.parametrize("experiment", ["table2", "table3", "table4", "table5"])
+def test_shipped_jobs_pass(experiment: str) -> None:
+    """Known keys and types are derived from conf/, so the shipped grids validate unchanged (the
+    last job of every table: a non-default backbone, suite, method or privacy level)."""
+    job = experiment_jobs(experiment)[-1]
+    assert load_job(job) == job_config(job)
+
+
+@pytest.mark.parametrize("raised, code", [(RuntimeError("boom"), 1), (TruncatedLabelError("suite.cutoff_len=9 cuts"), 2)])
+def test_a_failing_run_is_one_line_with_its_traceback_kept(raised: Exception, code: int, isolated: Path,
+                                                           capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past validation, a failure in the core (a bug: exit 1; input only the core can see, such
+    as a label cut off by the tokenizer: exit 2) is still one line; the traceback is kept."""
+    def trainer(cfg: Any, folder: Path, log_fn: Any) -> dict[str, Any]:
+        raise raised
+
+    monkeypatch.setattr(run, "default_trainer", trainer)
+    handlers, level = logging.root.handlers[:], logging.root.level
+    try:
+        assert main(["logging=disabled", f"results_dir={isolated / 'results'}"]) == code
+    finally:
+        logging.root.handlers[:], logging.root.level = handlers, level
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and str(raised) in err and "Traceback" not in err
+    assert "Traceback" in next((isolated / "results" / "runs" / "adhoc").glob("*/traceback.txt")).read_text()
