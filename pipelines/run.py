@@ -129,7 +129,7 @@ def execute(cfg: DictConfig, trainer: Trainer | None = None) -> str:
 
 def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer: Trainer) -> str:
     folder.mkdir(parents=True, exist_ok=True)
-    store.write_text_atomic(folder / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_text_atomic(folder / "config.yaml", OmegaConf.to_yaml(cfg))
     store.seal_metrics(folder)
     started, t0 = store.utc_stamp(), time.time()
     store.write_status(folder, "running", started=started, attempts=attempts)

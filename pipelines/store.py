@@ -37,9 +37,10 @@ Inside a run folder:
 * ``status.json`` — written atomically (tmp + ``os.replace``): ``{state: running|finished|failed,
   error: str|null, started, ended, attempts}`` (times ISO-8601 UTC; ``attempts`` counts job starts).
 * ``checkpoint/`` (owned by the core), ``adapter/`` (exported LoRA adapter).
+* ``traceback.txt`` — the full traceback of a failed job (the console shows one line).
 * ``<name>.corrupt-<UTC timestamp>`` — a file found unreadable, kept aside (never deleted).
 
-Files are written mode ``0666 & ~umask`` (0644 under the usual umask), readable by a group on a
+Files are written through :func:`prism.fileio.atomic_write` (fsync, mode 0644), readable by a group on a
 shared cluster. A run is **finished** iff ``status.json`` says ``finished`` and ``final.json``
 parses; only then is it skipped on re-submission. ``force=true`` renames a finished folder to
 ``<hash>.old-<timestamp>`` (never deleted); the views keep pointing at the hash, i.e. at the rerun.
@@ -53,13 +54,14 @@ import json
 import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from prism.fileio import write_text_atomic
 
 REQUIRED_KEYS = ("seed", "backbone", "suite", "method", "privacy", "lora", "train")
 NON_RESULT_KEYS = frozenset({"experiment", "force", "results_dir", "logging", "launcher", "hydra"})
@@ -222,29 +224,6 @@ def migrate(results_dir: Path) -> list[tuple[Path, Path]]:
 
 
 # ------------------------------------------------------------------------------------- files
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write to a temp file in the same folder, fsync, then ``os.replace`` (never half-written);
-    the file gets the mode an ordinary ``open`` would give (0666 & ~umask, usually 0644)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp creates 0600
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Atomically write ``obj`` as JSON (numpy/torch scalars become numbers)."""
