@@ -169,9 +169,12 @@ def train_step(s: Setup, cfg: DictConfig) -> dict[str, float]:
     indices = s.sampler.sample()
     if s.method.dp:
         s.accountant.step(noise_multiplier=s.sigma, sample_rate=s.sampler.sample_rate)
-    if len(indices) == 0:  # an empty Poisson batch still counts for the accountant
-        return {"batch_size": 0}
     s.method.zero_accumulators()
+    if len(indices) == 0:
+        # DP: the noisy step is released on an empty batch too (noise only, the same σC/B), since
+        # skipping it would reveal that the batch was empty. Non-DP: nothing to average.
+        stats = s.method.step(float(cfg.train.batch_size), s.noise) if s.method.dp else {}
+        return {"batch_size": 0, **stats}
     losses = []
     for chunk in indices.split(cfg.train.micro_batch_size):
         loss, grads = s.gradients(_micro_batch(s, chunk.tolist()))
