@@ -5,6 +5,9 @@
 2. Every clipped per-example contribution has intrinsic norm ≤ C(1 + 1e-6), measured in exact
    rational arithmetic, for factors at the rank check's admission limit.
 3. An empty Poisson batch releases the noise-only step of the method (it was skipped).
+4. ``privacy.log_private_stats: false`` keeps the statistics of un-noised data out of the logs.
+5. ``privacy.secure_noise: true`` seeds the sampler and the noise from OS entropy and keeps their
+   states out of checkpoints.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from torch import nn
 
 from prism import geometry
 from prism import train as T
+from prism.lora import lora_pairs, read_pair
 from prism.methods import METHODS, build_method
 from prism.methods.base import PrivacySpec
 from prism.privacy import Accountant
@@ -188,3 +192,65 @@ def test_empty_non_dp_batch_changes_nothing() -> None:
     )
     assert T.train_step(setup, OmegaConf.create({"train": {"batch_size": 4, "micro_batch_size": 2}})) == {"batch_size": 0}
     assert all(torch.equal(p, before[n]) for n, p in params.items())
+
+
+# ------------------------------------------------------------------------------ defects 4 and 5
+def _fake_setup(params: dict[str, nn.Parameter], secure: bool = False) -> SimpleNamespace:
+    """What train_step / train_and_evaluate read from a Setup, around a real method, sampler and
+    accountant; per-example gradients of ⟨G_i, ABᵀ⟩ for random G_i stand in for the model."""
+    from prism.privacy import PoissonSampler
+
+    g = torch.Generator().manual_seed(9)
+    A, B = (x.detach() for x in read_pair(params, lora_pairs(params)[0]))
+
+    def gradients(indices: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        G = torch.randn(len(indices), M, N, generator=g, dtype=F64)
+        return G.square().mean((1, 2)), grads_of(A, B, G, torch.float32)
+
+    return SimpleNamespace(
+        sampler=PoissonSampler(16, 4, generator_seed=1), accountant=Accountant(), sigma=1.0, params=params,
+        method=build_method(method_cfg("prism"), params, PrivacySpec(sigma=1.0, clip_norm=1.0)),
+        noise=torch.Generator().manual_seed(2), gradients=gradients, device=torch.device("cpu"), prefix=None,
+        suite=SimpleNamespace(train=list(range(16))), secure=secure,
+    )
+
+
+@pytest.mark.parametrize("log_private_stats", [True, False])
+def test_log_private_stats_false_drops_unnoised_statistics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, log_private_stats: bool
+) -> None:
+    """Every record handed to the metrics/W&B writer, and final.json, lack the private statistics."""
+    monkeypatch.setattr(T, "build", lambda cfg: _fake_setup(_tiny_params(6)))
+    monkeypatch.setattr(T, "_micro_batch", lambda s, indices: indices)
+    cfg = OmegaConf.create({
+        "train": {"batch_size": 4, "micro_batch_size": 2, "steps": 4, "benchmark": {"warmup": 0, "measure": 4}},
+        "privacy": {"delta": 1e-5, "log_private_stats": log_private_stats},
+    })
+    records: list[dict] = []
+    final = T.train_and_evaluate(cfg, tmp_path, records.append)
+    logged = {key for record in records for key in record}
+    assert len(records) == 4 and {"step", "sigma", "epsilon_spent", "update_norm"} <= logged
+    private = {"loss", "clip_fraction", "grad_norm_mean", "noise_norm", "batch_size", "step_time_s"}
+    if log_private_stats:
+        assert private <= logged and "empty_batches" in final
+    else:
+        assert not private & logged and "empty_batches" not in final
+
+
+def test_secure_noise_seeds_from_entropy_and_keeps_rng_states_out_of_checkpoints() -> None:
+    public = OmegaConf.create({"seed": 7, "privacy": {"secure_noise": False}})
+    secure = OmegaConf.create({"seed": 7, "privacy": {"secure_noise": True}})
+    assert T.mechanism_seeds(public) == (8, 9)
+    draws = {T.mechanism_seeds(secure) for _ in range(3)}
+    assert len(draws) == 3 and all(8 not in d and 9 not in d for d in draws)
+
+    for is_secure in (False, True):
+        s = _fake_setup(_tiny_params(7), secure=is_secure)
+        state = T._state(s, 3)
+        assert ("noise_rng" in state and "sampler" in state) is not is_secure
+        resumed = _fake_setup(_tiny_params(7), secure=is_secure)
+        resumed.noise.manual_seed(123)
+        fresh = resumed.noise.get_state()
+        T._restore(resumed, state)
+        # public: the noise stream continues where it stopped; secure: the fresh stream is kept
+        assert torch.equal(resumed.noise.get_state(), fresh) is is_secure
