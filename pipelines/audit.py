@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -238,8 +239,9 @@ def run_audit(
            f"{'μ_lb':>7}{'μ':>7}{'ε_lb':>7}{'ε_step':>8}  verdict")
     rows = []
     args = [(m, c, draws, sigma, confidence) for m, c in pairs]
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        for row in pool.map(audit_one, *zip(*args)):
+    with ExitStack() as stack:  # one worker: in this process
+        pool = stack.enter_context(ProcessPoolExecutor(max_workers=workers)) if workers > 1 else None
+        for row in (pool.map if pool else map)(audit_one, *zip(*args)):
             rows.append(row)
             r = row.result
             verdict = "FAIL" if r.mu_lower > mu else "ok"

@@ -114,3 +114,19 @@ def test_one_example_moves_the_clipped_sum_by_at_most_C(name: str) -> None:
             worst = max(worst, change / C)
     assert worst <= 1.0 + 1e-6, worst
     assert worst > 0.999  # the canaries are clipped at exactly C, so the test is tight
+
+
+def test_audit_cli_fails_on_a_leak_and_rejects_bad_input(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A release whose canary shift is 5 noise stds (μ = 5 > 1/σ) makes `make audit` exit 1."""
+    def leaky(method_name: str, case: AU.Case, with_canary: bool, draws: int, sigma: float, seed: int) -> dict:
+        rng = np.random.default_rng(seed)
+        return {"privatised": rng.standard_normal(draws) + (5.0 if with_canary else 0.0)}
+
+    monkeypatch.setattr(AU, "release", leaky)
+    assert AU.main(["--draws", "400", "--methods", "adamw", "--cases", "random", "--workers", "1"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+    assert AU.main(["--methods", "sgd"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --methods") and "\n" not in err
