@@ -11,17 +11,30 @@ Per logical step (paper Alg. 1; SPEC §3):
    (eqs. 17, 19) — exactly the accountant's scale; optional Sylvester horizontalisation; the
    rank-space adaptive transform (eqs. 24–26, :mod:`prism.adaptive`); retraction (eq. 22).
 
-``horizontalize``: ``both`` (released code: the privatised lift before the moments and the
-direction before the retraction), ``pre_retract`` (the direction only) or ``none`` (paper Alg. 1).
-The noise moments used by the geometry floor / debias (eq. 50) are those of the eq.-19 lift, so
-they are exact with ``none`` / ``pre_retract`` and approximate after a pre-moment horizontalisation.
+Privacy of the factor components. The eq.-19 noise has ``AᵀΞ_A = 0`` while the clipped sum's lift
+has ``AᵀΔ̄A = ½AᵀĜBN⁻¹``: the r×r vertical (gauge) block of the privatised factor pair is an exact,
+noise-free function of the clipped sum (paper Alg. 1 as printed feeds it to the moments). Under DP
+the privatised lift is therefore always horizontalised (Prop. A.11) before anything reads its
+factor components: the horizontal representative depends only on the noised tangent vector
+``ΔA Bᵀ + A ΔBᵀ`` and the public ``(A, B)``. The geometry floor and the debias (eq. 50) then use the
+exact moments of the horizontalised noise (:func:`prism.adaptive.horizontal_noise_second_moments`).
+
+``horizontalize``: ``both`` (released code: the lift before the moments and the direction before the
+retraction), ``pre_retract`` (the direction only) or ``none`` (paper Alg. 1). Under DP the lift is
+horizontalised in every setting (above), so the setting changes the pre-moment gauge of non-DP runs
+only, plus the (image-preserving) pre-retraction step.
 
 Non-DP: grads arrive summed over the micro-batch; the lift is linear, so the sum is lifted once.
 
-``compute_dtype`` (default float32) is the dtype of the snapshots, lifts, noise and moments whatever
-the parameters' dtype (bf16 parameters are never used for the linear algebra); the retraction runs in
-float64 internally. Measured: float32 lifts/norms agree with float64 to ~1e-7 relative at κ(A) = 30,
-and float32 is ~2.5× faster on CPU (SmolLM2-135M shapes, r = 16).
+Precision. Under DP the per-example lifts, intrinsic norms (eq. 15, block form), clip coefficients,
+clipped sums, noise and horizontalisation run in float64 from the snapshots, so every clipped
+contribution has intrinsic norm ≤ C(1 + 1e-6) for every factor pair the rank check admits
+(float32 norms under-estimate by up to 1.35× at κ = 2,500, the error growing like eps·κ²).
+Measured on CPU: the float64 per-example path costs ~1.75× the float32 one (SmolLM2-135M shapes,
+r = 16, micro-batch 8; float32 lifts with float64 norms cost the same as all-float64). Its cost is
+``O(k m r²)`` per module against ``O(k L m r)`` for the per-example gradients of ``L`` tokens. ``compute_dtype`` (default float32)
+is the dtype of the snapshots, the rank check and the adaptive moments (non-DP: of everything);
+bf16 parameters are never used for the linear algebra; the retraction runs in float64 internally.
 """
 from __future__ import annotations
 
@@ -35,7 +48,12 @@ import torch
 from torch import Tensor, nn
 
 from prism import geometry
-from prism.adaptive import AdaptiveConfig, RankSpaceAdaptive, noise_second_moments
+from prism.adaptive import (
+    AdaptiveConfig,
+    RankSpaceAdaptive,
+    horizontal_noise_second_moments,
+    noise_second_moments,
+)
 from prism.lora import LoraPair, lora_pairs, read_pair, write_pair
 from prism.methods.base import Method, PrivacySpec
 
@@ -47,6 +65,7 @@ COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 # Fields of the method node this class reads besides the AdaptiveConfig ones; "name"/"init" belong
 # to build_method / prism.models.
 _OWN_FIELDS = {"name", "lr", "init", "horizontalize", "rank_fallback", "compute_dtype"}
+DP_DTYPE = torch.float64  # per-example lifts, norms, clipped sums and noise under DP (module docstring)
 
 
 @dataclass(frozen=True)
@@ -107,6 +126,8 @@ class PrismMethod(Method):
         if not self.pairs:
             raise ValueError("PRISM found no peft LoRA parameters (…lora_A/lora_B….weight) among the trainable ones")
         self.dtype = COMPUTE_DTYPES[self.config.compute_dtype]
+        self.work_dtype = DP_DTYPE if self.dp else self.dtype
+        self.horizontal_lift = self.dp or self.config.horizontalize == "both"
         self.adaptive: dict[str, RankSpaceAdaptive] = {}
         for pair in self.pairs:
             A, B = read_pair(self.params, pair)
@@ -118,11 +139,11 @@ class PrismMethod(Method):
 
     # ---------------------------------------------------------------- step protocol
     def zero_accumulators(self) -> None:
-        """Snapshot and factor every module's ``(A, B)``, check full rank, zero the sums."""
+        """Snapshot ``(A, B)`` in ``compute_dtype``, check full rank, factor in the working dtype, zero the sums."""
         self._frames, self._sums, self._norms = {}, {}, []
         for pair in self.pairs:
             A, B = (x.detach().to(self.dtype) for x in read_pair(self.params, pair))
-            A, B = self._full_rank(pair, A, B)
+            A, B = (x.to(self.work_dtype) for x in self._full_rank(pair, A, B))
             self._frames[pair.module] = geometry.frame(A, B)
             self._sums[pair.module] = (torch.zeros_like(A), torch.zeros_like(B))
 
@@ -134,7 +155,7 @@ class PrismMethod(Method):
         for pair in self.pairs:
             if pair.a_name not in grads or pair.b_name not in grads:
                 raise KeyError(f"no gradient for LoRA module {pair.module}; every trainable LoRA tensor needs one")
-            gA, gB = (g.detach().to(self.dtype) for g in read_pair(grads, pair))
+            gA, gB = (g.detach().to(self.work_dtype) for g in read_pair(grads, pair))
             if gA.ndim != (3 if self.dp else 2):
                 raise ValueError(
                     f"{pair.module}: gradient of shape {tuple(grads[pair.a_name].shape)}; DP needs per-example "
@@ -162,12 +183,14 @@ class PrismMethod(Method):
     ) -> tuple[dict[str, tuple[Tensor, Tensor]], float]:
         """Eq. 17: per module ``(Δ̄A, Δ̄B) + τ(Ξ_A, Ξ_B)``, ``τ = σC/denominator``; and ``‖N_Z‖_F`` (eq. 21).
 
-        The unit sampler of eq. 19 is scaled by exactly ``τ`` (never damped). Non-DP: ``τ = 0``.
+        The unit sampler of eq. 19 is scaled by exactly ``τ`` (never damped). Under DP (and with
+        ``horizontalize: both``) the result is horizontalised, so its factor components are a
+        function of the noised tangent vector and the public ``(A, B)`` only. Non-DP: ``τ = 0``.
         """
         if not self._frames:
             raise RuntimeError("call zero_accumulators() before step()")
         if not denominator > 0:
-            raise ValueError(f"denominator={denominator} must be positive (skip empty Poisson batches)")
+            raise ValueError(f"denominator={denominator} must be positive (the expected batch size B under DP, the realised one otherwise)")
         tau = self.tau(denominator)
         out, noise_sq = {}, 0.0
         for module, fr in self._frames.items():
@@ -177,22 +200,23 @@ class PrismMethod(Method):
                 XiA, XiB = tau * XiA, tau * XiB
                 noise_sq += geometry.intrinsic_sqnorm(fr.A, fr.B, XiA, XiB, frame=fr).item()
                 dA, dB = dA + XiA, dB + XiB
+            if self.horizontal_lift:
+                dA, dB = geometry.horizontalize(fr.A, fr.B, dA, dB, frame=fr)
             out[module] = (dA, dB)
         return out, math.sqrt(noise_sq)
 
     @torch.no_grad()
     def step(self, denominator: float, generator: torch.Generator | None) -> dict[str, float]:
-        """Privatise (eq. 17), horizontalise, adapt (eqs. 24–26), retract (eq. 22), write back."""
+        """Privatise and horizontalise (eq. 17), adapt (eqs. 24–26), retract (eq. 22), write back."""
         lifts, noise_norm = self.privatized_lifts(denominator, generator)
         tau, h = self.tau(denominator), self.config.horizontalize
+        moments = horizontal_noise_second_moments if self.horizontal_lift else noise_second_moments
         update_sq = 0.0
         for pair in self.pairs:
             fr = self._frames[pair.module]
-            dA, dB = lifts[pair.module]
-            if h == "both":
-                dA, dB = geometry.horizontalize(fr.A, fr.B, dA, dB, frame=fr)
-            sigma_A, sigma_B = noise_second_moments(fr)
-            UA, UB = self.adaptive[pair.module].step(dA, dB, tau, sigma_A, sigma_B)
+            dA, dB = (x.to(self.dtype) for x in lifts[pair.module])
+            sigma_A, sigma_B = (x.to(self.dtype) for x in moments(fr))
+            UA, UB = (x.to(self.work_dtype) for x in self.adaptive[pair.module].step(dA, dB, tau, sigma_A, sigma_B))
             if h in ("both", "pre_retract"):
                 UA, UB = geometry.horizontalize(fr.A, fr.B, UA, UB, frame=fr)
             A_new, B_new = geometry.retract(fr.A, fr.B, UA, UB, self.config.lr)
