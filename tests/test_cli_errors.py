@@ -212,4 +212,4 @@ def test_a_failing_run_is_one_line_with_its_traceback_kept(raised: Exception, co
         logging.root.handlers[:], logging.root.level = handlers, level
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and str(raised) in err and "Traceback" not in err
-    assert "Traceback" in next((isolated / "results" / "runs" / "adhoc").glob("*/traceback.txt")).read_text()
+    assert "Traceback" in next((isolated / "results" / "runs").glob("*/traceback.txt")).read_text()
