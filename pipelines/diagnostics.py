@@ -68,10 +68,11 @@ def method_node(cfg: DictConfig, name: str) -> dict[str, Any]:
     return OmegaConf.to_container(root.method, resolve=True)
 
 
-def sub_config(cfg: DictConfig, method: str, epsilon: float, steps: int) -> DictConfig:
-    """The resolved config of one short run: ``cfg`` with another method, ε and step count."""
+def sub_config(cfg: DictConfig, method: str, epsilon: float, steps: int,
+               method_overrides: dict[str, Any] | None = None) -> DictConfig:
+    """The resolved config of one short run: ``cfg`` with another method (fields overridden), ε and step count."""
     plain = OmegaConf.to_container(cfg, resolve=True)
-    plain["method"] = method_node(cfg, method)
+    plain["method"] = {**method_node(cfg, method), **(method_overrides or {})}
     plain["privacy"] = {**plain["privacy"], "epsilon": float(epsilon), "name": f"eps{epsilon:g}"}
     plain["train"] = {**plain["train"], "steps": int(steps)}
     return OmegaConf.create(plain)
@@ -88,6 +89,7 @@ def validate_diagnostics(cfg: DictConfig) -> None:
         (len(d.gauges) >= 2 and all(float(c) > 0 for c in d.gauges), "train.diagnostics.gauges needs ≥ 2 positive c"),
         (1.0 in [float(c) for c in d.gauges], "train.diagnostics.gauges must contain 1.0 (the identity gauge)"),
         (int(d.gauge_steps) >= 2, "train.diagnostics.gauge_steps must be ≥ 2"),
+        (int(d.plain_steps) >= 0, "train.diagnostics.plain_steps must be ≥ 0 (0 skips the plain-PRISM sweep)"),
         (len(d.epsilons) >= 1 and all(float(e) > 0 for e in d.epsilons), "train.diagnostics.epsilons must be > 0"),
         (0 <= int(d.eps_discard) < int(d.eps_steps), "train.diagnostics.eps_discard must lie in [0, eps_steps)"),
         (int(d.table1_draws) >= 16, "train.diagnostics.table1_draws must be ≥ 16"),
@@ -126,7 +128,8 @@ class Lab:
             self._setups[method] = (s, {n: p.detach().clone() for n, p in s.params.items()})
         return self._setups[method]
 
-    def fresh(self, method: str, c: float, epsilon: float, steps: int) -> tuple[Any, DictConfig]:
+    def fresh(self, method: str, c: float, epsilon: float, steps: int,
+              method_overrides: dict[str, Any] | None = None) -> tuple[Any, DictConfig]:
         """A Setup at the initial factors rescaled to ``(cA, c⁻¹B)`` with a new method, sampler, accountant
         and noise stream (seeded as :func:`prism.train.build` seeds them) and σ calibrated for ``steps``."""
         from prism.diagnostics import apply_gauge
@@ -135,7 +138,7 @@ class Lab:
         from prism.privacy import Accountant, PoissonSampler, calibrate_sigma, calibration_steps
 
         s, initial = self.setup(method)
-        sub = sub_config(self.cfg, method, epsilon, steps)
+        sub = sub_config(self.cfg, method, epsilon, steps, method_overrides)
         with torch.no_grad():
             for n, p in s.params.items():
                 p.copy_(initial[n])
@@ -180,21 +183,22 @@ class Lab:
             out["intrinsic"] = torch.cat(intrinsic).tolist()
         return out
 
-    def run(self, part: str, method: str, c: float, epsilon: float, steps: int, discard: int = 0) -> dict[str, Any]:
+    def run(self, part: str, method: str, c: float, epsilon: float, steps: int, discard: int = 0,
+            method_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """A short run; per step: ``S_t`` (before the step), ``‖ΔZ_t‖_F``, the method's statistics and
-        the noise amplification after the step (memoised per (method, c, ε, steps))."""
+        the noise amplification after the step (memoised per (method, overrides, c, ε, steps))."""
         from prism.diagnostics import adam_amplification, delta_z_norm, factor_sum, prism_amplification
         from prism.lora import lora_pairs, read_pair
         from prism.train import train_step
 
-        key = (method, float(c), float(epsilon), int(steps))
+        key = (method, float(c), float(epsilon), int(steps), tuple(sorted((method_overrides or {}).items())))
         if key in self.runs:
             return self.runs[key]
-        s, sub = self.fresh(method, c, epsilon, steps)
+        s, sub = self.fresh(method, c, epsilon, steps, method_overrides)
         pairs = lora_pairs(s.params)
         tau = s.sigma * float(sub.privacy.clip_norm) / sub.train.batch_size
         result: dict[str, Any] = {"method": method, "c": c, "epsilon": epsilon, "sigma": s.sigma, "tau": tau,
-                                  "step1_norms": self.step1_norms(s, sub), "steps": []}
+                                  "step1_norms": self.step1_norms(s, sub) if part == "gauge" else {}, "steps": []}
         amp_gen = torch.Generator().manual_seed(int(sub.seed) + 3)
         for t in range(1, steps + 1):
             before = {n: p.detach().clone() for n, p in s.params.items()}
@@ -286,12 +290,28 @@ def gauge_sweep(lab: Lab) -> dict[str, Any]:
                     norms = torch.tensor(run["step1_norms"][kind])
                     row[f"{kind}_clip_fraction"], row[f"{kind}_coef_mean"] = clip_stats(norms, C, eps)
             step1.append(row)
-        dz = np.array([[r["delta_z"] for r in run["steps"]] for run in runs])
         clip = np.array([[r.get("clip_fraction", np.nan) for r in run["steps"]] for run in runs])
-        out[method] = {"gauges": [run["c"] for run in runs], "step1": step1, "delta_z": dz.tolist(),
-                       "rho": (dz.max(0) - dz.min(0)).tolist(), "rho_rel": ((dz.max(0) - dz.min(0)) / dz.mean(0)).tolist(),
+        out[method] = {"gauges": [run["c"] for run in runs], "step1": step1, **_spread(runs),
                        "clip_fraction": clip.tolist()}
     return out
+
+
+def plain_prism_sweep(lab: Lab) -> dict[str, Any] | None:
+    """The gauge sweep of PRISM without the adaptive transform (``preconditioner: none``): the update is
+    the privatised tangent vector itself, so Thm. 3.3 makes ‖ΔZ_t‖ equal across gauges path by path."""
+    steps = int(lab.d.plain_steps)
+    if steps == 0:
+        return None
+    runs = [lab.run("gauge_plain", str(lab.d.prism), float(c), lab.eps0, steps, method_overrides={"preconditioner": "none"})
+            for c in lab.d.gauges]
+    return {"gauges": [run["c"] for run in runs], **_spread(runs)}
+
+
+def _spread(runs: list[dict[str, Any]]) -> dict[str, list]:
+    """``‖ΔZ_t‖_F`` per gauge and step, ``ρ_t = max_c − min_c`` and ``ρ_t`` over the mean across gauges."""
+    dz = np.array([[r["delta_z"] for r in run["steps"]] for run in runs])
+    rho = dz.max(0) - dz.min(0)
+    return {"delta_z": dz.tolist(), "rho": rho.tolist(), "rho_rel": (rho / dz.mean(0)).tolist()}
 
 
 def noise_along_training(lab: Lab) -> dict[str, Any]:
@@ -361,6 +381,7 @@ def measure(cfg: DictConfig, folder: Path, log_fn: LogFn) -> dict[str, Any]:
                             "batch_size": int(cfg.train.batch_size), "lora_r": int(cfg.lora.r)}
     data["table1"] = table1(lab)
     data["gauge"] = gauge_sweep(lab)
+    data["gauge_plain"] = plain_prism_sweep(lab)
     data["noise"] = noise_along_training(lab)
     data["scan"] = optimal_gauge(lab)
     data["eps"] = eps_sweep(lab)
@@ -437,6 +458,9 @@ def render(data: dict[str, Any], results_dir: Path, wall_time_s: float | None = 
         ax.legend(fontsize=7)
     for method in (base, prism):
         axes[2].plot(range(1, len(g[method]["rho_rel"]) + 1), g[method]["rho_rel"], "o-", label=method)
+    if data.get("gauge_plain"):
+        rr = data["gauge_plain"]["rho_rel"]
+        axes[2].plot(range(1, len(rr) + 1), rr, "s--", label=f"{prism}, no adaptive transform")
     axes[2].set_title("ρ_t / mean_c ‖ΔZ_t‖ (max_c − min_c)")
     axes[2].set_xlabel("step")
     axes[2].set_yscale("symlog", linthresh=1e-6)
@@ -549,6 +573,10 @@ def to_markdown(data: dict[str, Any], wall_time_s: float | None = None) -> str:
         rr = g[method]["rho_rel"]
         late = ", ".join(_fmt(c[-1], 3) for c in g[method]["clip_fraction"])
         lines.append(f"| {method} | {_fmt(rr[0])} | {_fmt(max(rr[1:]))} | {_fmt(rr[-1])} | {late} |")
+    if data.get("gauge_plain"):
+        rr = data["gauge_plain"]["rho_rel"]
+        lines.append(f"| {prism} without the adaptive transform (preconditioner none, {len(rr)} steps) "
+                     f"| {_fmt(rr[0])} | {_fmt(max(rr[1:]))} | {_fmt(rr[-1])} | — |")
     ratio = [x for x in nz["ratio"] if math.isfinite(x)]
     lines += ["", "## Noise energy along training (Figs. 1, 3)", "", f"Paper: {PAPER['ratio']}. {PAPER['fit']}.", "",
               "| quantity | measured | expected |", "|---|---|---|",

@@ -179,15 +179,19 @@ def prism_amplification(
     (eq. 25, with the floor of eq. 26 at ``τ``) and ``Ξ`` the tangent noise of eq. 19 at the factors."""
     num = den = 0.0
     for module, ad in adaptive.items():
-        if ad.t == 0:
+        plain = ad.cfg.preconditioner == "none"  # U = Δ: P = I
+        if ad.t == 0 and not plain:
             continue
         A, B = factors[module]
         fr = geometry.frame(A, B)
         sigma_A, sigma_B = noise_second_moments(fr)
         XiA, XiB = geometry.tangent_noise(A, B, generator=generator, frame=fr)
         for Xi, state, sig in ((XiA, ad.A, sigma_A), (XiB, ad.B, sigma_B)):
-            _, V_hat = moment_estimates(ad.cfg, state, ad.t, tau, sig)
-            P = preconditioner(ad.cfg, V_hat, noise_floor(ad.cfg, tau, sig))
+            if plain:
+                P = torch.eye(Xi.shape[-1], dtype=Xi.dtype, device=Xi.device)
+            else:
+                _, V_hat = moment_estimates(ad.cfg, state, ad.t, tau, sig)
+                P = preconditioner(ad.cfg, V_hat, noise_floor(ad.cfg, tau, sig))
             num += (Xi @ P).square().sum().item()
             den += Xi.square().sum().item()
     if den == 0.0:

@@ -15,6 +15,7 @@ from pipelines import store
 from pipelines.grid import compose_config, resolve
 from prism import diagnostics as dg
 from prism import geometry
+from prism.adaptive import AdaptiveConfig, RankSpaceAdaptive, noise_second_moments
 
 
 def factors(m: int, n: int, r: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,6 +89,25 @@ def test_product_distance_and_linear_fit() -> None:
     assert (a, b, r2) == pytest.approx((2.0, 1.0, 1.0))
 
 
+def test_amplification_of_known_preconditioners() -> None:
+    """Adam with |v̂| = g² everywhere amplifies by 1/(|g| + eps); PRISM's floor-bound P(V̂) = λ^{-1/2} I by
+    λ^{-1/2} = √2/τ (eq. 26, floor_factor 0.5); P = I (preconditioner none) by 1."""
+    p = torch.nn.Parameter(torch.zeros(40, 3))
+    opt = torch.optim.AdamW([p], lr=1e-3, eps=1e-8)
+    p.grad = torch.full_like(p, 0.1) * torch.randn(40, 3).sign()
+    opt.step()
+    assert dg.adam_amplification(opt) == pytest.approx(1.0 / (0.1 + 1e-8), rel=1e-6)
+
+    A, B = factors(12, 9, 2, seed=7)
+    A, B = A.float(), B.float()
+    tau = 0.05
+    for precond, expected in (("floor", math.sqrt(2.0) / tau), ("none", 1.0)):
+        ad = RankSpaceAdaptive(AdaptiveConfig(preconditioner=precond), 12, 9, 2, torch.float32, torch.device("cpu"))
+        fr = geometry.frame(A, B)
+        ad.step(torch.zeros(12, 2), torch.zeros(9, 2), tau, *noise_second_moments(fr))  # V̂ = 0: the floor binds
+        assert dg.prism_amplification({"m": ad}, {"m": (A, B)}, tau) == pytest.approx(expected, rel=1e-5)
+
+
 TINY = [
     "experiment=diagnostics",
     "backbone=tiny-llama",
@@ -99,6 +119,7 @@ TINY = [
     "logging=disabled",
     "diagnostics_budgets.embedded.gauges=[0.25,1.0,4.0]",
     "diagnostics_budgets.embedded.gauge_steps=2",
+    "diagnostics_budgets.embedded.plain_steps=2",
     "diagnostics_budgets.embedded.epsilons=[6.0]",  # = privacy.epsilon: reuses the c = 1 runs (no extra σ calibration)
     "diagnostics_budgets.embedded.eps_steps=2",
     "diagnostics_budgets.embedded.eps_discard=0",
@@ -145,8 +166,10 @@ def test_diagnostics_experiment_end_to_end(experiment: tuple[Path, DictConfig, d
     folder = store.run_dir(resolve(cfg))
     assert json.loads((folder / "status.json").read_text())["state"] == "finished"
     assert all(row["rel_err"] < 0.5 for row in data["table1"]["rows"])  # 32 draws: loose; the 2 % test is above
-    # one metrics line per step of every short run: 3 gauges × 2 methods × 2 steps (the ε sweep reuses c = 1)
-    assert len(store.read_metrics(folder)) == 3 * 2 * 2
+    # one metrics line per step of every short run: 3 gauges × 3 methods × 2 steps (the ε sweep reuses c = 1)
+    assert len(store.read_metrics(folder)) == 3 * 3 * 2
+    # Thm. 3.3 path by path: without the adaptive transform PRISM's ‖ΔZ_t‖ is the same at every gauge
+    assert max(data["gauge_plain"]["rho_rel"]) < 1e-4
     # eq. 8 at every logged step: the baseline's measured ‖N_Z‖² scatters around τ²·S_t
     ratio = [n2 / (data["noise"]["tau"] ** 2 * s) for n2, s in zip(data["noise"]["N2"], data["noise"]["S"])]
     assert 0.5 < sum(ratio) / len(ratio) < 2.0
