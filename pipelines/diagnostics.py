@@ -199,7 +199,7 @@ class Lab:
         tau = s.sigma * float(sub.privacy.clip_norm) / sub.train.batch_size
         result: dict[str, Any] = {"method": method, "c": c, "epsilon": epsilon, "sigma": s.sigma, "tau": tau,
                                   "step1_norms": self.step1_norms(s, sub) if part == "gauge" else {}, "steps": []}
-        amp_gen = torch.Generator().manual_seed(int(sub.seed) + 3)
+        amp_gen = torch.Generator(device=s.device).manual_seed(int(sub.seed) + 3)
         for t in range(1, steps + 1):
             before = {n: p.detach().clone() for n, p in s.params.items()}
             S = factor_sum(pairs, before)
@@ -232,7 +232,7 @@ def table1(lab: Lab) -> dict[str, Any]:
     tau = s.sigma * float(sub.privacy.clip_norm) / sub.train.batch_size
     pairs = lora_pairs(initial)
     last = pairs[-1].module.rsplit(".", 1)[0].rsplit(".", 1)[0]  # e.g. ...layers.29
-    gen = torch.Generator().manual_seed(int(sub.seed) + 4)
+    gen = torch.Generator(device=s.device).manual_seed(int(sub.seed) + 4)
     draws = int(lab.d.table1_draws)
     rows = []
 
@@ -345,8 +345,8 @@ def optimal_gauge(lab: Lab) -> dict[str, Any]:
     sc = lab.d.scan
     log_c = np.linspace(float(sc.log10_min), float(sc.log10_max), int(sc.points))
     scan = gauge_scan(A, B, base["tau"], (10.0**log_c).tolist(), int(sc.draws),
-                      torch.Generator().manual_seed(int(lab.cfg.seed) + 5))
-    total, first, bil = (x.clamp_min(0).sqrt().numpy() for x in (scan.total, scan.first, scan.bilinear))
+                      torch.Generator(device=A.device).manual_seed(int(lab.cfg.seed) + 5))
+    total, first, bil = (x.clamp_min(0).sqrt().cpu().numpy() for x in (scan.total, scan.first, scan.bilinear))
     med = np.median(total, 1)
     (m, r), n = A.shape, B.shape[0]
     closed = [math.sqrt(geometry.gauge_noise_energy(A, B, base["tau"], float(10.0**x))

@@ -153,7 +153,7 @@ def clip_stats(norms: Tensor, clip_norm: float, eps: float = 0.0) -> tuple[float
 
 def adam_amplification(optimizer: torch.optim.Optimizer, generator: torch.Generator | None = None) -> float:
     """``‖P^{-1/2}ξ‖/‖ξ‖`` for (Adam/AdamW) ``P^{-1/2} = diag(1/(√v̂ + eps))``, ``ξ ~ N(0, I)`` over all
-    parameters with state (the ratio does not depend on the noise scale τ)."""
+    parameters with state (the ratio does not depend on the noise scale τ); ``generator`` on their device."""
     num = den = 0.0
     for group in optimizer.param_groups:
         beta2, eps = group["betas"][1], group["eps"]
@@ -163,7 +163,7 @@ def adam_amplification(optimizer: torch.optim.Optimizer, generator: torch.Genera
                 continue
             t = float(state["step"])
             v_hat = state["exp_avg_sq"].double() / (1.0 - beta2**t)
-            xi = torch.randn(p.shape, generator=generator, dtype=torch.float64).to(p.device)
+            xi = torch.randn(p.shape, generator=generator, dtype=torch.float64, device=p.device)
             num += (xi / (v_hat.sqrt() + eps)).square().sum().item()
             den += xi.square().sum().item()
     if den == 0.0:
