@@ -597,10 +597,11 @@ def to_markdown(data: dict[str, Any], wall_time_s: float | None = None) -> str:
               f"| median bilinear part / median total at c* | "
               f"{_fmt(sc['bilinear_median'][int(np.argmin(sc['median']))] / min(sc['median']))} | small |"]
     lines += ["", "## ε sweep (Figs. 4, 14–15)", "", f"Paper: {PAPER['eps']}.", "",
-              "| ε | method | realised σ | median amplification ‖P^{-1/2}ξ‖/‖ξ‖ (min–max) |", "|---|---|---|---|"]
+              "| ε | method | realised σ | median amplification ‖P^{-1/2}ξ‖/‖ξ‖ (min–max) | 1/τ = b/(σC) |",
+              "|---|---|---|---|---|"]
     for r in ep["rows"]:
         lines.append(f"| {r['epsilon']:g} | {r['method']} | {r['sigma']:.4g} | {_fmt(r['amplification'])} "
-                     f"({_fmt(r['amp_min'])}–{_fmt(r['amp_max'])}) |")
+                     f"({_fmt(r['amp_min'])}–{_fmt(r['amp_max'])}) | {_fmt(data['batch_size'] / (r['sigma'] * data['clip_norm']))} |")
     return "\n".join(lines) + "\n"
 
 
