@@ -13,7 +13,7 @@ export MKL_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: help setup setup-gemma3 test audit reproduce-table2 reproduce-table3 reproduce-table4 reproduce-table5 test-all test-slurm lint bench gpu-check data wandb-sync lock clean
+.PHONY: help setup setup-gemma3 test audit reproduce-table2 reproduce-table3 reproduce-table4 reproduce-table5 reproduce-diagnostics test-all test-slurm lint bench gpu-check data wandb-sync lock clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -71,6 +71,9 @@ reproduce-table4: setup  ## Table 4 (ranks 8/16/32)
 
 reproduce-table5: setup  ## Table 5 (step time and peak memory)
 	$(call REPRODUCE,5)
+
+reproduce-diagnostics: setup  ## Table 1 and the mechanism figures (Figs. 1-4, 8-15) -> results/figures, results/tables/diagnostics.md
+	$(PY) -m pipelines.diagnostics experiment=diagnostics scale=$(SCALE) $(if $(filter paper,$(SCALE)),suite=math10k) $(ARGS)
 
 clean:  ## remove caches and rendered tables; results/runs only with CONFIRM=1
 	rm -rf .pytest_cache .ruff_cache results/tables

@@ -257,3 +257,40 @@ def bilinear_noise_energy(m: int, n: int, r: int, tau: float) -> float:
 def prism_noise_energy(m: int, n: int, r: int, tau: float) -> float:
     """Eq. 20–21: ``E‖τ P_{A,B}(Ξ)‖²_F = τ² r(m + n − r)``, independent of ``A``, ``B``."""
     return tau**2 * tangent_dim(m, n, r)
+
+
+def one_sided_noise_energy(A: Tensor, B: Tensor, tau: float, noised: str) -> float:
+    """Eq. 32 (Prop. A.6): noise on one factor only — ``τ² m‖B‖²_F`` (``noised="A"``) or ``τ² n‖A‖²_F`` (``"B"``).
+
+    FFA trains the paper's ``A`` (peft ``lora_B``) and freezes ``B``, so its energy is the ``"A"`` case;
+    there is no bilinear term.
+    """
+    if noised == "A":
+        return tau**2 * A.shape[0] * B.square().sum().item()
+    if noised == "B":
+        return tau**2 * B.shape[0] * A.square().sum().item()
+    raise ValueError(f"noised={noised!r}; choose 'A' or 'B'")
+
+
+def prism_effective_noise(m: int, n: int, r: int, tau: float) -> float:
+    """Eq. 21: PRISM's effective intrinsic noise ``E_Z = τ √(r(m + n − r))`` with ``τ = σC/b``."""
+    return tau * math.sqrt(tangent_dim(m, n, r))
+
+
+def gauge_noise_energy(A: Tensor, B: Tensor, tau: float, c: float) -> float:
+    """Eq. 33 (Prop. A.7): first-order energy of factor DP at the gauge ``(cA, c⁻¹B)``,
+    ``τ²(m‖B‖²_F / c² + n c² ‖A‖²_F)`` — unbounded as ``c → 0`` or ``∞`` (Cor. 2.3)."""
+    m, n = A.shape[0], B.shape[0]
+    return tau**2 * (m * B.square().sum().item() / c**2 + n * c**2 * A.square().sum().item())
+
+
+def optimal_gauge(A: Tensor, B: Tensor) -> float:
+    """Eq. 34: the minimiser ``c* = (m‖B‖²_F / (n‖A‖²_F))^{1/4}`` of :func:`gauge_noise_energy`."""
+    m, n = A.shape[0], B.shape[0]
+    return (m * B.square().sum().item() / (n * A.square().sum().item())) ** 0.25
+
+
+def min_gauge_noise_energy(A: Tensor, B: Tensor, tau: float) -> float:
+    """Eq. 35: ``min_c`` of :func:`gauge_noise_energy`, ``2τ² √(mn) ‖A‖_F ‖B‖_F``."""
+    m, n = A.shape[0], B.shape[0]
+    return 2.0 * tau**2 * math.sqrt(m * n) * A.norm().item() * B.norm().item()
