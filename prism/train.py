@@ -6,6 +6,7 @@ only in the :class:`~prism.methods.base.Method` that clips, noises and updates.
 """
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -31,12 +32,14 @@ from prism.privacy import (
     Accountant,
     PerExampleGradients,
     PoissonSampler,
-    calibrate_sigma,
-    calibration_steps,
+    calibrate_for_run,
     summed_gradients,
 )
+from prism.privacy.sampling import noise_denominator
+from prism.protocol import dp_caveats, protocol_record
 
 LogFn = Callable[[dict[str, Any]], None]
+log = logging.getLogger(__name__)
 
 
 class TrainingDivergedError(RuntimeError):
@@ -102,8 +105,10 @@ def build(cfg: DictConfig) -> Setup:
     dp = math.isfinite(float(cfg.privacy.epsilon))
     sigma = 0.0
     if dp:
-        calib = calibration_steps(total_steps(cfg), sampler.sample_rate, cfg.privacy.calibration)
-        sigma = calibrate_sigma(cfg.privacy.epsilon, cfg.privacy.delta, sampler.sample_rate, calib)
+        sigma = calibrate_for_run(cfg.privacy.epsilon, cfg.privacy.delta, sampler.sample_rate, total_steps(cfg),
+                                  cfg.privacy.calibration)
+        for caveat in dp_caveats(cfg):  # protocol=released: docs/DECISIONS.md
+            log.warning("NOT a valid DP guarantee as stated: %s", caveat)
     params = trainable_parameters(model)
     privacy = PrivacySpec(sigma=sigma, clip_norm=float(cfg.privacy.clip_norm)) if dp else None
     method = build_method(cfg.method, params, privacy)
@@ -111,7 +116,8 @@ def build(cfg: DictConfig) -> Setup:
     prefix = prefix_cache(model, features, cfg.train.get("prefix_cache", "auto"), name=cfg.backbone.name)
     noise = torch.Generator(device=device).manual_seed(cfg.seed + 2)
     if dp:
-        per_example = PerExampleGradients(model)
+        per_example = PerExampleGradients(model, scale=cfg.privacy.get("per_example_scale", "record"),
+                                          released_power=2 if cfg.method.name.startswith("prism") else 1)
         gradients = lambda batch: per_example.compute(**batch)  # noqa: E731
     else:
         gradients = lambda batch: summed_gradients(model, **batch)  # noqa: E731
@@ -119,11 +125,11 @@ def build(cfg: DictConfig) -> Setup:
                  gradients, sigma, device, prefix)
 
 
-def _micro_batch(s: Setup, indices: list[int]) -> dict[str, Any]:
-    """From the prefix cache when there is one, else tokens collated onto the device."""
+def _micro_batch(s: Setup, indices: list[int], padding_side: str = "right") -> dict[str, Any]:
+    """From the prefix cache when there is one (right-padded), else tokens collated onto the device."""
     if s.prefix is not None:
         return s.prefix.batch(indices)
-    batch = collate([s.features[i] for i in indices], pad_id=s.tokenizer.pad_token_id)
+    batch = collate([s.features[i] for i in indices], pad_id=s.tokenizer.pad_token_id, padding_side=padding_side)
     return {k: v.to(s.device) for k, v in batch.items()}
 
 
@@ -174,12 +180,13 @@ def train_step(s: Setup, cfg: DictConfig) -> dict[str, float]:
     s.method.zero_accumulators()
     losses = []
     for chunk in indices.split(cfg.train.micro_batch_size):
-        loss, grads = s.gradients(_micro_batch(s, chunk.tolist()))
+        loss, grads = s.gradients(_micro_batch(s, chunk.tolist(), cfg.train.get("padding_side", "right")))
         _check_finite("loss", loss)
         _check_finite("gradient", grads)
         s.method.accumulate(grads)
         losses.append(loss.detach().float().cpu())
-    denominator = cfg.train.batch_size if s.method.dp else len(indices)
+    denominator = (noise_denominator(cfg.privacy.get("denominator", "expected"), len(indices), cfg.train.batch_size)
+                   if s.method.dp else len(indices))
     stats = s.method.step(float(denominator), s.noise)
     _check_finite("factor", dict(s.params))
     return {"loss": torch.cat(losses).mean().item(), "batch_size": len(indices), **stats}
@@ -226,6 +233,7 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
         "train_time_s": train_time,
         "prefix_depth": s.prefix.depth if s.prefix is not None else None,
         "prefix_build_s": s.prefix.build_seconds if s.prefix is not None else 0.0,
+        "protocol": protocol_record(cfg),
     }
     if benchmark:
         measured = step_times[benchmark.warmup:]

@@ -14,6 +14,13 @@ The training forward applies the LM head only where a label is read (:func:`supe
 HF's ``logits_to_keep``): ``ℓ_i`` is unchanged and most of the vocabulary projection is skipped when
 ``train_on_inputs`` is false. Both entry points take either a token micro-batch or a ``loss_fn``
 (:data:`LossFn`), e.g. a forward from cached frozen-prefix states (:mod:`prism.prefix`).
+
+``PerExampleGradients(scale="released")`` reproduces the released trainer's per-sample gradient
+instead (docs/DECISIONS.md D3): it backpropagated the micro-batch token mean ``Σ_i (T_i/T_micro) ℓ_i``
+(times ``k`` in its PRISM loop) through Opacus' ``loss_reduction="mean"``, which multiplies by ``k``
+again, so example ``i`` contributes ``k^p · T_i/T_micro · ∇ℓ_i`` (:func:`released_weights`; ``p = 2``
+PRISM, ``p = 1`` the DP baselines). The weight depends on the other records' token counts, so the
+clipped sum no longer has sensitivity ``C``: such runs are not a valid DP guarantee as stated.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from opacus import GradSampleModule
 from torch import Tensor, nn
 
 IGNORE_INDEX = -100
+SCALES = ("record", "released")
 
 LossFn = Callable[[nn.Module], Tensor]
 """Given the (possibly Opacus-wrapped) model, run a training-mode forward of one micro-batch and
@@ -130,6 +138,43 @@ def _loss_fn(input_ids: Tensor | None, attention_mask: Tensor | None, labels: Te
     return token_loss_fn(input_ids, attention_mask, labels)
 
 
+def supervised_counts(labels: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """``T_i``: the number of targets ``ℓ_i`` averages over (as :func:`supervised_positions` selects)."""
+    if labels.shape[1] < 2:
+        return labels.new_zeros(labels.shape[0])
+    supervised = labels[:, 1:] != IGNORE_INDEX
+    if attention_mask is not None:
+        supervised &= attention_mask[:, :-1] != 0
+    return supervised.sum(dim=1)
+
+
+def released_weights(counts: Tensor, power: int) -> Tensor:
+    """``w_i = k^power · T_i / Σ_j T_j`` for a micro-batch of ``k`` records with ``T_i`` supervised tokens.
+
+    The released trainer's per-sample gradient is ``w_i ∇ℓ_i`` (module docstring): HF's micro-batch
+    token mean weighs record ``i`` by ``T_i/T_micro``, Opacus' mean reduction multiplies by ``k``, and
+    the released PRISM loop's ``loss × k`` by ``k`` once more (``power = 2``; baselines ``power = 1``).
+    A micro-batch without supervised tokens gets zero weights.
+    """
+    counts = counts.to(torch.float64)
+    k = counts.numel()
+    total = counts.sum()
+    if total <= 0:
+        return torch.zeros_like(counts)
+    return float(k) ** power * counts / total
+
+
+def _counts(input_ids: Tensor | None, attention_mask: Tensor | None, labels: Tensor | None,
+            loss_fn: LossFn | None) -> Tensor:
+    """``T_i`` of a token micro-batch, or of a ``loss_fn`` that carries ``labels``/``attention_mask``
+    (:class:`prism.prefix.PrefixBatch`)."""
+    if loss_fn is not None:
+        labels, attention_mask = getattr(loss_fn, "labels", None), getattr(loss_fn, "attention_mask", None)
+        if labels is None:
+            raise ValueError("scale='released' needs the micro-batch's labels; this loss_fn does not expose them")
+    return supervised_counts(labels, attention_mask)
+
+
 class PerExampleGradients:
     """Per-example gradients ``∇ℓ_i`` of every trainable parameter via Opacus hooks.
 
@@ -138,7 +183,12 @@ class PerExampleGradients:
     model in train mode; switch dropout off through the config, never with ``eval()``.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, scale: str = "record", released_power: int = 2) -> None:
+        """``scale``: ``record`` (``∇ℓ_i``) or ``released`` (``w_i ∇ℓ_i``, :func:`released_weights`
+        with ``released_power``: 2 for PRISM's released loop, 1 for the released DP baselines)."""
+        if scale not in SCALES:
+            raise ValueError(f"privacy.per_example_scale={scale!r}; choose one of {SCALES}")
+        self.scale, self.released_power = scale, released_power
         self.model = model
         self.params = _trainable(model)
         self.module = GradSampleModule(model, batch_first=True, loss_reduction="sum", strict=True)
@@ -166,8 +216,12 @@ class PerExampleGradients:
         try:
             losses = forward(self.module)
             k = losses.shape[0]
+            objective = losses.sum()
+            if self.scale == "released":
+                counts = _counts(input_ids, attention_mask, labels, loss_fn).to(losses.device)
+                objective = (released_weights(counts, self.released_power).to(losses.dtype) * losses).sum()
             with _quiet_input_hook_warning():
-                losses.sum().backward()
+                objective.backward()
             grads = {name: self._take(name, p, k) for name, p in params.items()}
         finally:
             self.module.disable_hooks()
