@@ -1,4 +1,4 @@
-"""Backbones, LoRA wiring, spectral-residual init and adapter export (prism/models.py)."""
+"""Backbones, LoRA wiring, spectral-residual init and adapter export (prism/models/)."""
 from __future__ import annotations
 
 import json
@@ -319,7 +319,7 @@ def test_embedded_cache_is_built_once_validated_and_rebuilt(tmp_path: Path, monk
     """The cache/manifest machinery with the GGUF dequantisation replaced by the tiny model."""
     monkeypatch.setenv("PRISM_CACHE", str(tmp_path))
     calls: list[str] = []
-    monkeypatch.setattr(models, "_load_gguf", _fake_gguf(calls))
+    monkeypatch.setattr(models.gguf, "_load_gguf", _fake_gguf(calls))
     spec = BACKBONES["smollm2-135m"]
     directory = models.embedded_checkpoint(spec)
     assert directory == tmp_path / "backbones" / "smollm2-135m" and calls == ["smollm2-135m"]

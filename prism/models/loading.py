@@ -1,0 +1,79 @@
+"""Loading a frozen backbone and its tokenizer onto the training device.
+
+Every model is loaded with ``attn_implementation="eager"`` (``torch.func`` per-sample gradients need
+it) and ``use_cache=False`` (training; the evaluator turns the cache on for ``generate``). The
+Gemma-3 paper checkpoints are multimodal: they load as ``Gemma3ForConditionalGeneration`` (what
+``AutoModelForCausalLM`` maps them to) and are fed text only.
+"""
+from __future__ import annotations
+
+import resource
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+
+from prism.models.gguf import embedded_checkpoint
+from prism.models.registry import BackboneSpec, _dtype, _field, backbone_spec
+from prism.models.tiny import _tiny_model, byte_tokenizer
+
+
+def ensure_pad_token(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
+    """Give the tokenizer a pad token when it has none: the EOS token (padding is masked anyway).
+
+    Padding side is left to the caller (the evaluator pads left for generation).
+    """
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError("tokenizer has neither a pad nor an eos token; cannot pad batches")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _load_hub(spec: BackboneSpec, dtype: torch.dtype,
+              device: str | torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """A paper backbone by hub id (weights placed straight on ``device``); a one-line error naming
+    ``make data`` when it is neither cached nor downloadable."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec.source, dtype=dtype, attn_implementation="eager",
+                                                     device_map=torch.device(device))
+        tokenizer = AutoTokenizer.from_pretrained(spec.source)
+    except OSError as error:
+        raise RuntimeError(
+            f"backbone {spec.name} ({spec.source}) is neither in the Hugging Face cache nor reachable "
+            f"({type(error).__name__}); fetch it with `make data` (network + accepted Gemma licence) "
+            "or use the embedded backbone=smollm2-135m") from None
+    return model, tokenizer
+
+
+def load_backbone(cfg_backbone: Any, device: str | torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """Build the frozen base model and its tokenizer for ``cfg_backbone`` (fields ``name``, ``dtype``).
+
+    The model is on ``device`` in ``dtype``, eager attention, ``use_cache=False``, all parameters
+    frozen; the tokenizer has a pad token (its own, else EOS).
+    """
+    spec = backbone_spec(_field(cfg_backbone, "name"))
+    dtype = _dtype(_field(cfg_backbone, "dtype", "float32"))
+    if spec.kind == "tiny":
+        tokenizer = byte_tokenizer()
+        model = _tiny_model(spec.source, vocab_size=len(tokenizer)).to(dtype)
+        model.set_attn_implementation("eager")
+    elif spec.kind == "embedded":
+        checkpoint = embedded_checkpoint(spec)
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, attn_implementation="eager")
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    else:
+        model, tokenizer = _load_hub(spec, dtype, device)
+    model.config.use_cache = False
+    model.requires_grad_(False)
+    model.eval()
+    return model.to(device), ensure_pad_token(tokenizer)
+
+
+def peak_memory_mb(device: str | torch.device) -> float:
+    """Peak memory in MiB: CUDA ``max_memory_allocated`` on a CUDA device, else the process's RSS
+    high-water mark (``getrusage``; Linux reports KiB)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
