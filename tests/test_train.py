@@ -127,12 +127,12 @@ def test_prefix_cache_trains_exactly_like_the_full_forward(tmp_path: Path, monke
     cached_cfg = tiny_cfg(*common, "train.prefix_cache=auto")
     setup = T.build(cached_cfg)
     assert setup.prefix is not None and setup.prefix.depth == 1
-    cached = [T.train_step(setup, cached_cfg)["loss"] for _ in range(2)]
+    cached = [float(T.train_step(setup, cached_cfg)["loss"]) for _ in range(2)]
     cached_params = {k: v.detach().clone() for k, v in setup.params.items()}
     full_cfg = tiny_cfg(*common, "train.prefix_cache=off")
     setup = T.build(full_cfg)
     assert setup.prefix is None
-    full = [T.train_step(setup, full_cfg)["loss"] for _ in range(2)]
+    full = [float(T.train_step(setup, full_cfg)["loss"]) for _ in range(2)]
     assert cached == pytest.approx(full, rel=1e-5)
     for name, value in cached_params.items():
         torch.testing.assert_close(setup.params[name].detach(), value, rtol=1e-4, atol=1e-6)

@@ -103,19 +103,29 @@ def _quiet_input_hook_warning() -> Iterator[None]:
         yield
 
 
-def supervised_losses(model: nn.Module, labels: Tensor, attention_mask: Tensor, **inputs: Tensor) -> Tensor:
+Positions = tuple[Tensor, Tensor]
+"""``(positions, targets)`` of :func:`supervised_positions`."""
+
+
+def supervised_losses(model: nn.Module, labels: Tensor, attention_mask: Tensor,
+                      positions: Positions | None = None, **inputs: Tensor) -> Tensor:
     """Training-mode forward (dropout as configured) of ``inputs`` (``input_ids`` or ``inputs_embeds``,
     optionally ``position_ids``) with the LM head applied only at :func:`supervised_positions`;
-    returns the per-example losses ``ℓ_i`` ``[k]`` (equal to :func:`per_example_loss` of the full logits)."""
-    positions, targets = supervised_positions(labels, attention_mask)
+    returns the per-example losses ``ℓ_i`` ``[k]`` (equal to :func:`per_example_loss` of the full logits).
+
+    ``positions``: :func:`supervised_positions` of ``labels`` already computed, on the host before the
+    copy to the device (its width is a host value, so computing it on a GPU costs a device sync)."""
+    positions, targets = positions if positions is not None else supervised_positions(labels, attention_mask)
     model.train()
     logits = model(attention_mask=attention_mask, logits_to_keep=positions, use_cache=False, **inputs).logits
     return mean_token_loss(logits, targets)
 
 
-def token_loss_fn(input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> LossFn:
-    """The :data:`LossFn` of a token micro-batch (as produced by ``prism.data.prompts.collate``)."""
-    return lambda model: supervised_losses(model, labels, attention_mask, input_ids=input_ids)
+def token_loss_fn(input_ids: Tensor, attention_mask: Tensor, labels: Tensor,
+                  positions: Positions | None = None) -> LossFn:
+    """The :data:`LossFn` of a token micro-batch (as produced by ``prism.data.prompts.collate``),
+    optionally with its precomputed :func:`supervised_positions`."""
+    return lambda model: supervised_losses(model, labels, attention_mask, positions, input_ids=input_ids)
 
 
 def _loss_fn(input_ids: Tensor | None, attention_mask: Tensor | None, labels: Tensor | None,
