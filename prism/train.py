@@ -35,7 +35,7 @@ from prism.privacy import (
     calibration_steps,
     summed_gradients,
 )
-from prism.privacy.per_example import supervised_positions, token_loss_fn
+from prism.privacy.per_example import enable_activation_checkpointing, supervised_positions, token_loss_fn
 from prism.transfer import batch_to_device
 
 LogFn = Callable[[dict[str, Any]], None]
@@ -112,6 +112,8 @@ def build(cfg: DictConfig) -> Setup:
     params = {name: p for name, p in params.items() if p.requires_grad}  # FFA freezes peft lora_A
     prefix = prefix_cache(model, features, cfg.train.get("prefix_cache", "auto"), name=cfg.backbone.name)
     noise = torch.Generator(device=device).manual_seed(cfg.seed + 2)
+    if cfg.train.get("activation_checkpointing", False):
+        enable_activation_checkpointing(model)
     if dp:
         per_example = PerExampleGradients(model)
         gradients = lambda batch: per_example.compute(**batch)  # noqa: E731

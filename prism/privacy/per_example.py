@@ -210,6 +210,36 @@ class PerExampleGradients:
                 del module.max_batch_len
 
 
+def enable_activation_checkpointing(model: nn.Module) -> int:
+    """Recompute every decoder layer's activations in the backward pass instead of storing them
+    (``train.activation_checkpointing``); returns the number of checkpointed layers.
+
+    Uses transformers' reentrant checkpointing (``use_reentrant=True``), which is what keeps Opacus'
+    hooks exact: the first forward of a checkpointed layer runs under ``no_grad``, where Opacus records
+    no activations; the recomputation inside the backward runs with gradients on and records them once,
+    right before the per-sample backward hooks read them (a non-reentrant checkpoint would record each
+    input twice). The RNG state is replayed, so dropout draws the same masks in the recomputation. A
+    reentrant layer only back-propagates when its input requires grad, which frozen embeddings or cached
+    prefix states do not: a pre-hook marks such an input as a grad-requiring leaf (no history is cut).
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    base = model
+    while hasattr(base, "_module") or hasattr(base, "get_base_model"):  # Opacus, then peft
+        base = base._module if hasattr(base, "_module") else base.get_base_model()
+    base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    layers = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    for layer in layers:
+        layer.register_forward_pre_hook(_input_requires_grad)
+    return len(layers)
+
+
+def _input_requires_grad(module: nn.Module, args: tuple) -> tuple | None:
+    if args and isinstance(args[0], Tensor) and torch.is_grad_enabled() and not args[0].requires_grad:
+        return (args[0].detach().requires_grad_(), *args[1:])
+    return None
+
+
 def summed_gradients(
     model: nn.Module,
     input_ids: Tensor | None = None,
