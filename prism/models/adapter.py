@@ -8,6 +8,11 @@ ADAPTER = "default"
 """The peft adapter name used throughout."""
 
 
+def is_lora_parameter(name: str) -> bool:
+    """Whether a ``named_parameters`` name is one of peft's LoRA factors (``lora_A`` / ``lora_B``)."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
 def lora_modules(peft_model: nn.Module) -> dict[str, LoraLayer]:
     """LoRA-wrapped layers by module name (the names :func:`prism.lora.lora_pairs` reports)."""
     return {name: module for name, module in peft_model.named_modules()

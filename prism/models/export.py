@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from prism.lora import lora_pairs, peft_factors, read_pair
-from prism.models.adapter import ADAPTER
+from prism.models.adapter import ADAPTER, is_lora_parameter
 
 
 def rebased_factors(A: Tensor, B: Tensor, A0: Tensor, B0: Tensor) -> tuple[Tensor, Tensor]:
@@ -38,7 +38,10 @@ def export_adapter(peft_model: PeftModel, path: str | os.PathLike[str]) -> Path:
     scaling = config.lora_alpha / config.r
     config.r, config.lora_alpha = 2 * config.r, scaling * 2 * config.r
     state = get_peft_model_state_dict(peft_model, adapter_name=ADAPTER)
-    params = {name: param.detach().float().cpu() for name, param in peft_model.named_parameters()}
+    # only the LoRA factors reach the host in fp32: the frozen base is never read (a 4B base would
+    # be ≈17 GB of host memory), the rebase needs nothing but (A, B) and the stored (A0, B0)
+    params = {name: param.detach().float().cpu() for name, param in peft_model.named_parameters()
+              if is_lora_parameter(name)}
     for pair in lora_pairs(params):
         A, B = read_pair(params, pair)
         lora_A_weight, lora_B_weight = peft_factors(*rebased_factors(A, B, *init_factors[pair.module]))
@@ -47,6 +50,7 @@ def export_adapter(peft_model: PeftModel, path: str | os.PathLike[str]) -> Path:
             if key not in state:
                 raise RuntimeError(f"peft state dict has no {key}; cannot rebase the spectral adapter")
             state[key] = weight.contiguous()
+    state = {key: value.detach().cpu().contiguous() for key, value in state.items()}
     path.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(path))
     save_file(state, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -7,15 +7,30 @@ Gemma-3 paper checkpoints are multimodal: they load as ``Gemma3ForConditionalGen
 """
 from __future__ import annotations
 
+import json
+import re
 import resource
+from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 from prism.models.gguf import embedded_checkpoint
-from prism.models.registry import BackboneSpec, _dtype, _field, backbone_spec
+from prism.models.registry import NON_LANGUAGE_MODULES, BackboneSpec, _dtype, _field, backbone_spec
 from prism.models.tiny import _tiny_model, byte_tokenizer
+
+RANDOM_CONFIGS = Path(__file__).resolve().parents[2] / "conf" / "gpu_check"
+"""Architecture files of the ``random`` backbones (Hugging Face ``config.json`` format)."""
+
+_RANDOM_SEED = 1234
 
 
 def ensure_pad_token(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
@@ -62,12 +77,39 @@ def load_backbone(cfg_backbone: Any, device: str | torch.device) -> tuple[PreTra
         checkpoint = embedded_checkpoint(spec)
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, attn_implementation="eager")
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    elif spec.kind == "random":
+        model, tokenizer = random_model(spec.source, dtype, device), byte_tokenizer()
     else:
         model, tokenizer = _load_hub(spec, dtype, device)
+    drop_non_language_modules(model)
     model.config.use_cache = False
     model.requires_grad_(False)
     model.eval()
     return model.to(device), ensure_pad_token(tokenizer)
+
+
+def random_model(config_file: str, dtype: torch.dtype, device: str | torch.device) -> PreTrainedModel:
+    """A randomly initialised model of the architecture in ``conf/gpu_check/<config_file>`` (a Hugging
+    Face ``config.json``), built directly on ``device`` in ``dtype`` with a fixed seed (RNG restored)."""
+    path = RANDOM_CONFIGS / config_file
+    config = AutoConfig.for_model(**json.loads(path.read_text()))
+    cuda = [torch.device(device)] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda), torch.device(device):
+        torch.manual_seed(_RANDOM_SEED)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+
+
+def drop_non_language_modules(model: nn.Module) -> list[str]:
+    """Remove a multimodal checkpoint's vision tower and projector (SigLIP, ≈0.4B parameters at paper
+    scale): training and evaluation feed text only, so they would sit unused on the accelerator. The
+    language model keeps its module names, so LoRA targets and exported adapters are unchanged; any
+    attempt to encode an image fails loudly. Returns the removed module names."""
+    dropped = [name for name, _ in model.named_modules()
+               if re.fullmatch(NON_LANGUAGE_MODULES, name) and not re.fullmatch(NON_LANGUAGE_MODULES, name.rsplit(".", 1)[0])]
+    for name in dropped:
+        parent, _, child = name.rpartition(".")
+        del model.get_submodule(parent)._modules[child]
+    return dropped
 
 
 def peak_memory_mb(device: str | torch.device) -> float:

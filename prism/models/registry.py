@@ -22,11 +22,13 @@ class BackboneSpec:
     """One entry of :data:`BACKBONES`.
 
     ``kind``: ``embedded`` (GGUF in a PyPI package, ``source`` = distribution name),
-    ``tiny`` (random config, ``source`` = architecture), ``hub`` (``source`` = hub id).
+    ``tiny`` (random config, ``source`` = architecture), ``hub`` (``source`` = hub id),
+    ``random`` (random init of the architecture in ``conf/gpu_check/<source>``, byte tokenizer: timing
+    and memory without a download).
     """
 
     name: str
-    kind: Literal["embedded", "tiny", "hub"]
+    kind: Literal["embedded", "tiny", "hub", "random"]
     source: str
     description: str
     install_hint: str = ""
@@ -46,6 +48,10 @@ BACKBONES: dict[str, BackboneSpec] = {
         BackboneSpec("gemma-3-4b-pt", "hub", "google/gemma-3-4b-pt", "paper backbone (Tables 2, 4, 5)"),
         BackboneSpec("gemma-2-9b", "hub", "google/gemma-2-9b", "paper backbone (Table 3)"),
         BackboneSpec("gemma-3-12b-pt", "hub", "google/gemma-3-12b-pt", "paper backbone (Table 3)"),
+        BackboneSpec("gemma-3-4b-pt-random", "random", "gemma-3-4b-pt.json",
+                     "random-init gemma-3-4b-pt architecture, multimodal class (make gpu-check; no download)"),
+        BackboneSpec("tiny-gemma3-mm", "random", "tiny-gemma3-mm.json",
+                     "random 2-layer multimodal Gemma-3 (tests, gpu-check on CPU)"),
     )
 }
 

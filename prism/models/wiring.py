@@ -15,7 +15,7 @@ from peft.tuners.tuners_utils import check_target_module_exists
 from torch import nn
 from transformers import PreTrainedModel
 
-from prism.models.adapter import ADAPTER
+from prism.models.adapter import ADAPTER, is_lora_parameter
 from prism.models.registry import NON_LANGUAGE_MODULES, _field
 from prism.models.spectral import spectral_residual_init
 
@@ -79,7 +79,7 @@ def attach_lora(model: PreTrainedModel, cfg_lora: Any, cfg_backbone: Any, init: 
     validate_lora(model, config)
     peft_model = get_peft_model(model, config, adapter_name=ADAPTER)
     for name, param in peft_model.named_parameters():
-        is_lora = ".lora_A." in name or ".lora_B." in name
+        is_lora = is_lora_parameter(name)
         param.requires_grad_(is_lora)
         if is_lora and param.dtype in (torch.float16, torch.bfloat16):
             param.data = param.data.float()
