@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
-from prism.checkpoint import load_checkpoint, save_checkpoint
+from prism.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from prism.data import build_suite
 from prism.data.prompts import collate, tokenize_example
 from prism.evaluate import evaluate_suite
@@ -35,8 +35,10 @@ from prism.privacy import (
     calibrate_for_run,
     summed_gradients,
 )
+from prism.privacy.per_example import enable_activation_checkpointing, supervised_positions, token_loss_fn
 from prism.privacy.sampling import noise_denominator
 from prism.protocol import dp_caveats, protocol_record
+from prism.transfer import batch_to_device
 
 LogFn = Callable[[dict[str, Any]], None]
 log = logging.getLogger(__name__)
@@ -115,6 +117,8 @@ def build(cfg: DictConfig) -> Setup:
     params = {name: p for name, p in params.items() if p.requires_grad}  # FFA freezes peft lora_A
     prefix = prefix_cache(model, features, cfg.train.get("prefix_cache", "auto"), name=cfg.backbone.name)
     noise = torch.Generator(device=device).manual_seed(cfg.seed + 2)
+    if cfg.train.get("activation_checkpointing", False):
+        enable_activation_checkpointing(model)
     if dp:
         per_example = PerExampleGradients(model, scale=cfg.privacy.get("per_example_scale", "record"),
                                           released_power=2 if cfg.method.name.startswith("prism") else 1)
@@ -126,24 +130,42 @@ def build(cfg: DictConfig) -> Setup:
 
 
 def _micro_batch(s: Setup, indices: list[int], padding_side: str = "right") -> dict[str, Any]:
-    """From the prefix cache when there is one (right-padded), else tokens collated onto the device."""
+    """From the prefix cache when there is one (right-padded), else tokens collated on the host (padded
+    on ``padding_side``), their supervised positions computed there too, and copied with non-blocking
+    pinned transfers (no device sync)."""
     if s.prefix is not None:
         return s.prefix.batch(indices)
-    batch = collate([s.features[i] for i in indices], pad_id=s.tokenizer.pad_token_id, padding_side=padding_side)
-    return {k: v.to(s.device) for k, v in batch.items()}
+    host = collate([s.features[i] for i in indices], pad_id=s.tokenizer.pad_token_id, padding_side=padding_side)
+    host["positions"], host["targets"] = supervised_positions(host["labels"], host["attention_mask"])
+    dev = batch_to_device(host, s.device)
+    return {"loss_fn": token_loss_fn(dev["input_ids"], dev["attention_mask"], dev["labels"],
+                                     (dev["positions"], dev["targets"]))}
 
 
-def _check_finite(what: str, tensors: dict[str, Tensor] | Tensor) -> None:
-    """One device sync for all tensors; the offending name is looked up only on failure."""
-    items = list(tensors.items()) if isinstance(tensors, dict) else [("loss", tensors)]
-    if bool(torch.stack([torch.isfinite(t).all() for _, t in items]).all()):
+def _check_finite(loss_sum: Tensor, params: dict[str, Tensor]) -> None:
+    """Once per step, from what the step already computed: the summed loss (on the device) plus one
+    fused max-norm over the updated parameters is finite, else stop (the max-norm, unlike the 2-norm,
+    cannot overflow on finite entries). A non-finite per-example gradient reaches the parameters
+    through the update, so this one device sync covers losses, gradients and factors; the offending
+    tensor is looked up only on failure."""
+    norms = torch._foreach_norm(list(params.values()), ord=math.inf)
+    if bool(torch.isfinite(loss_sum.float() + torch.stack(norms).float().sum())):
         return
-    for name, tensor in items:
-        if not torch.isfinite(tensor).all():
-            raise TrainingDivergedError(
-                f"non-finite {what} in {name}; the run stopped and its last checkpoint is kept "
-                "(lower method.lr or check the data)"
-            )
+    bad = "loss" if not bool(torch.isfinite(loss_sum)) else next(
+        name for name, norm in zip(params, norms) if not bool(torch.isfinite(norm)))
+    raise TrainingDivergedError(
+        f"non-finite {'loss' if bad == 'loss' else 'factor ' + bad} after the update; the run stopped and "
+        "its last checkpoint is kept (lower method.lr or check the data)"
+    )
+
+
+def _to_host(record: dict[str, Any]) -> dict[str, Any]:
+    """A step record with its device scalars read back in one transfer (only when it is logged)."""
+    keys = [k for k, v in record.items() if isinstance(v, Tensor)]
+    if not keys:
+        return record
+    values = torch.stack([record[k].detach().double().reshape(()) for k in keys]).cpu().tolist()
+    return {**record, **dict(zip(keys, values))}
 
 
 def _state(s: Setup, step: int) -> dict[str, Any]:
@@ -154,7 +176,7 @@ def _state(s: Setup, step: int) -> dict[str, Any]:
         "sampler": s.sampler.state_dict(),
         "accountant": s.accountant.state_dict(),
         "noise_rng": s.noise.get_state(),
-        "torch_rng": torch.get_rng_state(),
+        **rng_states(),
     }
 
 
@@ -166,7 +188,7 @@ def _restore(s: Setup, state: dict[str, Any]) -> int:
     s.sampler.load_state_dict(state["sampler"])
     s.accountant.load_state_dict(state["accountant"])
     s.noise.set_state(state["noise_rng"])
-    torch.set_rng_state(state["torch_rng"])
+    restore_rng_states(state)
     return int(state["step"])
 
 
@@ -178,18 +200,16 @@ def train_step(s: Setup, cfg: DictConfig) -> dict[str, float]:
     if len(indices) == 0:  # an empty Poisson batch still counts for the accountant
         return {"batch_size": 0}
     s.method.zero_accumulators()
-    losses = []
+    loss_sum = torch.zeros((), device=s.device)
     for chunk in indices.split(cfg.train.micro_batch_size):
         loss, grads = s.gradients(_micro_batch(s, chunk.tolist(), cfg.train.get("padding_side", "right")))
-        _check_finite("loss", loss)
-        _check_finite("gradient", grads)
         s.method.accumulate(grads)
-        losses.append(loss.detach().float().cpu())
+        loss_sum = loss_sum + loss.detach().float().sum()
     denominator = (noise_denominator(cfg.privacy.get("denominator", "expected"), len(indices), cfg.train.batch_size)
                    if s.method.dp else len(indices))
     stats = s.method.step(float(denominator), s.noise)
-    _check_finite("factor", dict(s.params))
-    return {"loss": torch.cat(losses).mean().item(), "batch_size": len(indices), **stats}
+    _check_finite(loss_sum, s.params)
+    return {"loss": loss_sum / len(indices), "batch_size": len(indices), **stats}
 
 
 def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = None) -> dict[str, Any]:
@@ -208,7 +228,7 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
         torch.cuda.reset_peak_memory_stats(s.device)
     for step in range(start, steps):
         tic = time.perf_counter()
-        record = train_step(s, cfg)
+        record = _to_host(train_step(s, cfg))
         if s.device.type == "cuda":
             torch.cuda.synchronize(s.device)
         record.update(step=step + 1, sigma=s.sigma, step_time_s=time.perf_counter() - tic)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -111,19 +112,43 @@ def _quiet_input_hook_warning() -> Iterator[None]:
         yield
 
 
-def supervised_losses(model: nn.Module, labels: Tensor, attention_mask: Tensor, **inputs: Tensor) -> Tensor:
+Positions = tuple[Tensor, Tensor]
+"""``(positions, targets)`` of :func:`supervised_positions`."""
+
+
+def supervised_losses(model: nn.Module, labels: Tensor, attention_mask: Tensor,
+                      positions: Positions | None = None, **inputs: Tensor) -> Tensor:
     """Training-mode forward (dropout as configured) of ``inputs`` (``input_ids`` or ``inputs_embeds``,
     optionally ``position_ids``) with the LM head applied only at :func:`supervised_positions`;
-    returns the per-example losses ``ℓ_i`` ``[k]`` (equal to :func:`per_example_loss` of the full logits)."""
-    positions, targets = supervised_positions(labels, attention_mask)
+    returns the per-example losses ``ℓ_i`` ``[k]`` (equal to :func:`per_example_loss` of the full logits).
+
+    ``positions``: :func:`supervised_positions` of ``labels`` already computed, on the host before the
+    copy to the device (its width is a host value, so computing it on a GPU costs a device sync)."""
+    positions, targets = positions if positions is not None else supervised_positions(labels, attention_mask)
     model.train()
     logits = model(attention_mask=attention_mask, logits_to_keep=positions, use_cache=False, **inputs).logits
     return mean_token_loss(logits, targets)
 
 
-def token_loss_fn(input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> LossFn:
-    """The :data:`LossFn` of a token micro-batch (as produced by ``prism.data.prompts.collate``)."""
-    return lambda model: supervised_losses(model, labels, attention_mask, input_ids=input_ids)
+@dataclass(frozen=True)
+class TokenBatch:
+    """The :data:`LossFn` of a token micro-batch; its ``labels`` and ``attention_mask`` stay readable
+    (the released per-example weights need the token counts)."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    labels: Tensor
+    positions: Positions | None = None
+
+    def __call__(self, model: nn.Module) -> Tensor:
+        return supervised_losses(model, self.labels, self.attention_mask, self.positions, input_ids=self.input_ids)
+
+
+def token_loss_fn(input_ids: Tensor, attention_mask: Tensor, labels: Tensor,
+                  positions: Positions | None = None) -> LossFn:
+    """The :data:`LossFn` of a token micro-batch (as produced by ``prism.data.prompts.collate``),
+    optionally with its precomputed :func:`supervised_positions`."""
+    return TokenBatch(input_ids, attention_mask, labels, positions)
 
 
 def _loss_fn(input_ids: Tensor | None, attention_mask: Tensor | None, labels: Tensor | None,
@@ -167,7 +192,7 @@ def released_weights(counts: Tensor, power: int) -> Tensor:
 def _counts(input_ids: Tensor | None, attention_mask: Tensor | None, labels: Tensor | None,
             loss_fn: LossFn | None) -> Tensor:
     """``T_i`` of a token micro-batch, or of a ``loss_fn`` that carries ``labels``/``attention_mask``
-    (:class:`prism.prefix.PrefixBatch`)."""
+    (:class:`TokenBatch`, :class:`prism.prefix.PrefixBatch`)."""
     if loss_fn is not None:
         labels, attention_mask = getattr(loss_fn, "labels", None), getattr(loss_fn, "attention_mask", None)
         if labels is None:
@@ -252,6 +277,36 @@ class PerExampleGradients:
                 module.activations = []
             if hasattr(module, "max_batch_len"):
                 del module.max_batch_len
+
+
+def enable_activation_checkpointing(model: nn.Module) -> int:
+    """Recompute every decoder layer's activations in the backward pass instead of storing them
+    (``train.activation_checkpointing``); returns the number of checkpointed layers.
+
+    Uses transformers' reentrant checkpointing (``use_reentrant=True``), which is what keeps Opacus'
+    hooks exact: the first forward of a checkpointed layer runs under ``no_grad``, where Opacus records
+    no activations; the recomputation inside the backward runs with gradients on and records them once,
+    right before the per-sample backward hooks read them (a non-reentrant checkpoint would record each
+    input twice). The RNG state is replayed, so dropout draws the same masks in the recomputation. A
+    reentrant layer only back-propagates when its input requires grad, which frozen embeddings or cached
+    prefix states do not: a pre-hook marks such an input as a grad-requiring leaf (no history is cut).
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    base = model
+    while hasattr(base, "_module") or hasattr(base, "get_base_model"):  # Opacus, then peft
+        base = base._module if hasattr(base, "_module") else base.get_base_model()
+    base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    layers = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    for layer in layers:
+        layer.register_forward_pre_hook(_input_requires_grad)
+    return len(layers)
+
+
+def _input_requires_grad(module: nn.Module, args: tuple) -> tuple | None:
+    if args and isinstance(args[0], Tensor) and torch.is_grad_enabled() and not args[0].requires_grad:
+        return (args[0].detach().requires_grad_(), *args[1:])
+    return None
 
 
 def summed_gradients(
