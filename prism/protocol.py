@@ -19,6 +19,7 @@ ITEMS: dict[str, str] = {
     "per_example_scale": "privacy.per_example_scale",
     "noise_damping": "method.noise_damping",
     "pinv_rcond": "method.pinv_rcond",
+    "init_svd": "method.init_svd",
     "padding_side": "train.padding_side",
     "prompt_encoding": "suite.decoding.prompt_encoding",
     "eval_batch_size": "train.eval_batch_size",

@@ -101,7 +101,8 @@ def build(cfg: DictConfig) -> Setup:
             f"of suite {suite.name}; lower train.batch_size"
         )
     init_generator = torch.Generator().manual_seed(cfg.seed)
-    model = attach_lora(model, cfg.lora, cfg.backbone, init=cfg.method.init, generator=init_generator)
+    model = attach_lora(model, cfg.lora, cfg.backbone, init=cfg.method.init, generator=init_generator,
+                        init_svd=cfg.method.get("init_svd", "auto"))
     features = [tokenize_example(tokenizer, ex, suite.cutoff_len, suite.train_on_inputs) for ex in suite.train]
     sampler = PoissonSampler(n_train, cfg.train.batch_size, generator_seed=cfg.seed + 1)
     dp = math.isfinite(float(cfg.privacy.epsilon))

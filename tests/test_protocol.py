@@ -79,14 +79,14 @@ def test_presets_set_every_item_and_each_stays_overridable() -> None:
     corrected, released = job_config([]), job_config(["protocol=released"])
     assert corrected.protocol.name == "corrected" and released.protocol.name == "released"
     expected = {"calibration": "epochs", "denominator": "realised", "per_example_scale": "released",
-                "noise_damping": 1e-8, "pinv_rcond": 1e-6, "padding_side": "left", "prompt_encoding": "text",
+                "noise_damping": 1e-8, "pinv_rcond": 1e-6, "init_svd": "randomized", "padding_side": "left", "prompt_encoding": "text",
                 "eval_batch_size": 128, "renormalize_logits": True, "remove_invalid_values": True,
                 "choice_regex": "released"}
     assert protocol_record(released)["items"] == expected
     assert job_config(["protocol=released", "suite=math10k"]).train.eval_batch_size == 64
     assert protocol_record(corrected)["items"] == {
         "calibration": "exact", "denominator": "expected", "per_example_scale": "record", "noise_damping": None,
-        "pinv_rcond": None, "padding_side": "right", "prompt_encoding": "as_trained", "eval_batch_size": 16,
+        "pinv_rcond": None, "init_svd": "auto", "padding_side": "right", "prompt_encoding": "as_trained", "eval_batch_size": 16,
         "renormalize_logits": False, "remove_invalid_values": False, "choice_regex": "lookaround"}
     # every item overridden by its own key: all back to the corrected values
     back = protocol_record(corrected)["items"]
@@ -211,6 +211,25 @@ def test_prism_method_reads_the_released_geometry_keys() -> None:
     assert (cfg.noise_damping, cfg.pinv_rcond) == (1e-8, 1e-6)
     cfg = PrismConfig.from_mapping(job_config([]).method)
     assert (cfg.noise_damping, cfg.pinv_rcond) == (None, None)
+
+
+# ----------------------------------------------------------------------------- D6 spectral-init SVD
+def test_randomized_init_svd_is_near_optimal_and_used_below_the_exact_size() -> None:
+    """A 200×120 matrix (below the exact-SVD size) with a decaying spectrum: ``randomized`` takes
+    the range finder (not bit-equal to the exact SVD) and its rank-8 error is within 1 % of the
+    Eckart–Young optimum ``(Σ_{j>8} s_j²)^{1/2}``."""
+    from prism.models.spectral import top_r_svd
+
+    U = torch.linalg.qr(torch.randn(200, 120)).Q
+    V = torch.linalg.qr(torch.randn(120, 120)).Q
+    s = 0.8 ** torch.arange(120.0)
+    W = (U * s) @ V.T
+    optimum = s[8:].square().sum().sqrt()
+    exact, randomized = (top_r_svd(W, 8, torch.Generator().manual_seed(0), mode) for mode in ("auto", "randomized"))
+    for Uk, Sk, Vk in (exact, randomized):
+        assert torch.linalg.norm(W - (Uk * Sk) @ Vk.T) <= optimum * 1.01
+    assert not torch.equal(exact[1], randomized[1])
+    torch.testing.assert_close(randomized[1], s[:8], rtol=1e-3, atol=0)
 
 
 # ----------------------------------------------------------------------------- D8 padding, D9–D12 evaluation

@@ -44,9 +44,10 @@ log = logging.getLogger(__name__)
 HORIZONTALIZE = ("both", "pre_retract", "none")
 RANK_FALLBACKS = (None, "floor")
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-# Fields of the method node this class reads besides the AdaptiveConfig ones; "name"/"init" belong
+# Fields of the method node this class reads besides the AdaptiveConfig ones; "name"/"init"/"init_svd" belong
 # to build_method / prism.models.
-_OWN_FIELDS = {"name", "lr", "init", "horizontalize", "rank_fallback", "compute_dtype", "noise_damping", "pinv_rcond"}
+_OWN_FIELDS = {"name", "lr", "init", "init_svd", "horizontalize", "rank_fallback", "compute_dtype", "noise_damping",
+               "pinv_rcond"}
 
 
 @dataclass(frozen=True)

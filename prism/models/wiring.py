@@ -69,10 +69,10 @@ def validate_lora(model: nn.Module, config: LoraConfig) -> list[str]:
 
 
 def attach_lora(model: PreTrainedModel, cfg_lora: Any, cfg_backbone: Any, init: str,
-                generator: torch.Generator | None) -> PeftModel:
+                generator: torch.Generator | None, init_svd: str = "auto") -> PeftModel:
     """Wrap ``model`` with LoRA (everything else frozen, LoRA factors in fp32) and initialise the
     factors: ``init="peft"`` keeps peft's default (paper A = ``lora_B`` = 0); ``init="spectral"``
-    applies :func:`spectral_residual_init`."""
+    applies :func:`spectral_residual_init` with the SVD mode ``init_svd``."""
     if init not in ("peft", "spectral"):
         raise ValueError(f"unknown method.init {init!r}; use 'spectral' or 'peft'")
     config = lora_config(model, cfg_lora, cfg_backbone)
@@ -84,5 +84,5 @@ def attach_lora(model: PreTrainedModel, cfg_lora: Any, cfg_backbone: Any, init: 
         if is_lora and param.dtype in (torch.float16, torch.bfloat16):
             param.data = param.data.float()
     if init == "spectral":
-        spectral_residual_init(peft_model, generator)
+        spectral_residual_init(peft_model, generator, init_svd)
     return peft_model
