@@ -20,6 +20,7 @@ ITEMS: dict[str, str] = {
     "noise_damping": "method.noise_damping",
     "pinv_rcond": "method.pinv_rcond",
     "init_svd": "method.init_svd",
+    "nondp_trainer": "train.nondp_trainer",
     "padding_side": "train.padding_side",
     "prompt_encoding": "suite.decoding.prompt_encoding",
     "eval_batch_size": "train.eval_batch_size",

@@ -24,6 +24,7 @@ from prism.checkpoint import load_checkpoint, restore_rng_states, rng_states, sa
 from prism.data import build_suite
 from prism.data.prompts import collate, tokenize_example
 from prism.evaluate import evaluate_suite
+from prism.hf_baseline import HFRecipe, HFTrainerBaseline, holdout_loss, holdout_split
 from prism.methods import PrivacySpec, build_method
 from prism.methods.base import Method
 from prism.models import attach_lora, export_adapter, load_backbone, peak_memory_mb, trainable_parameters
@@ -94,6 +95,9 @@ def build(cfg: DictConfig) -> Setup:
     device = resolve_device(cfg.train.device)
     model, tokenizer = load_backbone(cfg.backbone, device)
     suite = build_suite(cfg.suite, cfg.seed)
+    recipe = HFRecipe.from_config(cfg, len(suite.train))  # train.nondp_trainer=hf: docs/DECISIONS.md D7
+    if recipe is not None:
+        suite.train, holdout = holdout_split(suite.train, recipe.holdout, cfg.seed)
     n_train = len(suite.train)
     if cfg.train.batch_size > n_train:
         raise ValueError(
@@ -115,6 +119,10 @@ def build(cfg: DictConfig) -> Setup:
     params = trainable_parameters(model)
     privacy = PrivacySpec(sigma=sigma, clip_norm=float(cfg.privacy.clip_norm)) if dp else None
     method = build_method(cfg.method, params, privacy)
+    if recipe is not None:
+        held = [tokenize_example(tokenizer, ex, suite.cutoff_len, suite.train_on_inputs) for ex in holdout]
+        method = HFTrainerBaseline(method, recipe, lambda: holdout_loss(
+            model, held, tokenizer.pad_token_id, cfg.train.eval_batch_size, device))
     params = {name: p for name, p in params.items() if p.requires_grad}  # FFA freezes peft lora_A
     prefix = prefix_cache(model, features, cfg.train.get("prefix_cache", "auto"), name=cfg.backbone.name)
     noise = torch.Generator(device=device).manual_seed(cfg.seed + 2)
@@ -261,6 +269,8 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
         final["step_time_s"] = float(np.mean(measured)) if measured else float("nan")
     else:
         final["step_time_s"] = float(np.mean(step_times)) if step_times else float("nan")
+        if isinstance(s.method, HFTrainerBaseline):  # released non-DP recipe: the best hold-out checkpoint
+            final["best_step"] = s.method.restore_best()
         final.update(evaluate_suite(s.model, s.tokenizer, s.suite, cfg.suite.decoding, cfg.train.eval_batch_size))
         export_adapter(s.model, Path(run_dir) / "adapter")
     final["wall_time_s"] = time.time() - started

@@ -20,6 +20,7 @@ from pipelines.grid import compose_config, job_config, resolve
 from prism import geometry
 from prism import train as T
 from prism.data.prompts import collate
+from prism.hf_baseline import HFRecipe, HFTrainerBaseline, holdout_split, linear_warmup_factor
 from prism.methods.base import PrivacySpec
 from prism.methods.factor import FactorDPMethod
 from prism.methods.prism import PrismConfig
@@ -79,14 +80,16 @@ def test_presets_set_every_item_and_each_stays_overridable() -> None:
     corrected, released = job_config([]), job_config(["protocol=released"])
     assert corrected.protocol.name == "corrected" and released.protocol.name == "released"
     expected = {"calibration": "epochs", "denominator": "realised", "per_example_scale": "released",
-                "noise_damping": 1e-8, "pinv_rcond": 1e-6, "init_svd": "randomized", "padding_side": "left", "prompt_encoding": "text",
+                "noise_damping": 1e-8, "pinv_rcond": 1e-6, "init_svd": "randomized", "nondp_trainer": "hf",
+                "padding_side": "left", "prompt_encoding": "text",
                 "eval_batch_size": 128, "renormalize_logits": True, "remove_invalid_values": True,
                 "choice_regex": "released"}
     assert protocol_record(released)["items"] == expected
     assert job_config(["protocol=released", "suite=math10k"]).train.eval_batch_size == 64
     assert protocol_record(corrected)["items"] == {
         "calibration": "exact", "denominator": "expected", "per_example_scale": "record", "noise_damping": None,
-        "pinv_rcond": None, "init_svd": "auto", "padding_side": "right", "prompt_encoding": "as_trained", "eval_batch_size": 16,
+        "pinv_rcond": None, "init_svd": "auto", "nondp_trainer": "shared",
+        "padding_side": "right", "prompt_encoding": "as_trained", "eval_batch_size": 16,
         "renormalize_logits": False, "remove_invalid_values": False, "choice_regex": "lookaround"}
     # every item overridden by its own key: all back to the corrected values
     back = protocol_record(corrected)["items"]
@@ -230,6 +233,72 @@ def test_randomized_init_svd_is_near_optimal_and_used_below_the_exact_size() -> 
         assert torch.linalg.norm(W - (Uk * Sk) @ Vk.T) <= optimum * 1.01
     assert not torch.equal(exact[1], randomized[1])
     torch.testing.assert_close(randomized[1], s[:8], rtol=1e-3, atol=0)
+
+
+# ----------------------------------------------------------------------------- D7 non-private baselines
+def test_schedule_is_hf_linear_warmup() -> None:
+    """Against transformers' own scheduler: its multiplier after ``t`` scheduler steps."""
+    from transformers import get_linear_schedule_with_warmup
+
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=7, num_training_steps=30)
+    for t in range(31):
+        assert linear_warmup_factor(t, 7, 30) == pytest.approx(opt.param_groups[0]["lr"], abs=1e-12), t
+        opt.step()
+        sched.step()
+
+
+def _baseline(recipe: HFRecipe, losses: list[float]) -> tuple[HFTrainerBaseline, dict[str, nn.Parameter]]:
+    params = {"m.lora_A.default.weight": nn.Parameter(torch.randn(3, 6, dtype=torch.float64)),
+              "m.lora_B.default.weight": nn.Parameter(torch.randn(5, 3, dtype=torch.float64))}
+    inner = FactorDPMethod(job_config(["method=adamw"]).method, params, None)
+    return HFTrainerBaseline(inner, recipe, lambda: losses.pop(0)), params
+
+
+def test_hf_recipe_step_matches_torch_clip_and_adamw() -> None:
+    recipe = HFRecipe(total_steps=10, warmup_steps=4, eval_every=100, holdout=1, max_grad_norm=1.0, weight_decay=0.0)
+    method, params = _baseline(recipe, [])
+    twin = {n: nn.Parameter(p.detach().clone()) for n, p in params.items()}
+    reference = torch.optim.AdamW(list(twin.values()), lr=2e-4 * 10.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    lr = job_config(["method=adamw"]).method.lr
+    for step in range(1, 4):
+        grads = {n: 5.0 * torch.randn_like(p) for n, p in params.items()}  # micro-batch sums of 8 examples
+        method.zero_accumulators()
+        method.accumulate(grads)
+        method.step(8.0, None)
+        for n, p in twin.items():
+            p.grad = grads[n] / 8.0
+        assert torch.nn.utils.clip_grad_norm_(list(twin.values()), 1.0) > 1.0  # the clip is active
+        reference.param_groups[0]["lr"] = lr * step / 4
+        reference.step()
+        for n, p in params.items():
+            torch.testing.assert_close(p.detach(), twin[n].detach(), rtol=1e-12, atol=1e-15)
+
+
+def test_hf_recipe_restores_the_best_holdout_checkpoint() -> None:
+    recipe = HFRecipe(total_steps=6, warmup_steps=0, eval_every=2, holdout=1, max_grad_norm=0.0, weight_decay=0.0)
+    method, params = _baseline(recipe, [3.0, 1.0, 2.0])
+    snapshots = {}
+    for step in range(1, 7):
+        method.zero_accumulators()
+        method.accumulate({n: torch.randn_like(p) for n, p in params.items()})
+        stats = method.step(4.0, None)
+        snapshots[step] = {n: p.detach().clone() for n, p in params.items()}
+        assert ("holdout_loss" in stats) == (step % 2 == 0)
+    assert method.restore_best() == 4  # losses 3, 1, 2 at steps 2, 4, 6
+    for n, p in params.items():
+        torch.testing.assert_close(p.detach(), snapshots[4][n], rtol=0, atol=0)
+
+
+def test_released_nondp_baseline_holds_out_and_wraps(monkeypatch: pytest.MonkeyPatch) -> None:
+    train, held = holdout_split(list(range(50)), 5, seed=3)
+    assert len(held) == 5 and sorted(train + held) == list(range(50)) and held == sorted(held)
+    assert holdout_split(list(range(50)), 5, seed=3)[1] == held
+    s = T.build(tiny_cfg("protocol=released", "method=adamw", "privacy=nondp", "train.prefix_cache=off"))
+    assert isinstance(s.method, HFTrainerBaseline) and len(s.suite.train) == 32 - 3  # GLUE: 10 % held out
+    assert s.method.recipe.warmup_steps == 1 and s.method.recipe.eval_every == 1  # 0.2 × 3 steps
+    assert math.isfinite(s.method.validation_loss())
+    assert s.method.inner.optimizer.param_groups[0]["weight_decay"] == 0.0
 
 
 # ----------------------------------------------------------------------------- D8 padding, D9–D12 evaluation
