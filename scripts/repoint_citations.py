@@ -162,10 +162,12 @@ def main(argv: list[str]) -> int:
                 for number, old, line in changes:
                     print(f"{rel}:{number}:\n  - {old.strip()}\n  + {line.strip()}")
     left = remaining(paths)
+    label = "CITES" if args.check else "UNMAPPED"
     for rel, number, line in left:
-        print(f"UNMAPPED {rel}:{number}: {line.strip()}", file=sys.stderr)
+        print(f"{label} {rel}:{number}: {line.strip()}", file=sys.stderr)
     if left:
-        print(f"{len(left)} citation(s) left; add a rule to scripts/repoint_citations.py", file=sys.stderr)
+        fix = "run scripts/repoint_citations.py" if args.check else "add a rule to scripts/repoint_citations.py"
+        print(f"{len(left)} citation(s) left; {fix}", file=sys.stderr)
     return 1 if left else 0
 
 
