@@ -380,6 +380,7 @@ def test_released_per_example_scale_equals_the_released_trainer_gradient() -> No
     counts = torch.tensor([7.0, 4.0, 4.0, 2.0], dtype=torch.float64)  # targets per row: n - max(p, 1)
     weights = k**2 * counts / counts.sum()
     torch.testing.assert_close(released_weights(counts, 2), weights)
+    assert released_weights(torch.zeros(3), 2).eq(0).all()  # no supervised token: zero weights
     name = next(iter(record))
     torch.testing.assert_close(released[name], weights.view(-1, 1, 1) * record[name], rtol=1e-5, atol=1e-7)
     # the weights couple records: row 0's contribution changes when row 3 gets longer

@@ -182,11 +182,7 @@ def released_weights(counts: Tensor, power: int) -> Tensor:
     A micro-batch without supervised tokens gets zero weights.
     """
     counts = counts.to(torch.float64)
-    k = counts.numel()
-    total = counts.sum()
-    if total <= 0:
-        return torch.zeros_like(counts)
-    return float(k) ** power * counts / total
+    return float(counts.numel()) ** power * counts / counts.sum().clamp(min=1.0)  # no device sync
 
 
 def _counts(input_ids: Tensor | None, attention_mask: Tensor | None, labels: Tensor | None,
