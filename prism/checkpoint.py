@@ -2,7 +2,9 @@
 
 A checkpoint holds the trainable LoRA tensors, the method's state (optimizer moments, counters),
 the accountant history, the step counter and every RNG state (Poisson sampler, noise, torch's
-global generator that drives dropout). It is written to a temporary file and moved into place
+global CPU generator and, on a GPU, every CUDA device's generator: LoRA dropout on a GPU draws from
+the CUDA generator, which ``build()`` reseeds, so a resumed run needs it back to match an
+uninterrupted one). It is written to a temporary file and moved into place
 with :func:`os.replace`, so a run killed mid-write leaves the previous checkpoint intact.
 """
 from __future__ import annotations
@@ -14,6 +16,26 @@ from typing import Any
 import torch
 
 CHECKPOINT_FILE = "state.pt"
+
+
+def rng_states() -> dict[str, Any]:
+    """torch's global generators: the CPU one and one state per visible CUDA device (none without CUDA)."""
+    return {"torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def restore_rng_states(state: dict[str, Any]) -> None:
+    """Put back what :func:`rng_states` saved. A checkpoint written with CUDA generators resumes only
+    where the same number of CUDA devices is visible (else dropout would silently draw other masks)."""
+    torch.set_rng_state(state["torch_rng"])
+    cuda = state.get("cuda_rng") or []
+    if not cuda:
+        return
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible != len(cuda):
+        raise RuntimeError(f"the checkpoint holds {len(cuda)} CUDA generator states but {visible} CUDA devices "
+                           "are visible; resume with the same CUDA_VISIBLE_DEVICES, or delete the checkpoint")
+    torch.cuda.set_rng_state_all(cuda)
 
 
 def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:

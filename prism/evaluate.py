@@ -54,7 +54,8 @@ def generate_responses(
     ``num_beams``/``max_new_tokens`` from `cfg_decoding`; an optional ``max_input_length`` keeps the
     last tokens of a longer prompt so the response marker survives. ``prompt_encoding`` is ``text``
     (the released code: tokenize the prompt string alone) or ``as_trained`` (see
-    :func:`prism.data.prompts.encode_prompt_as_trained`).
+    :func:`prism.data.prompts.encode_prompt_as_trained`). ``renormalize_logits`` /
+    ``remove_invalid_values`` are passed to ``generate`` (the released evaluation sets both).
     """
     max_input = cfg_decoding.get("max_input_length")
     pad = _pad_id(tokenizer)
@@ -81,6 +82,8 @@ def generate_responses(
             max_new_tokens=int(cfg_decoding.get("max_new_tokens", 8)),
             pad_token_id=pad,
             eos_token_id=tokenizer.eos_token_id,
+            renormalize_logits=bool(cfg_decoding.get("renormalize_logits", False)),
+            remove_invalid_values=bool(cfg_decoding.get("remove_invalid_values", False)),
         )
         for i, text in zip(idx, tokenizer.batch_decode(generated, skip_special_tokens=True)):
             out[i] = response_text(text)
@@ -106,7 +109,8 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
             texts = generate_responses(
                 model, tokenizer, [eval_prompt(ex, suite.family) for ex in rows], cfg_decoding, batch_size
             )
-            score, failures = score_outputs(column, texts, [ex.answer for ex in rows])
+            score, failures = score_outputs(column, texts, [ex.answer for ex in rows],
+                                            choice_rule=cfg_decoding.get("choice_regex", "lookaround"))
             result["scores"][task] = score
             result["parse_failure"][task] = failures / len(rows) if rows else 0.0
             result["n"][task] = len(rows)

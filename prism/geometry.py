@@ -13,6 +13,8 @@ Conventions:
   and ``Π_A = Q_A Q_Aᵀ`` (Lemma A.18), so solves cost one triangular solve against ``R_A`` and
   their error grows with ``κ(A)``, not ``κ(A)²``. No damping anywhere: a rank-deficient factor is
   an error (:func:`check_full_rank`), never a silently shrunk noise covariance (SPEC §3).
+* Opt-in exceptions for the released protocol (docs/DECISIONS.md D4, D5): ``lift(rcond=…)`` uses
+  eigenvalue-cut pseudo-inverses and ``tangent_noise(damping=…)`` the damped ``(N + δI)^{-1/2}``.
 * :func:`retract` computes in float64 internally (its cost is ``O((m+n) r²)`` once per step per
   module) and returns the input dtype; everything else computes in the input dtype.
 """
@@ -90,17 +92,34 @@ def tangent_project(A: Tensor, B: Tensor, G: Tensor) -> Tensor:
 
 
 def lift(
-    A: Tensor, B: Tensor, gA: Tensor, gB: Tensor, frame: Frame | None = None
+    A: Tensor, B: Tensor, gA: Tensor, gB: Tensor, frame: Frame | None = None, rcond: float | None = None
 ) -> tuple[Tensor, Tensor]:
     """Eq. 14, canonical lift of factor gradients ``g_A = G B`` [..., m, r], ``g_B = Gᵀ A`` [..., n, r].
 
     ``ΔA = g_A N⁻¹ − ½ Π_A (g_A N⁻¹)``, ``ΔB = g_B M⁻¹ − ½ Π_B (g_B M⁻¹)``, so that
-    ``ΔA Bᵀ + A ΔBᵀ = P_{A,B}(G)`` (Lemma A.14).
+    ``ΔA Bᵀ + A ΔBᵀ = P_{A,B}(G)`` (Lemma A.14). ``rcond`` (released protocol, docs/DECISIONS.md D5):
+    use the pseudo-inverses ``N^†``, ``M^†`` of eq. 14 with eigenvalues ``≤ rcond·λ_max`` zeroed
+    instead of the exact triangular solves (equal for a well-conditioned full-rank pair).
     """
     fr = _frame(A, B, frame)
-    YA = _solve_gram(gA, fr.RB)
-    YB = _solve_gram(gB, fr.RA)
+    if rcond is None:
+        YA = _solve_gram(gA, fr.RB)
+        YB = _solve_gram(gB, fr.RA)
+    else:
+        YA = gA @ _gram_function(fr.RB, lambda w: _pinv_eigenvalues(w, rcond))
+        YB = gB @ _gram_function(fr.RA, lambda w: _pinv_eigenvalues(w, rcond))
     return YA - 0.5 * _project(fr.QA, YA), YB - 0.5 * _project(fr.QB, YB)
+
+
+def _pinv_eigenvalues(w: Tensor, rcond: float) -> Tensor:
+    """``1/w`` where ``w > rcond·max(w)``, else 0 (the eigenvalue map of a pseudo-inverse)."""
+    return torch.where(w > rcond * w.max(), 1.0 / w, torch.zeros_like(w))
+
+
+def _gram_function(R: Tensor, fn) -> Tensor:
+    """``V diag(fn(w)) Vᵀ`` for the Gram matrix ``RᵀR = V diag(w) Vᵀ`` (eigenvalues from the SVD of ``R``)."""
+    w, V = _spectrum(R)
+    return (V * fn(w)) @ V.mT
 
 
 def intrinsic_sqnorm(
@@ -130,6 +149,7 @@ def tangent_noise(
     generator: torch.Generator | None = None,
     frame: Frame | None = None,
     sample_shape: tuple[int, ...] = (),
+    damping: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Eq. 19 at unit scale: factor noise whose image ``Ξ_A Bᵀ + A Ξ_Bᵀ`` has the law of ``P_{A,B}(Ξ)``.
 
@@ -140,6 +160,11 @@ def tangent_noise(
     covariance ``R⁻¹R⁻ᵀ = N⁻¹`` (resp. ``M⁻¹``), the same law as the paper's ``Ω N^{-1/2}``.
     ``O((m+n) r)`` random numbers; the caller multiplies by ``σC/b`` (eq. 17). ``sample_shape``
     prepends independent draws.
+
+    ``damping`` (released protocol, docs/DECISIONS.md D4): whiten with the symmetric
+    ``(N + damping·I)^{-1/2}``, ``(M + damping·I)^{-1/2}`` instead, as the released code does with
+    ``1e-8``; the row covariance becomes ``(N + damping·I)⁻¹``, slightly below the ``N⁻¹`` the
+    accountant assumes. ``0.0`` gives the exact law through the symmetric root.
     """
     fr = _frame(A, B, frame)
     (m, r), n = fr.A.shape, fr.B.shape[0]
@@ -147,6 +172,12 @@ def tangent_noise(
     Omega_A = torch.randn(*sample_shape, m, r, **opts)
     Omega_B = torch.randn(*sample_shape, n, r, **opts)
     Omega_A = Omega_A - _project(fr.QA, Omega_A)
+    if damping is not None:
+        if damping < 0:
+            raise ValueError(f"damping={damping} must be >= 0 (method.noise_damping)")
+        XiA = Omega_A @ _gram_function(fr.RB, lambda w: (w + damping).rsqrt())
+        XiB = Omega_B @ _gram_function(fr.RA, lambda w: (w + damping).rsqrt())
+        return XiA, XiB
     XiA = torch.linalg.solve_triangular(fr.RB.mT, Omega_A, upper=False, left=False)
     XiB = torch.linalg.solve_triangular(fr.RA.mT, Omega_B, upper=False, left=False)
     return XiA, XiB

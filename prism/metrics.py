@@ -39,6 +39,9 @@ _PREFIX = re.compile(r"^(?:answer|label|prediction|pred)\s*:\s*")
 _YES_NO = re.compile(r"^(yes|no)\b")
 _NUMBER = re.compile(r"-?\d+\.?\d*")
 _STANDALONE_CHOICE = re.compile(r"(?<![A-Z])([A-E])(?![A-Z])")
+# The released evaluation's AQuA pattern: the neighbours are consumed, so in "A B" only "A" is found.
+_RELEASED_CHOICE = re.compile(r"(?:^|[^A-Z])([A-E])(?:$|[^A-Z])")
+CHOICE_RULES = {"lookaround": _STANDALONE_CHOICE, "released": _RELEASED_CHOICE}
 MATH_TOLERANCE = 1e-3
 
 
@@ -81,15 +84,20 @@ def math_correct(pred: float | None, gold: float) -> bool:
     return pred is not None and math.isfinite(pred) and abs(float(gold) - pred) <= MATH_TOLERANCE
 
 
-def extract_choice(text: str) -> str | None:
+def extract_choice(text: str, rule: str = "lookaround") -> str | None:
     """AQuA letter: the last standalone A–E in the upper-cased text, else the last A–E character.
+
+    ``rule`` (``suite.decoding.choice_regex``): ``lookaround`` (below) or ``released``, the released
+    evaluation's pattern with consumed neighbours (docs/DECISIONS.md D12).
 
     Lookarounds (not the released regex's consumed neighbours) so adjacent letters such as "A B"
     are both seen. Inherited weakness: upper-casing makes any word "a"/"A" a standalone letter, so
     "A store sells 5 pens." yields "A" when no later letter follows.
     """
+    if rule not in CHOICE_RULES:
+        raise ValueError(f"suite.decoding.choice_regex={rule!r}; choose one of {sorted(CHOICE_RULES)}")
     upper = text.upper()
-    found = _STANDALONE_CHOICE.findall(upper)
+    found = CHOICE_RULES[rule].findall(upper)
     if found:
         return found[-1]
     letters = [c for c in upper if c in "ABCDE"]
@@ -117,8 +125,9 @@ def glue_score(task: str, preds: Sequence[int | float], golds: Sequence[int | fl
     return acc
 
 
-def score_outputs(column: str, texts: Sequence[str], golds: Sequence) -> tuple[float, int]:
-    """Score generated responses for one task of Table 2 column `column`: (score, parse failures)."""
+def score_outputs(column: str, texts: Sequence[str], golds: Sequence, choice_rule: str = "lookaround") -> tuple[float, int]:
+    """Score generated responses for one task of Table 2 column `column`: (score, parse failures).
+    ``choice_rule``: the AQuA pattern of :func:`extract_choice`."""
     rule = COLUMN_RULES.get(column)
     if rule is None:
         raise ValueError(f"unknown paper column {column!r}; valid: {', '.join(COLUMN_RULES)}")
@@ -128,7 +137,7 @@ def score_outputs(column: str, texts: Sequence[str], golds: Sequence) -> tuple[f
         preds = [extract_number(t) for t in texts]
         correct = [math_correct(p, g) for p, g in zip(preds, golds)]
     elif rule == "choice":
-        preds = [extract_choice(t) for t in texts]
+        preds = [extract_choice(t, choice_rule) for t in texts]
         correct = [p == g for p, g in zip(preds, golds)]
     else:
         parsed = [parse_glue_label(rule, t) for t in texts]

@@ -35,7 +35,8 @@ from torch import Tensor, nn
 
 from prism.fileio import atomic_write, sha256_file, write_text_atomic
 from prism.models import cache_root
-from prism.privacy.per_example import IGNORE_INDEX, LossFn, supervised_losses
+from prism.privacy.per_example import IGNORE_INDEX, LossFn, Positions, supervised_losses, supervised_positions
+from prism.transfer import batch_to_device
 
 FORMAT = 1
 """Bump when the stored layout or the key changes."""
@@ -239,6 +240,7 @@ class PrefixBatch:
     inputs_embeds: Tensor
     attention_mask: Tensor
     labels: Tensor
+    positions: Positions | None = None
 
     def __call__(self, model: nn.Module) -> Tensor:
         if _decoder(model) is not self.decoder:
@@ -246,7 +248,7 @@ class PrefixBatch:
         length = self.inputs_embeds.shape[1]
         position_ids = torch.arange(length, device=self.inputs_embeds.device).unsqueeze(0)
         with _top_layers_only(self.decoder, self.depth):
-            return supervised_losses(model, self.labels, self.attention_mask,
+            return supervised_losses(model, self.labels, self.attention_mask, self.positions,
                                      inputs_embeds=self.inputs_embeds, position_ids=position_ids)
 
 
@@ -296,7 +298,8 @@ class PrefixCache:
     def batch(self, indices: Sequence[int]) -> dict[str, LossFn]:
         """``{"loss_fn": PrefixBatch}`` for the examples ``indices``, right-padded to their longest,
         on the model's device: pass it as ``PerExampleGradients.compute(**batch)`` or
-        ``summed_gradients(model, **batch)``."""
+        ``summed_gradients(model, **batch)``. Everything is assembled on the host (supervised
+        positions included) and copied with non-blocking pinned-memory transfers: no device sync."""
         if len(indices) == 0:
             raise ValueError("a micro-batch needs at least one example index")
         rows = [self.states[i] for i in indices]
@@ -304,9 +307,12 @@ class PrefixCache:
         embeds = rows[0].new_zeros(len(rows), length, rows[0].shape[1])
         for r, row in enumerate(rows):
             embeds[r, :row.shape[0]] = row
-        mask = _pad([[1] * row.shape[0] for row in rows], 0, self.device)
-        labels = _pad([self.labels[i] for i in indices], IGNORE_INDEX, self.device)
-        return {"loss_fn": PrefixBatch(self.decoder, self.depth, embeds.to(self.device), mask, labels)}
+        host = {"embeds": embeds, "mask": _pad([[1] * row.shape[0] for row in rows], 0, torch.device("cpu")),
+                "labels": _pad([self.labels[i] for i in indices], IGNORE_INDEX, torch.device("cpu"))}
+        host["positions"], host["targets"] = supervised_positions(host["labels"], host["mask"])
+        dev = batch_to_device(host, self.device)
+        return {"loss_fn": PrefixBatch(self.decoder, self.depth, dev["embeds"], dev["mask"], dev["labels"],
+                                       (dev["positions"], dev["targets"]))}
 
 
 def prefix_cache(model: nn.Module, features: Sequence[dict], mode: str = "auto",

@@ -31,10 +31,11 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
-from prism.checkpoint import load_checkpoint, save_checkpoint
+from prism.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from prism.data import build_suite
-from prism.data.prompts import collate, tokenize_train_set
+from prism.data.prompts import collate, tokenize_example, tokenize_train_set
 from prism.evaluate import evaluate_suite
+from prism.hf_baseline import HFRecipe, HFTrainerBaseline, holdout_loss, holdout_split
 from prism.methods import PrivacySpec, build_method
 from prism.methods.base import Method
 from prism.models import attach_lora, export_adapter, load_backbone, peak_memory_mb, trainable_parameters
@@ -43,10 +44,13 @@ from prism.privacy import (
     Accountant,
     PerExampleGradients,
     PoissonSampler,
-    calibrate_sigma,
-    calibration_steps,
+    calibrate_for_run,
     summed_gradients,
 )
+from prism.privacy.per_example import enable_activation_checkpointing, supervised_positions, token_loss_fn
+from prism.privacy.sampling import noise_denominator
+from prism.protocol import dp_caveats, protocol_record
+from prism.transfer import batch_to_device
 
 LogFn = Callable[[dict[str, Any]], None]
 narrate = logging.getLogger("prism.train").info  # one line per phase (pipelines/run.py prints it)
@@ -54,6 +58,7 @@ narrate = logging.getLogger("prism.train").info  # one line per phase (pipelines
 # share of clipped examples and their mean norm, the norm of the drawn noise (with the released
 # update it pins the clipped sum), the realised Poisson batch size and the step time (grows with it).
 PRIVATE_STATS = ("loss", "clip_fraction", "grad_norm_mean", "noise_norm", "batch_size", "step_time_s")
+log = logging.getLogger(__name__)
 
 
 class TrainingDivergedError(RuntimeError):
@@ -120,6 +125,9 @@ def build(cfg: DictConfig) -> Setup:
     device = resolve_device(cfg.train.device)
     narrate("building suite %s (%s scale)", cfg.suite.name, cfg.suite.scale)
     suite = build_suite(cfg.suite, cfg.seed)  # before the model: a data error costs no model load
+    recipe = HFRecipe.from_config(cfg, len(suite.train))  # train.nondp_trainer=hf: docs/DECISIONS.md D7
+    if recipe is not None:
+        suite.train, holdout = holdout_split(suite.train, recipe.holdout, cfg.seed)
     n_train = len(suite.train)
     if cfg.train.batch_size > n_train:
         raise ValueError(
@@ -130,25 +138,35 @@ def build(cfg: DictConfig) -> Setup:
             cfg.backbone.name, device)
     model, tokenizer = load_backbone(cfg.backbone, device)
     init_generator = torch.Generator().manual_seed(cfg.seed)
-    model = attach_lora(model, cfg.lora, cfg.backbone, init=cfg.method.init, generator=init_generator)
+    model = attach_lora(model, cfg.lora, cfg.backbone, init=cfg.method.init, generator=init_generator,
+                        init_svd=cfg.method.get("init_svd", "auto"))
     features = tokenize_train_set(tokenizer, suite.train, suite.cutoff_len, suite.train_on_inputs, cfg.backbone.name)
     sampler_seed, noise_seed = mechanism_seeds(cfg)
     sampler = PoissonSampler(n_train, cfg.train.batch_size, generator_seed=sampler_seed)
     dp = math.isfinite(float(cfg.privacy.epsilon))
     sigma = 0.0
     if dp:
-        calib = calibration_steps(total_steps(cfg), sampler.sample_rate, cfg.privacy.calibration)
-        sigma = calibrate_sigma(cfg.privacy.epsilon, cfg.privacy.delta, sampler.sample_rate, calib)
+        sigma = calibrate_for_run(cfg.privacy.epsilon, cfg.privacy.delta, sampler.sample_rate, total_steps(cfg),
+                                  cfg.privacy.calibration)
+        for caveat in dp_caveats(cfg):  # protocol=released: docs/DECISIONS.md
+            log.warning("NOT a valid DP guarantee as stated: %s", caveat)
     params = trainable_parameters(model)
     privacy = PrivacySpec(sigma=sigma, clip_norm=float(cfg.privacy.clip_norm)) if dp else None
     method = build_method(cfg.method, params, privacy)
+    if recipe is not None:
+        held = [tokenize_example(tokenizer, ex, suite.cutoff_len, suite.train_on_inputs) for ex in holdout]
+        method = HFTrainerBaseline(method, recipe, lambda: holdout_loss(
+            model, held, tokenizer.pad_token_id, cfg.train.eval_batch_size, device))
     params = {name: p for name, p in params.items() if p.requires_grad}  # FFA freezes peft lora_A
     narrate("frozen-prefix cache (train.prefix_cache=%s) for %d training examples", cfg.train.get("prefix_cache", "auto"),
             len(features))
     prefix = prefix_cache(model, features, cfg.train.get("prefix_cache", "auto"), name=cfg.backbone.name)
     noise = torch.Generator(device=device).manual_seed(noise_seed)
+    if cfg.train.get("activation_checkpointing", False):
+        enable_activation_checkpointing(model)
     if dp:
-        per_example = PerExampleGradients(model)
+        per_example = PerExampleGradients(model, scale=cfg.privacy.get("per_example_scale", "record"),
+                                          released_power=2 if cfg.method.name.startswith("prism") else 1)
         gradients = lambda batch: per_example.compute(**batch)  # noqa: E731
     else:
         gradients = lambda batch: summed_gradients(model, **batch)  # noqa: E731
@@ -156,25 +174,43 @@ def build(cfg: DictConfig) -> Setup:
                  gradients, sigma, device, prefix, secure=bool(cfg.privacy.get("secure_noise", False)))
 
 
-def _micro_batch(s: Setup, indices: list[int]) -> dict[str, Any]:
-    """From the prefix cache when there is one, else tokens collated onto the device."""
+def _micro_batch(s: Setup, indices: list[int], padding_side: str = "right") -> dict[str, Any]:
+    """From the prefix cache when there is one (right-padded), else tokens collated on the host (padded
+    on ``padding_side``), their supervised positions computed there too, and copied with non-blocking
+    pinned transfers (no device sync)."""
     if s.prefix is not None:
         return s.prefix.batch(indices)
-    batch = collate([s.features[i] for i in indices], pad_id=s.tokenizer.pad_token_id)
-    return {k: v.to(s.device) for k, v in batch.items()}
+    host = collate([s.features[i] for i in indices], pad_id=s.tokenizer.pad_token_id, padding_side=padding_side)
+    host["positions"], host["targets"] = supervised_positions(host["labels"], host["attention_mask"])
+    dev = batch_to_device(host, s.device)
+    return {"loss_fn": token_loss_fn(dev["input_ids"], dev["attention_mask"], dev["labels"],
+                                     (dev["positions"], dev["targets"]))}
 
 
-def _check_finite(what: str, tensors: dict[str, Tensor] | Tensor) -> None:
-    """One device sync for all tensors; the offending name is looked up only on failure."""
-    items = list(tensors.items()) if isinstance(tensors, dict) else [("loss", tensors)]
-    if bool(torch.stack([torch.isfinite(t).all() for _, t in items]).all()):
+def _check_finite(loss_sum: Tensor, params: dict[str, Tensor]) -> None:
+    """Once per step, from what the step already computed: the summed loss (on the device) plus one
+    fused max-norm over the updated parameters is finite, else stop (the max-norm, unlike the 2-norm,
+    cannot overflow on finite entries). A non-finite per-example gradient reaches the parameters
+    through the update, so this one device sync covers losses, gradients and factors; the offending
+    tensor is looked up only on failure."""
+    norms = torch._foreach_norm(list(params.values()), ord=math.inf)
+    if bool(torch.isfinite(loss_sum.float() + torch.stack(norms).float().sum())):
         return
-    for name, tensor in items:
-        if not torch.isfinite(tensor).all():
-            raise TrainingDivergedError(
-                f"non-finite {what} in {name}; the run stopped and its last checkpoint is kept "
-                "(lower method.lr or check the data)"
-            )
+    bad = "loss" if not bool(torch.isfinite(loss_sum)) else next(
+        name for name, norm in zip(params, norms) if not bool(torch.isfinite(norm)))
+    raise TrainingDivergedError(
+        f"non-finite {'loss' if bad == 'loss' else 'factor ' + bad} after the update; the run stopped and "
+        "its last checkpoint is kept (lower method.lr or check the data)"
+    )
+
+
+def _to_host(record: dict[str, Any]) -> dict[str, Any]:
+    """A step record with its device scalars read back in one transfer (only when it is logged)."""
+    keys = [k for k, v in record.items() if isinstance(v, Tensor)]
+    if not keys:
+        return record
+    values = torch.stack([record[k].detach().double().reshape(()) for k in keys]).cpu().tolist()
+    return {**record, **dict(zip(keys, values))}
 
 
 def _state(s: Setup, step: int) -> dict[str, Any]:
@@ -184,7 +220,7 @@ def _state(s: Setup, step: int) -> dict[str, Any]:
         "params": {name: p.detach().cpu().clone() for name, p in s.params.items()},
         "method": s.method.state_dict(),
         "accountant": s.accountant.state_dict(),
-        "torch_rng": torch.get_rng_state(),
+        **rng_states(),
     }
     if not s.secure:
         state.update(sampler=s.sampler.state_dict(), noise_rng=s.noise.get_state())
@@ -200,7 +236,7 @@ def _restore(s: Setup, state: dict[str, Any]) -> int:
         s.sampler.load_state_dict(state["sampler"])
         s.noise.set_state(state["noise_rng"])
     s.accountant.load_state_dict(state["accountant"])
-    torch.set_rng_state(state["torch_rng"])
+    restore_rng_states(state)
     return int(state["step"])
 
 
@@ -215,17 +251,16 @@ def train_step(s: Setup, cfg: DictConfig) -> dict[str, float]:
         # skipping it would reveal that the batch was empty. Non-DP: nothing to average.
         stats = s.method.step(float(cfg.train.batch_size), s.noise) if s.method.dp else {}
         return {"batch_size": 0, **stats}
-    losses = []
+    loss_sum = torch.zeros((), device=s.device)
     for chunk in indices.split(cfg.train.micro_batch_size):
-        loss, grads = s.gradients(_micro_batch(s, chunk.tolist()))
-        _check_finite("loss", loss)
-        _check_finite("gradient", grads)
+        loss, grads = s.gradients(_micro_batch(s, chunk.tolist(), cfg.train.get("padding_side", "right")))
         s.method.accumulate(grads)
-        losses.append(loss.detach().float().cpu())
-    denominator = cfg.train.batch_size if s.method.dp else len(indices)
+        loss_sum = loss_sum + loss.detach().float().sum()
+    denominator = (noise_denominator(cfg.privacy.get("denominator", "expected"), len(indices), cfg.train.batch_size)
+                   if s.method.dp else len(indices))
     stats = s.method.step(float(denominator), s.noise)
-    _check_finite("factor", dict(s.params))
-    return {"loss": torch.cat(losses).mean().item(), "batch_size": len(indices), **stats}
+    _check_finite(loss_sum, s.params)
+    return {"loss": loss_sum / len(indices), "batch_size": len(indices), **stats}
 
 
 def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = None) -> dict[str, Any]:
@@ -246,7 +281,7 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
     narrate("training: steps %d..%d of %d (σ = %.4g, q = %.4g)", start + 1, steps, steps, s.sigma, s.sampler.sample_rate)
     for step in range(start, steps):
         tic = time.perf_counter()
-        record = train_step(s, cfg)
+        record = _to_host(train_step(s, cfg))
         if s.device.type == "cuda":
             torch.cuda.synchronize(s.device)
         record.update(step=step + 1, sigma=s.sigma, step_time_s=time.perf_counter() - tic)
@@ -271,12 +306,15 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
         "train_time_s": train_time,
         "prefix_depth": s.prefix.depth if s.prefix is not None else None,
         "prefix_build_s": s.prefix.build_seconds if s.prefix is not None else 0.0,
+        "protocol": protocol_record(cfg),
     }
     if benchmark:
         measured = step_times[benchmark.warmup:]
         final["step_time_s"] = float(np.mean(measured)) if measured else float("nan")
     else:
         final["step_time_s"] = float(np.mean(step_times)) if step_times else float("nan")
+        if isinstance(s.method, HFTrainerBaseline):  # released non-DP recipe: the best hold-out checkpoint
+            final["best_step"] = s.method.restore_best()
         narrate("evaluating %d tasks (%d rows)", len(s.suite.eval), sum(map(len, s.suite.eval.values())))
         final.update(evaluate_suite(s.model, s.tokenizer, s.suite, cfg.suite.decoding, cfg.train.eval_batch_size))
         export_adapter(s.model, Path(run_dir) / "adapter")

@@ -31,7 +31,7 @@ def test_prv_golden_value() -> None:
 
 @pytest.mark.parametrize(
     ("sigma", "q", "steps"),
-    # σ from the reference doc §10 for the paper's grid: (Math, GLUE8) × (ε=6, ε=3)
+    # σ computed with prv-accountant (docs/DECISIONS.md D1) for the paper's grid: (Math, GLUE8) × (ε=6, ε=3)
     [(0.518, MATH_Q, 300), (0.643, MATH_Q, 300), (0.548, GLUE_Q, 500), (0.677, GLUE_Q, 500)],
 )
 def test_prv_agrees_with_dp_accounting_pld(sigma: float, q: float, steps: int) -> None:
@@ -47,7 +47,7 @@ def test_calibrate_then_spend_round_trips() -> None:
 
 
 def test_released_code_epoch_calibration_matches_reference_table() -> None:
-    """Reference doc §10: Math-10K ε=6 calibrated for 310 steps gives σ≈0.518, ≈5.95 spent in 300."""
+    """docs/DECISIONS.md D1: Math-10K ε=6 calibrated for 310 steps gives σ≈0.518, ≈5.95 spent in 300."""
     steps = calibration_steps(300, MATH_Q, "epochs")
     assert steps == 310
     sigma = calibrate_sigma(6.0, DELTA, MATH_Q, steps)

@@ -1,4 +1,4 @@
-"""Backbones, LoRA wiring, spectral-residual init and adapter export (prism/models.py)."""
+"""Backbones, LoRA wiring, spectral-residual init and adapter export (prism/models/)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
+from safetensors.torch import load_file
 
 from prism import models
 from prism.lora import lora_pairs, read_pair
@@ -319,7 +320,7 @@ def test_embedded_cache_is_built_once_validated_and_rebuilt(tmp_path: Path, monk
     """The cache/manifest machinery with the GGUF dequantisation replaced by the tiny model."""
     monkeypatch.setenv("PRISM_CACHE", str(tmp_path))
     calls: list[str] = []
-    monkeypatch.setattr(models, "_load_gguf", _fake_gguf(calls))
+    monkeypatch.setattr(models.gguf, "_load_gguf", _fake_gguf(calls))
     spec = BACKBONES["smollm2-135m"]
     directory = models.embedded_checkpoint(spec)
     assert directory == tmp_path / "backbones" / "smollm2-135m" and calls == ["smollm2-135m"]
@@ -370,3 +371,58 @@ def test_smollm2_loads_from_package_through_cache(tmp_path: Path, monkeypatch: p
     rebuilt, _ = load_backbone(cfg, "cpu")
     print(f"rebuild after corruption: {time.perf_counter() - start:.1f}s")
     torch.testing.assert_close(_logits(rebuilt, tokenizer), logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("init", ["spectral", "peft"])
+def test_export_never_reads_the_frozen_base(init: str, tmp_path: Path) -> None:
+    """Export touches only the LoRA factors: with every base weight swapped for a data-less meta tensor
+    (any host copy of it would raise), the adapter is written and equals the one exported before."""
+    model, _ = load_backbone(_backbone("tiny-gemma"), "cpu")
+    peft_model = attach_lora(model, _lora(), _backbone("tiny-gemma"), init, None)
+    _perturb_lora(peft_model)
+    export_adapter(peft_model, tmp_path / "with_base")
+    for module in peft_model.modules():
+        for key, param in list(module._parameters.items()):
+            if param is not None and not param.requires_grad:
+                module._parameters[key] = torch.nn.Parameter(param.to("meta"), requires_grad=False)
+    assert any(p.is_meta for p in peft_model.parameters())
+    export_adapter(peft_model, tmp_path / "meta_base")
+    before = load_file(str(tmp_path / "with_base" / "adapter_model.safetensors"))
+    after = load_file(str(tmp_path / "meta_base" / "adapter_model.safetensors"))
+    assert before.keys() == after.keys() and before
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+
+
+# --------------------------------------------------------------------------- random (gpu-check) backbones
+def test_paper_width_config_has_gemma_3_4b_shapes() -> None:
+    """The gpu-check architecture file: gemma-3-4b-pt's widths (hidden 2560, MLP 10240, 8×256 query
+    heads, 4 KV heads, 34 layers) and ≈4.3B parameters with its SigLIP tower; built on meta (no memory)."""
+    from prism.models.loading import random_model
+
+    model = random_model("gemma-3-4b-pt.json", torch.bfloat16, "meta")
+    text = model.config.text_config
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration"
+    assert (text.hidden_size, text.intermediate_size, text.num_attention_heads, text.head_dim,
+            text.num_key_value_heads, text.num_hidden_layers) == (2560, 10240, 8, 256, 4, 34)
+    layer = model.model.language_model.layers[0]
+    assert tuple(layer.self_attn.q_proj.weight.shape) == (8 * 256, 2560)
+    assert tuple(layer.self_attn.k_proj.weight.shape) == (4 * 256, 2560)
+    assert tuple(layer.mlp.down_proj.weight.shape) == (2560, 10240)
+    total = sum(p.numel() for p in model.parameters())
+    assert total == pytest.approx(4.3e9, rel=0.01)
+
+
+def test_multimodal_backbone_loads_without_its_vision_tower() -> None:
+    """The SigLIP tower and projector never reach the device; LoRA lands on the language model only,
+    under the checkpoint's own module names; text forward and generate work."""
+    model, tokenizer = load_backbone(_backbone("tiny-gemma3-mm"), "cpu")
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration"
+    names = [name for name, _ in model.named_parameters()]
+    assert names and not any(re.search("vision|multi_modal", name) for name in names)
+    peft_model = attach_lora(model, _lora(), _backbone("tiny-gemma3-mm"), "spectral", None)
+    lora = [name for name, p in peft_model.named_parameters() if p.requires_grad]
+    assert len(lora) == 2 * 5 * 2 and all(".language_model.layers." in name for name in lora)
+    ids = torch.tensor([tokenizer("2 + 2 =")["input_ids"]])
+    out = peft_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, ids.shape[1] + 3) and torch.equal(out[:, :ids.shape[1]], ids)

@@ -127,12 +127,26 @@ def test_prefix_cache_trains_exactly_like_the_full_forward(tmp_path: Path, monke
     cached_cfg = tiny_cfg(*common, "train.prefix_cache=auto")
     setup = T.build(cached_cfg)
     assert setup.prefix is not None and setup.prefix.depth == 1
-    cached = [T.train_step(setup, cached_cfg)["loss"] for _ in range(2)]
+    cached = [float(T.train_step(setup, cached_cfg)["loss"]) for _ in range(2)]
     cached_params = {k: v.detach().clone() for k, v in setup.params.items()}
     full_cfg = tiny_cfg(*common, "train.prefix_cache=off")
     setup = T.build(full_cfg)
     assert setup.prefix is None
-    full = [T.train_step(setup, full_cfg)["loss"] for _ in range(2)]
+    full = [float(T.train_step(setup, full_cfg)["loss"]) for _ in range(2)]
     assert cached == pytest.approx(full, rel=1e-5)
     for name, value in cached_params.items():
         torch.testing.assert_close(setup.params[name].detach(), value, rtol=1e-4, atol=1e-6)
+
+
+def test_a_non_finite_loss_stops_the_step_after_one_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The once-per-step check sees a NaN loss even when the gradients and the update are finite."""
+    setup = T.build(tiny_cfg("method=adamw", "privacy=nondp"))
+    gradients = setup.gradients
+
+    def nan_loss(batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, grads = gradients(batch)
+        return torch.full_like(loss, math.nan), grads
+
+    setup.gradients = nan_loss
+    with pytest.raises(T.TrainingDivergedError, match="non-finite loss"):
+        T.train_step(setup, tiny_cfg("method=adamw", "privacy=nondp"))

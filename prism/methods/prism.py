@@ -62,9 +62,10 @@ log = logging.getLogger(__name__)
 HORIZONTALIZE = ("both", "pre_retract", "none")
 RANK_FALLBACKS = (None, "floor")
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-# Fields of the method node this class reads besides the AdaptiveConfig ones; "name"/"init" belong
+# Fields of the method node this class reads besides the AdaptiveConfig ones; "name"/"init"/"init_svd" belong
 # to build_method / prism.models.
-_OWN_FIELDS = {"name", "lr", "init", "horizontalize", "rank_fallback", "compute_dtype"}
+_OWN_FIELDS = {"name", "lr", "init", "init_svd", "horizontalize", "rank_fallback", "compute_dtype", "noise_damping",
+               "pinv_rcond"}
 DP_DTYPE = torch.float64  # per-example lifts, norms, clipped sums and noise under DP (module docstring)
 
 
@@ -77,6 +78,8 @@ class PrismConfig:
     rank_fallback: str | None = None
     compute_dtype: str = "float32"
     adaptive: AdaptiveConfig = AdaptiveConfig()
+    noise_damping: float | None = None  # released protocol: (N + δI)^{-1/2} whitening (geometry.tangent_noise)
+    pinv_rcond: float | None = None  # released protocol: eigen-cut pseudo-inverses in the lift (geometry.lift)
 
     def __post_init__(self) -> None:
         if self.horizontalize not in HORIZONTALIZE:
@@ -95,7 +98,8 @@ class PrismConfig:
         unknown = sorted(set(cfg) - known)
         if unknown:
             raise ValueError(f"unknown PRISM method field(s) {unknown}; known fields: {sorted(known)}")
-        own = {k: cfg[k] for k in ("horizontalize", "rank_fallback", "compute_dtype") if k in cfg}
+        own = {k: cfg[k] for k in ("horizontalize", "rank_fallback", "compute_dtype", "noise_damping", "pinv_rcond")
+               if k in cfg}
         return cls(lr=float(cfg["lr"]), adaptive=AdaptiveConfig.from_mapping(cfg), **own)
 
 
@@ -162,7 +166,7 @@ class PrismMethod(Method):
                     "grads [k, *shape] (prism.privacy.per_example), non-DP their micro-batch sum [*shape]"
                 )
             fr = self._frames[pair.module]
-            lifts[pair.module] = geometry.lift(fr.A, fr.B, gA, gB, frame=fr)
+            lifts[pair.module] = geometry.lift(fr.A, fr.B, gA, gB, frame=fr, rcond=self.config.pinv_rcond)
         if not self.dp:
             for module, (dA, dB) in lifts.items():
                 self._sums[module][0].add_(dA)
@@ -183,7 +187,7 @@ class PrismMethod(Method):
     ) -> tuple[dict[str, tuple[Tensor, Tensor]], float]:
         """Eq. 17: per module ``(Δ̄A, Δ̄B) + τ(Ξ_A, Ξ_B)``, ``τ = σC/denominator``; and ``‖N_Z‖_F`` (eq. 21).
 
-        The unit sampler of eq. 19 is scaled by exactly ``τ`` (never damped). Under DP (and with
+        The unit sampler of eq. 19 is scaled by exactly ``τ`` (damped only with ``noise_damping``). Under DP (and with
         ``horizontalize: both``) the result is horizontalised, so its factor components are a
         function of the noised tangent vector and the public ``(A, B)`` only. Non-DP: ``τ = 0``.
         """
@@ -196,7 +200,8 @@ class PrismMethod(Method):
         for module, fr in self._frames.items():
             dA, dB = (s / denominator for s in self._sums[module])
             if tau > 0:
-                XiA, XiB = geometry.tangent_noise(fr.A, fr.B, generator=generator, frame=fr)
+                XiA, XiB = geometry.tangent_noise(fr.A, fr.B, generator=generator, frame=fr,
+                                                  damping=self.config.noise_damping)
                 XiA, XiB = tau * XiA, tau * XiB
                 noise_sq += geometry.intrinsic_sqnorm(fr.A, fr.B, XiA, XiB, frame=fr).item()
                 dA, dB = dA + XiA, dB + XiB

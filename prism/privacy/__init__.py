@@ -1,5 +1,12 @@
 """DP plumbing (SPEC §3): PRV accounting, Poisson sampling, per-example losses and gradients."""
-from prism.privacy.accounting import Accountant, calibrate_sigma, calibration_steps, epsilon_spent
+from prism.privacy.accounting import (
+    Accountant,
+    calibrate_for_run,
+    calibrate_sigma,
+    calibration_rate,
+    calibration_steps,
+    epsilon_spent,
+)
 from prism.privacy.per_example import PerExampleGradients, per_example_loss, summed_gradients
 from prism.privacy.sampling import PoissonSampler
 
@@ -7,7 +14,9 @@ __all__ = [
     "Accountant",
     "PerExampleGradients",
     "PoissonSampler",
+    "calibrate_for_run",
     "calibrate_sigma",
+    "calibration_rate",
     "calibration_steps",
     "epsilon_spent",
     "per_example_loss",

@@ -1,4 +1,4 @@
-"""Privacy accounting for Poisson-subsampled Gaussian DP-SGD (SPEC §3; paper App. B.1).
+"""Privacy accounting for Poisson-subsampled Gaussian DP-SGD (docs/DECISIONS.md D1, D21; paper App. B.1).
 
 The paper calibrates the noise multiplier σ with Opacus' PRV accountant (Gopi et al. 2021) for
 Poisson sampling at rate ``q = B/N`` over ``T`` steps at ``δ = 1e-5`` (Thm 3.4 assumes exactly this
@@ -7,8 +7,10 @@ mechanism). Everything here is a thin, validated layer over Opacus' accountants:
 * :func:`calibrate_sigma` — smallest σ (to ``eps_error``) whose ε after ``T`` steps is ≤ the target;
 * :func:`epsilon_spent` — ε of ``T`` steps at a given σ;
 * :class:`Accountant` — the running ε of a training run, resumable from its history;
-* :func:`calibration_steps` — the step count σ is calibrated for: exact ``T`` (ours) or the
-  released code's epoch-rounded ``⌈T/L⌉·L`` with ``L = ⌈1/q⌉`` batches per epoch.
+* :func:`calibration_steps` / :func:`calibration_rate` — the step count and sampling rate σ is
+  calibrated for: exact ``T`` at ``q = B/N`` (``corrected``) or the released code's epoch-rounded
+  ``⌈T/L⌉·L`` steps at ``q = 1/L``, ``L = ⌈1/q⌉`` batches per epoch; :func:`calibrate_for_run`
+  combines them.
 """
 from __future__ import annotations
 
@@ -127,22 +129,43 @@ def epsilon_spent(
 
 
 def calibration_steps(steps: int, sample_rate: float, mode: str) -> int:
-    """The step count σ is calibrated for (reference doc §3.3, §10).
+    """The step count σ is calibrated for (docs/DECISIONS.md D1).
 
-    ``"exact"``: ``steps`` (SPEC §3). ``"epochs"``: the released code's
-    ``⌈steps / L⌉ · L`` with ``L = ⌈1/q⌉`` Poisson batches per epoch (Opacus' ``DPDataLoader``
-    length), e.g. 310 for 300 Math-10K steps and 628 for 500 GLUE8 steps — a σ slightly larger
-    than needed, so the realised ε falls below the target. (The released code also calibrated at
-    ``q = 1/L`` instead of ``B/N``; that < 0.5 % difference is not reproduced.)
+    ``"exact"``: ``steps``. ``"epochs"``: the released code's ``⌈steps / L⌉ · L`` with
+    ``L = ⌈1/q⌉`` Poisson batches per epoch (Opacus' ``DPDataLoader`` length), e.g. 310 for 300
+    Math-10K steps and 628 for 500 GLUE8 steps — a σ slightly larger than needed, so the realised ε
+    falls below the target.
     """
     _check_steps(steps)
     _check_sample_rate(sample_rate)
     if mode == "exact":
         return steps
     if mode == "epochs":
-        batches_per_epoch = math.ceil(round(1.0 / sample_rate, 9))
+        batches_per_epoch = _batches_per_epoch(sample_rate)
         return math.ceil(steps / batches_per_epoch) * batches_per_epoch
     raise ValueError(f"unknown calibration mode {mode!r}; set privacy.calibration to one of {CALIBRATION_MODES}")
+
+
+def calibration_rate(sample_rate: float, mode: str) -> float:
+    """The sampling rate σ is calibrated at: ``q = B/N`` (``"exact"``) or the released code's loader
+    rate ``1/L``, ``L = ⌈1/q⌉`` (``"epochs"``; Opacus' ``DPDataLoader`` samples at ``1/len(loader)``)."""
+    _check_sample_rate(sample_rate)
+    if mode == "exact":
+        return sample_rate
+    if mode == "epochs":
+        return 1.0 / _batches_per_epoch(sample_rate)
+    raise ValueError(f"unknown calibration mode {mode!r}; set privacy.calibration to one of {CALIBRATION_MODES}")
+
+
+def calibrate_for_run(epsilon: float, delta: float, sample_rate: float, steps: int, mode: str) -> float:
+    """σ of a run of ``steps`` Poisson steps at rate ``sample_rate`` under calibration ``mode``:
+    :func:`calibrate_sigma` at :func:`calibration_rate` for :func:`calibration_steps`."""
+    return calibrate_sigma(epsilon, delta, calibration_rate(sample_rate, mode), calibration_steps(steps, sample_rate, mode))
+
+
+def _batches_per_epoch(sample_rate: float) -> int:
+    """``L = ⌈1/q⌉`` (rounded first, so ``q = 64/9600`` gives 150, not 151)."""
+    return math.ceil(round(1.0 / sample_rate, 9))
 
 
 @functools.lru_cache(maxsize=64)
@@ -182,7 +205,7 @@ class _RunningPRVAccountant(PRVAccountant):
 
 
 class Accountant:
-    """Running privacy loss of one training run (Opacus PRV accountant, SPEC §3).
+    """Running privacy loss of one training run (Opacus PRV accountant, docs/DECISIONS.md D21).
 
     Call :meth:`step` once per logical step — also for an empty Poisson batch, which was still
     sampled. :meth:`epsilon` is the PRV upper bound for the history so far, equal to Opacus'

@@ -14,12 +14,20 @@ The training forward applies the LM head only where a label is read (:func:`supe
 HF's ``logits_to_keep``): ``ℓ_i`` is unchanged and most of the vocabulary projection is skipped when
 ``train_on_inputs`` is false. Both entry points take either a token micro-batch or a ``loss_fn``
 (:data:`LossFn`), e.g. a forward from cached frozen-prefix states (:mod:`prism.prefix`).
+
+``PerExampleGradients(scale="released")`` reproduces the released trainer's per-sample gradient
+instead (docs/DECISIONS.md D3): it backpropagated the micro-batch token mean ``Σ_i (T_i/T_micro) ℓ_i``
+(times ``k`` in its PRISM loop) through Opacus' ``loss_reduction="mean"``, which multiplies by ``k``
+again, so example ``i`` contributes ``k^p · T_i/T_micro · ∇ℓ_i`` (:func:`released_weights`; ``p = 2``
+PRISM, ``p = 1`` the DP baselines). The weight depends on the other records' token counts, so the
+clipped sum no longer has sensitivity ``C``: such runs are not a valid DP guarantee as stated.
 """
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +35,7 @@ from opacus import GradSampleModule
 from torch import Tensor, nn
 
 IGNORE_INDEX = -100
+SCALES = ("record", "released")
 
 LossFn = Callable[[nn.Module], Tensor]
 """Given the (possibly Opacus-wrapped) model, run a training-mode forward of one micro-batch and
@@ -103,19 +112,43 @@ def _quiet_input_hook_warning() -> Iterator[None]:
         yield
 
 
-def supervised_losses(model: nn.Module, labels: Tensor, attention_mask: Tensor, **inputs: Tensor) -> Tensor:
+Positions = tuple[Tensor, Tensor]
+"""``(positions, targets)`` of :func:`supervised_positions`."""
+
+
+def supervised_losses(model: nn.Module, labels: Tensor, attention_mask: Tensor,
+                      positions: Positions | None = None, **inputs: Tensor) -> Tensor:
     """Training-mode forward (dropout as configured) of ``inputs`` (``input_ids`` or ``inputs_embeds``,
     optionally ``position_ids``) with the LM head applied only at :func:`supervised_positions`;
-    returns the per-example losses ``ℓ_i`` ``[k]`` (equal to :func:`per_example_loss` of the full logits)."""
-    positions, targets = supervised_positions(labels, attention_mask)
+    returns the per-example losses ``ℓ_i`` ``[k]`` (equal to :func:`per_example_loss` of the full logits).
+
+    ``positions``: :func:`supervised_positions` of ``labels`` already computed, on the host before the
+    copy to the device (its width is a host value, so computing it on a GPU costs a device sync)."""
+    positions, targets = positions if positions is not None else supervised_positions(labels, attention_mask)
     model.train()
     logits = model(attention_mask=attention_mask, logits_to_keep=positions, use_cache=False, **inputs).logits
     return mean_token_loss(logits, targets)
 
 
-def token_loss_fn(input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> LossFn:
-    """The :data:`LossFn` of a token micro-batch (as produced by ``prism.data.prompts.collate``)."""
-    return lambda model: supervised_losses(model, labels, attention_mask, input_ids=input_ids)
+@dataclass(frozen=True)
+class TokenBatch:
+    """The :data:`LossFn` of a token micro-batch; its ``labels`` and ``attention_mask`` stay readable
+    (the released per-example weights need the token counts)."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    labels: Tensor
+    positions: Positions | None = None
+
+    def __call__(self, model: nn.Module) -> Tensor:
+        return supervised_losses(model, self.labels, self.attention_mask, self.positions, input_ids=self.input_ids)
+
+
+def token_loss_fn(input_ids: Tensor, attention_mask: Tensor, labels: Tensor,
+                  positions: Positions | None = None) -> LossFn:
+    """The :data:`LossFn` of a token micro-batch (as produced by ``prism.data.prompts.collate``),
+    optionally with its precomputed :func:`supervised_positions`."""
+    return TokenBatch(input_ids, attention_mask, labels, positions)
 
 
 def _loss_fn(input_ids: Tensor | None, attention_mask: Tensor | None, labels: Tensor | None,
@@ -130,6 +163,39 @@ def _loss_fn(input_ids: Tensor | None, attention_mask: Tensor | None, labels: Te
     return token_loss_fn(input_ids, attention_mask, labels)
 
 
+def supervised_counts(labels: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """``T_i``: the number of targets ``ℓ_i`` averages over (as :func:`supervised_positions` selects)."""
+    if labels.shape[1] < 2:
+        return labels.new_zeros(labels.shape[0])
+    supervised = labels[:, 1:] != IGNORE_INDEX
+    if attention_mask is not None:
+        supervised &= attention_mask[:, :-1] != 0
+    return supervised.sum(dim=1)
+
+
+def released_weights(counts: Tensor, power: int) -> Tensor:
+    """``w_i = k^power · T_i / Σ_j T_j`` for a micro-batch of ``k`` records with ``T_i`` supervised tokens.
+
+    The released trainer's per-sample gradient is ``w_i ∇ℓ_i`` (module docstring): HF's micro-batch
+    token mean weighs record ``i`` by ``T_i/T_micro``, Opacus' mean reduction multiplies by ``k``, and
+    the released PRISM loop's ``loss × k`` by ``k`` once more (``power = 2``; baselines ``power = 1``).
+    A micro-batch without supervised tokens gets zero weights.
+    """
+    counts = counts.to(torch.float64)
+    return float(counts.numel()) ** power * counts / counts.sum().clamp(min=1.0)  # no device sync
+
+
+def _counts(input_ids: Tensor | None, attention_mask: Tensor | None, labels: Tensor | None,
+            loss_fn: LossFn | None) -> Tensor:
+    """``T_i`` of a token micro-batch, or of a ``loss_fn`` that carries ``labels``/``attention_mask``
+    (:class:`TokenBatch`, :class:`prism.prefix.PrefixBatch`)."""
+    if loss_fn is not None:
+        labels, attention_mask = getattr(loss_fn, "labels", None), getattr(loss_fn, "attention_mask", None)
+        if labels is None:
+            raise ValueError("scale='released' needs the micro-batch's labels; this loss_fn does not expose them")
+    return supervised_counts(labels, attention_mask)
+
+
 class PerExampleGradients:
     """Per-example gradients ``∇ℓ_i`` of every trainable parameter via Opacus hooks.
 
@@ -138,7 +204,12 @@ class PerExampleGradients:
     model in train mode; switch dropout off through the config, never with ``eval()``.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, scale: str = "record", released_power: int = 2) -> None:
+        """``scale``: ``record`` (``∇ℓ_i``) or ``released`` (``w_i ∇ℓ_i``, :func:`released_weights`
+        with ``released_power``: 2 for PRISM's released loop, 1 for the released DP baselines)."""
+        if scale not in SCALES:
+            raise ValueError(f"privacy.per_example_scale={scale!r}; choose one of {SCALES}")
+        self.scale, self.released_power = scale, released_power
         self.model = model
         self.params = _trainable(model)
         self.module = GradSampleModule(model, batch_first=True, loss_reduction="sum", strict=True)
@@ -166,8 +237,12 @@ class PerExampleGradients:
         try:
             losses = forward(self.module)
             k = losses.shape[0]
+            objective = losses.sum()
+            if self.scale == "released":
+                counts = _counts(input_ids, attention_mask, labels, loss_fn).to(losses.device)
+                objective = (released_weights(counts, self.released_power).to(losses.dtype) * losses).sum()
             with _quiet_input_hook_warning():
-                losses.sum().backward()
+                objective.backward()
             grads = {name: self._take(name, p, k) for name, p in params.items()}
         finally:
             self.module.disable_hooks()
@@ -198,6 +273,36 @@ class PerExampleGradients:
                 module.activations = []
             if hasattr(module, "max_batch_len"):
                 del module.max_batch_len
+
+
+def enable_activation_checkpointing(model: nn.Module) -> int:
+    """Recompute every decoder layer's activations in the backward pass instead of storing them
+    (``train.activation_checkpointing``); returns the number of checkpointed layers.
+
+    Uses transformers' reentrant checkpointing (``use_reentrant=True``), which is what keeps Opacus'
+    hooks exact: the first forward of a checkpointed layer runs under ``no_grad``, where Opacus records
+    no activations; the recomputation inside the backward runs with gradients on and records them once,
+    right before the per-sample backward hooks read them (a non-reentrant checkpoint would record each
+    input twice). The RNG state is replayed, so dropout draws the same masks in the recomputation. A
+    reentrant layer only back-propagates when its input requires grad, which frozen embeddings or cached
+    prefix states do not: a pre-hook marks such an input as a grad-requiring leaf (no history is cut).
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    base = model
+    while hasattr(base, "_module") or hasattr(base, "get_base_model"):  # Opacus, then peft
+        base = base._module if hasattr(base, "_module") else base.get_base_model()
+    base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    layers = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    for layer in layers:
+        layer.register_forward_pre_hook(_input_requires_grad)
+    return len(layers)
+
+
+def _input_requires_grad(module: nn.Module, args: tuple) -> tuple | None:
+    if args and isinstance(args[0], Tensor) and torch.is_grad_enabled() and not args[0].requires_grad:
+        return (args[0].detach().requires_grad_(), *args[1:])
+    return None
 
 
 def summed_gradients(

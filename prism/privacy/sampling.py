@@ -56,3 +56,21 @@ class PoissonSampler:
                 f"{(self.num_examples, self.batch_size)}; resume with the same data and train.batch_size"
             )
         self.generator.set_state(state["generator"])
+
+
+DENOMINATORS = ("expected", "realised")
+
+
+def noise_denominator(mode: str, realised: int, expected: int) -> int:
+    """What a DP step divides the noisy clipped sum by (``privacy.denominator``; docs/DECISIONS.md D2).
+
+    ``expected``: the expected batch size ``B``, so the noise has the accountant's scale ``σC/B``
+    (Thm 3.4). ``realised``: the sampled batch size, as the released code did; the noise scale
+    ``σC/|batch|`` then reveals ``|batch|``. An empty batch has no realised size to divide by, so it
+    falls back to ``B`` (its noise-only step is the ``expected`` one).
+    """
+    if mode == "expected":
+        return expected
+    if mode == "realised":
+        return realised if realised > 0 else expected
+    raise ValueError(f"privacy.denominator={mode!r}; choose one of {DENOMINATORS}")

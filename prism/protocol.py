@@ -1,0 +1,70 @@
+"""Which reproduction protocol a run followed, item by item (``conf/protocol/*.yaml``).
+
+``corrected`` (default) is standard DP-SGD; ``released`` reproduces what the paper's released code
+ran. Each item is an ordinary config key (``ITEMS``) that can be overridden on its own, so a run's
+protocol is the set of values it actually used; :func:`protocol_record` writes them, with the DP
+status they imply, into ``final.json``. docs/DECISIONS.md lists every item with its row id.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+# item → its config key (docs/DECISIONS.md D1–D12)
+ITEMS: dict[str, str] = {
+    "calibration": "privacy.calibration",
+    "denominator": "privacy.denominator",
+    "per_example_scale": "privacy.per_example_scale",
+    "noise_damping": "method.noise_damping",
+    "pinv_rcond": "method.pinv_rcond",
+    "init_svd": "method.init_svd",
+    "nondp_trainer": "train.nondp_trainer",
+    "padding_side": "train.padding_side",
+    "prompt_encoding": "suite.decoding.prompt_encoding",
+    "eval_batch_size": "train.eval_batch_size",
+    "renormalize_logits": "suite.decoding.renormalize_logits",
+    "remove_invalid_values": "suite.decoding.remove_invalid_values",
+    "choice_regex": "suite.decoding.choice_regex",
+}
+NOT_DP_AS_STATED = "not a valid DP guarantee as stated"
+
+
+def item_values(cfg: DictConfig) -> dict[str, Any]:
+    """The value of every protocol item in ``cfg`` (``None`` where a config lacks the key)."""
+    return {item: OmegaConf.select(cfg, key, default=None) for item, key in ITEMS.items()}
+
+
+def dp_caveats(cfg: DictConfig) -> list[str]:
+    """Why the accounted (ε, δ) does not hold for this run's mechanism as run (empty: it holds)."""
+    if not math.isfinite(float(cfg.privacy.epsilon)):
+        return []
+    caveats = []
+    if OmegaConf.select(cfg, "privacy.per_example_scale", default="record") == "released":
+        caveats.append("per_example_scale=released: a record's gradient is weighted by k^p·T_i/T_micro, which "
+                       "depends on the other records of its micro-batch, so the clipped sum's sensitivity is not C")
+    if OmegaConf.select(cfg, "privacy.denominator", default="expected") == "realised":
+        caveats.append("denominator=realised: the noise scale σC/|batch| reveals the realised batch size")
+    damping = OmegaConf.select(cfg, "method.noise_damping", default=None)
+    if str(cfg.method.name).startswith("prism") and damping:
+        caveats.append(f"noise_damping={damping}: the tangent noise covariance is (N + {damping}·I)^-1, "
+                       "below the N^-1 the accountant assumes")
+    return caveats
+
+
+def dp_guarantee(cfg: DictConfig) -> str:
+    """``non-private``, ``(ε, δ)-DP as accounted`` or :data:`NOT_DP_AS_STATED` (see :func:`dp_caveats`)."""
+    if not math.isfinite(float(cfg.privacy.epsilon)):
+        return "non-private"
+    return NOT_DP_AS_STATED if dp_caveats(cfg) else "(ε, δ)-DP as accounted"
+
+
+def protocol_record(cfg: DictConfig) -> dict[str, Any]:
+    """The ``protocol`` block of ``final.json``: preset name, every item's value, DP status and caveats."""
+    return {
+        "name": OmegaConf.select(cfg, "protocol.name", default=None),
+        "items": item_values(cfg),
+        "dp_guarantee": dp_guarantee(cfg),
+        "dp_caveats": dp_caveats(cfg),
+    }
