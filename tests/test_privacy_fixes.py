@@ -221,10 +221,11 @@ def test_log_private_stats_false_drops_unnoised_statistics(
 ) -> None:
     """Every record handed to the metrics/W&B writer, and final.json, lack the private statistics."""
     monkeypatch.setattr(T, "build", lambda cfg: _fake_setup(_tiny_params(6)))
-    monkeypatch.setattr(T, "_micro_batch", lambda s, indices: indices)
+    monkeypatch.setattr(T, "_micro_batch", lambda s, indices, *_: indices)
     cfg = OmegaConf.create({
         "train": {"batch_size": 4, "micro_batch_size": 2, "steps": 4, "benchmark": {"warmup": 0, "measure": 4}},
-        "privacy": {"delta": 1e-5, "log_private_stats": log_private_stats},
+        "privacy": {"epsilon": 6.0, "delta": 1e-5, "log_private_stats": log_private_stats},
+        "method": {"name": "prism"},
     })
     records: list[dict] = []
     final = T.train_and_evaluate(cfg, tmp_path, records.append)
