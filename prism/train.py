@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from prism.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
-from prism.data import build_suite
+from prism.data import Suite, build_suite
 from prism.data.prompts import collate, tokenize_example
 from prism.evaluate import evaluate_suite
 from prism.methods import PrivacySpec, build_method
@@ -85,12 +85,13 @@ def total_steps(cfg: DictConfig) -> int:
     return int(benchmark.warmup + benchmark.measure) if benchmark else int(cfg.train.steps)
 
 
-def build(cfg: DictConfig) -> Setup:
-    """Model, data, privacy calibration and method for one resolved config."""
+def build(cfg: DictConfig, suite: Suite | None = None) -> Setup:
+    """Model, data, privacy calibration and method for one resolved config (``suite``: a prebuilt
+    suite instead of ``cfg.suite``, e.g. the synthetic one of ``make gpu-check``)."""
     seed_everything(cfg.seed)
     device = resolve_device(cfg.train.device)
     model, tokenizer = load_backbone(cfg.backbone, device)
-    suite = build_suite(cfg.suite, cfg.seed)
+    suite = suite if suite is not None else build_suite(cfg.suite, cfg.seed)
     n_train = len(suite.train)
     if cfg.train.batch_size > n_train:
         raise ValueError(

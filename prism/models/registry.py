@@ -50,6 +50,8 @@ BACKBONES: dict[str, BackboneSpec] = {
         BackboneSpec("gemma-3-12b-pt", "hub", "google/gemma-3-12b-pt", "paper backbone (Table 3)"),
         BackboneSpec("gemma-3-4b-pt-random", "random", "gemma-3-4b-pt.json",
                      "random-init gemma-3-4b-pt architecture, multimodal class (make gpu-check; no download)"),
+        BackboneSpec("gemma-3-4b-pt-2layers-random", "random", "gemma-3-4b-pt-2layers.json",
+                     "gemma-3-4b-pt widths, 2 layers, 4k vocabulary, random init (paper-width CPU simulation)"),
         BackboneSpec("tiny-gemma3-mm", "random", "tiny-gemma3-mm.json",
                      "random 2-layer multimodal Gemma-3 (tests, gpu-check on CPU)"),
     )
