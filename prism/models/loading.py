@@ -65,7 +65,8 @@ def load_backbone(cfg_backbone: Any, device: str | torch.device) -> tuple[PreTra
     """Build the frozen base model and its tokenizer for ``cfg_backbone`` (fields ``name``, ``dtype``).
 
     The model is on ``device`` in ``dtype``, eager attention, ``use_cache=False``, all parameters
-    frozen; the tokenizer has a pad token (its own, else EOS).
+    frozen, a multimodal checkpoint's vision side dropped (:func:`drop_non_language_modules`); the
+    tokenizer has a pad token (its own, else EOS).
     """
     spec = backbone_spec(_field(cfg_backbone, "name"))
     dtype = _dtype(_field(cfg_backbone, "dtype", "float32"))
