@@ -20,9 +20,11 @@ def test_tiny_profile_runs_every_check_and_prints_table5() -> None:
     rows = {line.split()[0]: line.split() for line in table[2:6]}
     assert set(rows) == {"DP-AdamW", "DP-LoRA+", "PRISM", "non-private"}
     assert rows["DP-AdamW"][2] == "1.000" and rows["DP-AdamW"][4] == "1.000"  # ratios are to DP-AdamW
+    base = float(rows["DP-AdamW"][1])
     for label, row in rows.items():
         step, ratio = float(row[1]), float(row[2])
-        assert ratio == pytest.approx(step / float(rows["DP-AdamW"][1]), abs=2e-3), label
+        rounding = 5e-4 * (1 + ratio) / base + 5e-4  # the printed values carry 3 decimals
+        assert ratio == pytest.approx(step / base, abs=rounding), label
         assert int(row[5]) > 0 and int(row[6]) > 0, label  # syncs and ops were counted
     assert re.search(r"save/kill/resume after 1 of 2 steps: bitwise identical", text)
     assert "generate: " in text
