@@ -46,8 +46,8 @@ bench: setup  ## side-by-side benchmarks (sampler, step time/memory)
 	$(PY) benchmarks/bench_sampler.py
 	$(PY) benchmarks/bench_step.py --quick
 
-gpu-check: setup  ## a few DP steps of every method on the GPU (when one exists)
-	$(PY) -m pipelines.gpu_check
+gpu-check: setup  ## Table 5 + generate + resume on a random-init gemma-3-4b-pt (GPU, no network; ARGS="--profile tiny" on CPU)
+	$(PY) -m pipelines.gpu_check $(ARGS)
 
 data: setup  ## materialise and hash paper-scale data and models into the local cache (needs network)
 	$(PY) -m pipelines.fetch_data $(ARGS)

@@ -58,13 +58,15 @@ class BackboneSpec:
     """One entry of :data:`BACKBONES`.
 
     ``kind``: ``embedded`` (GGUF in a PyPI package, ``source`` = distribution name),
-    ``tiny`` (random config, ``source`` = architecture), ``hub`` (``source`` = hub id).
+    ``tiny`` (random config, ``source`` = architecture), ``hub`` (``source`` = hub id),
+    ``random`` (random init of the architecture in ``conf/gpu_check/<source>``, byte tokenizer: timing
+    and memory without a download).
     ``shape``: the language model's widths when known without a download (hub: ``None``).
     ``byte_tokens``: the tokenizer maps one UTF-8 byte to one token (the tiny backbones).
     """
 
     name: str
-    kind: Literal["embedded", "tiny", "hub"]
+    kind: Literal["embedded", "tiny", "hub", "random"]
     source: str
     description: str
     install_hint: str = ""
@@ -90,6 +92,14 @@ BACKBONES: dict[str, BackboneSpec] = {
         BackboneSpec("gemma-3-4b-pt", "hub", "google/gemma-3-4b-pt", "paper backbone (Tables 2, 4, 5)"),
         BackboneSpec("gemma-2-9b", "hub", "google/gemma-2-9b", "paper backbone (Table 3)"),
         BackboneSpec("gemma-3-12b-pt", "hub", "google/gemma-3-12b-pt", "paper backbone (Table 3)"),
+        BackboneSpec("gemma-3-4b-pt-random", "random", "gemma-3-4b-pt.json",
+                     "random-init gemma-3-4b-pt architecture, multimodal class (make gpu-check; no download)",
+                     byte_tokens=True),
+        BackboneSpec("gemma-3-4b-pt-2layers-random", "random", "gemma-3-4b-pt-2layers.json",
+                     "gemma-3-4b-pt widths, 2 layers, 4k vocabulary, random init (paper-width CPU simulation)",
+                     byte_tokens=True),
+        BackboneSpec("tiny-gemma3-mm", "random", "tiny-gemma3-mm.json",
+                     "random 2-layer multimodal Gemma-3 (tests, gpu-check on CPU)", byte_tokens=True),
     )
 }
 
@@ -101,11 +111,18 @@ def backbone_spec(name: str) -> BackboneSpec:
     return BACKBONES[name]
 
 
+RANDOM_CONFIGS = Path(__file__).resolve().parents[1] / "conf" / "gpu_check"
+"""Architecture files of the ``random`` backbones (Hugging Face ``config.json`` format)."""
+
+
 def text_shape(spec: BackboneSpec) -> TextShape | None:
-    """The widths of ``spec``'s language model: from the registry, else from ``config.json`` in the
-    local Hugging Face cache (no download); ``None`` when neither knows them."""
+    """The widths of ``spec``'s language model: from the registry, the architecture file of a
+    ``random`` backbone, else ``config.json`` in the local Hugging Face cache (no download); ``None``
+    when none knows them."""
     if spec.shape is not None:
         return spec.shape
+    if spec.kind == "random":
+        return TextShape.from_config(json.loads((RANDOM_CONFIGS / spec.source).read_text()))
     from huggingface_hub import try_to_load_from_cache
 
     found = try_to_load_from_cache(spec.source, "config.json")

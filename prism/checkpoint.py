@@ -1,4 +1,4 @@
-"""Atomic checkpoints of everything a run needs to resume bit-identically (SPEC §6).
+"""Atomic checkpoints of everything a run needs to resume bit-identically.
 
 A checkpoint holds the trainable LoRA tensors, the method's state (optimizer moments, counters),
 the accountant history, the step counter and every RNG state (Poisson sampler, noise, torch's

@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from prism.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
-from prism.data import build_suite
+from prism.data import Suite, build_suite
 from prism.data.prompts import collate, tokenize_example, tokenize_train_set
 from prism.evaluate import evaluate_suite
 from prism.hf_baseline import HFRecipe, HFTrainerBaseline, holdout_loss, holdout_split
@@ -119,12 +119,13 @@ def total_steps(cfg: DictConfig) -> int:
     return int(benchmark.warmup + benchmark.measure) if benchmark else int(cfg.train.steps)
 
 
-def build(cfg: DictConfig) -> Setup:
-    """Model, data, privacy calibration and method for one resolved config."""
+def build(cfg: DictConfig, suite: Suite | None = None) -> Setup:
+    """Model, data, privacy calibration and method for one resolved config (``suite``: a prebuilt
+    suite instead of ``cfg.suite``, e.g. the synthetic one of ``make gpu-check``)."""
     seed_everything(cfg.seed)
     device = resolve_device(cfg.train.device)
     narrate("building suite %s (%s scale)", cfg.suite.name, cfg.suite.scale)
-    suite = build_suite(cfg.suite, cfg.seed)  # before the model: a data error costs no model load
+    suite = suite if suite is not None else build_suite(cfg.suite, cfg.seed)  # before the model: a data error costs no model load
     recipe = HFRecipe.from_config(cfg, len(suite.train))  # train.nondp_trainer=hf: docs/DECISIONS.md D7
     if recipe is not None:
         suite.train, holdout = holdout_split(suite.train, recipe.holdout, cfg.seed)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import resource
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,12 +22,10 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from prism.backbones import RANDOM_CONFIGS
 from prism.models.gguf import embedded_checkpoint
 from prism.models.registry import NON_LANGUAGE_MODULES, BackboneSpec, _dtype, _field, backbone_spec
 from prism.models.tiny import _tiny_model, byte_tokenizer
-
-RANDOM_CONFIGS = Path(__file__).resolve().parents[2] / "conf" / "gpu_check"
-"""Architecture files of the ``random`` backbones (Hugging Face ``config.json`` format)."""
 
 _RANDOM_SEED = 1234
 
@@ -65,7 +62,8 @@ def load_backbone(cfg_backbone: Any, device: str | torch.device) -> tuple[PreTra
     """Build the frozen base model and its tokenizer for ``cfg_backbone`` (fields ``name``, ``dtype``).
 
     The model is on ``device`` in ``dtype``, eager attention, ``use_cache=False``, all parameters
-    frozen; the tokenizer has a pad token (its own, else EOS).
+    frozen, a multimodal checkpoint's vision side dropped (:func:`drop_non_language_modules`); the
+    tokenizer has a pad token (its own, else EOS).
     """
     spec = backbone_spec(_field(cfg_backbone, "name"))
     dtype = _dtype(_field(cfg_backbone, "dtype", "float32"))

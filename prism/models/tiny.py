@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from prism.backbones import TINY_SHAPE
+
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """An in-process byte-level tokenizer (no download): ids 0–2 are ``<pad>``, ``<eos>``, ``<bos>``,
@@ -22,9 +24,6 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 
 _TINY_SEED = 1234
-_TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, initializer_range=0.1,
-                   pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True)
 
 
 def _tiny_model(arch: str, vocab_size: int) -> PreTrainedModel:
@@ -34,6 +33,6 @@ def _tiny_model(arch: str, vocab_size: int) -> PreTrainedModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_TINY_SEED)
         if arch == "llama":
-            return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **_TINY_SHAPE))
-        config = Gemma3TextConfig(vocab_size=vocab_size, sliding_window=64, **_TINY_SHAPE)
+            return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **TINY_SHAPE))
+        config = Gemma3TextConfig(vocab_size=vocab_size, sliding_window=64, **TINY_SHAPE)
         return Gemma3ForCausalLM(config)
