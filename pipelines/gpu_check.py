@@ -243,12 +243,12 @@ def format_table(rows: Sequence[Row], device: torch.device) -> str:
 @contextmanager
 def _sigma_calibrated_once() -> Iterator[None]:
     """Every DP job here has the same (ε, δ, q, T), hence the same σ: calibrate it once (seconds each)."""
-    calibrate = T.calibrate_sigma
-    T.calibrate_sigma = functools.cache(calibrate)
+    calibrate = T.calibrate_for_run
+    T.calibrate_for_run = functools.cache(calibrate)
     try:
         yield
     finally:
-        T.calibrate_sigma = calibrate
+        T.calibrate_for_run = calibrate
 
 
 def run_check(profile: Profile, device: torch.device, methods: Sequence[str] | None = None,

@@ -66,7 +66,7 @@ def test_cpu_checkpoint_resumes_without_touching_cuda(monkeypatch: pytest.Monkey
 
 def test_loop_state_round_trips_the_cuda_generators(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The loop's checkpoint (``_state``/``_restore``) carries the CUDA states through a file."""
-    cfg = resolve(compose_config(["backbone=tiny-llama", "suite=glue8", "suite.embedded.train_per_task=16",
+    cfg = resolve(compose_config(["backbone=tiny-llama", "suite=glue8", "suite.embedded.train_per_task=16", "suite.cutoff_len=1024",
                                   "train.batch_size=8", "train.micro_batch_size=4", "train.device=cpu",
                                   "method=adamw", "privacy=eps6", "logging=disabled"]))
     setup = T.build(cfg)
