@@ -26,6 +26,10 @@ mode's extra ``max`` with the scalar floor. ``debias`` subtracts the known noise
 ``V̂`` and clamps the result PSD (App. A.26). Non-DP (``τ = 0``): ``λ = 0``, only ``eps`` and the
 condition clamp act.
 
+Every function also takes a leading module dim: a group of ``G`` modules of one shape keeps moments
+``m`` [G, rows, r], ``V`` [G, r, r] and is transformed in one batched ``eigh``
+(``RankSpaceAdaptive(..., batch=(G,))``); module ``i`` of the group equals the unbatched transform.
+
 The transform is equivariant under orthogonal gauges (Lemma A.30): feeding ``ΔR`` and ``RᵀΣR``
 gives ``UR``. Everything is computed in the dtype of the inputs.
 """
@@ -87,28 +91,31 @@ def noise_second_moments(fr: Frame) -> tuple[Tensor, Tensor]:
 
     ``N⁻¹ = R_B⁻¹R_B⁻ᵀ`` and ``M⁻¹ = R_A⁻¹R_A⁻ᵀ`` from the frame's thin QRs (no Gram inversion).
     """
-    (m, r), eye = fr.A.shape, torch.eye(fr.A.shape[1], dtype=fr.A.dtype, device=fr.A.device)
+    (m, r), eye = fr.A.shape[-2:], torch.eye(fr.A.shape[-1], dtype=fr.A.dtype, device=fr.A.device)
     RB_inv = torch.linalg.solve_triangular(fr.RB, eye, upper=True)
     RA_inv = torch.linalg.solve_triangular(fr.RA, eye, upper=True)
     return ((m - r) / m) * (RB_inv @ RB_inv.mT), RA_inv @ RA_inv.mT
 
 
-def noise_floor(cfg: AdaptiveConfig, tau: float, sigma_noise: Tensor) -> float:
-    """Eq. 26 DP floor ``λ``: ``floor_factor·τ²`` (scalar) or ``floor_factor·τ²·tr(Σ)/r`` (geometry)."""
+def noise_floor(cfg: AdaptiveConfig, tau: float, sigma_noise: Tensor) -> float | Tensor:
+    """Eq. 26 DP floor ``λ``: ``floor_factor·τ²`` (scalar) or ``floor_factor·τ²·tr(Σ)/r`` (geometry).
+
+    The geometry floor stays on the device, shaped ``[..., 1]`` to broadcast over eigenvalues.
+    """
     base = cfg.floor_factor * tau**2
     if cfg.floor_mode == "scalar":
         return base
-    return base * sigma_noise.diagonal().sum().item() / sigma_noise.shape[-1]
+    return base * sigma_noise.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True) / sigma_noise.shape[-1]
 
 
-def preconditioner(cfg: AdaptiveConfig, V_hat: Tensor, floor: float) -> Tensor:
+def preconditioner(cfg: AdaptiveConfig, V_hat: Tensor, floor: float | Tensor) -> Tensor:
     """``P(V̂) = E diag(p(w)) Eᵀ`` (eq. 25; ``floor`` or ``ridge`` form, see module docstring)."""
     w, E = torch.linalg.eigh(0.5 * (V_hat + V_hat.mT))
     w = w.clamp_min(0.0)
     w = (w + cfg.eps).clamp_min(floor) if cfg.preconditioner == "floor" else w + floor + cfg.eps
     if cfg.cond_max is not None:
-        w = torch.maximum(w, w.max() / cfg.cond_max)
-    return (E * w.rsqrt()) @ E.mT
+        w = torch.maximum(w, w.amax(-1, keepdim=True) / cfg.cond_max)
+    return (E * w.rsqrt()[..., None, :]) @ E.mT
 
 
 @dataclass
@@ -151,14 +158,18 @@ def factor_direction(
 
 
 class RankSpaceAdaptive:
-    """Moments of one module's two factors plus the step counter ``t`` (eqs. 24–26)."""
+    """Moments of one module's two factors plus the step counter ``t`` (eqs. 24–26).
 
-    def __init__(self, cfg: AdaptiveConfig, m: int, n: int, r: int, dtype: torch.dtype, device: torch.device):
+    ``batch=(G,)`` holds a group of ``G`` modules of one shape that always step together.
+    """
+
+    def __init__(self, cfg: AdaptiveConfig, m: int, n: int, r: int, dtype: torch.dtype, device: torch.device,
+                 batch: tuple[int, ...] = ()):
         self.cfg = cfg
         self.t = 0
         zeros = {"dtype": dtype, "device": device}
-        self.A = FactorMoments(m=torch.zeros(m, r, **zeros), V=torch.zeros(r, r, **zeros))
-        self.B = FactorMoments(m=torch.zeros(n, r, **zeros), V=torch.zeros(r, r, **zeros))
+        self.A = FactorMoments(m=torch.zeros(*batch, m, r, **zeros), V=torch.zeros(*batch, r, r, **zeros))
+        self.B = FactorMoments(m=torch.zeros(*batch, n, r, **zeros), V=torch.zeros(*batch, r, r, **zeros))
 
     def step(
         self, dA: Tensor, dB: Tensor, tau: float, sigma_A: Tensor, sigma_B: Tensor

@@ -6,8 +6,11 @@ for the intrinsic gradient ``G = ∇_Z ℓ``.
 
 Conventions:
 
-* ``A``, ``B`` are unbatched ``[m, r]``, ``[n, r]``; factor-space tangent quantities (``g_A``,
-  ``ΔA``, …) may carry any leading batch dims (per-example gradients are ``[b, m, r]``).
+* ``A``, ``B`` are ``[..., m, r]``, ``[..., n, r]`` with the same leading *module* dims: one module is
+  ``[m, r]``; a group of modules of one shape ``(m, n, r)`` is ``[G, m, r]`` and every function below
+  then runs once, batched, for the whole group (torch.linalg batches QR, solves, eigh and SVD).
+  Factor-space tangent quantities (``g_A``, ``ΔA``, …) may carry further leading dims in front of the
+  module dims (per-example gradients of a group are ``[b, G, m, r]``); they broadcast.
 * Nothing here forms an ``m×n`` matrix except :func:`tangent_project`, the dense reference.
 * Gram inverses are never formed from ``AᵀA``: the thin QR ``A = Q_A R_A`` gives ``M = R_AᵀR_A``
   and ``Π_A = Q_A Q_Aᵀ`` (Lemma A.18), so solves cost one triangular solve against ``R_A`` and
@@ -55,13 +58,15 @@ def frame(A: Tensor, B: Tensor) -> Frame:
 
 
 def _check_pair(A: Tensor, B: Tensor) -> None:
-    if A.ndim != 2 or B.ndim != 2 or A.shape[1] != B.shape[1]:
+    if A.ndim < 2 or A.ndim != B.ndim or A.shape[:-2] != B.shape[:-2] or A.shape[-1] != B.shape[-1]:
         raise ValueError(
-            f"expected unbatched factors A [m, r] and B [n, r] with the same r, got {tuple(A.shape)} and "
-            f"{tuple(B.shape)}; pass the paper's A = lora_B.weight and B = lora_A.weightᵀ (prism.lora)"
+            f"expected factors A [..., m, r] and B [..., n, r] with the same r and module dims, got "
+            f"{tuple(A.shape)} and {tuple(B.shape)}; pass the paper's A = lora_B.weight and "
+            "B = lora_A.weightᵀ (prism.lora)"
         )
-    if A.shape[1] > min(A.shape[0], B.shape[0]):
-        raise ValueError(f"rank r={A.shape[1]} exceeds min(m, n)={min(A.shape[0], B.shape[0])}; lower lora.r")
+    (m, r), n = A.shape[-2:], B.shape[-2]
+    if r > min(m, n):
+        raise ValueError(f"rank r={r} exceeds min(m, n)={min(m, n)}; lower lora.r")
 
 
 def _frame(A: Tensor, B: Tensor, fr: Frame | None) -> Frame:
@@ -135,10 +140,9 @@ def tangent_noise(
     prepends independent draws.
     """
     fr = _frame(A, B, frame)
-    (m, r), n = fr.A.shape, fr.B.shape[0]
     opts = {"generator": generator, "dtype": fr.A.dtype, "device": fr.A.device}
-    Omega_A = torch.randn(*sample_shape, m, r, **opts)
-    Omega_B = torch.randn(*sample_shape, n, r, **opts)
+    Omega_A = torch.randn(*sample_shape, *fr.A.shape, **opts)
+    Omega_B = torch.randn(*sample_shape, *fr.B.shape, **opts)
     Omega_A = Omega_A - _project(fr.QA, Omega_A)
     XiA = torch.linalg.solve_triangular(fr.RB.mT, Omega_A, upper=False, left=False)
     XiB = torch.linalg.solve_triangular(fr.RA.mT, Omega_B, upper=False, left=False)
@@ -165,7 +169,7 @@ def horizontalize(
     mu, U = _spectrum(fr.RA)
     nu, V = _spectrum(fr.RB)
     C = dB.mT @ fr.B - fr.A.mT @ dA
-    Omega = U @ ((U.mT @ C @ V) / (mu[:, None] + nu[None, :])) @ V.mT
+    Omega = U @ ((U.mT @ C @ V) / (mu[..., :, None] + nu[..., None, :])) @ V.mT
     return dA + fr.A @ Omega, dB - fr.B @ Omega.mT
 
 
@@ -184,16 +188,16 @@ def retract(
     :func:`check_full_rank` reports it.
     """
     _check_pair(A, B)
-    dtype, r = A.dtype, A.shape[1]
+    dtype, r = A.dtype, A.shape[-1]
     A64, B64, dA64, dB64 = (t.to(torch.float64) for t in (A, B, dA, dB))
-    Qu, Ru = torch.linalg.qr(torch.cat([A64, dA64], dim=1), mode="reduced")
-    Qv, Rv = torch.linalg.qr(torch.cat([B64, dB64], dim=1), mode="reduced")
-    eye = torch.eye(r, dtype=torch.float64, device=A.device)
-    K = torch.cat([torch.cat([eye, -lr * eye], 1), torch.cat([-lr * eye, torch.zeros_like(eye)], 1)], 0)
-    Uc, S, Vch = torch.linalg.svd(Ru @ K @ Rv.mT)
-    root = S[:r].sqrt()
-    A_new = Qu @ (Uc[:, :r] * root)
-    B_new = Qv @ (Vch[:r].mT * root)
+    Qu, Ru = torch.linalg.qr(torch.cat([A64, dA64], dim=-1), mode="reduced")
+    Qv, Rv = torch.linalg.qr(torch.cat([B64, dB64], dim=-1), mode="reduced")
+    # R_u K R_vᵀ without forming K: R_u K = [R_u1 − lr R_u2, −lr R_u1] for R_u = [R_u1, R_u2].
+    RuK = torch.cat([Ru[..., :r] - lr * Ru[..., r:], -lr * Ru[..., :r]], dim=-1)
+    Uc, S, Vch = torch.linalg.svd(RuK @ Rv.mT)
+    root = S[..., None, :r].sqrt()
+    A_new = Qu @ (Uc[..., :r] * root)
+    B_new = Qv @ (Vch[..., :r, :].mT * root)
     if align:
         Up, _, Vph = torch.linalg.svd(A_new.mT @ A64 + B_new.mT @ B64)
         Q = Up @ Vph
@@ -206,29 +210,66 @@ def default_rcond(dtype: torch.dtype) -> float:
     return math.sqrt(torch.finfo(dtype).eps)
 
 
-def check_full_rank(A: Tensor, B: Tensor, module: str, rcond: float | None = None) -> None:
-    """Raise :class:`RankDeficientError` unless both factors are finite with ``σ_min > rcond·σ_max``.
+def full_rank_mask(R: Tensor, rcond: float) -> Tensor:
+    """Device-side test of thin-QR factors ``R`` [..., r, r] of ``X = Q R``: finite and ``σ_min > rcond·σ_max``.
 
-    The tangent space (eq. 11), the lift (eq. 14) and the noise sampler (eq. 19) need full column
-    rank; ``rcond`` defaults to :func:`default_rcond` of the factors' dtype (solves then lose at
-    most ``√eps`` relative accuracy).
+    ``X`` has the singular values of ``R`` (``Q`` orthonormal), so an ``r×r`` SVD tests the ``p×r``
+    factor. Non-finite ``R`` are replaced by zeros before the SVD (which fails on NaN) and reported
+    as ``False``. Returns ``[...]`` bool; no host synchronisation.
     """
+    finite = torch.isfinite(R).flatten(-2).all(-1)
+    s = torch.linalg.svdvals(torch.where(finite[..., None, None], R, torch.zeros_like(R)).detach())
+    return finite & (s[..., -1] > rcond * s[..., 0])
+
+
+def check_frames(frames: list[Frame], modules: list[list[str]], rcond: float | None = None) -> None:
+    """Raise :class:`RankDeficientError` unless every factor of every frame is finite and full rank.
+
+    ``frames[g]`` holds the factors of the modules named ``modules[g]`` (batched ``[G, m, r]`` or one
+    module ``[m, r]``). One batched SVD of all ``r×r`` factors of equal rank and one host read per
+    call; the offending module is looked up only on failure. ``rcond`` defaults to
+    :func:`default_rcond` of the factors' dtype (solves then lose at most ``√eps`` relative
+    accuracy). The tangent space (eq. 11), the lift (eq. 14) and the noise sampler (eq. 19) need
+    full column rank.
+    """
+    if not frames:
+        return
+    cutoff = default_rcond(frames[0].A.dtype) if rcond is None else rcond
+    by_rank: dict[int, list[list[Tensor]]] = {}
+    for fr in frames:
+        Xs, Rs = by_rank.setdefault(fr.RA.shape[-1], [[], []])
+        for X, R in ((fr.A, fr.RA), (fr.B, fr.RB)):
+            Xs.append(torch.isfinite(X).reshape(-1, X.shape[-2] * X.shape[-1]).all(-1))
+            Rs.append(R.reshape(-1, *R.shape[-2:]))
+    masks = [(full_rank_mask(torch.cat(Rs), cutoff) & torch.cat(Xs)).all() for Xs, Rs in by_rank.values()]
+    if bool(torch.stack(masks).all()):  # the one host read
+        return
+    for fr, names in zip(frames, modules):
+        for side, X, R in (("A (peft lora_B)", fr.A, fr.RA), ("B (peft lora_A)", fr.B, fr.RB)):
+            for module, Xi, Ri in zip(names, X.reshape(-1, *X.shape[-2:]), R.reshape(-1, *R.shape[-2:])):
+                if bool(full_rank_mask(Ri, cutoff) & torch.isfinite(Xi).all()):
+                    continue
+                if not (torch.isfinite(Xi).all() and torch.isfinite(Ri).all()):
+                    raise RankDeficientError(
+                        f"{module}: LoRA factor {side} has non-finite entries; lower the learning rate or "
+                        "the noise, or restart from the last checkpoint"
+                    )
+                s = torch.linalg.svdvals(Ri.detach())
+                ratio = (s[-1] / s[0]).item() if s[0] > 0 else 0.0
+                raise RankDeficientError(
+                    f"{module}: LoRA factor {side} is rank-deficient (σ_min/σ_max = {ratio:.3g} ≤ rcond "
+                    f"{cutoff:.3g}); PRISM needs full-rank factors — use method.init=spectral instead of "
+                    "the peft zero init, or lower lora.r"
+                )
+
+
+def check_full_rank(A: Tensor, B: Tensor, module: str | list[str], rcond: float | None = None) -> None:
+    """:func:`check_frames` for one module (``module`` a name) or one batch ``[G, m, r]`` (``G`` names)."""
     _check_pair(A, B)
-    cutoff = default_rcond(A.dtype) if rcond is None else rcond
-    for name, X in (("A (peft lora_B)", A), ("B (peft lora_A)", B)):
-        if not torch.isfinite(X).all():
-            raise RankDeficientError(
-                f"{module}: LoRA factor {name} has non-finite entries; lower the learning rate or the "
-                "noise, or restart from the last checkpoint"
-            )
-        s = torch.linalg.svdvals(X.detach())
-        ratio = (s[-1] / s[0]).item() if s[0] > 0 else 0.0
-        if ratio <= cutoff:
-            raise RankDeficientError(
-                f"{module}: LoRA factor {name} is rank-deficient (σ_min/σ_max = {ratio:.3g} ≤ rcond "
-                f"{cutoff:.3g}); PRISM needs full-rank factors — use method.init=spectral instead of "
-                "the peft zero init, or lower lora.r"
-            )
+    names = [module] if isinstance(module, str) else list(module)
+    nan = torch.tensor(float("nan"), dtype=A.dtype, device=A.device)
+    fr = frame(torch.where(torch.isfinite(A), A, nan), torch.where(torch.isfinite(B), B, nan))
+    check_frames([fr._replace(A=A, B=B)], [names], rcond)
 
 
 def tangent_dim(m: int, n: int, r: int) -> int:

@@ -1,15 +1,23 @@
 """PRISM as a :class:`~prism.methods.base.Method`: Algorithm 1 across all LoRA modules.
 
-Per logical step (paper Alg. 1; SPEC §3):
+Per logical step (paper Alg. 1):
 
 1. :meth:`PrismMethod.zero_accumulators` snapshots every module's ``(A, B)`` in ``compute_dtype``,
-   factors it once (:func:`prism.geometry.frame`) and checks full rank (SPEC §3: never damp).
+   factors it once (:func:`prism.geometry.frame`) and checks full rank (never damp), in one batched
+   check and one host read for all modules.
 2. :meth:`PrismMethod.accumulate` lifts each example's factor gradients (eq. 14), takes the global
    intrinsic norm ``s_i`` over all modules (eqs. 15–16), clips with ``α_i = min(1, C/s_i)`` and sums
    ``Σ α_i ΔA_i``, ``Σ α_i ΔB_i`` (batched over the micro-batch; no ``m×n`` matrix).
 3. :meth:`PrismMethod.step` divides by the expected batch size ``B`` and adds ``(σC/B)·(Ξ_A, Ξ_B)``
    (eqs. 17, 19) — exactly the accountant's scale; optional Sylvester horizontalisation; the
    rank-space adaptive transform (eqs. 24–26, :mod:`prism.adaptive`); retraction (eq. 22).
+
+Modules of equal shape ``(m, n, r)`` form a :class:`ShapeGroup` (a transformer has a handful: q, k,
+v, up, down) whose factors, sums and adaptive moments are stacked ``[G, m, r]``, so every step above
+runs as one chain of batched kernels per group, not per module; ``batched=False`` makes one group per
+module (the reference path). ``accumulate`` and ``step`` never synchronise with the host: statistics
+are 0-dim device tensors, and a non-finite lift is written as NaN factors (the loop's finite check
+stops the run) instead of being raised here.
 
 ``horizontalize``: ``both`` (released code: the privatised lift before the moments and the
 direction before the retraction), ``pre_retract`` (the direction only) or ``none`` (paper Alg. 1).
@@ -26,7 +34,6 @@ and float32 is ~2.5× faster on CPU (SmolLM2-135M shapes, r = 16).
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -97,115 +104,174 @@ def floor_spectrum(A: Tensor, B: Tensor, rcond: float) -> tuple[Tensor, Tensor, 
     return QA @ (U * root), QB @ (Vh.mT * root), int((floored > S).sum())
 
 
+@dataclass
+class ShapeGroup:
+    """LoRA modules of one shape ``(m, n, r)``, processed as one batch ``[G, …]``."""
+
+    pairs: list[LoraPair]
+    adaptive: RankSpaceAdaptive
+    frame: geometry.Frame | None = None
+    sums: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def modules(self) -> list[str]:
+        return [p.module for p in self.pairs]
+
+
+def group_by_shape(params: Mapping[str, Tensor], pairs: list[LoraPair], batched: bool = True) -> list[list[LoraPair]]:
+    """Pairs grouped by ``(m, n, r, dtype, device)`` in order of first appearance (singletons if not ``batched``)."""
+    if not batched:
+        return [[pair] for pair in pairs]
+    groups: dict[tuple, list[LoraPair]] = {}
+    for pair in pairs:
+        A, B = read_pair(params, pair)
+        groups.setdefault((*A.shape, B.shape[0], A.dtype, B.dtype, A.device), []).append(pair)
+    return list(groups.values())
+
+
+def stack_pairs(tensors: Mapping[str, Tensor], pairs: list[LoraPair], dim: int = 0) -> tuple[Tensor, Tensor]:
+    """Paper ``(A, B)`` of several modules stacked at ``dim``: ``[…, G, m, r]``, ``[…, G, n, r]`` (views' copies)."""
+    A = torch.stack([tensors[p.a_name] for p in pairs], dim=dim)
+    Bt = torch.stack([tensors[p.b_name] for p in pairs], dim=dim)
+    return A, Bt.mT
+
+
 class PrismMethod(Method):
     """PRISM (paper Alg. 1) over the peft LoRA parameters ``params``."""
 
-    def __init__(self, cfg: Mapping[str, Any], params: Mapping[str, nn.Parameter], privacy: PrivacySpec | None):
+    def __init__(self, cfg: Mapping[str, Any], params: Mapping[str, nn.Parameter], privacy: PrivacySpec | None,
+                 batched: bool = True):
         super().__init__(params, privacy)
         self.config = PrismConfig.from_mapping(cfg)
-        self.pairs: list[LoraPair] = lora_pairs(self.params)
-        if not self.pairs:
+        pairs: list[LoraPair] = lora_pairs(self.params)
+        if not pairs:
             raise ValueError("PRISM found no peft LoRA parameters (…lora_A/lora_B….weight) among the trainable ones")
         self.dtype = COMPUTE_DTYPES[self.config.compute_dtype]
-        self.adaptive: dict[str, RankSpaceAdaptive] = {}
-        for pair in self.pairs:
-            A, B = read_pair(self.params, pair)
+        self.groups: list[ShapeGroup] = []
+        for group in group_by_shape(self.params, pairs, batched):
+            A, B = read_pair(self.params, group[0])
             (m, r), n = A.shape, B.shape[0]
-            self.adaptive[pair.module] = RankSpaceAdaptive(self.config.adaptive, m, n, r, self.dtype, A.device)
-        self._frames: dict[str, geometry.Frame] = {}
-        self._sums: dict[str, tuple[Tensor, Tensor]] = {}
+            adaptive = RankSpaceAdaptive(self.config.adaptive, m, n, r, self.dtype, A.device, batch=(len(group),))
+            self.groups.append(ShapeGroup(pairs=group, adaptive=adaptive))
         self._norms: list[Tensor] = []
+        self._ready = False
 
     # ---------------------------------------------------------------- step protocol
     def zero_accumulators(self) -> None:
-        """Snapshot and factor every module's ``(A, B)``, check full rank, zero the sums."""
-        self._frames, self._sums, self._norms = {}, {}, []
-        for pair in self.pairs:
-            A, B = (x.detach().to(self.dtype) for x in read_pair(self.params, pair))
-            A, B = self._full_rank(pair, A, B)
-            self._frames[pair.module] = geometry.frame(A, B)
-            self._sums[pair.module] = (torch.zeros_like(A), torch.zeros_like(B))
+        """Snapshot and factor every group's ``(A, B)``, check full rank (one host read), zero the sums."""
+        self._norms = []
+        for g in self.groups:
+            g.frame = geometry.frame(*self._snapshot(g))
+        try:
+            geometry.check_frames([g.frame for g in self.groups], [g.modules for g in self.groups])
+        except geometry.RankDeficientError:
+            if self.config.rank_fallback is None:
+                raise
+            self._floor_rank_deficient()
+        for g in self.groups:
+            g.sums = (torch.zeros_like(g.frame.A), torch.zeros_like(g.frame.B))
+        self._ready = True
 
     def accumulate(self, grads: Mapping[str, Tensor]) -> None:
         """Add one micro-batch (DP: per-example ``[k, *shape]`` grads, clipped by eq. 16; else a sum)."""
-        if not self._frames:
+        if not self._ready:
             raise RuntimeError("call zero_accumulators() before accumulate()")
-        lifts = {}
-        for pair in self.pairs:
-            if pair.a_name not in grads or pair.b_name not in grads:
-                raise KeyError(f"no gradient for LoRA module {pair.module}; every trainable LoRA tensor needs one")
-            gA, gB = (g.detach().to(self.dtype) for g in read_pair(grads, pair))
-            if gA.ndim != (3 if self.dp else 2):
-                raise ValueError(
-                    f"{pair.module}: gradient of shape {tuple(grads[pair.a_name].shape)}; DP needs per-example "
-                    "grads [k, *shape] (prism.privacy.per_example), non-DP their micro-batch sum [*shape]"
-                )
-            fr = self._frames[pair.module]
-            lifts[pair.module] = geometry.lift(fr.A, fr.B, gA, gB, frame=fr)
+        lifts = []
+        for g in self.groups:
+            for pair in g.pairs:
+                if pair.a_name not in grads or pair.b_name not in grads:
+                    raise KeyError(f"no gradient for LoRA module {pair.module}; every trainable LoRA tensor needs one")
+                if grads[pair.a_name].ndim != (3 if self.dp else 2):
+                    raise ValueError(
+                        f"{pair.module}: gradient of shape {tuple(grads[pair.a_name].shape)}; DP needs per-example "
+                        "grads [k, *shape] (prism.privacy.per_example), non-DP their micro-batch sum [*shape]"
+                    )
+            gA, gB = (x.detach().to(self.dtype) for x in stack_pairs(grads, g.pairs, dim=1 if self.dp else 0))
+            lifts.append(geometry.lift(g.frame.A, g.frame.B, gA, gB, frame=g.frame))
         if not self.dp:
-            for module, (dA, dB) in lifts.items():
-                self._sums[module][0].add_(dA)
-                self._sums[module][1].add_(dB)
+            for g, (dA, dB) in zip(self.groups, lifts):
+                g.sums[0].add_(dA)
+                g.sums[1].add_(dB)
             return
-        sq = sum(geometry.intrinsic_sqnorm(fr.A, fr.B, *lifts[mod], frame=fr) for mod, fr in self._frames.items())
-        norms = sq.clamp_min(0.0).sqrt()
-        if not torch.isfinite(norms).all():
-            raise FloatingPointError("non-finite per-example gradient norm; lower the learning rate or check the loss")
+        sq = sum(geometry.intrinsic_sqnorm(g.frame.A, g.frame.B, *lift, frame=g.frame).sum(-1)
+                 for g, lift in zip(self.groups, lifts))
+        norms = sq.clamp_min(0.0).sqrt()  # NaN stays NaN: it reaches the update and the loop's finite check
         alpha = (self.privacy.clip_norm / norms).clamp(max=1.0)
         self._norms.append(norms)
-        for module, (dA, dB) in lifts.items():
-            self._sums[module][0].add_(torch.einsum("k,kmr->mr", alpha, dA))
-            self._sums[module][1].add_(torch.einsum("k,knr->nr", alpha, dB))
+        for g, (dA, dB) in zip(self.groups, lifts):
+            g.sums[0].add_(torch.einsum("k,kgmr->gmr", alpha, dA))
+            g.sums[1].add_(torch.einsum("k,kgnr->gnr", alpha, dB))
+
+    def privatized_group(
+        self, g: ShapeGroup, denominator: float, generator: torch.Generator | None, diagnostics: bool = True
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Eq. 17 for one group: ``(Δ̄A, Δ̄B) + τ(Ξ_A, Ξ_B)``, ``τ = σC/denominator``, and ``Σ‖N_Z‖²_F`` (eq. 21).
+
+        The unit sampler of eq. 19 is scaled by exactly ``τ`` (never damped). Non-DP: ``τ = 0``.
+        The noise energy (a device tensor) is computed only with ``diagnostics``.
+        """
+        fr = g.frame
+        dA, dB = (s / denominator for s in g.sums)
+        tau = self.tau(denominator)
+        if tau == 0:
+            return dA, dB, dA.new_zeros(()) if diagnostics else None
+        XiA, XiB = geometry.tangent_noise(fr.A, fr.B, generator=generator, frame=fr)
+        XiA, XiB = tau * XiA, tau * XiB
+        noise_sq = geometry.intrinsic_sqnorm(fr.A, fr.B, XiA, XiB, frame=fr).sum() if diagnostics else None
+        return dA + XiA, dB + XiB, noise_sq
 
     def privatized_lifts(
         self, denominator: float, generator: torch.Generator | None
-    ) -> tuple[dict[str, tuple[Tensor, Tensor]], float]:
-        """Eq. 17: per module ``(Δ̄A, Δ̄B) + τ(Ξ_A, Ξ_B)``, ``τ = σC/denominator``; and ``‖N_Z‖_F`` (eq. 21).
-
-        The unit sampler of eq. 19 is scaled by exactly ``τ`` (never damped). Non-DP: ``τ = 0``.
-        """
-        if not self._frames:
-            raise RuntimeError("call zero_accumulators() before step()")
-        if not denominator > 0:
-            raise ValueError(f"denominator={denominator} must be positive (skip empty Poisson batches)")
-        tau = self.tau(denominator)
-        out, noise_sq = {}, 0.0
-        for module, fr in self._frames.items():
-            dA, dB = (s / denominator for s in self._sums[module])
-            if tau > 0:
-                XiA, XiB = geometry.tangent_noise(fr.A, fr.B, generator=generator, frame=fr)
-                XiA, XiB = tau * XiA, tau * XiB
-                noise_sq += geometry.intrinsic_sqnorm(fr.A, fr.B, XiA, XiB, frame=fr).item()
-                dA, dB = dA + XiA, dB + XiB
-            out[module] = (dA, dB)
-        return out, math.sqrt(noise_sq)
+    ) -> tuple[dict[str, tuple[Tensor, Tensor]], Tensor]:
+        """Per module the privatised lift of :meth:`privatized_group`, and ``‖N_Z‖_F`` over all modules."""
+        self._check_denominator(denominator)
+        out, noise_sq = {}, torch.zeros((), dtype=self.dtype)
+        for g in self.groups:
+            dA, dB, sq = self.privatized_group(g, denominator, generator)
+            out.update({module: (a, b) for module, a, b in zip(g.modules, dA, dB)})
+            if sq is not None:
+                noise_sq = noise_sq.to(sq.device) + sq
+        return out, noise_sq.sqrt()
 
     @torch.no_grad()
-    def step(self, denominator: float, generator: torch.Generator | None) -> dict[str, float]:
-        """Privatise (eq. 17), horizontalise, adapt (eqs. 24–26), retract (eq. 22), write back."""
-        lifts, noise_norm = self.privatized_lifts(denominator, generator)
+    def step(self, denominator: float, generator: torch.Generator | None, diagnostics: bool = True) -> dict[str, Tensor]:
+        """Privatise (eq. 17), horizontalise, adapt (eqs. 24–26), retract (eq. 22), write back.
+
+        Returns 0-dim device tensors; ``noise_norm`` and ``update_norm`` only with ``diagnostics``.
+        """
+        self._check_denominator(denominator)
         tau, h = self.tau(denominator), self.config.horizontalize
-        update_sq = 0.0
-        for pair in self.pairs:
-            fr = self._frames[pair.module]
-            dA, dB = lifts[pair.module]
+        noise_sq, update_sq = [], []
+        for g in self.groups:
+            fr = g.frame
+            dA, dB, sq = self.privatized_group(g, denominator, generator, diagnostics)
+            if sq is not None:
+                noise_sq.append(sq)
+            finite = _finite_per_module(dA) & _finite_per_module(dB)
+            dA, dB = (torch.where(finite[:, None, None], x, 0.0) for x in (dA, dB))  # eigh/SVD fail on NaN
             if h == "both":
                 dA, dB = geometry.horizontalize(fr.A, fr.B, dA, dB, frame=fr)
             sigma_A, sigma_B = noise_second_moments(fr)
-            UA, UB = self.adaptive[pair.module].step(dA, dB, tau, sigma_A, sigma_B)
+            UA, UB = g.adaptive.step(dA, dB, tau, sigma_A, sigma_B)
             if h in ("both", "pre_retract"):
                 UA, UB = geometry.horizontalize(fr.A, fr.B, UA, UB, frame=fr)
             A_new, B_new = geometry.retract(fr.A, fr.B, UA, UB, self.config.lr)
-            update_sq += _product_sqdist(fr.A, fr.B, A_new, B_new)
-            write_pair(self.params, pair, A_new, B_new)
-        stats = {"update_norm": math.sqrt(update_sq)}
-        if self.dp:
-            stats["noise_norm"] = noise_norm
+            A_new, B_new = (torch.where(finite[:, None, None], x, torch.nan) for x in (A_new, B_new))
+            if diagnostics:
+                update_sq.append(_product_sqdist(fr.A, fr.B, A_new, B_new).sum())
+            self._write(g, A_new, B_new)
+        stats: dict[str, Tensor] = {}
+        if diagnostics:
+            stats["update_norm"] = torch.stack(update_sq).sum().sqrt()
+            if self.dp:
+                stats["noise_norm"] = torch.stack(noise_sq).sum().sqrt()
         if self._norms:
             norms = torch.cat(self._norms)
-            stats["clip_fraction"] = (norms > self.privacy.clip_norm).double().mean().item()
-            stats["grad_norm_mean"] = norms.mean().item()
-        self._frames, self._sums = {}, {}
+            stats["clip_fraction"] = (norms > self.privacy.clip_norm).double().mean()
+            stats["grad_norm_mean"] = norms.mean()
+        for g in self.groups:
+            g.frame, g.sums = None, None
+        self._ready = False
         return stats
 
     def tau(self, denominator: float) -> float:
@@ -219,35 +285,74 @@ class PrismMethod(Method):
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {"adaptive": {module: ad.state_dict() for module, ad in self.adaptive.items()}}
+        """Per module ``{t, mA, VA, mB, VB}`` (independent of the grouping)."""
+        out = {}
+        for g in self.groups:
+            ad = g.adaptive
+            for i, module in enumerate(g.modules):
+                out[module] = {"t": ad.t, "mA": ad.A.m[i].clone(), "VA": ad.A.V[i].clone(),
+                               "mB": ad.B.m[i].clone(), "VB": ad.B.V[i].clone()}
+        return {"adaptive": out}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        missing = set(self.adaptive) - set(state["adaptive"])
+        saved = state["adaptive"]
+        missing = {m for g in self.groups for m in g.modules} - set(saved)
         if missing:
             raise ValueError(f"checkpoint lacks PRISM state for modules {sorted(missing)}; it belongs to another model")
-        for module, ad in self.adaptive.items():
-            ad.load_state_dict(state["adaptive"][module])
+        for g in self.groups:
+            ad = g.adaptive
+            for i, module in enumerate(g.modules):
+                for key, target in (("mA", ad.A.m[i]), ("VA", ad.A.V[i]), ("mB", ad.B.m[i]), ("VB", ad.B.V[i])):
+                    if saved[module][key].shape != target.shape:
+                        raise ValueError(
+                            f"adaptive state {key} of {module} has shape {tuple(saved[module][key].shape)}, expected "
+                            f"{tuple(target.shape)}; the checkpoint was written for another LoRA rank or model"
+                        )
+                    target.copy_(saved[module][key])
+            ad.t = int(saved[g.modules[0]]["t"])
 
     # ---------------------------------------------------------------- helpers
-    def _full_rank(self, pair: LoraPair, A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
-        """:func:`geometry.check_full_rank`, or the logged ``floor`` repair when configured."""
-        try:
-            geometry.check_full_rank(A, B, pair.module)
-            return A, B
-        except geometry.RankDeficientError:
-            if self.config.rank_fallback is None:
-                raise
+    def _snapshot(self, g: ShapeGroup) -> tuple[Tensor, Tensor]:
+        """The group's current ``(A, B)`` stacked ``[G, m, r]``, ``[G, n, r]`` in ``compute_dtype``."""
+        return tuple(x.detach().to(self.dtype) for x in stack_pairs(self.params, g.pairs))
+
+    @torch.no_grad()
+    def _write(self, g: ShapeGroup, A: Tensor, B: Tensor) -> None:
+        """Copy the group's new factors into the peft parameters (one fused copy per factor)."""
+        torch._foreach_copy_([self.params[p.a_name] for p in g.pairs], list(A.unbind(0)))
+        torch._foreach_copy_([self.params[p.b_name] for p in g.pairs], list(B.mT.unbind(0)))
+
+    def _check_denominator(self, denominator: float) -> None:
+        if not self._ready:
+            raise RuntimeError("call zero_accumulators() before step()")
+        if not denominator > 0:
+            raise ValueError(f"denominator={denominator} must be positive (skip empty Poisson batches)")
+
+    def _floor_rank_deficient(self) -> None:
+        """The logged ``rank_fallback: floor`` repair of every rank-deficient module, then re-check."""
         rcond = 10.0 * geometry.default_rcond(self.dtype)
-        A, B, raised = floor_spectrum(A, B, rcond)
-        log.warning("rank_fallback=floor: %s had %d singular value(s) of ABᵀ raised to %.1e·σ_max",
-                    pair.module, raised, rcond)
-        geometry.check_full_rank(A, B, pair.module)
-        write_pair(self.params, pair, A, B)
-        return A, B
+        for g in self.groups:
+            for pair, A, B in zip(g.pairs, g.frame.A, g.frame.B):
+                try:
+                    geometry.check_full_rank(A, B, pair.module)
+                    continue
+                except geometry.RankDeficientError:
+                    pass
+                A, B, raised = floor_spectrum(A, B, rcond)
+                log.warning("rank_fallback=floor: %s had %d singular value(s) of ABᵀ raised to %.1e·σ_max",
+                            pair.module, raised, rcond)
+                write_pair(self.params, pair, A, B)
+            g.frame = geometry.frame(*self._snapshot(g))
+        geometry.check_frames([g.frame for g in self.groups], [g.modules for g in self.groups])
 
 
-def _product_sqdist(A: Tensor, B: Tensor, A2: Tensor, B2: Tensor) -> float:
+def _finite_per_module(X: Tensor) -> Tensor:
+    """``[G]`` bool: module ``i`` of ``X`` [G, p, r] is finite (a device tensor, no host read)."""
+    return torch.isfinite(X).flatten(1).all(1)
+
+
+def _product_sqdist(A: Tensor, B: Tensor, A2: Tensor, B2: Tensor) -> Tensor:
     """``‖A2 B2ᵀ − A Bᵀ‖²_F = ‖R_u R_vᵀ‖²_F`` for ``[A2, A] = Q_u R_u``, ``[B2, −B] = Q_v R_v`` (no m×n)."""
-    Ru = torch.linalg.qr(torch.cat([A2, A], dim=1), mode="r").R
-    Rv = torch.linalg.qr(torch.cat([B2, -B], dim=1), mode="r").R
-    return (Ru @ Rv.mT).square().sum().item()
+    Ru = torch.linalg.qr(torch.cat([A2, A], dim=-1), mode="r").R
+    Rv = torch.linalg.qr(torch.cat([B2, -B], dim=-1), mode="r").R
+    return (Ru @ Rv.mT).square().sum((-2, -1))
