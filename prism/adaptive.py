@@ -108,9 +108,18 @@ def noise_floor(cfg: AdaptiveConfig, tau: float, sigma_noise: Tensor) -> float |
     return base * sigma_noise.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True) / sigma_noise.shape[-1]
 
 
+def symmetric_part(V_hat: Tensor) -> Tensor:
+    """``(V̂ + V̂ᵀ)/2``, the matrix whose ``eigh`` :func:`preconditioner` uses."""
+    return 0.5 * (V_hat + V_hat.mT)
+
+
 def preconditioner(cfg: AdaptiveConfig, V_hat: Tensor, floor: float | Tensor) -> Tensor:
     """``P(V̂) = E diag(p(w)) Eᵀ`` (eq. 25; ``floor`` or ``ridge`` form, see module docstring)."""
-    w, E = torch.linalg.eigh(0.5 * (V_hat + V_hat.mT))
+    return spectral_preconditioner(cfg, *torch.linalg.eigh(symmetric_part(V_hat)), floor)
+
+
+def spectral_preconditioner(cfg: AdaptiveConfig, w: Tensor, E: Tensor, floor: float | Tensor) -> Tensor:
+    """:func:`preconditioner` from the eigendecomposition ``(w, E)`` of ``symmetric_part(V̂)``."""
     w = w.clamp_min(0.0)
     w = (w + cfg.eps).clamp_min(floor) if cfg.preconditioner == "floor" else w + floor + cfg.eps
     if cfg.cond_max is not None:
@@ -149,14 +158,6 @@ def moment_estimates(
     return m_hat, V_hat
 
 
-def factor_direction(
-    cfg: AdaptiveConfig, state: FactorMoments, t: int, tau: float, sigma_noise: Tensor
-) -> Tensor:
-    """Eq. 25 for one factor: ``U = m̂ P(V̂)`` with the floor ``λ`` of eq. 26."""
-    m_hat, V_hat = moment_estimates(cfg, state, t, tau, sigma_noise)
-    return m_hat @ preconditioner(cfg, V_hat, noise_floor(cfg, tau, sigma_noise))
-
-
 class RankSpaceAdaptive:
     """Moments of one module's two factors plus the step counter ``t`` (eqs. 24–26).
 
@@ -181,13 +182,22 @@ class RankSpaceAdaptive:
         """
         if self.cfg.preconditioner == "none":
             return dA, dB
+        return tuple(m_hat @ preconditioner(self.cfg, V_hat, floor)
+                     for m_hat, V_hat, floor in self.observe(dA, dB, tau, sigma_A, sigma_B))
+
+    def observe(
+        self, dA: Tensor, dB: Tensor, tau: float, sigma_A: Tensor, sigma_B: Tensor
+    ) -> list[tuple[Tensor, Tensor, float | Tensor]]:
+        """Eq. 24 update, then per factor ``(m̂, V̂, λ)``: ``U = m̂ P(V̂)`` with floor ``λ`` (eqs. 25–26).
+
+        The first half of :meth:`step`; a caller batching several groups runs one ``eigh`` of all
+        ``symmetric_part(V̂)`` and finishes with :func:`spectral_preconditioner`.
+        """
         self.t += 1
         update_moments(self.cfg, self.A, dA)
         update_moments(self.cfg, self.B, dB)
-        return (
-            factor_direction(self.cfg, self.A, self.t, tau, sigma_A),
-            factor_direction(self.cfg, self.B, self.t, tau, sigma_B),
-        )
+        return [(*moment_estimates(self.cfg, state, self.t, tau, sigma), noise_floor(self.cfg, tau, sigma))
+                for state, sigma in ((self.A, sigma_A), (self.B, sigma_B))]
 
     def state_dict(self) -> dict[str, Any]:
         return {"t": self.t, "mA": self.A.m.clone(), "VA": self.A.V.clone(),

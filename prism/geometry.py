@@ -22,6 +22,7 @@ Conventions:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -36,7 +37,10 @@ class Frame(NamedTuple):
     """Per-step quantities of one module's factors, shared by every lift/norm/noise of that step.
 
     ``A = Q_A R_A``, ``B = Q_B R_B`` (thin QR, ``Q`` orthonormal, ``R`` upper triangular), so
-    ``M = R_AᵀR_A``, ``N = R_BᵀR_B``, ``Π_A = Q_A Q_Aᵀ``, ``Π_B = Q_B Q_Bᵀ``.
+    ``M = R_AᵀR_A``, ``N = R_BᵀR_B``, ``Π_A = Q_A Q_Aᵀ``, ``Π_B = Q_B Q_Bᵀ``; the SVDs
+    ``R_A = · diag(s_A) V_Aᵀ``, ``R_B = · diag(s_B) V_Bᵀ`` give ``M = V_A diag(s_A²) V_Aᵀ``,
+    ``N = V_B diag(s_B²) V_Bᵀ`` (for :func:`horizontalize`) and the singular values of ``A``, ``B``
+    (for :func:`check_frames`). A non-finite ``R`` gets ``s = 0`` (the SVD fails on NaN).
     """
 
     A: Tensor
@@ -47,14 +51,58 @@ class Frame(NamedTuple):
     RB: Tensor
     M: Tensor
     N: Tensor
+    SA: Tensor
+    VA: Tensor
+    SB: Tensor
+    VB: Tensor
+
+
+def fused(fn: Callable[[Tensor], Tensor | tuple[Tensor, ...]], batches: Sequence[Tensor]) -> list[tuple[Tensor, ...]]:
+    """``[fn(X) for X in batches]`` with one call of the batched matrix function ``fn`` per matrix shape.
+
+    The batches' leading dims are flattened and concatenated, so e.g. one SVD serves every shape
+    group of a step (one kernel chain and, on CUDA, one convergence check instead of one per group).
+    """
+    out: list[tuple[Tensor, ...] | None] = [None] * len(batches)
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, X in enumerate(batches):
+        by_shape.setdefault(tuple(X.shape[-2:]), []).append(i)
+    for index in by_shape.values():
+        flat = [batches[i].reshape(-1, *batches[i].shape[-2:]) for i in index]
+        result = fn(flat[0] if len(flat) == 1 else torch.cat(flat))
+        result = tuple(result) if isinstance(result, tuple) else (result,)
+        sizes = [X.shape[0] for X in flat]
+        parts = [part.split(sizes) for part in result]
+        for j, i in enumerate(index):
+            lead = batches[i].shape[:-2]
+            out[i] = tuple(p[j].reshape(*lead, *p[j].shape[1:]) for p in parts)
+    return out
+
+
+def _safe_svd(R: Tensor) -> tuple[Tensor, Tensor]:
+    """Singular values and right singular vectors of ``R``; non-finite matrices get zeros."""
+    finite = torch.isfinite(R).flatten(-2).all(-1)[..., None, None]
+    _, s, Vh = torch.linalg.svd(torch.where(finite, R, torch.zeros_like(R)).detach())
+    return s, Vh.mT
+
+
+def frames(factors: Sequence[tuple[Tensor, Tensor]]) -> list[Frame]:
+    """:func:`frame` of several ``(A, B)`` batches, with one SVD of all their ``R`` factors of equal rank."""
+    qrs = []
+    for A, B in factors:
+        _check_pair(A, B)
+        qrs.append((*torch.linalg.qr(A, mode="reduced"), *torch.linalg.qr(B, mode="reduced")))
+    spectra = fused(_safe_svd, [R for _, RA, _, RB in qrs for R in (RA, RB)])
+    return [
+        Frame(A=A, B=B, QA=QA, RA=RA, QB=QB, RB=RB, M=A.mT @ A, N=B.mT @ B,
+              SA=spectra[2 * i][0], VA=spectra[2 * i][1], SB=spectra[2 * i + 1][0], VB=spectra[2 * i + 1][1])
+        for i, ((A, B), (QA, RA, QB, RB)) in enumerate(zip(factors, qrs))
+    ]
 
 
 def frame(A: Tensor, B: Tensor) -> Frame:
-    """Factor ``A``, ``B`` once per step (thin QR and Gram matrices; Lemma A.18)."""
-    _check_pair(A, B)
-    QA, RA = torch.linalg.qr(A, mode="reduced")
-    QB, RB = torch.linalg.qr(B, mode="reduced")
-    return Frame(A=A, B=B, QA=QA, RA=RA, QB=QB, RB=RB, M=A.mT @ A, N=B.mT @ B)
+    """Factor ``A``, ``B`` once per step (thin QR, Gram matrices and their spectra; Lemma A.18)."""
+    return frames([(A, B)])[0]
 
 
 def _check_pair(A: Tensor, B: Tensor) -> None:
@@ -149,12 +197,6 @@ def tangent_noise(
     return XiA, XiB
 
 
-def _spectrum(R: Tensor) -> tuple[Tensor, Tensor]:
-    """Eigen-decomposition of ``RᵀR`` from the SVD of ``R`` (eigenvalues ``s²``, eigenvectors ``V``)."""
-    _, s, Vh = torch.linalg.svd(R)
-    return s.square(), Vh.mT
-
-
 def horizontalize(
     A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, frame: Frame | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -162,15 +204,42 @@ def horizontalize(
 
     ``Ω`` solves the Sylvester equation ``M Ω + Ω N = ΔBᵀB − AᵀΔA`` (the stationarity condition of
     ``‖ΔA + AΩ‖² + ‖ΔB − BΩᵀ‖²``; eq. 39 prints ``BᵀΔB`` — a transpose typo), via the
-    eigendecompositions ``M = U diag(μ) Uᵀ``, ``N = V diag(ν) Vᵀ``:
+    eigendecompositions ``M = U diag(μ) Uᵀ``, ``N = V diag(ν) Vᵀ`` of the frame:
     ``Ω = U [(UᵀCV)_ij / (μ_i + ν_j)] Vᵀ``. The result satisfies ``AᵀΔA' = (BᵀΔB')ᵀ`` (eq. 30).
     """
     fr = _frame(A, B, frame)
-    mu, U = _spectrum(fr.RA)
-    nu, V = _spectrum(fr.RB)
+    mu, U, nu, V = fr.SA.square(), fr.VA, fr.SB.square(), fr.VB
     C = dB.mT @ fr.B - fr.A.mT @ dA
     Omega = U @ ((U.mT @ C @ V) / (mu[..., :, None] + nu[..., None, :])) @ V.mT
     return dA + fr.A @ Omega, dB - fr.B @ Omega.mT
+
+
+def retraction_core(
+    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Eq. 22, first half: ``(Q_u, Q_v, R_u K R_vᵀ)`` in float64 (see :func:`retract`)."""
+    _check_pair(A, B)
+    r = A.shape[-1]
+    A64, B64, dA64, dB64 = (t.to(torch.float64) for t in (A, B, dA, dB))
+    Qu, Ru = torch.linalg.qr(torch.cat([A64, dA64], dim=-1), mode="reduced")
+    Qv, Rv = torch.linalg.qr(torch.cat([B64, dB64], dim=-1), mode="reduced")
+    # R_u K without forming K: R_u K = [R_u1 − lr R_u2, −lr R_u1] for R_u = [R_u1, R_u2].
+    RuK = torch.cat([Ru[..., :r] - lr * Ru[..., r:], -lr * Ru[..., :r]], dim=-1)
+    return Qu, Qv, RuK @ Rv.mT
+
+
+def balanced_factors(Qu: Tensor, Qv: Tensor, core_svd: tuple[Tensor, Tensor, Tensor], r: int) -> tuple[Tensor, Tensor]:
+    """Eq. 22, second half: ``A' = Q_u U_c √S_r``, ``B' = Q_v V_c √S_r`` from the core's SVD."""
+    Uc, S, Vch = core_svd
+    root = S[..., None, :r].sqrt()
+    return Qu @ (Uc[..., :r] * root), Qv @ (Vch[..., :r, :].mT * root)
+
+
+def procrustes_rotate(A_new: Tensor, B_new: Tensor, target_svd: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """Rotate by ``Q = U'V'ᵀ`` from the SVD of ``A'ᵀA + B'ᵀB = U'ΣV'ᵀ`` (App. A.24)."""
+    Up, _, Vph = target_svd
+    Q = Up @ Vph
+    return A_new @ Q, B_new @ Q
 
 
 def retract(
@@ -185,24 +254,15 @@ def retract(
     orthogonal Procrustes solution ``Q = U'V'ᵀ`` of ``A'ᵀA + B'ᵀB = U'ΣV'ᵀ``, which keeps ``Z'``,
     ``Π_{A'}``, ``Π_{B'}`` and the balance (App. A.22, A.24). Computed in float64, returned in the
     input dtype. If the point has rank < r the trailing columns are zero; the next step's
-    :func:`check_full_rank` reports it.
+    :func:`check_full_rank` reports it. (The batched method runs the same pieces with each SVD
+    fused over all shape groups.)
     """
-    _check_pair(A, B)
-    dtype, r = A.dtype, A.shape[-1]
-    A64, B64, dA64, dB64 = (t.to(torch.float64) for t in (A, B, dA, dB))
-    Qu, Ru = torch.linalg.qr(torch.cat([A64, dA64], dim=-1), mode="reduced")
-    Qv, Rv = torch.linalg.qr(torch.cat([B64, dB64], dim=-1), mode="reduced")
-    # R_u K R_vᵀ without forming K: R_u K = [R_u1 − lr R_u2, −lr R_u1] for R_u = [R_u1, R_u2].
-    RuK = torch.cat([Ru[..., :r] - lr * Ru[..., r:], -lr * Ru[..., :r]], dim=-1)
-    Uc, S, Vch = torch.linalg.svd(RuK @ Rv.mT)
-    root = S[..., None, :r].sqrt()
-    A_new = Qu @ (Uc[..., :r] * root)
-    B_new = Qv @ (Vch[..., :r, :].mT * root)
+    Qu, Qv, core = retraction_core(A, B, dA, dB, lr)
+    A_new, B_new = balanced_factors(Qu, Qv, torch.linalg.svd(core), A.shape[-1])
     if align:
-        Up, _, Vph = torch.linalg.svd(A_new.mT @ A64 + B_new.mT @ B64)
-        Q = Up @ Vph
-        A_new, B_new = A_new @ Q, B_new @ Q
-    return A_new.to(dtype), B_new.to(dtype)
+        target = A_new.mT @ A.to(torch.float64) + B_new.mT @ B.to(torch.float64)
+        A_new, B_new = procrustes_rotate(A_new, B_new, torch.linalg.svd(target))
+    return A_new.to(A.dtype), B_new.to(B.dtype)
 
 
 def default_rcond(dtype: torch.dtype) -> float:
@@ -210,24 +270,18 @@ def default_rcond(dtype: torch.dtype) -> float:
     return math.sqrt(torch.finfo(dtype).eps)
 
 
-def full_rank_mask(R: Tensor, rcond: float) -> Tensor:
-    """Device-side test of thin-QR factors ``R`` [..., r, r] of ``X = Q R``: finite and ``σ_min > rcond·σ_max``.
-
-    ``X`` has the singular values of ``R`` (``Q`` orthonormal), so an ``r×r`` SVD tests the ``p×r``
-    factor. Non-finite ``R`` are replaced by zeros before the SVD (which fails on NaN) and reported
-    as ``False``. Returns ``[...]`` bool; no host synchronisation.
-    """
-    finite = torch.isfinite(R).flatten(-2).all(-1)
-    s = torch.linalg.svdvals(torch.where(finite[..., None, None], R, torch.zeros_like(R)).detach())
-    return finite & (s[..., -1] > rcond * s[..., 0])
+def full_rank_mask(X: Tensor, s: Tensor, rcond: float) -> Tensor:
+    """Device-side ``[...]`` bool: factor ``X`` [..., p, r] with singular values ``s`` [..., r] (descending,
+    0 when non-finite) is finite with ``σ_min > rcond·σ_max``. No host synchronisation."""
+    return torch.isfinite(X).flatten(-2).all(-1) & (s[..., -1] > rcond * s[..., 0])
 
 
 def check_frames(frames: list[Frame], modules: list[list[str]], rcond: float | None = None) -> None:
     """Raise :class:`RankDeficientError` unless every factor of every frame is finite and full rank.
 
     ``frames[g]`` holds the factors of the modules named ``modules[g]`` (batched ``[G, m, r]`` or one
-    module ``[m, r]``). One batched SVD of all ``r×r`` factors of equal rank and one host read per
-    call; the offending module is looked up only on failure. ``rcond`` defaults to
+    module ``[m, r]``). Reads the singular values the frames already hold (no further SVD) with one
+    host read per call; the offending module is looked up only on failure. ``rcond`` defaults to
     :func:`default_rcond` of the factors' dtype (solves then lose at most ``√eps`` relative
     accuracy). The tangent space (eq. 11), the lift (eq. 14) and the noise sampler (eq. 19) need
     full column rank.
@@ -235,27 +289,20 @@ def check_frames(frames: list[Frame], modules: list[list[str]], rcond: float | N
     if not frames:
         return
     cutoff = default_rcond(frames[0].A.dtype) if rcond is None else rcond
-    by_rank: dict[int, list[list[Tensor]]] = {}
-    for fr in frames:
-        Xs, Rs = by_rank.setdefault(fr.RA.shape[-1], [[], []])
-        for X, R in ((fr.A, fr.RA), (fr.B, fr.RB)):
-            Xs.append(torch.isfinite(X).reshape(-1, X.shape[-2] * X.shape[-1]).all(-1))
-            Rs.append(R.reshape(-1, *R.shape[-2:]))
-    masks = [(full_rank_mask(torch.cat(Rs), cutoff) & torch.cat(Xs)).all() for Xs, Rs in by_rank.values()]
+    masks = [full_rank_mask(X, sv, cutoff).all() for fr in frames for X, sv in ((fr.A, fr.SA), (fr.B, fr.SB))]
     if bool(torch.stack(masks).all()):  # the one host read
         return
     for fr, names in zip(frames, modules):
-        for side, X, R in (("A (peft lora_B)", fr.A, fr.RA), ("B (peft lora_A)", fr.B, fr.RB)):
-            for module, Xi, Ri in zip(names, X.reshape(-1, *X.shape[-2:]), R.reshape(-1, *R.shape[-2:])):
-                if bool(full_rank_mask(Ri, cutoff) & torch.isfinite(Xi).all()):
+        for side, X, sv in (("A (peft lora_B)", fr.A, fr.SA), ("B (peft lora_A)", fr.B, fr.SB)):
+            for module, Xi, si in zip(names, X.reshape(-1, *X.shape[-2:]), sv.reshape(-1, sv.shape[-1])):
+                if bool(full_rank_mask(Xi, si, cutoff)):
                     continue
-                if not (torch.isfinite(Xi).all() and torch.isfinite(Ri).all()):
+                if not torch.isfinite(Xi).all():
                     raise RankDeficientError(
                         f"{module}: LoRA factor {side} has non-finite entries; lower the learning rate or "
                         "the noise, or restart from the last checkpoint"
                     )
-                s = torch.linalg.svdvals(Ri.detach())
-                ratio = (s[-1] / s[0]).item() if s[0] > 0 else 0.0
+                ratio = (si[-1] / si[0]).item() if si[0] > 0 else 0.0
                 raise RankDeficientError(
                     f"{module}: LoRA factor {side} is rank-deficient (σ_min/σ_max = {ratio:.3g} ≤ rcond "
                     f"{cutoff:.3g}); PRISM needs full-rank factors — use method.init=spectral instead of "
@@ -265,11 +312,8 @@ def check_frames(frames: list[Frame], modules: list[list[str]], rcond: float | N
 
 def check_full_rank(A: Tensor, B: Tensor, module: str | list[str], rcond: float | None = None) -> None:
     """:func:`check_frames` for one module (``module`` a name) or one batch ``[G, m, r]`` (``G`` names)."""
-    _check_pair(A, B)
     names = [module] if isinstance(module, str) else list(module)
-    nan = torch.tensor(float("nan"), dtype=A.dtype, device=A.device)
-    fr = frame(torch.where(torch.isfinite(A), A, nan), torch.where(torch.isfinite(B), B, nan))
-    check_frames([fr._replace(A=A, B=B)], [names], rcond)
+    check_frames([frame(A, B)], [names], rcond)
 
 
 def tangent_dim(m: int, n: int, r: int) -> int:

@@ -42,7 +42,13 @@ import torch
 from torch import Tensor, nn
 
 from prism import geometry
-from prism.adaptive import AdaptiveConfig, RankSpaceAdaptive, noise_second_moments
+from prism.adaptive import (
+    AdaptiveConfig,
+    RankSpaceAdaptive,
+    noise_second_moments,
+    spectral_preconditioner,
+    symmetric_part,
+)
 from prism.lora import LoraPair, lora_pairs, read_pair, write_pair
 from prism.methods.base import Method, PrivacySpec
 
@@ -160,8 +166,8 @@ class PrismMethod(Method):
     def zero_accumulators(self) -> None:
         """Snapshot and factor every group's ``(A, B)``, check full rank (one host read), zero the sums."""
         self._norms = []
-        for g in self.groups:
-            g.frame = geometry.frame(*self._snapshot(g))
+        for g, fr in zip(self.groups, geometry.frames([self._snapshot(g) for g in self.groups])):
+            g.frame = fr
         try:
             geometry.check_frames([g.frame for g in self.groups], [g.modules for g in self.groups])
         except geometry.RankDeficientError:
@@ -237,28 +243,40 @@ class PrismMethod(Method):
     def step(self, denominator: float, generator: torch.Generator | None, diagnostics: bool = True) -> dict[str, Tensor]:
         """Privatise (eq. 17), horizontalise, adapt (eqs. 24–26), retract (eq. 22), write back.
 
-        Returns 0-dim device tensors; ``noise_norm`` and ``update_norm`` only with ``diagnostics``.
+        Runs stage by stage over all groups, so each ``eigh``/SVD is one call for every group
+        (:func:`geometry.fused`). Returns 0-dim device tensors; ``noise_norm`` and ``update_norm``
+        only with ``diagnostics``.
         """
         self._check_denominator(denominator)
-        tau, h = self.tau(denominator), self.config.horizontalize
-        noise_sq, update_sq = [], []
+        tau, h, cfg = self.tau(denominator), self.config.horizontalize, self.config.adaptive
+        noise_sq, lifts, finite = [], [], []
         for g in self.groups:
-            fr = g.frame
             dA, dB, sq = self.privatized_group(g, denominator, generator, diagnostics)
             if sq is not None:
                 noise_sq.append(sq)
-            finite = _finite_per_module(dA) & _finite_per_module(dB)
-            dA, dB = (torch.where(finite[:, None, None], x, 0.0) for x in (dA, dB))  # eigh/SVD fail on NaN
+            ok = (_finite_per_module(dA) & _finite_per_module(dB))[:, None, None]
+            dA, dB = (torch.where(ok, x, 0.0) for x in (dA, dB))  # eigh/SVD fail on NaN; restored below
             if h == "both":
-                dA, dB = geometry.horizontalize(fr.A, fr.B, dA, dB, frame=fr)
-            sigma_A, sigma_B = noise_second_moments(fr)
-            UA, UB = g.adaptive.step(dA, dB, tau, sigma_A, sigma_B)
-            if h in ("both", "pre_retract"):
-                UA, UB = geometry.horizontalize(fr.A, fr.B, UA, UB, frame=fr)
-            A_new, B_new = geometry.retract(fr.A, fr.B, UA, UB, self.config.lr)
-            A_new, B_new = (torch.where(finite[:, None, None], x, torch.nan) for x in (A_new, B_new))
+                dA, dB = geometry.horizontalize(g.frame.A, g.frame.B, dA, dB, frame=g.frame)
+            lifts.append((dA, dB))
+            finite.append(ok)
+        if cfg.preconditioner == "none":
+            directions = lifts
+        else:  # eqs. 24–26: one eigh for the rank-space moments of every factor of every group
+            estimates = [e for g, (dA, dB) in zip(self.groups, lifts)
+                         for e in g.adaptive.observe(dA, dB, tau, *noise_second_moments(g.frame))]
+            eighs = geometry.fused(torch.linalg.eigh, [symmetric_part(V_hat) for _, V_hat, _ in estimates])
+            U = [m_hat @ spectral_preconditioner(cfg, w, E, floor) for (m_hat, _, floor), (w, E) in zip(estimates, eighs)]
+            directions = list(zip(U[0::2], U[1::2]))
+        if h in ("both", "pre_retract"):
+            directions = [geometry.horizontalize(g.frame.A, g.frame.B, UA, UB, frame=g.frame)
+                          for g, (UA, UB) in zip(self.groups, directions)]
+        new = self._retract(directions)
+        update_sq = []
+        for g, (A_new, B_new), ok in zip(self.groups, new, finite):
+            A_new, B_new = (torch.where(ok, x, torch.nan) for x in (A_new, B_new))
             if diagnostics:
-                update_sq.append(_product_sqdist(fr.A, fr.B, A_new, B_new).sum())
+                update_sq.append(_product_sqdist(g.frame.A, g.frame.B, A_new, B_new).sum())
             self._write(g, A_new, B_new)
         stats: dict[str, Tensor] = {}
         if diagnostics:
@@ -273,6 +291,19 @@ class PrismMethod(Method):
             g.frame, g.sums = None, None
         self._ready = False
         return stats
+
+    def _retract(self, directions: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+        """:func:`geometry.retract` (aligned) of every group, each of its two SVDs fused over the groups."""
+        cores = [geometry.retraction_core(g.frame.A, g.frame.B, UA, UB, self.config.lr)
+                 for g, (UA, UB) in zip(self.groups, directions)]
+        svds = geometry.fused(torch.linalg.svd, [core for _, _, core in cores])
+        balanced = [geometry.balanced_factors(Qu, Qv, svd, g.frame.A.shape[-1])
+                    for g, (Qu, Qv, _), svd in zip(self.groups, cores, svds)]
+        targets = [A_new.mT @ g.frame.A.double() + B_new.mT @ g.frame.B.double()
+                   for g, (A_new, B_new) in zip(self.groups, balanced)]
+        rotations = geometry.fused(torch.linalg.svd, targets)
+        return [tuple(x.to(self.dtype) for x in geometry.procrustes_rotate(A_new, B_new, svd))
+                for (A_new, B_new), svd in zip(balanced, rotations)]
 
     def tau(self, denominator: float) -> float:
         """Noise standard deviation ``σC/denominator`` of the averaged lift (0 without DP)."""
