@@ -97,6 +97,24 @@ def noise_second_moments(fr: Frame) -> tuple[Tensor, Tensor]:
     return ((m - r) / m) * (RB_inv @ RB_inv.mT), RA_inv @ RA_inv.mT
 
 
+def horizontal_noise_second_moments(fr: Frame) -> tuple[Tensor, Tensor]:
+    """Eq. 50 for the horizontalised unit noise ``H(Ξ_A, Ξ_B)`` (what DP feeds the moments).
+
+    ``H`` (:func:`prism.geometry.horizontalize`) adds ``(AΩ, −BΩᵀ)`` with ``MΩ + ΩN = Ξ_BᵀB``. In the
+    eigenbases ``M = U diag(μ) Uᵀ``, ``N = V diag(ν) Vᵀ`` the entries of ``UᵀΩV`` are independent,
+    ``N(0, ν_j/μ_i)/(μ_i + ν_j)``, which gives the closed forms
+    ``Σ_A = V diag((m−r)/ν_j + ν_j Σ_i (μ_i+ν_j)⁻²) Vᵀ / m`` and
+    ``Σ_B = U diag((n−r)/μ_i + μ_i Σ_j (μ_i+ν_j)⁻²) Uᵀ / n`` (symmetric in the two factors, as the
+    horizontal slice is). The eigenbases are the frame's (no further decomposition).
+    """
+    (m, r), n = fr.A.shape[-2:], fr.B.shape[-2]
+    mu, nu, U, V = fr.SA.square(), fr.SB.square(), fr.VA, fr.VB
+    inv_sq = (mu[..., :, None] + nu[..., None, :]).pow(-2)  # [..., i, j]
+    diag_A = (m - r) / nu + nu * inv_sq.sum(-2)
+    diag_B = (n - r) / mu + mu * inv_sq.sum(-1)
+    return (V * diag_A[..., None, :]) @ V.mT / m, (U * diag_B[..., None, :]) @ U.mT / n
+
+
 def noise_floor(cfg: AdaptiveConfig, tau: float, sigma_noise: Tensor) -> float | Tensor:
     """Eq. 26 DP floor ``λ``: ``floor_factor·τ²`` (scalar) or ``floor_factor·τ²·tr(Σ)/r`` (geometry).
 

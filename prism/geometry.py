@@ -159,15 +159,22 @@ def lift(
 def intrinsic_sqnorm(
     A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, frame: Frame | None = None
 ) -> Tensor:
-    """Eq. 15: ``‖ΔA Bᵀ + A ΔBᵀ‖²_F = tr(ΔAᵀΔA N) + tr(ΔBᵀΔB M) + 2 tr((AᵀΔA)(BᵀΔB))``.
+    """Eq. 15, ``‖ΔA Bᵀ + A ΔBᵀ‖²_F``, as a sum of three non-negative block norms.
 
+    With ``X_A = ΔA R_Bᵀ``, ``X_B = ΔB R_Aᵀ`` the image is ``X_A Q_Bᵀ + Q_A X_Bᵀ``; splitting it into
+    the orthogonal blocks ``Q_A(Q_AᵀX_A + X_BᵀQ_B)Q_Bᵀ``, ``(I − Π_A)X_A Q_Bᵀ`` and ``Q_A X_Bᵀ(I − Π_B)``
+    gives the same value as the trace form ``tr(ΔAᵀΔA N) + tr(ΔBᵀΔB M) + 2 tr((AᵀΔA)(BᵀΔB))``
+    without its cancellation: the trace form loses ``eps·κ²`` relative accuracy (1.35× under-estimates
+    at κ = 2,500 in float32), this form ``eps·κ`` (times the lift's vertical-to-image ratio).
     Valid for any lift of the tangent vector (Prop. A.15); batched ``dA`` [b, m, r] gives ``[b]``.
     """
     fr = _frame(A, B, frame)
-    term_A = ((dA @ fr.N) * dA).sum((-2, -1))
-    term_B = ((dB @ fr.M) * dB).sum((-2, -1))
-    cross = ((fr.A.mT @ dA) * (fr.B.mT @ dB).mT).sum((-2, -1))
-    return term_A + term_B + 2.0 * cross
+    XA = dA @ fr.RB.mT
+    XB = dB @ fr.RA.mT
+    cA = fr.QA.mT @ XA
+    cB = fr.QB.mT @ XB
+    core = (cA + cB.mT).square().sum((-2, -1))
+    return core + (XA - fr.QA @ cA).square().sum((-2, -1)) + (XB - fr.QB @ cB).square().sum((-2, -1))
 
 
 def tangent_noise(

@@ -3,11 +3,22 @@
 All six methods receive their privacy from the same Poisson sampler, the same σ (PRV-calibrated
 for the exact number of steps), the same clipping norm C and the same number of steps; they differ
 only in the :class:`~prism.methods.base.Method` that clips, noises and updates.
+
+Two privacy switches (``conf/privacy/*.yaml``, README "What a run guarantees"):
+
+* ``privacy.secure_noise``: the Poisson sampler and the noise generator are seeded from the OS
+  entropy source instead of the public ``seed``; the seeds and the generators' states are recorded
+  nowhere (not in checkpoints), so a resumed run continues with fresh entropy and no run is
+  bitwise reproducible. Off, anyone who knows the config can regenerate the noise and the batches.
+* ``privacy.log_private_stats``: off, the per-step statistics computed from un-noised data
+  (:data:`PRIVATE_STATS`) are dropped from ``metrics.jsonl`` and W&B, and ``empty_batches`` from
+  ``final.json``.
 """
 from __future__ import annotations
 
 import math
 import random
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +48,10 @@ from prism.privacy import (
 )
 
 LogFn = Callable[[dict[str, Any]], None]
+# Per-step record fields computed from un-noised data (not covered by ε): the batch's mean loss, the
+# share of clipped examples and their mean norm, the norm of the drawn noise (with the released
+# update it pins the clipped sum), the realised Poisson batch size and the step time (grows with it).
+PRIVATE_STATS = ("loss", "clip_fraction", "grad_norm_mean", "noise_norm", "batch_size", "step_time_s")
 
 
 class TrainingDivergedError(RuntimeError):
@@ -60,6 +75,7 @@ class Setup:
     sigma: float
     device: torch.device
     prefix: PrefixCache | None  # exact cache of the frozen lower layers' hidden states (None: full forward)
+    secure: bool = False  # privacy.secure_noise: sampler/noise RNG states never reach a checkpoint
 
 
 def resolve_device(name: str) -> torch.device:
@@ -75,6 +91,19 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def mechanism_seeds(cfg: DictConfig) -> tuple[int, int]:
+    """Seeds of the Poisson sampler and the noise generator: ``seed + 1``, ``seed + 2`` (reproducible,
+    public), or 63 bits each from the OS entropy source with ``privacy.secure_noise``."""
+    if cfg.privacy.get("secure_noise", False):
+        return secrets.randbits(63), secrets.randbits(63)
+    return cfg.seed + 1, cfg.seed + 2
+
+
+def public_record(record: dict[str, Any], log_private_stats: bool) -> dict[str, Any]:
+    """``record`` without :data:`PRIVATE_STATS` unless ``privacy.log_private_stats``."""
+    return record if log_private_stats else {k: v for k, v in record.items() if k not in PRIVATE_STATS}
 
 
 def total_steps(cfg: DictConfig) -> int:
@@ -98,7 +127,8 @@ def build(cfg: DictConfig) -> Setup:
     init_generator = torch.Generator().manual_seed(cfg.seed)
     model = attach_lora(model, cfg.lora, cfg.backbone, init=cfg.method.init, generator=init_generator)
     features = [tokenize_example(tokenizer, ex, suite.cutoff_len, suite.train_on_inputs) for ex in suite.train]
-    sampler = PoissonSampler(n_train, cfg.train.batch_size, generator_seed=cfg.seed + 1)
+    sampler_seed, noise_seed = mechanism_seeds(cfg)
+    sampler = PoissonSampler(n_train, cfg.train.batch_size, generator_seed=sampler_seed)
     dp = math.isfinite(float(cfg.privacy.epsilon))
     sigma = 0.0
     if dp:
@@ -109,14 +139,14 @@ def build(cfg: DictConfig) -> Setup:
     method = build_method(cfg.method, params, privacy)
     params = {name: p for name, p in params.items() if p.requires_grad}  # FFA freezes peft lora_A
     prefix = prefix_cache(model, features, cfg.train.get("prefix_cache", "auto"), name=cfg.backbone.name)
-    noise = torch.Generator(device=device).manual_seed(cfg.seed + 2)
+    noise = torch.Generator(device=device).manual_seed(noise_seed)
     if dp:
         per_example = PerExampleGradients(model)
         gradients = lambda batch: per_example.compute(**batch)  # noqa: E731
     else:
         gradients = lambda batch: summed_gradients(model, **batch)  # noqa: E731
     return Setup(model, tokenizer, suite, features, params, method, sampler, Accountant(), noise,
-                 gradients, sigma, device, prefix)
+                 gradients, sigma, device, prefix, secure=bool(cfg.privacy.get("secure_noise", False)))
 
 
 def _micro_batch(s: Setup, indices: list[int]) -> dict[str, Any]:
@@ -141,15 +171,17 @@ def _check_finite(what: str, tensors: dict[str, Tensor] | Tensor) -> None:
 
 
 def _state(s: Setup, step: int) -> dict[str, Any]:
-    return {
+    """Checkpoint contents; with ``secure_noise`` without the sampler's and the noise's RNG states."""
+    state = {
         "step": step,
         "params": {name: p.detach().cpu().clone() for name, p in s.params.items()},
         "method": s.method.state_dict(),
-        "sampler": s.sampler.state_dict(),
         "accountant": s.accountant.state_dict(),
-        "noise_rng": s.noise.get_state(),
         "torch_rng": torch.get_rng_state(),
     }
+    if not s.secure:
+        state.update(sampler=s.sampler.state_dict(), noise_rng=s.noise.get_state())
+    return state
 
 
 def _restore(s: Setup, state: dict[str, Any]) -> int:
@@ -157,9 +189,10 @@ def _restore(s: Setup, state: dict[str, Any]) -> int:
         for name, p in s.params.items():
             p.copy_(state["params"][name].to(p.device))
     s.method.load_state_dict(state["method"])
-    s.sampler.load_state_dict(state["sampler"])
+    if not s.secure:  # secure_noise: the fresh entropy drawn by build() continues the run
+        s.sampler.load_state_dict(state["sampler"])
+        s.noise.set_state(state["noise_rng"])
     s.accountant.load_state_dict(state["accountant"])
-    s.noise.set_state(state["noise_rng"])
     torch.set_rng_state(state["torch_rng"])
     return int(state["step"])
 
@@ -176,14 +209,18 @@ def host_floats(stats: dict[str, Tensor]) -> dict[str, float]:
 def train_step(s: Setup, cfg: DictConfig, diagnostics: bool = True) -> dict[str, float]:
     """One logical step: Poisson batch → micro-batches → clip & sum → noise once → update.
 
-    ``diagnostics`` asks the method for its noise and update norms (logged runs; Table 5 timing skips them).
+    ``diagnostics`` asks the method for its noise and update norms (every logged step; off only in
+    benchmarks that time the mechanism alone).
     """
     indices = s.sampler.sample()
     if s.method.dp:
         s.accountant.step(noise_multiplier=s.sigma, sample_rate=s.sampler.sample_rate)
-    if len(indices) == 0:  # an empty Poisson batch still counts for the accountant
-        return {"batch_size": 0}
     s.method.zero_accumulators()
+    if len(indices) == 0:
+        # DP: the noisy step is released on an empty batch too (noise only, the same σC/B), since
+        # skipping it would reveal that the batch was empty. Non-DP: nothing to average.
+        stats = host_floats(s.method.step(float(cfg.train.batch_size), s.noise, diagnostics)) if s.method.dp else {}
+        return {"batch_size": 0, **stats}
     losses = []
     for chunk in indices.split(cfg.train.micro_batch_size):
         loss, grads = s.gradients(_micro_batch(s, chunk.tolist()))
@@ -209,11 +246,12 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
     benchmark = cfg.train.get("benchmark")
     steps = total_steps(cfg)
     step_times, empty = [], 0
+    log_private = bool(cfg.privacy.get("log_private_stats", True))
     if s.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(s.device)
     for step in range(start, steps):
         tic = time.perf_counter()
-        record = train_step(s, cfg, diagnostics=not benchmark)
+        record = train_step(s, cfg)
         if s.device.type == "cuda":
             torch.cuda.synchronize(s.device)
         record.update(step=step + 1, sigma=s.sigma, step_time_s=time.perf_counter() - tic)
@@ -223,7 +261,7 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
         step_times.append(record["step_time_s"])
         if step == start and record["batch_size"] > 0:
             _assert_moved(s.params, initial)
-        log(record)
+        log(public_record(record, log_private))
         if not benchmark and ((step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == steps):
             save_checkpoint(ckpt_dir, _state(s, step + 1))
     train_time = time.time() - started
@@ -231,7 +269,7 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
         "sigma": s.sigma,
         "sample_rate": s.sampler.sample_rate,
         "steps": steps,
-        "empty_batches": empty,
+        **({"empty_batches": empty} if log_private else {}),
         "n_train": len(s.suite.train),
         "epsilon_spent": s.accountant.epsilon(cfg.privacy.delta) if s.method.dp else math.inf,
         "peak_memory_mb": peak_memory_mb(s.device),

@@ -19,17 +19,30 @@ module (the reference path). ``accumulate`` and ``step`` never synchronise with 
 are 0-dim device tensors, and a non-finite lift is written as NaN factors (the loop's finite check
 stops the run) instead of being raised here.
 
-``horizontalize``: ``both`` (released code: the privatised lift before the moments and the
-direction before the retraction), ``pre_retract`` (the direction only) or ``none`` (paper Alg. 1).
-The noise moments used by the geometry floor / debias (eq. 50) are those of the eq.-19 lift, so
-they are exact with ``none`` / ``pre_retract`` and approximate after a pre-moment horizontalisation.
+Privacy of the factor components. The eq.-19 noise has ``AᵀΞ_A = 0`` while the clipped sum's lift
+has ``AᵀΔ̄A = ½AᵀĜBN⁻¹``: the r×r vertical (gauge) block of the privatised factor pair is an exact,
+noise-free function of the clipped sum (paper Alg. 1 as printed feeds it to the moments). Under DP
+the privatised lift is therefore always horizontalised (Prop. A.11) before anything reads its
+factor components: the horizontal representative depends only on the noised tangent vector
+``ΔA Bᵀ + A ΔBᵀ`` and the public ``(A, B)``. The geometry floor and the debias (eq. 50) then use the
+exact moments of the horizontalised noise (:func:`prism.adaptive.horizontal_noise_second_moments`).
+
+``horizontalize``: ``both`` (released code: the lift before the moments and the direction before the
+retraction), ``pre_retract`` (the direction only) or ``none`` (paper Alg. 1). Under DP the lift is
+horizontalised in every setting (above), so the setting changes the pre-moment gauge of non-DP runs
+only, plus the (image-preserving) pre-retraction step.
 
 Non-DP: grads arrive summed over the micro-batch; the lift is linear, so the sum is lifted once.
 
-``compute_dtype`` (default float32) is the dtype of the snapshots, lifts, noise and moments whatever
-the parameters' dtype (bf16 parameters are never used for the linear algebra); the retraction runs in
-float64 internally. Measured: float32 lifts/norms agree with float64 to ~1e-7 relative at κ(A) = 30,
-and float32 is ~2.5× faster on CPU (SmolLM2-135M shapes, r = 16).
+Precision. Under DP the per-example lifts, intrinsic norms (eq. 15, block form), clip coefficients,
+clipped sums, noise and horizontalisation run in float64 from the snapshots, so every clipped
+contribution has intrinsic norm ≤ C(1 + 1e-6) for every factor pair the rank check admits
+(float32 norms under-estimate by up to 1.35× at κ = 2,500, the error growing like eps·κ²).
+Measured on CPU: the float64 per-example path costs ~1.75× the float32 one (SmolLM2-135M shapes,
+r = 16, micro-batch 8), small against the per-example gradients. ``compute_dtype`` (default float32)
+is the dtype of the snapshots, the rank check's cutoff and the adaptive moments (non-DP: of
+everything); bf16 parameters are never used for the linear algebra; the retraction runs in float64
+internally.
 """
 from __future__ import annotations
 
@@ -45,6 +58,7 @@ from prism import geometry
 from prism.adaptive import (
     AdaptiveConfig,
     RankSpaceAdaptive,
+    horizontal_noise_second_moments,
     noise_second_moments,
     spectral_preconditioner,
     symmetric_part,
@@ -60,6 +74,7 @@ COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 # Fields of the method node this class reads besides the AdaptiveConfig ones; "name"/"init" belong
 # to build_method / prism.models.
 _OWN_FIELDS = {"name", "lr", "init", "horizontalize", "rank_fallback", "compute_dtype"}
+DP_DTYPE = torch.float64  # per-example lifts, norms, clipped sums and noise under DP (module docstring)
 
 
 @dataclass(frozen=True)
@@ -153,6 +168,8 @@ class PrismMethod(Method):
         if not pairs:
             raise ValueError("PRISM found no peft LoRA parameters (…lora_A/lora_B….weight) among the trainable ones")
         self.dtype = COMPUTE_DTYPES[self.config.compute_dtype]
+        self.work_dtype = DP_DTYPE if self.dp else self.dtype
+        self.horizontal_lift = self.dp or self.config.horizontalize == "both"
         self.groups: list[ShapeGroup] = []
         for group in group_by_shape(self.params, pairs, batched):
             A, B = read_pair(self.params, group[0])
@@ -169,7 +186,7 @@ class PrismMethod(Method):
         for g, fr in zip(self.groups, geometry.frames([self._snapshot(g) for g in self.groups])):
             g.frame = fr
         try:
-            geometry.check_frames([g.frame for g in self.groups], [g.modules for g in self.groups])
+            self._check_rank()
         except geometry.RankDeficientError:
             if self.config.rank_fallback is None:
                 raise
@@ -192,7 +209,7 @@ class PrismMethod(Method):
                         f"{pair.module}: gradient of shape {tuple(grads[pair.a_name].shape)}; DP needs per-example "
                         "grads [k, *shape] (prism.privacy.per_example), non-DP their micro-batch sum [*shape]"
                     )
-            gA, gB = (x.detach().to(self.dtype) for x in stack_pairs(grads, g.pairs, dim=1 if self.dp else 0))
+            gA, gB = (x.detach().to(self.work_dtype) for x in stack_pairs(grads, g.pairs, dim=1 if self.dp else 0))
             lifts.append(geometry.lift(g.frame.A, g.frame.B, gA, gB, frame=g.frame))
         if not self.dp:
             for g, (dA, dB) in zip(self.groups, lifts):
@@ -213,25 +230,31 @@ class PrismMethod(Method):
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Eq. 17 for one group: ``(Δ̄A, Δ̄B) + τ(Ξ_A, Ξ_B)``, ``τ = σC/denominator``, and ``Σ‖N_Z‖²_F`` (eq. 21).
 
-        The unit sampler of eq. 19 is scaled by exactly ``τ`` (never damped). Non-DP: ``τ = 0``.
+        The unit sampler of eq. 19 is scaled by exactly ``τ`` (never damped). Under DP (and with
+        ``horizontalize: both``) the result is horizontalised, so its factor components are a
+        function of the noised tangent vector and the public ``(A, B)`` only. Non-DP: ``τ = 0``.
         The noise energy (a device tensor) is computed only with ``diagnostics``.
         """
         fr = g.frame
         dA, dB = (s / denominator for s in g.sums)
         tau = self.tau(denominator)
-        if tau == 0:
-            return dA, dB, dA.new_zeros(()) if diagnostics else None
-        XiA, XiB = geometry.tangent_noise(fr.A, fr.B, generator=generator, frame=fr)
-        XiA, XiB = tau * XiA, tau * XiB
-        noise_sq = geometry.intrinsic_sqnorm(fr.A, fr.B, XiA, XiB, frame=fr).sum() if diagnostics else None
-        return dA + XiA, dB + XiB, noise_sq
+        noise_sq = dA.new_zeros(()) if diagnostics else None
+        if tau > 0:
+            XiA, XiB = geometry.tangent_noise(fr.A, fr.B, generator=generator, frame=fr)
+            XiA, XiB = tau * XiA, tau * XiB
+            if diagnostics:
+                noise_sq = geometry.intrinsic_sqnorm(fr.A, fr.B, XiA, XiB, frame=fr).sum()
+            dA, dB = dA + XiA, dB + XiB
+        if self.horizontal_lift:
+            dA, dB = geometry.horizontalize(fr.A, fr.B, dA, dB, frame=fr)
+        return dA, dB, noise_sq
 
     def privatized_lifts(
         self, denominator: float, generator: torch.Generator | None
     ) -> tuple[dict[str, tuple[Tensor, Tensor]], Tensor]:
         """Per module the privatised lift of :meth:`privatized_group`, and ``‖N_Z‖_F`` over all modules."""
         self._check_denominator(denominator)
-        out, noise_sq = {}, torch.zeros((), dtype=self.dtype)
+        out, noise_sq = {}, torch.zeros((), dtype=self.work_dtype)
         for g in self.groups:
             dA, dB, sq = self.privatized_group(g, denominator, generator)
             out.update({module: (a, b) for module, a, b in zip(g.modules, dA, dB)})
@@ -241,7 +264,7 @@ class PrismMethod(Method):
 
     @torch.no_grad()
     def step(self, denominator: float, generator: torch.Generator | None, diagnostics: bool = True) -> dict[str, Tensor]:
-        """Privatise (eq. 17), horizontalise, adapt (eqs. 24–26), retract (eq. 22), write back.
+        """Privatise and horizontalise (eq. 17), adapt (eqs. 24–26), retract (eq. 22), write back.
 
         Runs stage by stage over all groups, so each ``eigh``/SVD is one call for every group
         (:func:`geometry.fused`). Returns 0-dim device tensors; ``noise_norm`` and ``update_norm``
@@ -249,25 +272,25 @@ class PrismMethod(Method):
         """
         self._check_denominator(denominator)
         tau, h, cfg = self.tau(denominator), self.config.horizontalize, self.config.adaptive
+        moments = horizontal_noise_second_moments if self.horizontal_lift else noise_second_moments
         noise_sq, lifts, finite = [], [], []
         for g in self.groups:
             dA, dB, sq = self.privatized_group(g, denominator, generator, diagnostics)
             if sq is not None:
                 noise_sq.append(sq)
             ok = (_finite_per_module(dA) & _finite_per_module(dB))[:, None, None]
-            dA, dB = (torch.where(ok, x, 0.0) for x in (dA, dB))  # eigh/SVD fail on NaN; restored below
-            if h == "both":
-                dA, dB = geometry.horizontalize(g.frame.A, g.frame.B, dA, dB, frame=g.frame)
+            dA, dB = (torch.where(ok, x, 0.0).to(self.dtype) for x in (dA, dB))  # eigh/SVD fail on NaN
             lifts.append((dA, dB))
             finite.append(ok)
         if cfg.preconditioner == "none":
             directions = lifts
         else:  # eqs. 24–26: one eigh for the rank-space moments of every factor of every group
-            estimates = [e for g, (dA, dB) in zip(self.groups, lifts)
-                         for e in g.adaptive.observe(dA, dB, tau, *noise_second_moments(g.frame))]
+            estimates = [e for g, (dA, dB) in zip(self.groups, lifts) for e in g.adaptive.observe(
+                dA, dB, tau, *(x.to(self.dtype) for x in moments(g.frame)))]
             eighs = geometry.fused(torch.linalg.eigh, [symmetric_part(V_hat) for _, V_hat, _ in estimates])
             U = [m_hat @ spectral_preconditioner(cfg, w, E, floor) for (m_hat, _, floor), (w, E) in zip(estimates, eighs)]
             directions = list(zip(U[0::2], U[1::2]))
+        directions = [(UA.to(self.work_dtype), UB.to(self.work_dtype)) for UA, UB in directions]
         if h in ("both", "pre_retract"):
             directions = [geometry.horizontalize(g.frame.A, g.frame.B, UA, UB, frame=g.frame)
                           for g, (UA, UB) in zip(self.groups, directions)]
@@ -302,7 +325,7 @@ class PrismMethod(Method):
         targets = [A_new.mT @ g.frame.A.double() + B_new.mT @ g.frame.B.double()
                    for g, (A_new, B_new) in zip(self.groups, balanced)]
         rotations = geometry.fused(torch.linalg.svd, targets)
-        return [tuple(x.to(self.dtype) for x in geometry.procrustes_rotate(A_new, B_new, svd))
+        return [tuple(x.to(self.work_dtype) for x in geometry.procrustes_rotate(A_new, B_new, svd))
                 for (A_new, B_new), svd in zip(balanced, rotations)]
 
     def tau(self, denominator: float) -> float:
@@ -312,7 +335,7 @@ class PrismMethod(Method):
     @property
     def example_norms(self) -> Tensor:
         """Intrinsic per-example norms ``s_i`` (eq. 16) accumulated so far in this logical step."""
-        return torch.cat(self._norms) if self._norms else torch.zeros(0, dtype=self.dtype)
+        return torch.cat(self._norms) if self._norms else torch.zeros(0, dtype=self.work_dtype)
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -344,8 +367,13 @@ class PrismMethod(Method):
 
     # ---------------------------------------------------------------- helpers
     def _snapshot(self, g: ShapeGroup) -> tuple[Tensor, Tensor]:
-        """The group's current ``(A, B)`` stacked ``[G, m, r]``, ``[G, n, r]`` in ``compute_dtype``."""
-        return tuple(x.detach().to(self.dtype) for x in stack_pairs(self.params, g.pairs))
+        """The group's ``(A, B)`` stacked ``[G, m, r]``, ``[G, n, r]``: rounded to ``compute_dtype``, held in the working dtype."""
+        return tuple(x.detach().to(self.dtype).to(self.work_dtype) for x in stack_pairs(self.params, g.pairs))
+
+    def _check_rank(self) -> None:
+        """:func:`geometry.check_frames` with the cutoff of ``compute_dtype`` (frames may be float64)."""
+        geometry.check_frames([g.frame for g in self.groups], [g.modules for g in self.groups],
+                              geometry.default_rcond(self.dtype))
 
     @torch.no_grad()
     def _write(self, g: ShapeGroup, A: Tensor, B: Tensor) -> None:
@@ -365,7 +393,7 @@ class PrismMethod(Method):
         for g in self.groups:
             for pair, A, B in zip(g.pairs, g.frame.A, g.frame.B):
                 try:
-                    geometry.check_full_rank(A, B, pair.module)
+                    geometry.check_full_rank(A, B, pair.module, geometry.default_rcond(self.dtype))
                     continue
                 except geometry.RankDeficientError:
                     pass
@@ -374,7 +402,7 @@ class PrismMethod(Method):
                             pair.module, raised, rcond)
                 write_pair(self.params, pair, A, B)
             g.frame = geometry.frame(*self._snapshot(g))
-        geometry.check_frames([g.frame for g in self.groups], [g.modules for g in self.groups])
+        self._check_rank()
 
 
 def _finite_per_module(X: Tensor) -> Tensor:
