@@ -177,6 +177,32 @@ def intrinsic_sqnorm(
     return core + (XA - fr.QA @ cA).square().sum((-2, -1)) + (XB - fr.QB @ cB).square().sum((-2, -1))
 
 
+def lifted_sqnorm(
+    A: Tensor, B: Tensor, gA: Tensor, gB: Tensor, frame: Frame | None = None
+) -> Tensor:
+    """Eqs. 14–15 from the factor gradients: ``‖ΔA Bᵀ + A ΔBᵀ‖²_F`` of the lift of ``(g_A, g_B)``, unformed.
+
+    With ``X_A = g_A R_B⁻¹`` (``= G Q_B``), ``X_B = g_B R_A⁻¹`` (``= GᵀQ_A``), ``c_A = Q_AᵀX_A`` and
+    ``c_B = Q_BᵀX_B``, the lift's image (eq. 14) has the orthogonal blocks ``Q_A ½(c_A + c_Bᵀ) Q_Bᵀ``,
+    ``(I − Π_A) X_A Q_Bᵀ`` and ``Q_A X_Bᵀ (I − Π_B)``, so its squared norm is
+    ``¼‖c_A + c_Bᵀ‖² + (‖X_A‖² − ‖c_A‖²) + (‖X_B‖² − ‖c_B‖²)`` (``= ‖P(G)‖²`` of eq. 13 when
+    ``g_A = GB``, ``g_B = GᵀA``). One triangular solve and one ``r``-row product per factor — a third
+    of the lift plus :func:`intrinsic_sqnorm` — so per-example clipping (eq. 16) never forms the lift;
+    the clipped sum is lifted once (the lift is linear). The two differences lose at most
+    ``eps·(‖X_A‖² + ‖X_B‖²)``, which for gradients of that form is ``≤ 2 eps`` of the result (each
+    of ``‖X_A‖²``, ``‖X_B‖²`` is at most the result); the solves add ``eps·κ`` as in the lift.
+    """
+    fr = _frame(A, B, frame)
+    XA = torch.linalg.solve_triangular(fr.RB, gA, upper=True, left=False)
+    XB = torch.linalg.solve_triangular(fr.RA, gB, upper=True, left=False)
+    cA, cB = fr.QA.mT @ XA, fr.QB.mT @ XB
+
+    def sq(X: Tensor) -> Tensor:
+        return X.square().sum((-2, -1))
+
+    return 0.25 * sq(cA + cB.mT) + (sq(XA) - sq(cA)).clamp_min(0.0) + (sq(XB) - sq(cB)).clamp_min(0.0)
+
+
 def tangent_noise(
     A: Tensor,
     B: Tensor,

@@ -73,6 +73,24 @@ def test_geometry_functions_batched_equal_per_module() -> None:
             assert rel(A2[i], ref_A2) < 1e-10 and rel(B2[i], ref_B2) < 1e-10
 
 
+def test_lifted_sqnorm_is_the_norm_of_the_lift_without_forming_it() -> None:
+    """Clip norm from factor grads (eqs. 14–15): = ‖P(G)‖² (dense, eq. 13) for g_A = GB, g_B = GᵀA, and
+    = the lift's image norm for arbitrary (inconsistent) factor grads too; batched over modules."""
+    G_, m, n, k = 3, 9, 7, 4
+    A, B = stacked_factors(G_, m, n, seed=8)
+    g = torch.Generator().manual_seed(9)
+    G = torch.randn(k, G_, m, n, generator=g, dtype=F64)
+    fr = geo.frame(A, B)
+    got = geo.lifted_sqnorm(A, B, G @ B, G.mT @ A, frame=fr)
+    PiA, PiB = A @ torch.linalg.pinv(A), B @ torch.linalg.pinv(B)
+    dense = (PiA @ G + G @ PiB - PiA @ G @ PiB).square().sum((-2, -1))
+    assert got.shape == (k, G_) and rel(got, dense) < 1e-10
+    gA, gB = torch.randn(k, G_, m, R, generator=g, dtype=F64), torch.randn(k, G_, n, R, generator=g, dtype=F64)
+    dA, dB = geo.lift(A, B, gA, gB, frame=fr)
+    image = (dA @ B.mT + A @ dB.mT).square().sum((-2, -1))
+    assert rel(geo.lifted_sqnorm(A, B, gA, gB, frame=fr), image) < 1e-10
+
+
 @pytest.mark.parametrize("name", ["prism", "prism_paper"])
 def test_adaptive_transform_batched_equals_per_module(name: str) -> None:
     cfg = AdaptiveConfig.from_mapping(CONFIGS[name])

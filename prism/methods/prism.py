@@ -5,16 +5,19 @@ Per logical step (paper Alg. 1):
 1. :meth:`PrismMethod.zero_accumulators` snapshots every module's ``(A, B)`` in ``compute_dtype``,
    factors it once (:func:`prism.geometry.frame`) and checks full rank (never damp), in one batched
    check and one host read for all modules.
-2. :meth:`PrismMethod.accumulate` lifts each example's factor gradients (eq. 14), takes the global
-   intrinsic norm ``s_i`` over all modules (eqs. 15–16), clips with ``α_i = min(1, C/s_i)`` and sums
-   ``Σ α_i ΔA_i``, ``Σ α_i ΔB_i`` (batched over the micro-batch; no ``m×n`` matrix).
-3. :meth:`PrismMethod.step` divides by the expected batch size ``B`` and adds ``(σC/B)·(Ξ_A, Ξ_B)``
+2. :meth:`PrismMethod.accumulate` takes each example's global intrinsic norm ``s_i``, the norm of the
+   lift (eq. 14) of its factor gradients over all modules (eqs. 15–16, without forming the lift),
+   clips with ``α_i = min(1, C/s_i)`` and sums ``Σ α_i (g_A, g_B)_i`` (batched over the micro-batch;
+   no ``m×n`` matrix).
+3. :meth:`PrismMethod.step` lifts that sum once (the lift is linear, so this is ``Σ α_i ΔA_i``,
+   ``Σ α_i ΔB_i``), divides by the expected batch size ``B`` and adds ``(σC/B)·(Ξ_A, Ξ_B)``
    (eqs. 17, 19) — exactly the accountant's scale; optional Sylvester horizontalisation; the
    rank-space adaptive transform (eqs. 24–26, :mod:`prism.adaptive`); retraction (eq. 22).
 
 Modules of equal shape ``(m, n, r)`` form a :class:`ShapeGroup` (a transformer has a handful: q, k,
 v, up, down) whose factors, sums and adaptive moments are stacked ``[G, m, r]``, so every step above
-runs as one chain of batched kernels per group, not per module; ``batched=False`` makes one group per
+runs as one chain of batched kernels per group, not per module, and each ``eigh``/SVD of the step is
+one call for all groups; ``batched=False`` makes one group per module and one decomposition call per
 module (the reference path). ``accumulate`` and ``step`` never synchronise with the host: statistics
 are 0-dim device tensors, and a non-finite lift is written as NaN factors (the loop's finite check
 stops the run) instead of being raised here.
@@ -32,7 +35,7 @@ retraction), ``pre_retract`` (the direction only) or ``none`` (paper Alg. 1). Un
 horizontalised in every setting (above), so the setting changes the pre-moment gauge of non-DP runs
 only, plus the (image-preserving) pre-retraction step.
 
-Non-DP: grads arrive summed over the micro-batch; the lift is linear, so the sum is lifted once.
+Non-DP: grads arrive summed over the micro-batch and are summed, then lifted once, the same way.
 
 Precision. Under DP the per-example lifts, intrinsic norms (eq. 15, block form), clip coefficients,
 clipped sums, noise and horizontalisation run in float64 from the snapshots, so every clipped
@@ -47,7 +50,7 @@ internally.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,11 +153,23 @@ def group_by_shape(params: Mapping[str, Tensor], pairs: list[LoraPair], batched:
     return list(groups.values())
 
 
-def stack_pairs(tensors: Mapping[str, Tensor], pairs: list[LoraPair], dim: int = 0) -> tuple[Tensor, Tensor]:
-    """Paper ``(A, B)`` of several modules stacked at ``dim``: ``[…, G, m, r]``, ``[…, G, n, r]`` (views' copies)."""
-    A = torch.stack([tensors[p.a_name] for p in pairs], dim=dim)
-    Bt = torch.stack([tensors[p.b_name] for p in pairs], dim=dim)
-    return A, Bt.mT
+@torch.no_grad()
+def stack_pairs(
+    tensors: Mapping[str, Tensor], pairs: list[LoraPair], dtype: torch.dtype, dim: int = 0
+) -> tuple[Tensor, Tensor]:
+    """Paper ``(A, B)`` of several modules stacked at ``dim`` in ``dtype``: ``[…, G, m, r]``, ``[…, G, n, r]``.
+
+    One fused copy per factor (stacking and the dtype conversion in a single pass).
+    """
+    out = []
+    for name in ("a_name", "b_name"):
+        parts = [tensors[getattr(p, name)] for p in pairs]
+        shape = list(parts[0].shape)
+        shape.insert(dim, len(parts))
+        stacked = torch.empty(shape, dtype=dtype, device=parts[0].device)
+        torch._foreach_copy_(list(stacked.unbind(dim)), parts)
+        out.append(stacked)
+    return out[0], out[1].mT
 
 
 class PrismMethod(Method):
@@ -178,6 +193,7 @@ class PrismMethod(Method):
             self.groups.append(ShapeGroup(pairs=group, adaptive=adaptive))
         self._norms: list[Tensor] = []
         self._ready = False
+        self._fused = geometry.fused if batched else _one_by_one
 
     # ---------------------------------------------------------------- step protocol
     def zero_accumulators(self) -> None:
@@ -196,10 +212,15 @@ class PrismMethod(Method):
         self._ready = True
 
     def accumulate(self, grads: Mapping[str, Tensor]) -> None:
-        """Add one micro-batch (DP: per-example ``[k, *shape]`` grads, clipped by eq. 16; else a sum)."""
+        """Add one micro-batch (DP: per-example ``[k, *shape]`` grads, clipped by eq. 16; else a sum).
+
+        Sums the clipped factor gradients ``Σ α_i (g_A, g_B)_i``; their lift (eq. 14, linear) is taken
+        once per step. The clip norm ``s_i`` is the exact norm of example ``i``'s lift
+        (:func:`geometry.lifted_sqnorm`), summed over all modules (eq. 16).
+        """
         if not self._ready:
             raise RuntimeError("call zero_accumulators() before accumulate()")
-        lifts = []
+        stacked = []
         for g in self.groups:
             for pair in g.pairs:
                 if pair.a_name not in grads or pair.b_name not in grads:
@@ -209,21 +230,20 @@ class PrismMethod(Method):
                         f"{pair.module}: gradient of shape {tuple(grads[pair.a_name].shape)}; DP needs per-example "
                         "grads [k, *shape] (prism.privacy.per_example), non-DP their micro-batch sum [*shape]"
                     )
-            gA, gB = (x.detach().to(self.work_dtype) for x in stack_pairs(grads, g.pairs, dim=1 if self.dp else 0))
-            lifts.append(geometry.lift(g.frame.A, g.frame.B, gA, gB, frame=g.frame))
+            stacked.append(stack_pairs(grads, g.pairs, self.work_dtype, dim=1 if self.dp else 0))
         if not self.dp:
-            for g, (dA, dB) in zip(self.groups, lifts):
-                g.sums[0].add_(dA)
-                g.sums[1].add_(dB)
+            for g, (gA, gB) in zip(self.groups, stacked):
+                g.sums[0].add_(gA)
+                g.sums[1].add_(gB)
             return
-        sq = sum(geometry.intrinsic_sqnorm(g.frame.A, g.frame.B, *lift, frame=g.frame).sum(-1)
-                 for g, lift in zip(self.groups, lifts))
-        norms = sq.clamp_min(0.0).sqrt()  # NaN stays NaN: it reaches the update and the loop's finite check
+        sq = sum(geometry.lifted_sqnorm(g.frame.A, g.frame.B, gA, gB, frame=g.frame).sum(-1)
+                 for g, (gA, gB) in zip(self.groups, stacked))
+        norms = sq.sqrt()  # NaN stays NaN: it reaches the update and the loop's finite check
         alpha = (self.privacy.clip_norm / norms).clamp(max=1.0)
         self._norms.append(norms)
-        for g, (dA, dB) in zip(self.groups, lifts):
-            g.sums[0].add_(torch.einsum("k,kgmr->gmr", alpha, dA))
-            g.sums[1].add_(torch.einsum("k,kgnr->gnr", alpha, dB))
+        for g, (gA, gB) in zip(self.groups, stacked):
+            g.sums[0].add_(torch.einsum("k,kgmr->gmr", alpha, gA))
+            g.sums[1].add_(torch.einsum("k,kgnr->gnr", alpha, gB))
 
     def privatized_group(
         self, g: ShapeGroup, denominator: float, generator: torch.Generator | None, diagnostics: bool = True
@@ -236,7 +256,7 @@ class PrismMethod(Method):
         The noise energy (a device tensor) is computed only with ``diagnostics``.
         """
         fr = g.frame
-        dA, dB = (s / denominator for s in g.sums)
+        dA, dB = geometry.lift(fr.A, fr.B, *(s / denominator for s in g.sums), frame=fr)
         tau = self.tau(denominator)
         noise_sq = dA.new_zeros(()) if diagnostics else None
         if tau > 0:
@@ -287,7 +307,7 @@ class PrismMethod(Method):
         else:  # eqs. 24–26: one eigh for the rank-space moments of every factor of every group
             estimates = [e for g, (dA, dB) in zip(self.groups, lifts) for e in g.adaptive.observe(
                 dA, dB, tau, *(x.to(self.dtype) for x in moments(g.frame)))]
-            eighs = geometry.fused(torch.linalg.eigh, [symmetric_part(V_hat) for _, V_hat, _ in estimates])
+            eighs = self._fused(torch.linalg.eigh, [symmetric_part(V_hat) for _, V_hat, _ in estimates])
             U = [m_hat @ spectral_preconditioner(cfg, w, E, floor) for (m_hat, _, floor), (w, E) in zip(estimates, eighs)]
             directions = list(zip(U[0::2], U[1::2]))
         directions = [(UA.to(self.work_dtype), UB.to(self.work_dtype)) for UA, UB in directions]
@@ -319,12 +339,12 @@ class PrismMethod(Method):
         """:func:`geometry.retract` (aligned) of every group, each of its two SVDs fused over the groups."""
         cores = [geometry.retraction_core(g.frame.A, g.frame.B, UA, UB, self.config.lr)
                  for g, (UA, UB) in zip(self.groups, directions)]
-        svds = geometry.fused(torch.linalg.svd, [core for _, _, core in cores])
+        svds = self._fused(torch.linalg.svd, [core for _, _, core in cores])
         balanced = [geometry.balanced_factors(Qu, Qv, svd, g.frame.A.shape[-1])
                     for g, (Qu, Qv, _), svd in zip(self.groups, cores, svds)]
         targets = [A_new.mT @ g.frame.A.double() + B_new.mT @ g.frame.B.double()
                    for g, (A_new, B_new) in zip(self.groups, balanced)]
-        rotations = geometry.fused(torch.linalg.svd, targets)
+        rotations = self._fused(torch.linalg.svd, targets)
         return [tuple(x.to(self.work_dtype) for x in geometry.procrustes_rotate(A_new, B_new, svd))
                 for (A_new, B_new), svd in zip(balanced, rotations)]
 
@@ -368,7 +388,7 @@ class PrismMethod(Method):
     # ---------------------------------------------------------------- helpers
     def _snapshot(self, g: ShapeGroup) -> tuple[Tensor, Tensor]:
         """The group's ``(A, B)`` stacked ``[G, m, r]``, ``[G, n, r]``: rounded to ``compute_dtype``, held in the working dtype."""
-        return tuple(x.detach().to(self.dtype).to(self.work_dtype) for x in stack_pairs(self.params, g.pairs))
+        return tuple(x.to(self.work_dtype) for x in stack_pairs(self.params, g.pairs, self.dtype))
 
     def _check_rank(self) -> None:
         """:func:`geometry.check_frames` with the cutoff of ``compute_dtype`` (frames may be float64)."""
@@ -403,6 +423,11 @@ class PrismMethod(Method):
                 write_pair(self.params, pair, A, B)
             g.frame = geometry.frame(*self._snapshot(g))
         self._check_rank()
+
+
+def _one_by_one(fn: Callable[[Tensor], Any], batches: list[Tensor]) -> list[tuple[Tensor, ...]]:
+    """The reference path's :func:`geometry.fused`: one call of ``fn`` per batch."""
+    return [tuple(fn(X)) for X in batches]
 
 
 def _finite_per_module(X: Tensor) -> Tensor:
