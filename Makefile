@@ -39,9 +39,12 @@ test-slurm: setup  ## SLURM integration (installs slurm-wlm + munge, needs root)
 lint: setup  ## ruff
 	$(PY) -m ruff check prism pipelines tests benchmarks
 
-bench: setup  ## side-by-side benchmarks (sampler, step time/memory)
-	$(PY) benchmarks/bench_sampler.py
-	$(PY) benchmarks/bench_step.py --quick
+bench: setup  ## side-by-side benchmarks (sampler, mechanism at Gemma-3-4B shapes, step time/memory); fails if a target is MISSED
+	@status=0; \
+	$(PY) benchmarks/bench_sampler.py || status=1; \
+	$(PY) benchmarks/bench_mechanism.py || status=1; \
+	$(PY) benchmarks/bench_step.py --quick || status=1; \
+	exit $$status
 
 gpu-check: setup  ## a few DP steps of every method on the GPU (when one exists)
 	$(PY) -m pipelines.gpu_check

@@ -198,7 +198,7 @@ def lifted_sqnorm(
     cA, cB = fr.QA.mT @ XA, fr.QB.mT @ XB
 
     def sq(X: Tensor) -> Tensor:
-        return X.square().sum((-2, -1))
+        return torch.linalg.vector_norm(X, dim=(-2, -1)).square()  # no squared copy of X
 
     return 0.25 * sq(cA + cB.mT) + (sq(XA) - sq(cA)).clamp_min(0.0) + (sq(XB) - sq(cB)).clamp_min(0.0)
 

@@ -216,11 +216,11 @@ class PrismMethod(Method):
 
         Sums the clipped factor gradients ``Σ α_i (g_A, g_B)_i``; their lift (eq. 14, linear) is taken
         once per step. The clip norm ``s_i`` is the exact norm of example ``i``'s lift
-        (:func:`geometry.lifted_sqnorm`), summed over all modules (eq. 16).
+        (:func:`geometry.lifted_sqnorm`), summed over all modules (eq. 16). Two passes over the
+        groups (norms, then the weighted sum) keep one group's working-dtype copy alive at a time.
         """
         if not self._ready:
             raise RuntimeError("call zero_accumulators() before accumulate()")
-        stacked = []
         for g in self.groups:
             for pair in g.pairs:
                 if pair.a_name not in grads or pair.b_name not in grads:
@@ -230,20 +230,19 @@ class PrismMethod(Method):
                         f"{pair.module}: gradient of shape {tuple(grads[pair.a_name].shape)}; DP needs per-example "
                         "grads [k, *shape] (prism.privacy.per_example), non-DP their micro-batch sum [*shape]"
                     )
-            stacked.append(stack_pairs(grads, g.pairs, self.work_dtype, dim=1 if self.dp else 0))
         if not self.dp:
-            for g, (gA, gB) in zip(self.groups, stacked):
-                g.sums[0].add_(gA)
-                g.sums[1].add_(gB)
+            for g in self.groups:
+                for acc, x in zip(g.sums, stack_pairs(grads, g.pairs, self.work_dtype)):
+                    acc.add_(x)
             return
-        sq = sum(geometry.lifted_sqnorm(g.frame.A, g.frame.B, gA, gB, frame=g.frame).sum(-1)
-                 for g, (gA, gB) in zip(self.groups, stacked))
+        sq = sum(geometry.lifted_sqnorm(g.frame.A, g.frame.B, *stack_pairs(grads, g.pairs, self.work_dtype, dim=1),
+                                        frame=g.frame).sum(-1) for g in self.groups)
         norms = sq.sqrt()  # NaN stays NaN: it reaches the update and the loop's finite check
         alpha = (self.privacy.clip_norm / norms).clamp(max=1.0)
         self._norms.append(norms)
-        for g, (gA, gB) in zip(self.groups, stacked):
-            g.sums[0].add_(torch.einsum("k,kgmr->gmr", alpha, gA))
-            g.sums[1].add_(torch.einsum("k,kgnr->gnr", alpha, gB))
+        for g in self.groups:
+            for acc, x in zip(g.sums, stack_pairs(grads, g.pairs, self.work_dtype, dim=1)):
+                acc.add_(torch.einsum("k,kgpr->gpr", alpha, x))
 
     def privatized_group(
         self, g: ShapeGroup, denominator: float, generator: torch.Generator | None, diagnostics: bool = True
