@@ -203,6 +203,29 @@ def lifted_sqnorm(
     return 0.25 * sq(cA + cB.mT) + (sq(XA) - sq(cA)).clamp_min(0.0) + (sq(XB) - sq(cB)).clamp_min(0.0)
 
 
+def example_lifted_sqnorms(fr: Frame, gA: Tensor, gB: Tensor) -> Tensor:
+    """:func:`lifted_sqnorm` of ``k`` examples stored interleaved, ``g_A`` [..., m, k, r], ``g_B`` [..., n, k, r] → [..., k].
+
+    The same blocks, laid out so that every product is one batched matmul on a contiguous view:
+    ``X_A = g_A R_B⁻¹`` acts on the ``m·k`` rows at once, ``c_A = Q_AᵀX_A`` on the ``k·r`` columns
+    at once (no broadcast copies of ``Q``). ``R⁻¹`` is the ``r×r`` triangular inverse (same ``eps·κ``
+    accuracy as the triangular solve).
+    """
+    *lead, m, k, r = gA.shape
+    n = gB.shape[-3]
+    eye = torch.eye(r, dtype=gA.dtype, device=gA.device)
+    XA = gA.reshape(*lead, m * k, r) @ torch.linalg.solve_triangular(fr.RB, eye, upper=True)
+    XB = gB.reshape(*lead, n * k, r) @ torch.linalg.solve_triangular(fr.RA, eye, upper=True)
+    cA = (fr.QA.mT @ XA.reshape(*lead, m, k * r)).reshape(*lead, r, k, r)
+    cB = (fr.QB.mT @ XB.reshape(*lead, n, k * r)).reshape(*lead, r, k, r)
+
+    def sq(X: Tensor) -> Tensor:  # per example: over rows (-3) and columns (-1)
+        return torch.linalg.vector_norm(X, dim=(-3, -1)).square()
+
+    return (0.25 * sq(cA + cB.transpose(-3, -1)) + (sq(XA.reshape(*lead, m, k, r)) - sq(cA)).clamp_min(0.0)
+            + (sq(XB.reshape(*lead, n, k, r)) - sq(cB)).clamp_min(0.0))
+
+
 def tangent_noise(
     A: Tensor,
     B: Tensor,

@@ -154,22 +154,29 @@ def group_by_shape(params: Mapping[str, Tensor], pairs: list[LoraPair], batched:
 
 
 @torch.no_grad()
-def stack_pairs(
-    tensors: Mapping[str, Tensor], pairs: list[LoraPair], dtype: torch.dtype, dim: int = 0
-) -> tuple[Tensor, Tensor]:
-    """Paper ``(A, B)`` of several modules stacked at ``dim`` in ``dtype``: ``[…, G, m, r]``, ``[…, G, n, r]``.
+def stack_pairs(tensors: Mapping[str, Tensor], pairs: list[LoraPair], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Paper ``(A, B)`` of several modules stacked in ``dtype``: ``[G, m, r]``, ``[G, n, r]`` (one fused copy each)."""
+    A = torch.empty(len(pairs), *tensors[pairs[0].a_name].shape, dtype=dtype, device=tensors[pairs[0].a_name].device)
+    Bt = torch.empty(len(pairs), *tensors[pairs[0].b_name].shape, dtype=dtype, device=A.device)
+    torch._foreach_copy_(list(A.unbind(0)), [tensors[p.a_name] for p in pairs])
+    torch._foreach_copy_(list(Bt.unbind(0)), [tensors[p.b_name] for p in pairs])
+    return A, Bt.mT
 
-    One fused copy per factor (stacking and the dtype conversion in a single pass).
+
+@torch.no_grad()
+def stack_examples(grads: Mapping[str, Tensor], pairs: list[LoraPair], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Per-example paper factor grads of several modules, examples interleaved: ``[G, m, k, r]``, ``[G, n, k, r]``.
+
+    From peft ``lora_B`` grads ``[k, m, r]`` and ``lora_A`` grads ``[k, r, n]``, in one fused copy
+    each (the layout :func:`geometry.example_lifted_sqnorms` and the clipped sum read without copies).
     """
-    out = []
-    for name in ("a_name", "b_name"):
-        parts = [tensors[getattr(p, name)] for p in pairs]
-        shape = list(parts[0].shape)
-        shape.insert(dim, len(parts))
-        stacked = torch.empty(shape, dtype=dtype, device=parts[0].device)
-        torch._foreach_copy_(list(stacked.unbind(dim)), parts)
-        out.append(stacked)
-    return out[0], out[1].mT
+    a, b = grads[pairs[0].a_name], grads[pairs[0].b_name]
+    (k, m, r), n = a.shape, b.shape[-1]
+    A = torch.empty(len(pairs), m, k, r, dtype=dtype, device=a.device)
+    B = torch.empty(len(pairs), n, k, r, dtype=dtype, device=a.device)
+    torch._foreach_copy_(list(A.permute(0, 2, 1, 3).unbind(0)), [grads[p.a_name] for p in pairs])
+    torch._foreach_copy_(list(B.permute(0, 2, 3, 1).unbind(0)), [grads[p.b_name] for p in pairs])
+    return A, B
 
 
 class PrismMethod(Method):
@@ -216,7 +223,7 @@ class PrismMethod(Method):
 
         Sums the clipped factor gradients ``Σ α_i (g_A, g_B)_i``; their lift (eq. 14, linear) is taken
         once per step. The clip norm ``s_i`` is the exact norm of example ``i``'s lift
-        (:func:`geometry.lifted_sqnorm`), summed over all modules (eq. 16). Two passes over the
+        (:func:`geometry.example_lifted_sqnorms`), summed over all modules (eq. 16). Two passes over the
         groups (norms, then the weighted sum) keep one group's working-dtype copy alive at a time.
         """
         if not self._ready:
@@ -235,14 +242,14 @@ class PrismMethod(Method):
                 for acc, x in zip(g.sums, stack_pairs(grads, g.pairs, self.work_dtype)):
                     acc.add_(x)
             return
-        sq = sum(geometry.lifted_sqnorm(g.frame.A, g.frame.B, *stack_pairs(grads, g.pairs, self.work_dtype, dim=1),
-                                        frame=g.frame).sum(-1) for g in self.groups)
+        sq = sum(geometry.example_lifted_sqnorms(g.frame, *stack_examples(grads, g.pairs, self.work_dtype)).sum(0)
+                 for g in self.groups)
         norms = sq.sqrt()  # NaN stays NaN: it reaches the update and the loop's finite check
         alpha = (self.privacy.clip_norm / norms).clamp(max=1.0)
         self._norms.append(norms)
         for g in self.groups:
-            for acc, x in zip(g.sums, stack_pairs(grads, g.pairs, self.work_dtype, dim=1)):
-                acc.add_(torch.einsum("k,kgpr->gpr", alpha, x))
+            for acc, x in zip(g.sums, stack_examples(grads, g.pairs, self.work_dtype)):
+                acc.add_(torch.matmul(alpha, x))  # Σ_i α_i x[:, :, i, :]
 
     def privatized_group(
         self, g: ShapeGroup, denominator: float, generator: torch.Generator | None, diagnostics: bool = True
