@@ -299,21 +299,18 @@ class PrismMethod(Method):
         self._check_denominator(denominator)
         tau, h, cfg = self.tau(denominator), self.config.horizontalize, self.config.adaptive
         moments = horizontal_noise_second_moments if self.horizontal_lift else noise_second_moments
-        noise_sq, lifts, finite = [], [], []
+        noise_sq, lifts = [], []
         for g in self.groups:
             dA, dB, sq = self.privatized_group(g, denominator, generator, diagnostics)
             if sq is not None:
                 noise_sq.append(sq)
-            ok = (_finite_per_module(dA) & _finite_per_module(dB))[:, None, None]
-            dA, dB = (torch.where(ok, x, 0.0).to(self.dtype) for x in (dA, dB))  # eigh/SVD fail on NaN
-            lifts.append((dA, dB))
-            finite.append(ok)
+            lifts.append((dA.to(self.dtype), dB.to(self.dtype)))
         if cfg.preconditioner == "none":
             directions = lifts
         else:  # eqs. 24–26: one eigh for the rank-space moments of every factor of every group
             estimates = [e for g, (dA, dB) in zip(self.groups, lifts) for e in g.adaptive.observe(
                 dA, dB, tau, *(x.to(self.dtype) for x in moments(g.frame)))]
-            eighs = self._fused(torch.linalg.eigh, [symmetric_part(V_hat) for _, V_hat, _ in estimates])
+            eighs = self._fused(torch.linalg.eigh, [_finite_or_zero(symmetric_part(V)) for _, V, _ in estimates])
             U = [m_hat @ spectral_preconditioner(cfg, w, E, floor) for (m_hat, _, floor), (w, E) in zip(estimates, eighs)]
             directions = list(zip(U[0::2], U[1::2]))
         directions = [(UA.to(self.work_dtype), UB.to(self.work_dtype)) for UA, UB in directions]
@@ -322,8 +319,7 @@ class PrismMethod(Method):
                           for g, (UA, UB) in zip(self.groups, directions)]
         new = self._retract(directions)
         update_sq = []
-        for g, (A_new, B_new), ok in zip(self.groups, new, finite):
-            A_new, B_new = (torch.where(ok, x, torch.nan) for x in (A_new, B_new))
+        for g, (A_new, B_new) in zip(self.groups, new):
             if diagnostics:
                 update_sq.append(_product_sqdist(g.frame.A, g.frame.B, A_new, B_new).sum())
             self._write(g, A_new, B_new)
@@ -345,12 +341,12 @@ class PrismMethod(Method):
         """:func:`geometry.retract` (aligned) of every group, each of its two SVDs fused over the groups."""
         cores = [geometry.retraction_core(g.frame.A, g.frame.B, UA, UB, self.config.lr)
                  for g, (UA, UB) in zip(self.groups, directions)]
-        svds = self._fused(torch.linalg.svd, [core for _, _, core in cores])
+        svds = self._fused(torch.linalg.svd, [_finite_or_zero(core) for _, _, core in cores])
         balanced = [geometry.balanced_factors(Qu, Qv, svd, g.frame.A.shape[-1])
                     for g, (Qu, Qv, _), svd in zip(self.groups, cores, svds)]
         targets = [A_new.mT @ g.frame.A.double() + B_new.mT @ g.frame.B.double()
                    for g, (A_new, B_new) in zip(self.groups, balanced)]
-        rotations = self._fused(torch.linalg.svd, targets)
+        rotations = self._fused(torch.linalg.svd, [_finite_or_zero(t) for t in targets])
         return [tuple(x.to(self.work_dtype) for x in geometry.procrustes_rotate(A_new, B_new, svd))
                 for (A_new, B_new), svd in zip(balanced, rotations)]
 
@@ -436,9 +432,14 @@ def _one_by_one(fn: Callable[[Tensor], Any], batches: list[Tensor]) -> list[tupl
     return [tuple(fn(X)) for X in batches]
 
 
-def _finite_per_module(X: Tensor) -> Tensor:
-    """``[G]`` bool: module ``i`` of ``X`` [G, p, r] is finite (a device tensor, no host read)."""
-    return torch.isfinite(X).flatten(1).all(1)
+def _finite_or_zero(X: Tensor) -> Tensor:
+    """Small matrices ``X`` [..., p, q] bound for ``eigh``/SVD (which fail on NaN), non-finite ones zeroed.
+
+    A non-finite lift is not stopped here (no host read): the big factor-sized tensors keep their
+    NaN, which reaches the new factors (``Q`` of a NaN QR is NaN), so the loop's finite check stops
+    the run; only the ``r×r``/``2r×2r`` inputs of the decompositions are sanitised.
+    """
+    return torch.where(torch.isfinite(X).flatten(-2).all(-1)[..., None, None], X, torch.zeros_like(X))
 
 
 def _product_sqdist(A: Tensor, B: Tensor, A2: Tensor, B2: Tensor) -> Tensor:
