@@ -1,0 +1,301 @@
+"""Step-level empirical privacy audit of every method (``make audit``).
+
+For each method and canary case, one logical step is released many times from a fixed start
+point on neighbouring batches ``D`` (three ordinary examples) and ``D' = D ∪ {canary}``, each
+release with fresh noise. The canary's gradient is huge (clipped to C) and placed in a worst-case
+direction:
+
+* ``random``   — a random intrinsic gradient ``G``;
+* ``vertical`` — ``G`` inside span(A)×span(B), where the lift of eq. 14 puts half of it into the
+  r×r vertical (gauge) block of the factor pair;
+* ``gauge``    — factor gradients ``(AΩ, −BΩᵀ)`` along a gauge direction (no ``G`` gives them);
+* ``near_rank_deficient`` — factors with condition number 2,500 (inside the float32 rank check)
+  and ``G`` along their weakest singular directions, scaled to 1e12.
+
+Statistics of each release: the projection of the update ``Z⁺ − Z`` on the canary's image, of the
+privatised direction (the noised lift for PRISM, the noised factor gradient for the baselines) on
+the canary's, and of its span(A) block on the canary's. :func:`prism.privacy.audit.threshold_audit`
+picks the statistic, threshold and tail on one half of the draws and bounds μ and ε on the other
+with Clopper–Pearson intervals (95 % family-wise: Bonferroni over the audited method × case pairs).
+One step of a correct mechanism is μ-GDP with μ = 1/σ, so the audit fails (exit 1) if any μ lower
+bound exceeds 1/σ. It measures the mechanism alone: no model, tiny factors, the method classes.
+
+    python -m pipelines.audit [--draws 2000] [--sigma 0.6] [--methods prism,adamw] [--cases vertical]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor, nn
+
+from prism import geometry
+from prism.methods import METHODS, Method, PrivacySpec, build_method
+from prism.privacy.audit import ThresholdAudit, gdp_epsilon, snr, threshold_audit
+
+CASES = ("random", "vertical", "gauge", "near_rank_deficient")
+CONF = Path(__file__).resolve().parents[1] / "conf" / "method"
+M, N, R = 8, 6, 2
+CLIP, DENOMINATOR, DELTA = 1.0, 4.0, 1e-5
+A_NAME, B_NAME = "x.lora_B.default.weight", "x.lora_A.default.weight"  # paper A, paper Bᵀ (prism.lora)
+
+
+PRINT = functools.partial(print, flush=True)
+
+
+@dataclass(frozen=True)
+class Case:
+    """Start factors and per-example factor gradients ``g_A`` [k, m, r], ``g_B`` [k, n, r] of ``D``
+    and of the canary (paper notation, float64)."""
+
+    A: Tensor
+    B: Tensor
+    base: tuple[Tensor, Tensor]
+    canary: tuple[Tensor, Tensor]
+
+
+def method_config(name: str) -> DictConfig:
+    """``conf/method/<name>.yaml`` with a fixed float lr (the yaml's lr interpolates the suite)."""
+    cfg = OmegaConf.load(CONF / f"{name}.yaml")
+    cfg.lr = 1e-2
+    return cfg
+
+
+def _conditioned(rows: int, kappa: float, g: torch.Generator) -> Tensor:
+    Q, _ = torch.linalg.qr(torch.randn(rows, R, generator=g, dtype=torch.float64))
+    P, _ = torch.linalg.qr(torch.randn(R, R, generator=g, dtype=torch.float64))
+    return (Q * torch.logspace(0.0, -math.log10(kappa), R, dtype=torch.float64)) @ P.T
+
+
+def _factor_grads(A: Tensor, B: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
+    """``g_A = G B``, ``g_B = Gᵀ A`` for intrinsic gradients ``G`` [k, m, n]."""
+    return G @ B, G.mT @ A
+
+
+def make_case(name: str, seed: int = 0) -> Case:
+    """The start point, the batch ``D`` and the canary of one audit case (see the module docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    kappa = 2500.0 if name == "near_rank_deficient" else 3.0
+    A, B = _conditioned(M, kappa, g), _conditioned(N, kappa, g)
+    base = _factor_grads(A, B, 0.3 * torch.randn(3, M, N, generator=g, dtype=torch.float64))
+    UA = torch.linalg.svd(A, full_matrices=True).U
+    UB = torch.linalg.svd(B, full_matrices=True).U
+    if name == "random":
+        canary = _factor_grads(A, B, 1e6 * torch.randn(1, M, N, generator=g, dtype=torch.float64))
+    elif name == "vertical":
+        W = torch.randn(R, R, generator=g, dtype=torch.float64)
+        canary = _factor_grads(A, B, 1e6 * (UA[:, :R] @ W @ UB[:, :R].T)[None])
+    elif name == "gauge":
+        Omega = 1e6 * torch.randn(R, R, generator=g, dtype=torch.float64)
+        canary = ((A @ Omega)[None], (-B @ Omega.T)[None])
+    elif name == "near_rank_deficient":
+        canary = _factor_grads(A, B, 1e12 * torch.outer(UA[:, R - 1], UB[:, R - 1])[None])
+    else:
+        raise ValueError(f"unknown audit case {name!r}; choose from {', '.join(CASES)}")
+    return Case(A=A, B=B, base=base, canary=canary)
+
+
+def _params(case: Case) -> dict[str, nn.Parameter]:
+    return {B_NAME: nn.Parameter(case.B.T.float().clone()), A_NAME: nn.Parameter(case.A.float().clone())}
+
+
+def _peft_grads(gA: Tensor, gB: Tensor) -> dict[str, Tensor]:
+    return {A_NAME: gA.float(), B_NAME: gB.mT.float()}
+
+
+def _capture(method: Method, sink: list) -> None:
+    """Record the privatised direction the method's step computes (PRISM: the noised, horizontalised
+    lift per module; baselines: the noised factor gradients) without changing the step."""
+    if hasattr(method, "privatized_group"):  # PRISM: called once per shape group of modules
+        inner_group = method.privatized_group
+
+        def recorded_group(group, *args, **kwargs):
+            out = inner_group(group, *args, **kwargs)
+            sink.append({module: (dA, dB) for module, dA, dB in zip(group.modules, out[0], out[1])})
+            return out
+
+        method.privatized_group = recorded_group
+        return
+    inner = method.privatize
+
+    def recorded(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        sink.append(out[0])
+        return out
+
+    method.privatize = recorded
+
+
+def _flat_direction(method_name: str, privatised: dict, case: Case) -> tuple[Tensor, Tensor]:
+    """The privatised direction as paper factors ``(Δ_A, Δ_B)`` (zeros for a factor it lacks)."""
+    if method_name.startswith("prism"):
+        dA, dB = privatised["x"]
+        return dA.double(), dB.double()
+    dA = privatised[A_NAME].double()
+    dB = privatised[B_NAME].double().T if B_NAME in privatised else torch.zeros_like(case.B)
+    return dA, dB
+
+
+def _canary_direction(method_name: str, case: Case) -> tuple[Tensor, Tensor]:
+    """The canary's contribution to the privatised direction, up to its clip factor."""
+    gA, gB = (x[0] for x in case.canary)
+    if method_name.startswith("prism"):
+        return geometry.lift(case.A, case.B, gA, gB)
+    return gA, (torch.zeros_like(gB) if method_name == "ffa" else gB)
+
+
+def release(
+    method_name: str, case: Case, with_canary: bool, draws: int, sigma: float, seed: int
+) -> dict[str, np.ndarray]:
+    """``draws`` one-step releases with noise multiplier ``sigma``; returns each statistic per draw."""
+    cfg = method_config(method_name)
+    privacy = PrivacySpec(sigma=sigma, clip_norm=CLIP)
+    gA = torch.cat([case.base[0], case.canary[0]]) if with_canary else case.base[0]
+    gB = torch.cat([case.base[1], case.canary[1]]) if with_canary else case.base[1]
+    grads = _peft_grads(gA, gB)
+    prism = method_name.startswith("prism")
+    cA, cB = _canary_direction(method_name, case)
+    c_norm = math.sqrt(float(cA.square().sum() + cB.square().sum()))
+    image = cA @ case.B.T + case.A @ cB.T
+    image = image / image.norm() if image.norm() > 1e-9 * c_norm else None
+    QA = torch.linalg.qr(case.A).Q
+    span_c = QA @ (QA.T @ cA)
+    span_c = span_c / span_c.norm() if span_c.norm() > 1e-9 * c_norm else None
+    noise = torch.Generator().manual_seed(seed)
+    out: dict[str, list[float]] = {"update": [], "privatised": [], "span(A)": []}
+    params = _params(case)
+    start = {name: p.detach().clone() for name, p in params.items()}
+    method = build_method(cfg, params, privacy)
+    fresh = copy.deepcopy(method.state_dict())
+    captured: list = []
+    _capture(method, captured)
+    Z0 = start[A_NAME].double() @ start[B_NAME].double()
+    for _ in range(draws):  # the same step from the same start point: parameters and state reset
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(start[name])
+        method.load_state_dict(fresh)  # copied into the live state, never aliased
+        captured.clear()
+        method.zero_accumulators()
+        method.accumulate(grads)
+        method.step(DENOMINATOR, noise)
+        dA, dB = _flat_direction(method_name, captured[0], case)
+        if prism and image is not None:  # intrinsic projection: the tangent noise is isotropic there (eq. 19)
+            out["privatised"].append(float(((dA @ case.B.T + case.A @ dB.T) * image).sum()))
+        elif not prism:  # the factor noise is isotropic in factor space (eq. 3)
+            out["privatised"].append(float((dA * cA).sum() + (dB * cB).sum()) / c_norm)
+        if image is not None:
+            Z1 = params[A_NAME].detach().double() @ params[B_NAME].detach().double()
+            out["update"].append(float(((Z1 - Z0) * image).sum()))
+        if span_c is not None:
+            out["span(A)"].append(float((dA * span_c).sum()))
+    return {k: np.asarray(v) for k, v in out.items() if v}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One audited (method, case) pair: the privatised statistic's SNR and the chosen test's bounds."""
+
+    method: str
+    case: str
+    snr: float
+    statistic: str
+    result: ThresholdAudit
+    cpu_seconds: float
+
+
+def audit_one(method_name: str, case_name: str, draws: int, sigma: float, confidence: float) -> Row:
+    """Both sides of one (method, case) pair and its bounds (the best statistic by the first half)."""
+    tic = time.process_time()
+    case = make_case(case_name)
+    seed = 1000 * METHODS.index(method_name) + 10 * CASES.index(case_name)
+    without = release(method_name, case, False, draws, sigma, seed + 1)
+    with_ = release(method_name, case, True, draws, sigma, seed + 2)
+    best: tuple[str, ThresholdAudit] | None = None
+    for stat in without:
+        pick = threshold_audit(without[stat][: draws // 2], with_[stat][: draws // 2], DELTA, confidence)
+        if best is None or pick.mu_lower > best[1].mu_lower:
+            best = (stat, pick)
+    assert best is not None
+    result = threshold_audit(without[best[0]], with_[best[0]], DELTA, confidence)
+    ratio = snr(without["privatised"], with_["privatised"]) if "privatised" in without else math.nan
+    return Row(method_name, case_name, ratio, best[0], result, time.process_time() - tic)
+
+
+def run_audit(
+    methods: Sequence[str], cases: Sequence[str], draws: int, sigma: float, workers: int,
+    report: Callable[[str], None] = PRINT,
+) -> list[Row]:
+    """Audit every (method, case) pair; prints one line per pair as it finishes."""
+    pairs = [(m, c) for m in methods for c in cases]
+    confidence = 1.0 - 0.05 / len(pairs)
+    mu, per_step_eps = 1.0 / sigma, gdp_epsilon(1.0 / sigma, DELTA)
+    report(f"σ = {sigma}, μ = 1/σ = {mu:.3f}, per-step ε(δ={DELTA:g}) = {per_step_eps:.3f}; {draws} draws per side; "
+           f"Clopper–Pearson {100 * confidence:.2f} % per pair (95 % over {len(pairs)} pairs)")
+    report(f"{'method':<12}{'case':<21}{'SNR':>7}{'1/σ':>7}  {'statistic':<11}{'TPR':>7}{'FPR':>7}"
+           f"{'μ_lb':>7}{'μ':>7}{'ε_lb':>7}{'ε_step':>8}  verdict")
+    rows = []
+    args = [(m, c, draws, sigma, confidence) for m, c in pairs]
+    with ExitStack() as stack:  # one worker: in this process
+        pool = stack.enter_context(ProcessPoolExecutor(max_workers=workers)) if workers > 1 else None
+        for row in (pool.map if pool else map)(audit_one, *zip(*args)):
+            rows.append(row)
+            r = row.result
+            verdict = "FAIL" if r.mu_lower > mu else "ok"
+            report(f"{row.method:<12}{row.case:<21}{row.snr:>7.3f}{mu:>7.3f}  {row.statistic:<11}{r.tpr:>7.3f}"
+                   f"{r.fpr:>7.3f}{r.mu_lower:>7.3f}{mu:>7.3f}{r.epsilon_lower:>7.3f}{per_step_eps:>8.3f}  {verdict}")
+    return rows
+
+
+def _names(text: str, allowed: Sequence[str], flag: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise ValueError(f"{flag}={text!r} names {unknown or 'nothing'}; choose from {','.join(allowed)}")
+    return names
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--draws", type=int, default=2000, help="noise draws per side (default 2000)")
+    parser.add_argument("--sigma", type=float, default=0.6, help="noise multiplier σ (default 0.6)")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args(argv)
+    try:
+        methods = _names(args.methods, METHODS, "--methods")
+        cases = _names(args.cases, CASES, "--cases")
+        if args.draws < 8:
+            raise ValueError(f"--draws={args.draws} is too few; use at least 8 (2000 for the audit)")
+        if not args.sigma > 0:
+            raise ValueError(f"--sigma={args.sigma} must be > 0")
+        if args.workers < 1:
+            raise ValueError(f"--workers={args.workers} must be ≥ 1")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    tic = time.perf_counter()
+    rows = run_audit(methods, cases, args.draws, args.sigma, args.workers)
+    failed = [r for r in rows if r.result.mu_lower > 1.0 / args.sigma]
+    cpu = sum(r.cpu_seconds for r in rows)
+    print(f"{len(rows)} pairs in {time.perf_counter() - tic:.0f} s ({cpu:.0f} CPU-s in the workers); "
+          + (f"FAILED: {len(failed)} μ lower bound(s) above 1/σ" if failed else "no μ lower bound above 1/σ"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
