@@ -42,9 +42,12 @@ test-slurm: setup  ## SLURM integration (installs slurm-wlm + munge, needs root)
 lint: setup  ## ruff
 	$(PY) -m ruff check prism pipelines tests benchmarks
 
-bench: setup  ## side-by-side benchmarks (sampler, step time/memory)
-	$(PY) benchmarks/bench_sampler.py
-	$(PY) benchmarks/bench_step.py --quick
+bench: setup  ## side-by-side benchmarks (sampler, mechanism at Gemma-3-4B shapes, step time/memory); fails if a target is MISSED
+	@status=0; \
+	$(PY) benchmarks/bench_sampler.py || status=1; \
+	$(PY) benchmarks/bench_mechanism.py || status=1; \
+	$(PY) benchmarks/bench_step.py --quick || status=1; \
+	exit $$status
 
 gpu-check: setup  ## Table 5 + generate + resume on a random-init gemma-3-4b-pt (GPU, no network; ARGS="--profile tiny" on CPU)
 	$(PY) -m pipelines.gpu_check $(ARGS)

@@ -118,15 +118,24 @@ def _peft_grads(gA: Tensor, gB: Tensor) -> dict[str, Tensor]:
 def _capture(method: Method, sink: list) -> None:
     """Record the privatised direction the method's step computes (PRISM: the noised, horizontalised
     lift per module; baselines: the noised factor gradients) without changing the step."""
-    name = "privatized_lifts" if hasattr(method, "privatized_lifts") else "privatize"
-    inner = getattr(method, name)
+    if hasattr(method, "privatized_group"):  # PRISM: called once per shape group of modules
+        inner_group = method.privatized_group
+
+        def recorded_group(group, *args, **kwargs):
+            out = inner_group(group, *args, **kwargs)
+            sink.append({module: (dA, dB) for module, dA, dB in zip(group.modules, out[0], out[1])})
+            return out
+
+        method.privatized_group = recorded_group
+        return
+    inner = method.privatize
 
     def recorded(*args, **kwargs):
         out = inner(*args, **kwargs)
         sink.append(out[0])
         return out
 
-    setattr(method, name, recorded)
+    method.privatize = recorded
 
 
 def _flat_direction(method_name: str, privatised: dict, case: Case) -> tuple[Tensor, Tensor]:

@@ -26,6 +26,10 @@ mode's extra ``max`` with the scalar floor. ``debias`` subtracts the known noise
 ``V̂`` and clamps the result PSD (App. A.26). Non-DP (``τ = 0``): ``λ = 0``, only ``eps`` and the
 condition clamp act.
 
+Every function also takes a leading module dim: a group of ``G`` modules of one shape keeps moments
+``m`` [G, rows, r], ``V`` [G, r, r] and is transformed in one batched ``eigh``
+(``RankSpaceAdaptive(..., batch=(G,))``); module ``i`` of the group equals the unbatched transform.
+
 The transform is equivariant under orthogonal gauges (Lemma A.30): feeding ``ΔR`` and ``RᵀΣR``
 gives ``UR``. Everything is computed in the dtype of the inputs.
 """
@@ -87,7 +91,7 @@ def noise_second_moments(fr: Frame) -> tuple[Tensor, Tensor]:
 
     ``N⁻¹ = R_B⁻¹R_B⁻ᵀ`` and ``M⁻¹ = R_A⁻¹R_A⁻ᵀ`` from the frame's thin QRs (no Gram inversion).
     """
-    (m, r), eye = fr.A.shape, torch.eye(fr.A.shape[1], dtype=fr.A.dtype, device=fr.A.device)
+    (m, r), eye = fr.A.shape[-2:], torch.eye(fr.A.shape[-1], dtype=fr.A.dtype, device=fr.A.device)
     RB_inv = torch.linalg.solve_triangular(fr.RB, eye, upper=True)
     RA_inv = torch.linalg.solve_triangular(fr.RA, eye, upper=True)
     return ((m - r) / m) * (RB_inv @ RB_inv.mT), RA_inv @ RA_inv.mT
@@ -101,34 +105,44 @@ def horizontal_noise_second_moments(fr: Frame) -> tuple[Tensor, Tensor]:
     ``N(0, ν_j/μ_i)/(μ_i + ν_j)``, which gives the closed forms
     ``Σ_A = V diag((m−r)/ν_j + ν_j Σ_i (μ_i+ν_j)⁻²) Vᵀ / m`` and
     ``Σ_B = U diag((n−r)/μ_i + μ_i Σ_j (μ_i+ν_j)⁻²) Uᵀ / n`` (symmetric in the two factors, as the
-    horizontal slice is).
+    horizontal slice is). The eigenbases are the frame's (no further decomposition).
     """
-    (m, r), n = fr.A.shape, fr.B.shape[0]
-    _, sA, UhA = torch.linalg.svd(fr.RA)
-    _, sB, UhB = torch.linalg.svd(fr.RB)
-    mu, nu, U, V = sA.square(), sB.square(), UhA.mT, UhB.mT
-    inv_sq = (mu[:, None] + nu[None, :]).pow(-2)  # [i, j]
-    diag_A = (m - r) / nu + nu * inv_sq.sum(0)
-    diag_B = (n - r) / mu + mu * inv_sq.sum(1)
-    return (V * diag_A) @ V.mT / m, (U * diag_B) @ U.mT / n
+    (m, r), n = fr.A.shape[-2:], fr.B.shape[-2]
+    mu, nu, U, V = fr.SA.square(), fr.SB.square(), fr.VA, fr.VB
+    inv_sq = (mu[..., :, None] + nu[..., None, :]).pow(-2)  # [..., i, j]
+    diag_A = (m - r) / nu + nu * inv_sq.sum(-2)
+    diag_B = (n - r) / mu + mu * inv_sq.sum(-1)
+    return (V * diag_A[..., None, :]) @ V.mT / m, (U * diag_B[..., None, :]) @ U.mT / n
 
 
-def noise_floor(cfg: AdaptiveConfig, tau: float, sigma_noise: Tensor) -> float:
-    """Eq. 26 DP floor ``λ``: ``floor_factor·τ²`` (scalar) or ``floor_factor·τ²·tr(Σ)/r`` (geometry)."""
+def noise_floor(cfg: AdaptiveConfig, tau: float, sigma_noise: Tensor) -> float | Tensor:
+    """Eq. 26 DP floor ``λ``: ``floor_factor·τ²`` (scalar) or ``floor_factor·τ²·tr(Σ)/r`` (geometry).
+
+    The geometry floor stays on the device, shaped ``[..., 1]`` to broadcast over eigenvalues.
+    """
     base = cfg.floor_factor * tau**2
     if cfg.floor_mode == "scalar":
         return base
-    return base * sigma_noise.diagonal().sum().item() / sigma_noise.shape[-1]
+    return base * sigma_noise.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True) / sigma_noise.shape[-1]
 
 
-def preconditioner(cfg: AdaptiveConfig, V_hat: Tensor, floor: float) -> Tensor:
+def symmetric_part(V_hat: Tensor) -> Tensor:
+    """``(V̂ + V̂ᵀ)/2``, the matrix whose ``eigh`` :func:`preconditioner` uses."""
+    return 0.5 * (V_hat + V_hat.mT)
+
+
+def preconditioner(cfg: AdaptiveConfig, V_hat: Tensor, floor: float | Tensor) -> Tensor:
     """``P(V̂) = E diag(p(w)) Eᵀ`` (eq. 25; ``floor`` or ``ridge`` form, see module docstring)."""
-    w, E = torch.linalg.eigh(0.5 * (V_hat + V_hat.mT))
+    return spectral_preconditioner(cfg, *torch.linalg.eigh(symmetric_part(V_hat)), floor)
+
+
+def spectral_preconditioner(cfg: AdaptiveConfig, w: Tensor, E: Tensor, floor: float | Tensor) -> Tensor:
+    """:func:`preconditioner` from the eigendecomposition ``(w, E)`` of ``symmetric_part(V̂)``."""
     w = w.clamp_min(0.0)
     w = (w + cfg.eps).clamp_min(floor) if cfg.preconditioner == "floor" else w + floor + cfg.eps
     if cfg.cond_max is not None:
-        w = torch.maximum(w, w.max() / cfg.cond_max)
-    return (E * w.rsqrt()) @ E.mT
+        w = torch.maximum(w, w.amax(-1, keepdim=True) / cfg.cond_max)
+    return (E * w.rsqrt()[..., None, :]) @ E.mT
 
 
 @dataclass
@@ -162,23 +176,19 @@ def moment_estimates(
     return m_hat, V_hat
 
 
-def factor_direction(
-    cfg: AdaptiveConfig, state: FactorMoments, t: int, tau: float, sigma_noise: Tensor
-) -> Tensor:
-    """Eq. 25 for one factor: ``U = m̂ P(V̂)`` with the floor ``λ`` of eq. 26."""
-    m_hat, V_hat = moment_estimates(cfg, state, t, tau, sigma_noise)
-    return m_hat @ preconditioner(cfg, V_hat, noise_floor(cfg, tau, sigma_noise))
-
-
 class RankSpaceAdaptive:
-    """Moments of one module's two factors plus the step counter ``t`` (eqs. 24–26)."""
+    """Moments of one module's two factors plus the step counter ``t`` (eqs. 24–26).
 
-    def __init__(self, cfg: AdaptiveConfig, m: int, n: int, r: int, dtype: torch.dtype, device: torch.device):
+    ``batch=(G,)`` holds a group of ``G`` modules of one shape that always step together.
+    """
+
+    def __init__(self, cfg: AdaptiveConfig, m: int, n: int, r: int, dtype: torch.dtype, device: torch.device,
+                 batch: tuple[int, ...] = ()):
         self.cfg = cfg
         self.t = 0
         zeros = {"dtype": dtype, "device": device}
-        self.A = FactorMoments(m=torch.zeros(m, r, **zeros), V=torch.zeros(r, r, **zeros))
-        self.B = FactorMoments(m=torch.zeros(n, r, **zeros), V=torch.zeros(r, r, **zeros))
+        self.A = FactorMoments(m=torch.zeros(*batch, m, r, **zeros), V=torch.zeros(*batch, r, r, **zeros))
+        self.B = FactorMoments(m=torch.zeros(*batch, n, r, **zeros), V=torch.zeros(*batch, r, r, **zeros))
 
     def step(
         self, dA: Tensor, dB: Tensor, tau: float, sigma_A: Tensor, sigma_B: Tensor
@@ -190,13 +200,22 @@ class RankSpaceAdaptive:
         """
         if self.cfg.preconditioner == "none":
             return dA, dB
+        return tuple(m_hat @ preconditioner(self.cfg, V_hat, floor)
+                     for m_hat, V_hat, floor in self.observe(dA, dB, tau, sigma_A, sigma_B))
+
+    def observe(
+        self, dA: Tensor, dB: Tensor, tau: float, sigma_A: Tensor, sigma_B: Tensor
+    ) -> list[tuple[Tensor, Tensor, float | Tensor]]:
+        """Eq. 24 update, then per factor ``(m̂, V̂, λ)``: ``U = m̂ P(V̂)`` with floor ``λ`` (eqs. 25–26).
+
+        The first half of :meth:`step`; a caller batching several groups runs one ``eigh`` of all
+        ``symmetric_part(V̂)`` and finishes with :func:`spectral_preconditioner`.
+        """
         self.t += 1
         update_moments(self.cfg, self.A, dA)
         update_moments(self.cfg, self.B, dB)
-        return (
-            factor_direction(self.cfg, self.A, self.t, tau, sigma_A),
-            factor_direction(self.cfg, self.B, self.t, tau, sigma_B),
-        )
+        return [(*moment_estimates(self.cfg, state, self.t, tau, sigma), noise_floor(self.cfg, tau, sigma))
+                for state, sigma in ((self.A, sigma_A), (self.B, sigma_B))]
 
     def state_dict(self) -> dict[str, Any]:
         return {"t": self.t, "mA": self.A.m.clone(), "VA": self.A.V.clone(),

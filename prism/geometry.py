@@ -6,8 +6,11 @@ for the intrinsic gradient ``G = ∇_Z ℓ``.
 
 Conventions:
 
-* ``A``, ``B`` are unbatched ``[m, r]``, ``[n, r]``; factor-space tangent quantities (``g_A``,
-  ``ΔA``, …) may carry any leading batch dims (per-example gradients are ``[b, m, r]``).
+* ``A``, ``B`` are ``[..., m, r]``, ``[..., n, r]`` with the same leading *module* dims: one module is
+  ``[m, r]``; a group of modules of one shape ``(m, n, r)`` is ``[G, m, r]`` and every function below
+  then runs once, batched, for the whole group (torch.linalg batches QR, solves, eigh and SVD).
+  Factor-space tangent quantities (``g_A``, ``ΔA``, …) may carry further leading dims in front of the
+  module dims (per-example gradients of a group are ``[b, G, m, r]``); they broadcast.
 * Nothing here forms an ``m×n`` matrix except :func:`tangent_project`, the dense reference.
 * Gram inverses are never formed from ``AᵀA``: the thin QR ``A = Q_A R_A`` gives ``M = R_AᵀR_A``
   and ``Π_A = Q_A Q_Aᵀ`` (Lemma A.18), so solves cost one triangular solve against ``R_A`` and
@@ -21,6 +24,7 @@ Conventions:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -35,7 +39,10 @@ class Frame(NamedTuple):
     """Per-step quantities of one module's factors, shared by every lift/norm/noise of that step.
 
     ``A = Q_A R_A``, ``B = Q_B R_B`` (thin QR, ``Q`` orthonormal, ``R`` upper triangular), so
-    ``M = R_AᵀR_A``, ``N = R_BᵀR_B``, ``Π_A = Q_A Q_Aᵀ``, ``Π_B = Q_B Q_Bᵀ``.
+    ``M = R_AᵀR_A``, ``N = R_BᵀR_B``, ``Π_A = Q_A Q_Aᵀ``, ``Π_B = Q_B Q_Bᵀ``; the SVDs
+    ``R_A = · diag(s_A) V_Aᵀ``, ``R_B = · diag(s_B) V_Bᵀ`` give ``M = V_A diag(s_A²) V_Aᵀ``,
+    ``N = V_B diag(s_B²) V_Bᵀ`` (for :func:`horizontalize`) and the singular values of ``A``, ``B``
+    (for :func:`check_frames`). A non-finite ``R`` gets ``s = 0`` (the SVD fails on NaN).
     """
 
     A: Tensor
@@ -46,24 +53,70 @@ class Frame(NamedTuple):
     RB: Tensor
     M: Tensor
     N: Tensor
+    SA: Tensor
+    VA: Tensor
+    SB: Tensor
+    VB: Tensor
+
+
+def fused(fn: Callable[[Tensor], Tensor | tuple[Tensor, ...]], batches: Sequence[Tensor]) -> list[tuple[Tensor, ...]]:
+    """``[fn(X) for X in batches]`` with one call of the batched matrix function ``fn`` per matrix shape.
+
+    The batches' leading dims are flattened and concatenated, so e.g. one SVD serves every shape
+    group of a step (one kernel chain and, on CUDA, one convergence check instead of one per group).
+    """
+    out: list[tuple[Tensor, ...] | None] = [None] * len(batches)
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, X in enumerate(batches):
+        by_shape.setdefault(tuple(X.shape[-2:]), []).append(i)
+    for index in by_shape.values():
+        flat = [batches[i].reshape(-1, *batches[i].shape[-2:]) for i in index]
+        result = fn(flat[0] if len(flat) == 1 else torch.cat(flat))
+        result = tuple(result) if isinstance(result, tuple) else (result,)
+        sizes = [X.shape[0] for X in flat]
+        parts = [part.split(sizes) for part in result]
+        for j, i in enumerate(index):
+            lead = batches[i].shape[:-2]
+            out[i] = tuple(p[j].reshape(*lead, *p[j].shape[1:]) for p in parts)
+    return out
+
+
+def _safe_svd(R: Tensor) -> tuple[Tensor, Tensor]:
+    """Singular values and right singular vectors of ``R``; non-finite matrices get zeros."""
+    finite = torch.isfinite(R).flatten(-2).all(-1)[..., None, None]
+    _, s, Vh = torch.linalg.svd(torch.where(finite, R, torch.zeros_like(R)).detach())
+    return s, Vh.mT
+
+
+def frames(factors: Sequence[tuple[Tensor, Tensor]]) -> list[Frame]:
+    """:func:`frame` of several ``(A, B)`` batches, with one SVD of all their ``R`` factors of equal rank."""
+    qrs = []
+    for A, B in factors:
+        _check_pair(A, B)
+        qrs.append((*torch.linalg.qr(A, mode="reduced"), *torch.linalg.qr(B, mode="reduced")))
+    spectra = fused(_safe_svd, [R for _, RA, _, RB in qrs for R in (RA, RB)])
+    return [
+        Frame(A=A, B=B, QA=QA, RA=RA, QB=QB, RB=RB, M=A.mT @ A, N=B.mT @ B,
+              SA=spectra[2 * i][0], VA=spectra[2 * i][1], SB=spectra[2 * i + 1][0], VB=spectra[2 * i + 1][1])
+        for i, ((A, B), (QA, RA, QB, RB)) in enumerate(zip(factors, qrs))
+    ]
 
 
 def frame(A: Tensor, B: Tensor) -> Frame:
-    """Factor ``A``, ``B`` once per step (thin QR and Gram matrices; Lemma A.18)."""
-    _check_pair(A, B)
-    QA, RA = torch.linalg.qr(A, mode="reduced")
-    QB, RB = torch.linalg.qr(B, mode="reduced")
-    return Frame(A=A, B=B, QA=QA, RA=RA, QB=QB, RB=RB, M=A.mT @ A, N=B.mT @ B)
+    """Factor ``A``, ``B`` once per step (thin QR, Gram matrices and their spectra; Lemma A.18)."""
+    return frames([(A, B)])[0]
 
 
 def _check_pair(A: Tensor, B: Tensor) -> None:
-    if A.ndim != 2 or B.ndim != 2 or A.shape[1] != B.shape[1]:
+    if A.ndim < 2 or A.ndim != B.ndim or A.shape[:-2] != B.shape[:-2] or A.shape[-1] != B.shape[-1]:
         raise ValueError(
-            f"expected unbatched factors A [m, r] and B [n, r] with the same r, got {tuple(A.shape)} and "
-            f"{tuple(B.shape)}; pass the paper's A = lora_B.weight and B = lora_A.weightᵀ (prism.lora)"
+            f"expected factors A [..., m, r] and B [..., n, r] with the same r and module dims, got "
+            f"{tuple(A.shape)} and {tuple(B.shape)}; pass the paper's A = lora_B.weight and "
+            "B = lora_A.weightᵀ (prism.lora)"
         )
-    if A.shape[1] > min(A.shape[0], B.shape[0]):
-        raise ValueError(f"rank r={A.shape[1]} exceeds min(m, n)={min(A.shape[0], B.shape[0])}; lower lora.r")
+    (m, r), n = A.shape[-2:], B.shape[-2]
+    if r > min(m, n):
+        raise ValueError(f"rank r={r} exceeds min(m, n)={min(m, n)}; lower lora.r")
 
 
 def _frame(A: Tensor, B: Tensor, fr: Frame | None) -> Frame:
@@ -106,20 +159,19 @@ def lift(
         YA = _solve_gram(gA, fr.RB)
         YB = _solve_gram(gB, fr.RA)
     else:
-        YA = gA @ _gram_function(fr.RB, lambda w: _pinv_eigenvalues(w, rcond))
-        YB = gB @ _gram_function(fr.RA, lambda w: _pinv_eigenvalues(w, rcond))
+        YA = gA @ _gram_function(fr.SB, fr.VB, lambda w: _pinv_eigenvalues(w, rcond))
+        YB = gB @ _gram_function(fr.SA, fr.VA, lambda w: _pinv_eigenvalues(w, rcond))
     return YA - 0.5 * _project(fr.QA, YA), YB - 0.5 * _project(fr.QB, YB)
 
 
 def _pinv_eigenvalues(w: Tensor, rcond: float) -> Tensor:
-    """``1/w`` where ``w > rcond·max(w)``, else 0 (the eigenvalue map of a pseudo-inverse)."""
-    return torch.where(w > rcond * w.max(), 1.0 / w, torch.zeros_like(w))
+    """``1/w`` where ``w > rcond·max(w)`` (per module), else 0 (the eigenvalue map of a pseudo-inverse)."""
+    return torch.where(w > rcond * w.amax(-1, keepdim=True), 1.0 / w, torch.zeros_like(w))
 
 
-def _gram_function(R: Tensor, fn) -> Tensor:
-    """``V diag(fn(w)) Vᵀ`` for the Gram matrix ``RᵀR = V diag(w) Vᵀ`` (eigenvalues from the SVD of ``R``)."""
-    w, V = _spectrum(R)
-    return (V * fn(w)) @ V.mT
+def _gram_function(S: Tensor, V: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """``V diag(fn(w)) Vᵀ`` for the Gram matrix ``RᵀR = V diag(w) Vᵀ``, ``w = S²`` (the frame's SVD of ``R``)."""
+    return (V * fn(S.square()).unsqueeze(-2)) @ V.mT
 
 
 def intrinsic_sqnorm(
@@ -141,6 +193,55 @@ def intrinsic_sqnorm(
     cB = fr.QB.mT @ XB
     core = (cA + cB.mT).square().sum((-2, -1))
     return core + (XA - fr.QA @ cA).square().sum((-2, -1)) + (XB - fr.QB @ cB).square().sum((-2, -1))
+
+
+def lifted_sqnorm(
+    A: Tensor, B: Tensor, gA: Tensor, gB: Tensor, frame: Frame | None = None
+) -> Tensor:
+    """Eqs. 14–15 from the factor gradients: ``‖ΔA Bᵀ + A ΔBᵀ‖²_F`` of the lift of ``(g_A, g_B)``, unformed.
+
+    With ``X_A = g_A R_B⁻¹`` (``= G Q_B``), ``X_B = g_B R_A⁻¹`` (``= GᵀQ_A``), ``c_A = Q_AᵀX_A`` and
+    ``c_B = Q_BᵀX_B``, the lift's image (eq. 14) has the orthogonal blocks ``Q_A ½(c_A + c_Bᵀ) Q_Bᵀ``,
+    ``(I − Π_A) X_A Q_Bᵀ`` and ``Q_A X_Bᵀ (I − Π_B)``, so its squared norm is
+    ``¼‖c_A + c_Bᵀ‖² + (‖X_A‖² − ‖c_A‖²) + (‖X_B‖² − ‖c_B‖²)`` (``= ‖P(G)‖²`` of eq. 13 when
+    ``g_A = GB``, ``g_B = GᵀA``). One triangular solve and one ``r``-row product per factor — a third
+    of the lift plus :func:`intrinsic_sqnorm` — so per-example clipping (eq. 16) never forms the lift;
+    the clipped sum is lifted once (the lift is linear). The two differences lose at most
+    ``eps·(‖X_A‖² + ‖X_B‖²)``, which for gradients of that form is ``≤ 2 eps`` of the result (each
+    of ``‖X_A‖²``, ``‖X_B‖²`` is at most the result); the solves add ``eps·κ`` as in the lift.
+    """
+    fr = _frame(A, B, frame)
+    XA = torch.linalg.solve_triangular(fr.RB, gA, upper=True, left=False)
+    XB = torch.linalg.solve_triangular(fr.RA, gB, upper=True, left=False)
+    cA, cB = fr.QA.mT @ XA, fr.QB.mT @ XB
+
+    def sq(X: Tensor) -> Tensor:
+        return torch.linalg.vector_norm(X, dim=(-2, -1)).square()  # no squared copy of X
+
+    return 0.25 * sq(cA + cB.mT) + (sq(XA) - sq(cA)).clamp_min(0.0) + (sq(XB) - sq(cB)).clamp_min(0.0)
+
+
+def example_lifted_sqnorms(fr: Frame, gA: Tensor, gB: Tensor) -> Tensor:
+    """:func:`lifted_sqnorm` of ``k`` examples stored interleaved, ``g_A`` [..., m, k, r], ``g_B`` [..., n, k, r] → [..., k].
+
+    The same blocks, laid out so that every product is one batched matmul on a contiguous view:
+    ``X_A = g_A R_B⁻¹`` acts on the ``m·k`` rows at once, ``c_A = Q_AᵀX_A`` on the ``k·r`` columns
+    at once (no broadcast copies of ``Q``). ``R⁻¹`` is the ``r×r`` triangular inverse (same ``eps·κ``
+    accuracy as the triangular solve).
+    """
+    *lead, m, k, r = gA.shape
+    n = gB.shape[-3]
+    eye = torch.eye(r, dtype=gA.dtype, device=gA.device)
+    XA = gA.reshape(*lead, m * k, r) @ torch.linalg.solve_triangular(fr.RB, eye, upper=True)
+    XB = gB.reshape(*lead, n * k, r) @ torch.linalg.solve_triangular(fr.RA, eye, upper=True)
+    cA = (fr.QA.mT @ XA.reshape(*lead, m, k * r)).reshape(*lead, r, k, r)
+    cB = (fr.QB.mT @ XB.reshape(*lead, n, k * r)).reshape(*lead, r, k, r)
+
+    def sq(X: Tensor) -> Tensor:  # per example: over rows (-3) and columns (-1)
+        return torch.linalg.vector_norm(X, dim=(-3, -1)).square()
+
+    return (0.25 * sq(cA + cB.transpose(-3, -1)) + (sq(XA.reshape(*lead, m, k, r)) - sq(cA)).clamp_min(0.0)
+            + (sq(XB.reshape(*lead, n, k, r)) - sq(cB)).clamp_min(0.0))
 
 
 def tangent_noise(
@@ -167,26 +268,19 @@ def tangent_noise(
     accountant assumes. ``0.0`` gives the exact law through the symmetric root.
     """
     fr = _frame(A, B, frame)
-    (m, r), n = fr.A.shape, fr.B.shape[0]
     opts = {"generator": generator, "dtype": fr.A.dtype, "device": fr.A.device}
-    Omega_A = torch.randn(*sample_shape, m, r, **opts)
-    Omega_B = torch.randn(*sample_shape, n, r, **opts)
+    Omega_A = torch.randn(*sample_shape, *fr.A.shape, **opts)
+    Omega_B = torch.randn(*sample_shape, *fr.B.shape, **opts)
     Omega_A = Omega_A - _project(fr.QA, Omega_A)
     if damping is not None:
         if damping < 0:
             raise ValueError(f"damping={damping} must be >= 0 (method.noise_damping)")
-        XiA = Omega_A @ _gram_function(fr.RB, lambda w: (w + damping).rsqrt())
-        XiB = Omega_B @ _gram_function(fr.RA, lambda w: (w + damping).rsqrt())
+        XiA = Omega_A @ _gram_function(fr.SB, fr.VB, lambda w: (w + damping).rsqrt())
+        XiB = Omega_B @ _gram_function(fr.SA, fr.VA, lambda w: (w + damping).rsqrt())
         return XiA, XiB
     XiA = torch.linalg.solve_triangular(fr.RB.mT, Omega_A, upper=False, left=False)
     XiB = torch.linalg.solve_triangular(fr.RA.mT, Omega_B, upper=False, left=False)
     return XiA, XiB
-
-
-def _spectrum(R: Tensor) -> tuple[Tensor, Tensor]:
-    """Eigen-decomposition of ``RᵀR`` from the SVD of ``R`` (eigenvalues ``s²``, eigenvectors ``V``)."""
-    _, s, Vh = torch.linalg.svd(R)
-    return s.square(), Vh.mT
 
 
 def horizontalize(
@@ -196,15 +290,42 @@ def horizontalize(
 
     ``Ω`` solves the Sylvester equation ``M Ω + Ω N = ΔBᵀB − AᵀΔA`` (the stationarity condition of
     ``‖ΔA + AΩ‖² + ‖ΔB − BΩᵀ‖²``; eq. 39 prints ``BᵀΔB`` — a transpose typo), via the
-    eigendecompositions ``M = U diag(μ) Uᵀ``, ``N = V diag(ν) Vᵀ``:
+    eigendecompositions ``M = U diag(μ) Uᵀ``, ``N = V diag(ν) Vᵀ`` of the frame:
     ``Ω = U [(UᵀCV)_ij / (μ_i + ν_j)] Vᵀ``. The result satisfies ``AᵀΔA' = (BᵀΔB')ᵀ`` (eq. 30).
     """
     fr = _frame(A, B, frame)
-    mu, U = _spectrum(fr.RA)
-    nu, V = _spectrum(fr.RB)
+    mu, U, nu, V = fr.SA.square(), fr.VA, fr.SB.square(), fr.VB
     C = dB.mT @ fr.B - fr.A.mT @ dA
-    Omega = U @ ((U.mT @ C @ V) / (mu[:, None] + nu[None, :])) @ V.mT
+    Omega = U @ ((U.mT @ C @ V) / (mu[..., :, None] + nu[..., None, :])) @ V.mT
     return dA + fr.A @ Omega, dB - fr.B @ Omega.mT
+
+
+def retraction_core(
+    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Eq. 22, first half: ``(Q_u, Q_v, R_u K R_vᵀ)`` in float64 (see :func:`retract`)."""
+    _check_pair(A, B)
+    r = A.shape[-1]
+    A64, B64, dA64, dB64 = (t.to(torch.float64) for t in (A, B, dA, dB))
+    Qu, Ru = torch.linalg.qr(torch.cat([A64, dA64], dim=-1), mode="reduced")
+    Qv, Rv = torch.linalg.qr(torch.cat([B64, dB64], dim=-1), mode="reduced")
+    # R_u K without forming K: R_u K = [R_u1 − lr R_u2, −lr R_u1] for R_u = [R_u1, R_u2].
+    RuK = torch.cat([Ru[..., :r] - lr * Ru[..., r:], -lr * Ru[..., :r]], dim=-1)
+    return Qu, Qv, RuK @ Rv.mT
+
+
+def balanced_factors(Qu: Tensor, Qv: Tensor, core_svd: tuple[Tensor, Tensor, Tensor], r: int) -> tuple[Tensor, Tensor]:
+    """Eq. 22, second half: ``A' = Q_u U_c √S_r``, ``B' = Q_v V_c √S_r`` from the core's SVD."""
+    Uc, S, Vch = core_svd
+    root = S[..., None, :r].sqrt()
+    return Qu @ (Uc[..., :r] * root), Qv @ (Vch[..., :r, :].mT * root)
+
+
+def procrustes_rotate(A_new: Tensor, B_new: Tensor, target_svd: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """Rotate by ``Q = U'V'ᵀ`` from the SVD of ``A'ᵀA + B'ᵀB = U'ΣV'ᵀ`` (App. A.24)."""
+    Up, _, Vph = target_svd
+    Q = Up @ Vph
+    return A_new @ Q, B_new @ Q
 
 
 def retract(
@@ -219,24 +340,15 @@ def retract(
     orthogonal Procrustes solution ``Q = U'V'ᵀ`` of ``A'ᵀA + B'ᵀB = U'ΣV'ᵀ``, which keeps ``Z'``,
     ``Π_{A'}``, ``Π_{B'}`` and the balance (App. A.22, A.24). Computed in float64, returned in the
     input dtype. If the point has rank < r the trailing columns are zero; the next step's
-    :func:`check_full_rank` reports it.
+    :func:`check_full_rank` reports it. (The batched method runs the same pieces with each SVD
+    fused over all shape groups.)
     """
-    _check_pair(A, B)
-    dtype, r = A.dtype, A.shape[1]
-    A64, B64, dA64, dB64 = (t.to(torch.float64) for t in (A, B, dA, dB))
-    Qu, Ru = torch.linalg.qr(torch.cat([A64, dA64], dim=1), mode="reduced")
-    Qv, Rv = torch.linalg.qr(torch.cat([B64, dB64], dim=1), mode="reduced")
-    eye = torch.eye(r, dtype=torch.float64, device=A.device)
-    K = torch.cat([torch.cat([eye, -lr * eye], 1), torch.cat([-lr * eye, torch.zeros_like(eye)], 1)], 0)
-    Uc, S, Vch = torch.linalg.svd(Ru @ K @ Rv.mT)
-    root = S[:r].sqrt()
-    A_new = Qu @ (Uc[:, :r] * root)
-    B_new = Qv @ (Vch[:r].mT * root)
+    Qu, Qv, core = retraction_core(A, B, dA, dB, lr)
+    A_new, B_new = balanced_factors(Qu, Qv, torch.linalg.svd(core), A.shape[-1])
     if align:
-        Up, _, Vph = torch.linalg.svd(A_new.mT @ A64 + B_new.mT @ B64)
-        Q = Up @ Vph
-        A_new, B_new = A_new @ Q, B_new @ Q
-    return A_new.to(dtype), B_new.to(dtype)
+        target = A_new.mT @ A.to(torch.float64) + B_new.mT @ B.to(torch.float64)
+        A_new, B_new = procrustes_rotate(A_new, B_new, torch.linalg.svd(target))
+    return A_new.to(A.dtype), B_new.to(B.dtype)
 
 
 def default_rcond(dtype: torch.dtype) -> float:
@@ -244,29 +356,50 @@ def default_rcond(dtype: torch.dtype) -> float:
     return math.sqrt(torch.finfo(dtype).eps)
 
 
-def check_full_rank(A: Tensor, B: Tensor, module: str, rcond: float | None = None) -> None:
-    """Raise :class:`RankDeficientError` unless both factors are finite with ``σ_min > rcond·σ_max``.
+def full_rank_mask(X: Tensor, s: Tensor, rcond: float) -> Tensor:
+    """Device-side ``[...]`` bool: factor ``X`` [..., p, r] with singular values ``s`` [..., r] (descending,
+    0 when non-finite) is finite with ``σ_min > rcond·σ_max``. No host synchronisation."""
+    return torch.isfinite(X).flatten(-2).all(-1) & (s[..., -1] > rcond * s[..., 0])
 
-    The tangent space (eq. 11), the lift (eq. 14) and the noise sampler (eq. 19) need full column
-    rank; ``rcond`` defaults to :func:`default_rcond` of the factors' dtype (solves then lose at
-    most ``√eps`` relative accuracy).
+
+def check_frames(frames: list[Frame], modules: list[list[str]], rcond: float | None = None) -> None:
+    """Raise :class:`RankDeficientError` unless every factor of every frame is finite and full rank.
+
+    ``frames[g]`` holds the factors of the modules named ``modules[g]`` (batched ``[G, m, r]`` or one
+    module ``[m, r]``). Reads the singular values the frames already hold (no further SVD) with one
+    host read per call; the offending module is looked up only on failure. ``rcond`` defaults to
+    :func:`default_rcond` of the factors' dtype (solves then lose at most ``√eps`` relative
+    accuracy). The tangent space (eq. 11), the lift (eq. 14) and the noise sampler (eq. 19) need
+    full column rank.
     """
-    _check_pair(A, B)
-    cutoff = default_rcond(A.dtype) if rcond is None else rcond
-    for name, X in (("A (peft lora_B)", A), ("B (peft lora_A)", B)):
-        if not torch.isfinite(X).all():
-            raise RankDeficientError(
-                f"{module}: LoRA factor {name} has non-finite entries; lower the learning rate or the "
-                "noise, or restart from the last checkpoint"
-            )
-        s = torch.linalg.svdvals(X.detach())
-        ratio = (s[-1] / s[0]).item() if s[0] > 0 else 0.0
-        if ratio <= cutoff:
-            raise RankDeficientError(
-                f"{module}: LoRA factor {name} is rank-deficient (σ_min/σ_max = {ratio:.3g} ≤ rcond "
-                f"{cutoff:.3g}); PRISM needs full-rank factors — use method.init=spectral instead of "
-                "the peft zero init, or lower lora.r"
-            )
+    if not frames:
+        return
+    cutoff = default_rcond(frames[0].A.dtype) if rcond is None else rcond
+    masks = [full_rank_mask(X, sv, cutoff).all() for fr in frames for X, sv in ((fr.A, fr.SA), (fr.B, fr.SB))]
+    if bool(torch.stack(masks).all()):  # the one host read
+        return
+    for fr, names in zip(frames, modules):
+        for side, X, sv in (("A (peft lora_B)", fr.A, fr.SA), ("B (peft lora_A)", fr.B, fr.SB)):
+            for module, Xi, si in zip(names, X.reshape(-1, *X.shape[-2:]), sv.reshape(-1, sv.shape[-1])):
+                if bool(full_rank_mask(Xi, si, cutoff)):
+                    continue
+                if not torch.isfinite(Xi).all():
+                    raise RankDeficientError(
+                        f"{module}: LoRA factor {side} has non-finite entries; lower the learning rate or "
+                        "the noise, or restart from the last checkpoint"
+                    )
+                ratio = (si[-1] / si[0]).item() if si[0] > 0 else 0.0
+                raise RankDeficientError(
+                    f"{module}: LoRA factor {side} is rank-deficient (σ_min/σ_max = {ratio:.3g} ≤ rcond "
+                    f"{cutoff:.3g}); PRISM needs full-rank factors — use method.init=spectral instead of "
+                    "the peft zero init, or lower lora.r"
+                )
+
+
+def check_full_rank(A: Tensor, B: Tensor, module: str | list[str], rcond: float | None = None) -> None:
+    """:func:`check_frames` for one module (``module`` a name) or one batch ``[G, m, r]`` (``G`` names)."""
+    names = [module] if isinstance(module, str) else list(module)
+    check_frames([frame(A, B)], [names], rcond)
 
 
 def tangent_dim(m: int, n: int, r: int) -> int:

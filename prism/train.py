@@ -241,8 +241,13 @@ def _restore(s: Setup, state: dict[str, Any]) -> int:
     return int(state["step"])
 
 
-def train_step(s: Setup, cfg: DictConfig) -> dict[str, float]:
-    """One logical step: Poisson batch → micro-batches → clip & sum → noise once → update."""
+def train_step(s: Setup, cfg: DictConfig, diagnostics: bool = True) -> dict[str, Any]:
+    """One logical step: Poisson batch → micro-batches → clip & sum → noise once → update.
+
+    ``diagnostics`` asks the method for its noise and update norms (every logged step; off only in
+    benchmarks that time the mechanism alone). Statistics stay 0-dim device tensors (no host sync);
+    :func:`_to_host` reads a logged record back in one transfer.
+    """
     indices = s.sampler.sample()
     if s.method.dp:
         s.accountant.step(noise_multiplier=s.sigma, sample_rate=s.sampler.sample_rate)
@@ -250,7 +255,7 @@ def train_step(s: Setup, cfg: DictConfig) -> dict[str, float]:
     if len(indices) == 0:
         # DP: the noisy step is released on an empty batch too (noise only, the same σC/B), since
         # skipping it would reveal that the batch was empty. Non-DP: nothing to average.
-        stats = s.method.step(float(cfg.train.batch_size), s.noise) if s.method.dp else {}
+        stats = s.method.step(float(cfg.train.batch_size), s.noise, diagnostics) if s.method.dp else {}
         return {"batch_size": 0, **stats}
     loss_sum = torch.zeros((), device=s.device)
     for chunk in indices.split(cfg.train.micro_batch_size):
@@ -259,7 +264,7 @@ def train_step(s: Setup, cfg: DictConfig) -> dict[str, float]:
         loss_sum = loss_sum + loss.detach().float().sum()
     denominator = (noise_denominator(cfg.privacy.get("denominator", "expected"), len(indices), cfg.train.batch_size)
                    if s.method.dp else len(indices))
-    stats = s.method.step(float(denominator), s.noise)
+    stats = s.method.step(float(denominator), s.noise, diagnostics)
     _check_finite(loss_sum, s.params)
     return {"loss": loss_sum / len(indices), "batch_size": len(indices), **stats}
 

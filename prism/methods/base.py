@@ -7,7 +7,7 @@ The training loop (:mod:`prism.train`) drives one logical step as::
         grads = <per-example grads of the per-example losses>   # DP:     name -> [k, *shape]
               | <sum over the micro-batch of those grads>       # non-DP: name -> [*shape]
         method.accumulate(grads)
-    stats = method.step(denominator, generator)
+    stats = method.step(denominator, generator, diagnostics)   # 0-dim device tensors
 
 * DP (``privacy`` given): ``accumulate`` clips each example (flat factor norm for the baselines,
   global intrinsic norm for PRISM) and sums; ``step`` adds the Gaussian noise once, with standard
@@ -57,13 +57,18 @@ class Method(abc.ABC):
         """Add one micro-batch: per-example grads ``[k, *shape]`` (DP) or their sum ``[*shape]``."""
 
     @abc.abstractmethod
-    def step(self, denominator: float, generator: torch.Generator | None) -> dict[str, float]:
+    def step(
+        self, denominator: float, generator: torch.Generator | None, diagnostics: bool = True
+    ) -> dict[str, Tensor]:
         """Noise (DP), normalise by ``denominator``, update the parameters; return step statistics.
 
-        Statistics use these keys where they apply: ``clip_fraction`` (share of examples whose
-        norm exceeded C), ``grad_norm_mean`` (mean per-example norm before clipping),
-        ``noise_norm`` (Frobenius norm of the intrinsic noise added to ΔZ, summed over modules in
-        quadrature, after division by ``denominator``), ``update_norm``.
+        Statistics are 0-dim tensors on the parameters' device, never read on the host inside
+        ``accumulate``/``step`` (the loop converts them once per logged step). Keys where they apply:
+        ``clip_fraction`` (share of examples whose norm exceeded C), ``grad_norm_mean`` (mean
+        per-example norm before clipping) and, only with ``diagnostics``, ``noise_norm`` (Frobenius
+        norm of the intrinsic noise added to ΔZ, summed over modules in quadrature, after division
+        by ``denominator``) and ``update_norm``. A non-finite gradient is not raised here: it
+        propagates into the parameters, which the loop checks.
         """
 
     @abc.abstractmethod

@@ -72,31 +72,37 @@ class FactorDPMethod(Method):
         self.summed = {n: torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
                        for n, p in self.params.items()}
         self.examples = 0
-        self.clipped = 0
-        self.norm_sum = 0.0
+        self.norms: list[Tensor] = []
 
     def accumulate(self, grads: Mapping[str, Tensor]) -> None:
-        """DP: clip each example's flat factor norm to C and add; non-DP: add the micro-batch sum."""
+        """DP: clip each example's flat factor norm to C and add; non-DP: add the micro-batch sum.
+
+        DP uses fused multi-tensor kernels (``torch._foreach_*``): one norm over every tensor's per-
+        example slices, then per example one scale and one add across all tensors — a number of
+        kernels independent of the number of tensors, and no host read.
+        """
         missing = [n for n in self.params if n not in grads]
         if missing:
             raise ValueError(f"accumulate got no gradient for {missing[0]}; pass every trainable parameter's gradient")
+        accs = list(self.summed.values())
         if not self.dp:
             for n, acc in self.summed.items():
                 if grads[n].shape != acc.shape:
                     raise ValueError(f"{n}: non-DP gradient must be the micro-batch sum of shape {tuple(acc.shape)}")
-                acc.add_(grads[n].to(acc.dtype))
+            torch._foreach_add_(accs, [grads[n].to(acc.dtype) for n, acc in self.summed.items()])
             return
         k = grads[next(iter(self.params))].shape[0]
         for n, p in self.params.items():
             if grads[n].shape != (k, *p.shape):
                 raise ValueError(f"{n}: per-example gradient has shape {tuple(grads[n].shape)}, expected {(k, *p.shape)}")
-        norms = torch.sqrt(sum(grads[n].to(acc.dtype).reshape(k, -1).pow(2).sum(1) for n, acc in self.summed.items()))
+        per_example = [grads[n].to(acc.dtype).unbind(0) for n, acc in self.summed.items()]  # [tensor][example]
+        sq = torch.stack(torch._foreach_norm([g for slices in per_example for g in slices])).view(len(accs), k)
+        norms = torch.linalg.vector_norm(sq, dim=0)
         coef = clip_coefficients(norms, self.privacy.clip_norm)
-        for n, acc in self.summed.items():
-            acc.add_(torch.einsum("i,i...->...", coef, grads[n].to(acc.dtype)))
+        for i in range(k):
+            torch._foreach_add_(accs, torch._foreach_mul([slices[i] for slices in per_example], coef[i]))
         self.examples += k
-        self.clipped += int((norms > self.privacy.clip_norm).sum())
-        self.norm_sum += float(norms.sum())
+        self.norms.append(norms)
 
     def privatize(
         self, denominator: float, generator: torch.Generator | None
@@ -104,56 +110,68 @@ class FactorDPMethod(Method):
         """The gradient handed to the optimizer and the noise inside it, both divided by ``denominator``.
 
         DP (eq. 3): ``(Σ_i clip(g_i) + σC ξ)/B``, ``ξ ~ N(0, I)`` drawn from ``generator`` once per logical
-        step, tensor by tensor in parameter order. Non-DP: ``Σ_i g_i / b`` and zero noise.
+        step as one flat draw split over the tensors in parameter order. Non-DP: ``Σ_i g_i / b`` and
+        zero noise.
         """
         if denominator <= 0:
             raise ValueError(f"denominator must be positive (got {denominator}); skip empty non-DP batches")
-        noise = {}
-        for n, acc in self.summed.items():
-            if self.dp:
-                device = generator.device if generator is not None else acc.device
-                xi = torch.randn(acc.shape, generator=generator, device=device, dtype=acc.dtype).to(acc.device)
-                noise[n] = xi * (self.privacy.sigma * self.privacy.clip_norm / denominator)
-            else:
-                noise[n] = torch.zeros_like(acc)
-        grads = {n: acc / denominator + noise[n] for n, acc in self.summed.items()}
-        return grads, noise
+        names, accs = list(self.summed), list(self.summed.values())
+        if self.dp:
+            first = accs[0]
+            device = generator.device if generator is not None else first.device
+            flat = torch.randn(sum(a.numel() for a in accs), generator=generator, device=device, dtype=first.dtype)
+            flat = flat.to(first.device).mul_(self.privacy.sigma * self.privacy.clip_norm / denominator)
+            noise = [x.view(a.shape) for x, a in zip(flat.split([a.numel() for a in accs]), accs)]
+        else:
+            noise = [torch.zeros_like(a) for a in accs]
+        grads = torch._foreach_add(torch._foreach_div(accs, denominator), noise)
+        return dict(zip(names, grads)), dict(zip(names, noise))
 
-    def noise_norm(self, noise: Mapping[str, Tensor]) -> float:
+    def noise_norm(self, noise: Mapping[str, Tensor]) -> Tensor:
         """``sqrt(Σ_modules ‖ξ_A Bᵀ + A ξ_Bᵀ‖²_F)`` at the current factors (Fig. 1 / eq. 8 diagnostic).
 
         A frozen factor (FFA's peft ``lora_A``) contributes no noise. NaN when a module's other factor
-        is unknown (FFA built without its frozen ``lora_A``).
+        is unknown (FFA built without its frozen ``lora_A``). A float64 device tensor.
         """
         if self.pairs is None:
-            return float("nan")
+            return torch.tensor(float("nan"), dtype=torch.float64)
         everything = {**self.params, **self.frozen}
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=next(iter(everything.values())).device)
         with torch.no_grad():
             for pair in self.pairs:
                 A, B = read_pair(everything, pair)
                 zero = {pair.a_name: torch.zeros_like(A), pair.b_name: torch.zeros_like(B.mT)}
                 xi_A, xi_B = read_pair({**zero, **noise}, pair)
                 total = total + first_order_noise_energy(A.double(), B.double(), xi_A.double(), xi_B.double())
-        return float(torch.as_tensor(total).clamp(min=0.0).sqrt())
+        return total.clamp(min=0.0).sqrt()
 
-    def step(self, denominator: float, generator: torch.Generator | None) -> dict[str, float]:
-        """Privatise, write ``p.grad``, run the optimizer; returns the base-class statistics."""
+    def step(
+        self, denominator: float, generator: torch.Generator | None, diagnostics: bool = True
+    ) -> dict[str, Tensor]:
+        """Privatise, write ``p.grad``, run the optimizer; returns the base-class statistics.
+
+        ``noise_norm`` (float64, per module) and ``update_norm`` (needs a copy of the parameters) are
+        diagnostics, computed only when asked for; all statistics are 0-dim device tensors.
+        """
         grads, noise = self.privatize(denominator, generator)
-        stats = {"noise_norm": self.noise_norm(noise) if self.dp else 0.0}
+        stats: dict[str, Tensor] = {}
+        if diagnostics:
+            stats["noise_norm"] = self.noise_norm(noise) if self.dp else torch.zeros((), dtype=torch.float64)
         if self.dp:
-            stats["clip_fraction"] = self.clipped / self.examples if self.examples else 0.0
-            stats["grad_norm_mean"] = self.norm_sum / self.examples if self.examples else 0.0
-        before = {n: p.detach().clone() for n, p in self.params.items()}
+            norms = torch.cat(self.norms) if self.norms else torch.zeros(1)  # no example: both 0
+            stats["clip_fraction"] = (norms > self.privacy.clip_norm).double().mean()
+            stats["grad_norm_mean"] = norms.mean()
+        before = [p.detach().clone() for p in self.params.values()] if diagnostics else None
         for n, p in self.params.items():
             p.grad = grads[n].to(p.dtype)
         self.optimizer.step()
         for p in self.params.values():
             p.grad = None
-        with torch.no_grad():
-            stats["update_norm"] = float(
-                torch.sqrt(sum((p.double() - before[n].double()).pow(2).sum() for n, p in self.params.items()))
-            )
+        if diagnostics:
+            with torch.no_grad():
+                deltas = torch._foreach_sub([p.detach().double() for p in self.params.values()],
+                                            [b.double() for b in before])
+                stats["update_norm"] = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(deltas)))
         return stats
 
     def state_dict(self) -> dict[str, Any]:

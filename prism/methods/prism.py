@@ -1,15 +1,26 @@
 """PRISM as a :class:`~prism.methods.base.Method`: Algorithm 1 across all LoRA modules.
 
-Per logical step (paper Alg. 1; SPEC §3):
+Per logical step (paper Alg. 1):
 
 1. :meth:`PrismMethod.zero_accumulators` snapshots every module's ``(A, B)`` in ``compute_dtype``,
-   factors it once (:func:`prism.geometry.frame`) and checks full rank (SPEC §3: never damp).
-2. :meth:`PrismMethod.accumulate` lifts each example's factor gradients (eq. 14), takes the global
-   intrinsic norm ``s_i`` over all modules (eqs. 15–16), clips with ``α_i = min(1, C/s_i)`` and sums
-   ``Σ α_i ΔA_i``, ``Σ α_i ΔB_i`` (batched over the micro-batch; no ``m×n`` matrix).
-3. :meth:`PrismMethod.step` divides by the expected batch size ``B`` and adds ``(σC/B)·(Ξ_A, Ξ_B)``
+   factors it once (:func:`prism.geometry.frame`) and checks full rank (never damp), in one batched
+   check and one host read for all modules.
+2. :meth:`PrismMethod.accumulate` takes each example's global intrinsic norm ``s_i``, the norm of the
+   lift (eq. 14) of its factor gradients over all modules (eqs. 15–16, without forming the lift),
+   clips with ``α_i = min(1, C/s_i)`` and sums ``Σ α_i (g_A, g_B)_i`` (batched over the micro-batch;
+   no ``m×n`` matrix).
+3. :meth:`PrismMethod.step` lifts that sum once (the lift is linear, so this is ``Σ α_i ΔA_i``,
+   ``Σ α_i ΔB_i``), divides by the expected batch size ``B`` and adds ``(σC/B)·(Ξ_A, Ξ_B)``
    (eqs. 17, 19) — exactly the accountant's scale; optional Sylvester horizontalisation; the
    rank-space adaptive transform (eqs. 24–26, :mod:`prism.adaptive`); retraction (eq. 22).
+
+Modules of equal shape ``(m, n, r)`` form a :class:`ShapeGroup` (a transformer has a handful: q, k,
+v, up, down) whose factors, sums and adaptive moments are stacked ``[G, m, r]``, so every step above
+runs as one chain of batched kernels per group, not per module, and each ``eigh``/SVD of the step is
+one call for all groups; ``batched=False`` makes one group per module and one decomposition call per
+module (the reference path). ``accumulate`` and ``step`` never synchronise with the host: statistics
+are 0-dim device tensors, and a non-finite lift is written as NaN factors (the loop's finite check
+stops the run) instead of being raised here.
 
 Privacy of the factor components. The eq.-19 noise has ``AᵀΞ_A = 0`` while the clipped sum's lift
 has ``AᵀΔ̄A = ½AᵀĜBN⁻¹``: the r×r vertical (gauge) block of the privatised factor pair is an exact,
@@ -24,7 +35,7 @@ retraction), ``pre_retract`` (the direction only) or ``none`` (paper Alg. 1). Un
 horizontalised in every setting (above), so the setting changes the pre-moment gauge of non-DP runs
 only, plus the (image-preserving) pre-retraction step.
 
-Non-DP: grads arrive summed over the micro-batch; the lift is linear, so the sum is lifted once.
+Non-DP: grads arrive summed over the micro-batch and are summed, then lifted once, the same way.
 
 Precision. Under DP the per-example lifts, intrinsic norms (eq. 15, block form), clip coefficients,
 clipped sums, noise and horizontalisation run in float64 from the snapshots, so every clipped
@@ -32,15 +43,15 @@ contribution has intrinsic norm ≤ C(1 + 1e-6) for every factor pair the rank c
 (float32 norms under-estimate by up to 1.35× at κ = 2,500, the error growing like eps·κ²).
 Measured on CPU: the float64 per-example path costs ~1.75× the float32 one (SmolLM2-135M shapes,
 r = 16, micro-batch 8; float32 lifts with float64 norms cost the same as all-float64). Its cost is
-``O(k m r²)`` per module against ``O(k L m r)`` for the per-example gradients of ``L`` tokens. ``compute_dtype`` (default float32)
-is the dtype of the snapshots, the rank check and the adaptive moments (non-DP: of everything);
-bf16 parameters are never used for the linear algebra; the retraction runs in float64 internally.
+``O(k m r²)`` per module against ``O(k L m r)`` for the per-example gradients of ``L`` tokens.
+``compute_dtype`` (default float32) is the dtype of the snapshots, the rank check's cutoff and the
+adaptive moments (non-DP: of everything); bf16 parameters are never used for the linear algebra;
+the retraction runs in float64 internally.
 """
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +64,8 @@ from prism.adaptive import (
     RankSpaceAdaptive,
     horizontal_noise_second_moments,
     noise_second_moments,
+    spectral_preconditioner,
+    symmetric_part,
 )
 from prism.lora import LoraPair, lora_pairs, read_pair, write_pair
 from prism.methods.base import Method, PrivacySpec
@@ -120,122 +133,228 @@ def floor_spectrum(A: Tensor, B: Tensor, rcond: float) -> tuple[Tensor, Tensor, 
     return QA @ (U * root), QB @ (Vh.mT * root), int((floored > S).sum())
 
 
+@dataclass
+class ShapeGroup:
+    """LoRA modules of one shape ``(m, n, r)``, processed as one batch ``[G, …]``."""
+
+    pairs: list[LoraPair]
+    adaptive: RankSpaceAdaptive
+    frame: geometry.Frame | None = None
+    sums: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def modules(self) -> list[str]:
+        return [p.module for p in self.pairs]
+
+
+def group_by_shape(params: Mapping[str, Tensor], pairs: list[LoraPair], batched: bool = True) -> list[list[LoraPair]]:
+    """Pairs grouped by ``(m, n, r, dtype, device)`` in order of first appearance (singletons if not ``batched``)."""
+    if not batched:
+        return [[pair] for pair in pairs]
+    groups: dict[tuple, list[LoraPair]] = {}
+    for pair in pairs:
+        A, B = read_pair(params, pair)
+        groups.setdefault((*A.shape, B.shape[0], A.dtype, B.dtype, A.device), []).append(pair)
+    return list(groups.values())
+
+
+@torch.no_grad()
+def stack_pairs(tensors: Mapping[str, Tensor], pairs: list[LoraPair], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Paper ``(A, B)`` of several modules stacked in ``dtype``: ``[G, m, r]``, ``[G, n, r]`` (one fused copy each)."""
+    A = torch.empty(len(pairs), *tensors[pairs[0].a_name].shape, dtype=dtype, device=tensors[pairs[0].a_name].device)
+    Bt = torch.empty(len(pairs), *tensors[pairs[0].b_name].shape, dtype=dtype, device=A.device)
+    torch._foreach_copy_(list(A.unbind(0)), [tensors[p.a_name] for p in pairs])
+    torch._foreach_copy_(list(Bt.unbind(0)), [tensors[p.b_name] for p in pairs])
+    return A, Bt.mT
+
+
+@torch.no_grad()
+def stack_examples(grads: Mapping[str, Tensor], pairs: list[LoraPair], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Per-example paper factor grads of several modules, examples interleaved: ``[G, m, k, r]``, ``[G, n, k, r]``.
+
+    From peft ``lora_B`` grads ``[k, m, r]`` and ``lora_A`` grads ``[k, r, n]``, in one fused copy
+    each (the layout :func:`geometry.example_lifted_sqnorms` and the clipped sum read without copies).
+    """
+    a, b = grads[pairs[0].a_name], grads[pairs[0].b_name]
+    (k, m, r), n = a.shape, b.shape[-1]
+    A = torch.empty(len(pairs), m, k, r, dtype=dtype, device=a.device)
+    B = torch.empty(len(pairs), n, k, r, dtype=dtype, device=a.device)
+    torch._foreach_copy_(list(A.permute(0, 2, 1, 3).unbind(0)), [grads[p.a_name] for p in pairs])
+    torch._foreach_copy_(list(B.permute(0, 2, 3, 1).unbind(0)), [grads[p.b_name] for p in pairs])
+    return A, B
+
+
 class PrismMethod(Method):
     """PRISM (paper Alg. 1) over the peft LoRA parameters ``params``."""
 
-    def __init__(self, cfg: Mapping[str, Any], params: Mapping[str, nn.Parameter], privacy: PrivacySpec | None):
+    def __init__(self, cfg: Mapping[str, Any], params: Mapping[str, nn.Parameter], privacy: PrivacySpec | None,
+                 batched: bool = True):
         super().__init__(params, privacy)
         self.config = PrismConfig.from_mapping(cfg)
-        self.pairs: list[LoraPair] = lora_pairs(self.params)
-        if not self.pairs:
+        pairs: list[LoraPair] = lora_pairs(self.params)
+        if not pairs:
             raise ValueError("PRISM found no peft LoRA parameters (…lora_A/lora_B….weight) among the trainable ones")
         self.dtype = COMPUTE_DTYPES[self.config.compute_dtype]
         self.work_dtype = DP_DTYPE if self.dp else self.dtype
         self.horizontal_lift = self.dp or self.config.horizontalize == "both"
-        self.adaptive: dict[str, RankSpaceAdaptive] = {}
-        for pair in self.pairs:
-            A, B = read_pair(self.params, pair)
+        self.groups: list[ShapeGroup] = []
+        for group in group_by_shape(self.params, pairs, batched):
+            A, B = read_pair(self.params, group[0])
             (m, r), n = A.shape, B.shape[0]
-            self.adaptive[pair.module] = RankSpaceAdaptive(self.config.adaptive, m, n, r, self.dtype, A.device)
-        self._frames: dict[str, geometry.Frame] = {}
-        self._sums: dict[str, tuple[Tensor, Tensor]] = {}
+            adaptive = RankSpaceAdaptive(self.config.adaptive, m, n, r, self.dtype, A.device, batch=(len(group),))
+            self.groups.append(ShapeGroup(pairs=group, adaptive=adaptive))
         self._norms: list[Tensor] = []
+        self._ready = False
+        self._fused = geometry.fused if batched else _one_by_one
 
     # ---------------------------------------------------------------- step protocol
     def zero_accumulators(self) -> None:
-        """Snapshot ``(A, B)`` in ``compute_dtype``, check full rank, factor in the working dtype, zero the sums."""
-        self._frames, self._sums, self._norms = {}, {}, []
-        for pair in self.pairs:
-            A, B = (x.detach().to(self.dtype) for x in read_pair(self.params, pair))
-            A, B = (x.to(self.work_dtype) for x in self._full_rank(pair, A, B))
-            self._frames[pair.module] = geometry.frame(A, B)
-            self._sums[pair.module] = (torch.zeros_like(A), torch.zeros_like(B))
+        """Snapshot and factor every group's ``(A, B)``, check full rank (one host read), zero the sums."""
+        self._norms = []
+        for g, fr in zip(self.groups, geometry.frames([self._snapshot(g) for g in self.groups])):
+            g.frame = fr
+        try:
+            self._check_rank()
+        except geometry.RankDeficientError:
+            if self.config.rank_fallback is None:
+                raise
+            self._floor_rank_deficient()
+        for g in self.groups:
+            g.sums = (torch.zeros_like(g.frame.A), torch.zeros_like(g.frame.B))
+        self._ready = True
 
     def accumulate(self, grads: Mapping[str, Tensor]) -> None:
-        """Add one micro-batch (DP: per-example ``[k, *shape]`` grads, clipped by eq. 16; else a sum)."""
-        if not self._frames:
+        """Add one micro-batch (DP: per-example ``[k, *shape]`` grads, clipped by eq. 16; else a sum).
+
+        Sums the clipped factor gradients ``Σ α_i (g_A, g_B)_i``; their lift (eq. 14, linear) is taken
+        once per step. The clip norm ``s_i`` is the exact norm of example ``i``'s lift
+        (:func:`geometry.example_lifted_sqnorms`), summed over all modules (eq. 16). Two passes over the
+        groups (norms, then the weighted sum) keep one group's working-dtype copy alive at a time.
+        """
+        if not self._ready:
             raise RuntimeError("call zero_accumulators() before accumulate()")
-        lifts = {}
-        for pair in self.pairs:
-            if pair.a_name not in grads or pair.b_name not in grads:
-                raise KeyError(f"no gradient for LoRA module {pair.module}; every trainable LoRA tensor needs one")
-            gA, gB = (g.detach().to(self.work_dtype) for g in read_pair(grads, pair))
-            if gA.ndim != (3 if self.dp else 2):
-                raise ValueError(
-                    f"{pair.module}: gradient of shape {tuple(grads[pair.a_name].shape)}; DP needs per-example "
-                    "grads [k, *shape] (prism.privacy.per_example), non-DP their micro-batch sum [*shape]"
-                )
-            fr = self._frames[pair.module]
-            lifts[pair.module] = geometry.lift(fr.A, fr.B, gA, gB, frame=fr, rcond=self.config.pinv_rcond)
+        for g in self.groups:
+            for pair in g.pairs:
+                if pair.a_name not in grads or pair.b_name not in grads:
+                    raise KeyError(f"no gradient for LoRA module {pair.module}; every trainable LoRA tensor needs one")
+                if grads[pair.a_name].ndim != (3 if self.dp else 2):
+                    raise ValueError(
+                        f"{pair.module}: gradient of shape {tuple(grads[pair.a_name].shape)}; DP needs per-example "
+                        "grads [k, *shape] (prism.privacy.per_example), non-DP their micro-batch sum [*shape]"
+                    )
         if not self.dp:
-            for module, (dA, dB) in lifts.items():
-                self._sums[module][0].add_(dA)
-                self._sums[module][1].add_(dB)
+            for g in self.groups:
+                for acc, x in zip(g.sums, stack_pairs(grads, g.pairs, self.work_dtype)):
+                    acc.add_(x)
             return
-        sq = sum(geometry.intrinsic_sqnorm(fr.A, fr.B, *lifts[mod], frame=fr) for mod, fr in self._frames.items())
-        norms = sq.clamp_min(0.0).sqrt()
-        if not torch.isfinite(norms).all():
-            raise FloatingPointError("non-finite per-example gradient norm; lower the learning rate or check the loss")
+        sq = sum(geometry.example_lifted_sqnorms(g.frame, *stack_examples(grads, g.pairs, self.work_dtype)).sum(0)
+                 for g in self.groups)
+        norms = sq.sqrt()  # NaN stays NaN: it reaches the update and the loop's finite check
         alpha = (self.privacy.clip_norm / norms).clamp(max=1.0)
         self._norms.append(norms)
-        for module, (dA, dB) in lifts.items():
-            self._sums[module][0].add_(torch.einsum("k,kmr->mr", alpha, dA))
-            self._sums[module][1].add_(torch.einsum("k,knr->nr", alpha, dB))
+        for g in self.groups:
+            for acc, x in zip(g.sums, stack_examples(grads, g.pairs, self.work_dtype)):
+                acc.add_(torch.matmul(alpha, x))  # Σ_i α_i x[:, :, i, :]
 
-    def privatized_lifts(
-        self, denominator: float, generator: torch.Generator | None
-    ) -> tuple[dict[str, tuple[Tensor, Tensor]], float]:
-        """Eq. 17: per module ``(Δ̄A, Δ̄B) + τ(Ξ_A, Ξ_B)``, ``τ = σC/denominator``; and ``‖N_Z‖_F`` (eq. 21).
+    def privatized_group(
+        self, g: ShapeGroup, denominator: float, generator: torch.Generator | None, diagnostics: bool = True
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Eq. 17 for one group: ``(Δ̄A, Δ̄B) + τ(Ξ_A, Ξ_B)``, ``τ = σC/denominator``, and ``Σ‖N_Z‖²_F`` (eq. 21).
 
         The unit sampler of eq. 19 is scaled by exactly ``τ`` (damped only with ``noise_damping``). Under DP (and with
         ``horizontalize: both``) the result is horizontalised, so its factor components are a
         function of the noised tangent vector and the public ``(A, B)`` only. Non-DP: ``τ = 0``.
+        The noise energy (a device tensor) is computed only with ``diagnostics``.
         """
-        if not self._frames:
-            raise RuntimeError("call zero_accumulators() before step()")
-        if not denominator > 0:
-            raise ValueError(f"denominator={denominator} must be positive (the expected batch size B under DP, the realised one otherwise)")
+        fr = g.frame
+        dA, dB = geometry.lift(fr.A, fr.B, *(s / denominator for s in g.sums), frame=fr, rcond=self.config.pinv_rcond)
         tau = self.tau(denominator)
-        out, noise_sq = {}, 0.0
-        for module, fr in self._frames.items():
-            dA, dB = (s / denominator for s in self._sums[module])
-            if tau > 0:
-                XiA, XiB = geometry.tangent_noise(fr.A, fr.B, generator=generator, frame=fr,
-                                                  damping=self.config.noise_damping)
-                XiA, XiB = tau * XiA, tau * XiB
-                noise_sq += geometry.intrinsic_sqnorm(fr.A, fr.B, XiA, XiB, frame=fr).item()
-                dA, dB = dA + XiA, dB + XiB
-            if self.horizontal_lift:
-                dA, dB = geometry.horizontalize(fr.A, fr.B, dA, dB, frame=fr)
-            out[module] = (dA, dB)
-        return out, math.sqrt(noise_sq)
+        noise_sq = dA.new_zeros(()) if diagnostics else None
+        if tau > 0:
+            XiA, XiB = geometry.tangent_noise(fr.A, fr.B, generator=generator, frame=fr,
+                                              damping=self.config.noise_damping)
+            XiA, XiB = tau * XiA, tau * XiB
+            if diagnostics:
+                noise_sq = geometry.intrinsic_sqnorm(fr.A, fr.B, XiA, XiB, frame=fr).sum()
+            dA, dB = dA + XiA, dB + XiB
+        if self.horizontal_lift:
+            dA, dB = geometry.horizontalize(fr.A, fr.B, dA, dB, frame=fr)
+        return dA, dB, noise_sq
+
+    def privatized_lifts(
+        self, denominator: float, generator: torch.Generator | None
+    ) -> tuple[dict[str, tuple[Tensor, Tensor]], Tensor]:
+        """Per module the privatised lift of :meth:`privatized_group`, and ``‖N_Z‖_F`` over all modules."""
+        self._check_denominator(denominator)
+        out, noise_sq = {}, torch.zeros((), dtype=self.work_dtype)
+        for g in self.groups:
+            dA, dB, sq = self.privatized_group(g, denominator, generator)
+            out.update({module: (a, b) for module, a, b in zip(g.modules, dA, dB)})
+            if sq is not None:
+                noise_sq = noise_sq.to(sq.device) + sq
+        return out, noise_sq.sqrt()
 
     @torch.no_grad()
-    def step(self, denominator: float, generator: torch.Generator | None) -> dict[str, float]:
-        """Privatise and horizontalise (eq. 17), adapt (eqs. 24–26), retract (eq. 22), write back."""
-        lifts, noise_norm = self.privatized_lifts(denominator, generator)
-        tau, h = self.tau(denominator), self.config.horizontalize
+    def step(self, denominator: float, generator: torch.Generator | None, diagnostics: bool = True) -> dict[str, Tensor]:
+        """Privatise and horizontalise (eq. 17), adapt (eqs. 24–26), retract (eq. 22), write back.
+
+        Runs stage by stage over all groups, so each ``eigh``/SVD is one call for every group
+        (:func:`geometry.fused`). Returns 0-dim device tensors; ``noise_norm`` and ``update_norm``
+        only with ``diagnostics``.
+        """
+        self._check_denominator(denominator)
+        tau, h, cfg = self.tau(denominator), self.config.horizontalize, self.config.adaptive
         moments = horizontal_noise_second_moments if self.horizontal_lift else noise_second_moments
-        update_sq = 0.0
-        for pair in self.pairs:
-            fr = self._frames[pair.module]
-            dA, dB = (x.to(self.dtype) for x in lifts[pair.module])
-            sigma_A, sigma_B = (x.to(self.dtype) for x in moments(fr))
-            UA, UB = (x.to(self.work_dtype) for x in self.adaptive[pair.module].step(dA, dB, tau, sigma_A, sigma_B))
-            if h in ("both", "pre_retract"):
-                UA, UB = geometry.horizontalize(fr.A, fr.B, UA, UB, frame=fr)
-            A_new, B_new = geometry.retract(fr.A, fr.B, UA, UB, self.config.lr)
-            update_sq += _product_sqdist(fr.A, fr.B, A_new, B_new)
-            write_pair(self.params, pair, A_new, B_new)
-        stats = {"update_norm": math.sqrt(update_sq)}
-        if self.dp:
-            stats["noise_norm"] = noise_norm
+        noise_sq, lifts = [], []
+        for g in self.groups:
+            dA, dB, sq = self.privatized_group(g, denominator, generator, diagnostics)
+            if sq is not None:
+                noise_sq.append(sq)
+            lifts.append((dA.to(self.dtype), dB.to(self.dtype)))
+        if cfg.preconditioner == "none":
+            directions = lifts
+        else:  # eqs. 24–26: one eigh for the rank-space moments of every factor of every group
+            estimates = [e for g, (dA, dB) in zip(self.groups, lifts) for e in g.adaptive.observe(
+                dA, dB, tau, *(x.to(self.dtype) for x in moments(g.frame)))]
+            eighs = self._fused(torch.linalg.eigh, [_finite_or_zero(symmetric_part(V)) for _, V, _ in estimates])
+            U = [m_hat @ spectral_preconditioner(cfg, w, E, floor) for (m_hat, _, floor), (w, E) in zip(estimates, eighs)]
+            directions = list(zip(U[0::2], U[1::2]))
+        directions = [(UA.to(self.work_dtype), UB.to(self.work_dtype)) for UA, UB in directions]
+        if h in ("both", "pre_retract"):
+            directions = [geometry.horizontalize(g.frame.A, g.frame.B, UA, UB, frame=g.frame)
+                          for g, (UA, UB) in zip(self.groups, directions)]
+        new = self._retract(directions)
+        update_sq = []
+        for g, (A_new, B_new) in zip(self.groups, new):
+            if diagnostics:
+                update_sq.append(_product_sqdist(g.frame.A, g.frame.B, A_new, B_new).sum())
+            self._write(g, A_new, B_new)
+        stats: dict[str, Tensor] = {}
+        if diagnostics:
+            stats["update_norm"] = torch.stack(update_sq).sum().sqrt()
+            if self.dp:
+                stats["noise_norm"] = torch.stack(noise_sq).sum().sqrt()
         if self._norms:
             norms = torch.cat(self._norms)
-            stats["clip_fraction"] = (norms > self.privacy.clip_norm).double().mean().item()
-            stats["grad_norm_mean"] = norms.mean().item()
-        self._frames, self._sums = {}, {}
+            stats["clip_fraction"] = (norms > self.privacy.clip_norm).double().mean()
+            stats["grad_norm_mean"] = norms.mean()
+        for g in self.groups:
+            g.frame, g.sums = None, None
+        self._ready = False
         return stats
+
+    def _retract(self, directions: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+        """:func:`geometry.retract` (aligned) of every group, each of its two SVDs fused over the groups."""
+        cores = [geometry.retraction_core(g.frame.A, g.frame.B, UA, UB, self.config.lr)
+                 for g, (UA, UB) in zip(self.groups, directions)]
+        svds = self._fused(torch.linalg.svd, [_finite_or_zero(core) for _, _, core in cores])
+        balanced = [geometry.balanced_factors(Qu, Qv, svd, g.frame.A.shape[-1])
+                    for g, (Qu, Qv, _), svd in zip(self.groups, cores, svds)]
+        targets = [A_new.mT @ g.frame.A.double() + B_new.mT @ g.frame.B.double()
+                   for g, (A_new, B_new) in zip(self.groups, balanced)]
+        rotations = self._fused(torch.linalg.svd, [_finite_or_zero(t) for t in targets])
+        return [tuple(x.to(self.work_dtype) for x in geometry.procrustes_rotate(A_new, B_new, svd))
+                for (A_new, B_new), svd in zip(balanced, rotations)]
 
     def tau(self, denominator: float) -> float:
         """Noise standard deviation ``σC/denominator`` of the averaged lift (0 without DP)."""
@@ -244,39 +363,93 @@ class PrismMethod(Method):
     @property
     def example_norms(self) -> Tensor:
         """Intrinsic per-example norms ``s_i`` (eq. 16) accumulated so far in this logical step."""
-        return torch.cat(self._norms) if self._norms else torch.zeros(0, dtype=self.dtype)
+        return torch.cat(self._norms) if self._norms else torch.zeros(0, dtype=self.work_dtype)
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {"adaptive": {module: ad.state_dict() for module, ad in self.adaptive.items()}}
+        """Per module ``{t, mA, VA, mB, VB}`` (independent of the grouping)."""
+        out = {}
+        for g in self.groups:
+            ad = g.adaptive
+            for i, module in enumerate(g.modules):
+                out[module] = {"t": ad.t, "mA": ad.A.m[i].clone(), "VA": ad.A.V[i].clone(),
+                               "mB": ad.B.m[i].clone(), "VB": ad.B.V[i].clone()}
+        return {"adaptive": out}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        missing = set(self.adaptive) - set(state["adaptive"])
+        saved = state["adaptive"]
+        missing = {m for g in self.groups for m in g.modules} - set(saved)
         if missing:
             raise ValueError(f"checkpoint lacks PRISM state for modules {sorted(missing)}; it belongs to another model")
-        for module, ad in self.adaptive.items():
-            ad.load_state_dict(state["adaptive"][module])
+        for g in self.groups:
+            ad = g.adaptive
+            for i, module in enumerate(g.modules):
+                for key, target in (("mA", ad.A.m[i]), ("VA", ad.A.V[i]), ("mB", ad.B.m[i]), ("VB", ad.B.V[i])):
+                    if saved[module][key].shape != target.shape:
+                        raise ValueError(
+                            f"adaptive state {key} of {module} has shape {tuple(saved[module][key].shape)}, expected "
+                            f"{tuple(target.shape)}; the checkpoint was written for another LoRA rank or model"
+                        )
+                    target.copy_(saved[module][key])
+            ad.t = int(saved[g.modules[0]]["t"])
 
     # ---------------------------------------------------------------- helpers
-    def _full_rank(self, pair: LoraPair, A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
-        """:func:`geometry.check_full_rank`, or the logged ``floor`` repair when configured."""
-        try:
-            geometry.check_full_rank(A, B, pair.module)
-            return A, B
-        except geometry.RankDeficientError:
-            if self.config.rank_fallback is None:
-                raise
+    def _snapshot(self, g: ShapeGroup) -> tuple[Tensor, Tensor]:
+        """The group's ``(A, B)`` stacked ``[G, m, r]``, ``[G, n, r]``: rounded to ``compute_dtype``, held in the working dtype."""
+        return tuple(x.to(self.work_dtype) for x in stack_pairs(self.params, g.pairs, self.dtype))
+
+    def _check_rank(self) -> None:
+        """:func:`geometry.check_frames` with the cutoff of ``compute_dtype`` (frames may be float64)."""
+        geometry.check_frames([g.frame for g in self.groups], [g.modules for g in self.groups],
+                              geometry.default_rcond(self.dtype))
+
+    @torch.no_grad()
+    def _write(self, g: ShapeGroup, A: Tensor, B: Tensor) -> None:
+        """Copy the group's new factors into the peft parameters (one fused copy per factor)."""
+        torch._foreach_copy_([self.params[p.a_name] for p in g.pairs], list(A.unbind(0)))
+        torch._foreach_copy_([self.params[p.b_name] for p in g.pairs], list(B.mT.unbind(0)))
+
+    def _check_denominator(self, denominator: float) -> None:
+        if not self._ready:
+            raise RuntimeError("call zero_accumulators() before step()")
+        if not denominator > 0:
+            raise ValueError(f"denominator={denominator} must be positive (skip empty Poisson batches)")
+
+    def _floor_rank_deficient(self) -> None:
+        """The logged ``rank_fallback: floor`` repair of every rank-deficient module, then re-check."""
         rcond = 10.0 * geometry.default_rcond(self.dtype)
-        A, B, raised = floor_spectrum(A, B, rcond)
-        log.warning("rank_fallback=floor: %s had %d singular value(s) of ABᵀ raised to %.1e·σ_max",
-                    pair.module, raised, rcond)
-        geometry.check_full_rank(A, B, pair.module)
-        write_pair(self.params, pair, A, B)
-        return A, B
+        for g in self.groups:
+            for pair, A, B in zip(g.pairs, g.frame.A, g.frame.B):
+                try:
+                    geometry.check_full_rank(A, B, pair.module, geometry.default_rcond(self.dtype))
+                    continue
+                except geometry.RankDeficientError:
+                    pass
+                A, B, raised = floor_spectrum(A, B, rcond)
+                log.warning("rank_fallback=floor: %s had %d singular value(s) of ABᵀ raised to %.1e·σ_max",
+                            pair.module, raised, rcond)
+                write_pair(self.params, pair, A, B)
+            g.frame = geometry.frame(*self._snapshot(g))
+        self._check_rank()
 
 
-def _product_sqdist(A: Tensor, B: Tensor, A2: Tensor, B2: Tensor) -> float:
+def _one_by_one(fn: Callable[[Tensor], Any], batches: list[Tensor]) -> list[tuple[Tensor, ...]]:
+    """The reference path's :func:`geometry.fused`: one call of ``fn`` per batch."""
+    return [tuple(fn(X)) for X in batches]
+
+
+def _finite_or_zero(X: Tensor) -> Tensor:
+    """Small matrices ``X`` [..., p, q] bound for ``eigh``/SVD (which fail on NaN), non-finite ones zeroed.
+
+    A non-finite lift is not stopped here (no host read): the big factor-sized tensors keep their
+    NaN, which reaches the new factors (``Q`` of a NaN QR is NaN), so the loop's finite check stops
+    the run; only the ``r×r``/``2r×2r`` inputs of the decompositions are sanitised.
+    """
+    return torch.where(torch.isfinite(X).flatten(-2).all(-1)[..., None, None], X, torch.zeros_like(X))
+
+
+def _product_sqdist(A: Tensor, B: Tensor, A2: Tensor, B2: Tensor) -> Tensor:
     """``‖A2 B2ᵀ − A Bᵀ‖²_F = ‖R_u R_vᵀ‖²_F`` for ``[A2, A] = Q_u R_u``, ``[B2, −B] = Q_v R_v`` (no m×n)."""
-    Ru = torch.linalg.qr(torch.cat([A2, A], dim=1), mode="r").R
-    Rv = torch.linalg.qr(torch.cat([B2, -B], dim=1), mode="r").R
-    return (Ru @ Rv.mT).square().sum().item()
+    Ru = torch.linalg.qr(torch.cat([A2, A], dim=-1), mode="r").R
+    Rv = torch.linalg.qr(torch.cat([B2, -B], dim=-1), mode="r").R
+    return (Ru @ Rv.mT).square().sum((-2, -1))

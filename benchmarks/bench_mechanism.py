@@ -1,0 +1,183 @@
+"""PRISM's mechanism at Gemma-3-4B LoRA shapes on CPU: per-module vs batched, against DP-AdamW's clip/noise/update.
+
+No model is loaded: random full-rank factors and synthetic per-example factor gradients with the exact
+shapes of the paper's targeted modules (q, k, v, up, down of every decoder layer; hidden 2560,
+intermediate 10240, 8 query heads × 256, 4 KV heads × 256), r = 16, micro-batch 4, B = 64, so one
+logical step is ``zero_accumulators`` + B/4 ``accumulate`` calls + ``step``. Times are medians over
+``--repeats`` rounds, methods interleaved; each call is timed separately and the logical step is
+composed from them (``zero + B/k·accumulate + step``). ``torch.profiler`` counts, per logical step,
+the aten ops called from Python (the kernel chain; nested ops excluded), our host reads
+(``_local_scalar_dense`` outside torch's own checks; a device sync on a GPU) and torch's linalg
+convergence checks (one host read of ``info`` per ``eigh``/SVD call, a device sync on CUDA too).
+Statistics are left on the device (``diagnostics=False``: no noise/update norms), as in a step
+that is not logged.
+
+    python benchmarks/bench_mechanism.py                  # 34 layers (the paper's Gemma-3-4B)
+    python benchmarks/bench_mechanism.py --layers 4       # quicker
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from prism.methods.base import Method, PrivacySpec  # noqa: E402
+from prism.methods.factor import FactorDPMethod  # noqa: E402
+from prism.methods.prism import PrismMethod  # noqa: E402
+
+HIDDEN, INTERMEDIATE, Q_OUT, KV_OUT = 2560, 10240, 8 * 256, 4 * 256
+MODULES = {  # module -> (m = out features, n = in features): paper A is m×r, B is n×r
+    "self_attn.q_proj": (Q_OUT, HIDDEN), "self_attn.k_proj": (KV_OUT, HIDDEN), "self_attn.v_proj": (KV_OUT, HIDDEN),
+    "mlp.up_proj": (INTERMEDIATE, HIDDEN), "mlp.down_proj": (HIDDEN, INTERMEDIATE),
+}
+PRISM = {"name": "prism", "lr": 3e-4, "init": "spectral"}
+ADAMW = {"name": "adamw", "lr": 3e-4, "init": "peft", "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01,
+         "amsgrad": False}
+# (numerator, denominator, target): ratios of logical-step time, with the issue's targets
+TARGETS = [("PRISM per-module", "PRISM batched", 5.0, ">="), ("PRISM batched", "DP-AdamW", 2.0, "<=")]
+
+
+def lora_params(layers: int, r: int, seed: int) -> dict[str, nn.Parameter]:
+    """peft-named factors: lora_A [r, n] (paper Bᵀ) and lora_B [m, r] (paper A), random full rank."""
+    g = torch.Generator().manual_seed(seed)
+    params = {}
+    for layer in range(layers):
+        for module, (m, n) in MODULES.items():
+            prefix = f"model.layers.{layer}.{module}"
+            params[f"{prefix}.lora_A.default.weight"] = nn.Parameter(torch.randn(r, n, generator=g) / n**0.5)
+            params[f"{prefix}.lora_B.default.weight"] = nn.Parameter(torch.randn(m, r, generator=g) / r**0.5)
+    return params
+
+
+def per_example_grads(params: dict[str, nn.Parameter], k: int, seed: int) -> dict[str, torch.Tensor]:
+    """Synthetic per-example gradients ``[k, *shape]`` (about half the examples get clipped at C = 1)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = 1.0 / len(params) ** 0.5
+    return {name: scale * torch.randn(k, *p.shape, generator=g) / p.numel() ** 0.25 for name, p in params.items()}
+
+
+def build(kind: str, params: dict[str, nn.Parameter], privacy: PrivacySpec) -> Method:
+    if kind == "DP-AdamW":
+        return FactorDPMethod(OmegaConf.create(ADAMW), params, privacy)
+    return PrismMethod(OmegaConf.create(PRISM), params, privacy, batched=kind == "PRISM batched")
+
+
+def timed(fn: Callable[[], object]) -> float:
+    tic = time.perf_counter()
+    fn()
+    return time.perf_counter() - tic
+
+
+def nested_in(event, prefix: str) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(prefix):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def profile_counts(fn: Callable[[], object]) -> tuple[int, int, int]:
+    """(aten ops called from Python, our host reads, linalg checks) of one call of ``fn``."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = list(prof.events())
+    ops = sum(e.name.startswith("aten::") and not nested_in(e, "aten::") for e in events)
+    reads = sum(e.name == "aten::_local_scalar_dense" and not nested_in(e, "aten::_linalg_check_errors")
+                and not nested_in(e, "Optimizer.step#") for e in events)
+    checks = sum(e.name == "aten::_linalg_check_errors" for e in events)
+    return ops, reads, checks
+
+
+def step_counts(kind: str, layers: int, r: int, k: int, micro: int, privacy: PrivacySpec) -> dict[str, int]:
+    """Profiler counts per logical step (zero + micro·accumulate + step) at ``layers`` layers; host
+    reads split into those of ``zero_accumulators`` and those inside ``accumulate``/``step``."""
+    params = lora_params(layers, r, seed=0)
+    method = build(kind, params, privacy)
+    grads = per_example_grads(params, k, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    zero = profile_counts(method.zero_accumulators)
+    acc = profile_counts(lambda: method.accumulate(grads))
+    stp = profile_counts(lambda: method.step(64.0, gen, diagnostics=False))
+    return {"ops": zero[0] + micro * acc[0] + stp[0], "zero_reads": zero[1], "step_reads": micro * acc[1] + stp[1],
+            "checks": zero[2] + micro * acc[2] + stp[2]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=34)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    r, k, micro = args.rank, args.micro_batch, args.batch // args.micro_batch
+    privacy = PrivacySpec(sigma=0.6, clip_norm=1.0)
+    kinds = ["PRISM per-module", "PRISM batched", "DP-AdamW"]
+    params = {kind: lora_params(args.layers, r, seed=0) for kind in kinds}
+    methods = {kind: build(kind, params[kind], privacy) for kind in kinds}
+    grads = per_example_grads(params[kinds[0]], k, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    times: dict[str, dict[str, list[float]]] = {kind: {"zero": [], "accumulate": [], "step": []} for kind in kinds}
+    for rep in range(args.repeats + 1):  # the first round warms up
+        for kind, method in methods.items():
+            t = {"zero": timed(method.zero_accumulators),
+                 "accumulate": timed(lambda m=method: m.accumulate(grads)),
+                 "step": timed(lambda m=method: m.step(float(args.batch), gen, diagnostics=False))}
+            if rep:
+                for key, value in t.items():
+                    times[kind][key].append(value)
+    counts = {(kind, L): step_counts(kind, L, r, k, micro, privacy)
+              for kind in kinds for L in sorted({max(1, args.layers // 2), args.layers})}
+    modules = args.layers * len(MODULES)
+    print(f"Gemma-3-4B LoRA shapes: {args.layers} layers × {len(MODULES)} modules = {modules} modules, "
+          f"{len({s for s in MODULES.values()})} shape groups; r={r}, micro-batch {k}, B={args.batch} "
+          f"({micro} accumulate calls per logical step); float32 factors, PRISM per-example path float64; "
+          f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), median of {args.repeats}\n")
+    half = max(1, args.layers // 2)
+    header = (f"{'method':<17} {'zero ms':>8} {'accum ms':>9} {'step ms':>8} {'logical ms':>11} "
+              f"{'ops/step L=' + str(half):>15} {'ops/step L=' + str(args.layers):>15} {'host reads':>10} "
+              f"{'linalg chk':>10}")
+    print(header)
+    print("-" * len(header))
+    logical = {}
+    for kind in kinds:
+        med = {key: statistics.median(v) for key, v in times[kind].items()}
+        logical[kind] = med["zero"] + micro * med["accumulate"] + med["step"]
+        c = counts[kind, args.layers]
+        reads = f"{c['zero_reads']}+{c['step_reads']}"
+        print(f"{kind:<17} {1e3 * med['zero']:8.1f} {1e3 * med['accumulate']:9.1f} {1e3 * med['step']:8.1f} "
+              f"{1e3 * logical[kind]:11.1f} {counts[kind, half]['ops']:>15} {c['ops']:>15} {reads:>10} "
+              f"{c['checks']:>10}")
+    print("\nhost reads: ours per logical step, zero_accumulators + (accumulate, step); linalg chk: torch's "
+          "eigh/SVD convergence checks (host reads here; a device sync each on CUDA)\n")
+    missed = 0
+    print(f"{'ratio (logical step)':<36} {'measured':>9}  target")
+    for a, b, target, sense in TARGETS:
+        ratio = logical[a] / logical[b]
+        ok = ratio >= target if sense == ">=" else ratio <= target
+        missed += not ok
+        print(f"{a + ' / ' + b:<36} {ratio:9.2f}  {sense} {target:<5} {'ok' if ok else 'MISSED'}")
+    flat = counts["PRISM batched", half]["ops"] == counts["PRISM batched", args.layers]["ops"]
+    missed += not flat
+    print(f"{'PRISM batched ops independent of L':<36} {str(flat):>9}  == True {'ok' if flat else 'MISSED'}")
+    step_reads = counts["PRISM batched", args.layers]["step_reads"]
+    missed += step_reads != 0
+    print(f"{'PRISM batched host reads in acc+step':<36} {step_reads:>9}  == 0    {'ok' if step_reads == 0 else 'MISSED'}")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
