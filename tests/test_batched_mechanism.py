@@ -308,3 +308,23 @@ def test_batched_op_count_is_independent_of_depth() -> None:
     # unbind views are per module and nested, so the top-level count is identical
     assert counts[True, 1] == counts[True, 2], counts
     assert counts[False, 2] > 1.8 * counts[False, 1], counts
+
+
+def test_released_geometry_options_act_per_module_on_batched_frames() -> None:
+    """``lift(rcond=…)`` and ``tangent_noise(damping=…)`` (released protocol) on a ``[G, m, r]`` batch
+    equal the per-module calls: the eigenvalue cut uses each module's own largest eigenvalue."""
+    gen = torch.Generator().manual_seed(0)
+    A = torch.randn(3, 20, 4, generator=gen, dtype=torch.float64)
+    B = torch.randn(3, 12, 4, generator=gen, dtype=torch.float64)
+    A[1] *= 1e4  # very different scales across the group: a global max would cut module 0 and 2
+    gA, gB = torch.randn_like(A), torch.randn_like(B)
+    dA, dB = geo.lift(A, B, gA, gB, rcond=1e-6)
+    XA, XB = geo.tangent_noise(A, B, generator=torch.Generator().manual_seed(1), damping=1e-8)
+    for i in range(3):
+        a, b = geo.lift(A[i], B[i], gA[i], gB[i], rcond=1e-6)
+        torch.testing.assert_close(dA[i], a, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(dB[i], b, rtol=1e-10, atol=1e-12)
+        exact = geo.lift(A[i], B[i], gA[i], gB[i])
+        torch.testing.assert_close(a, exact[0], rtol=1e-8, atol=1e-10)
+    assert XA.shape == A.shape and XB.shape == B.shape
+    torch.testing.assert_close(XA.mT @ A, torch.zeros(3, 4, 4, dtype=torch.float64), rtol=0, atol=1e-6)

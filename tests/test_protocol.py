@@ -146,8 +146,8 @@ def test_loop_divides_by_the_realised_batch(monkeypatch: pytest.MonkeyPatch) -> 
     s = T.build(cfg)
     seen: list[float] = []
     original = s.method.step
-    monkeypatch.setattr(s.method, "step", lambda denominator, generator: seen.append(denominator)
-                        or original(denominator, generator))
+    monkeypatch.setattr(s.method, "step", lambda denominator, generator, *rest: seen.append(denominator)
+                        or original(denominator, generator, *rest))
     monkeypatch.setattr(s.sampler, "sample", lambda: torch.tensor([1, 4, 6]))
     T.train_step(s, cfg)
     expected = cfg.copy()
