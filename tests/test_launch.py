@@ -94,7 +94,7 @@ def test_reproduce_when_sbatch_fails_inside_submitit(tmp_path: Path, monkeypatch
                        sbatch=f'echo "sbatch: error: Batch job submission failed: {DEAD}" >&2; exit 1')
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     table, before = _tables_untouched(tmp_path)
-    rc = reproduce.main(["5", *ONE_JOB, "scale=paper", "launcher=slurm", f"results_dir={tmp_path}"])
+    rc = reproduce.main(["5", *ONE_JOB, "scale=embedded", "launcher=slurm", f"results_dir={tmp_path}"])
     out = capsys.readouterr()
     assert rc == 1
     assert out.err.startswith("0 of 1 submitted: ") and out.err.count("\n") == 1
