@@ -23,7 +23,7 @@ from pipelines.grid import job_config
 from pipelines.run import execute
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["backbone=tiny-llama", "method=prism,adamw", "train.steps=2", "logging=disabled"]
+TINY = ["backbone=tiny-llama", "method=prism,adamw", "train.steps=2", "logging=disabled", "suite.cutoff_len=1024"]
 T2 = [*TINY, "privacy=nondp,eps6"]  # 2 methods x 2 settings x 2 suites = 8 runs
 T4 = [*TINY, "lora=r8,r16"]  # 2 ranks x 2 methods x 2 suites = 8 runs, the 4 at r=16 shared with T2
 
@@ -68,13 +68,13 @@ def test_table4_trains_only_the_runs_table2_lacks(tmp_path: Path) -> None:
 
 def test_force_reruns_a_shared_run_and_keeps_the_old_one(tmp_path: Path) -> None:
     trainer = CountingTrainer()
-    cfg = job_config(["experiment=table2", "backbone=tiny-llama", "privacy=eps6", "logging=disabled",
+    cfg = job_config(["experiment=table2", "backbone=tiny-llama", "privacy=eps6", "logging=disabled", "suite.cutoff_len=1024",
                       f"results_dir={tmp_path}"])
     execute(cfg, trainer)
-    cfg4 = job_config(["experiment=table4", "backbone=tiny-llama", "lora=r16", "logging=disabled",
+    cfg4 = job_config(["experiment=table4", "backbone=tiny-llama", "lora=r16", "logging=disabled", "suite.cutoff_len=1024",
                        f"results_dir={tmp_path}"])
     assert store.run_hash(cfg4) == store.run_hash(cfg) and execute(cfg4, trainer) == "skipped"
-    forced = job_config(["experiment=table4", "backbone=tiny-llama", "lora=r16", "logging=disabled", "force=true",
+    forced = job_config(["experiment=table4", "backbone=tiny-llama", "lora=r16", "logging=disabled", "suite.cutoff_len=1024", "force=true",
                          f"results_dir={tmp_path}"])
     assert execute(forced, trainer) == "finished" and len(trainer.trained) == 2
     root = tmp_path / "runs"
