@@ -1,4 +1,4 @@
-"""Entry point: one job = one resolved config = one run folder (SPEC §6).
+"""Entry point: one job = one resolved config = one run folder (docs/ARCHITECTURE.md).
 
     python -m pipelines.run method=adamw privacy=eps3 suite=math10k        # one run
     python -m pipelines.run -m experiment=table2                           # Hydra multirun (basic launcher: sequential)

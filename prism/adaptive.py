@@ -9,7 +9,7 @@ A factor, ``n`` for the B factor)::
 
 Two preconditioners ``P`` (config ``preconditioner``), the same code otherwise:
 
-* ``floor`` — what the released code ran (paper-and-reference-code §6.4): eigenvalues clamped at 0,
+* ``floor`` — what the released code ran (docs/DECISIONS.md D15): eigenvalues clamped at 0,
   ``w ← max(w + eps, λ)`` (a floor, not a ridge), then the condition clamp
   ``w ← max(w, max(w)/cond_max)``; ``p(w) = w^{-1/2}``. ``‖U‖_F ≤ λ^{-1/2}‖m̂‖_F``.
 * ``ridge`` — the paper's eq. 25: ``p(w) = (w + λ + eps)^{-1/2}`` (condition clamp optional), so

@@ -1,4 +1,4 @@
-"""Generation-based evaluation of a suite (report §3.5).
+"""Generation-based evaluation of a suite (docs/DECISIONS.md D9–D12, D30, D31).
 
 Batched ``model.generate`` with left padding, greedy (``num_beams=1``) or beam search, the text after
 the first ``### Response:`` parsed per task rule; scores per task, per Table 2 column (MNLI = mean of

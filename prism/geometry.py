@@ -15,7 +15,7 @@ Conventions:
 * Gram inverses are never formed from ``AᵀA``: the thin QR ``A = Q_A R_A`` gives ``M = R_AᵀR_A``
   and ``Π_A = Q_A Q_Aᵀ`` (Lemma A.18), so solves cost one triangular solve against ``R_A`` and
   their error grows with ``κ(A)``, not ``κ(A)²``. No damping anywhere: a rank-deficient factor is
-  an error (:func:`check_full_rank`), never a silently shrunk noise covariance (SPEC §3).
+  an error (:func:`check_full_rank`), never a silently shrunk noise covariance (docs/DECISIONS.md D4, D20).
 * Opt-in exceptions for the released protocol (docs/DECISIONS.md D4, D5): ``lift(rcond=…)`` uses
   eigenvalue-cut pseudo-inverses and ``tangent_noise(damping=…)`` the damped ``(N + δI)^{-1/2}``.
 * :func:`retract` computes in float64 internally (its cost is ``O((m+n) r²)`` once per step per

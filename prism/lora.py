@@ -1,4 +1,4 @@
-"""The one place where peft's LoRA parameters meet the paper's notation (SPEC §1).
+"""The one place where peft's LoRA parameters meet the paper's notation (docs/ARCHITECTURE.md, Notation).
 
 Paper: ``Z = A Bᵀ`` with ``A ∈ R^{m×r}`` (output side) and ``B ∈ R^{n×r}`` (input side).
 peft:  ``lora_B.weight`` has shape ``(m, r)`` and **is** the paper's ``A``;

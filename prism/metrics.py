@@ -1,4 +1,4 @@
-"""Answer parsing and task metrics (report §3.5), as pure functions.
+"""Answer parsing and task metrics (docs/DECISIONS.md D12, D30, D31), as pure functions.
 
 GLUE: rule-based label parsing with the released code's fallbacks, then CoLA = Matthews correlation,
 MRPC/QQP = (accuracy + F1)/2, STS-B = (Pearson + Spearman)/2, others accuracy (MNLI's two validation
@@ -51,7 +51,7 @@ def normalize_response(text: str) -> str:
 
 
 def parse_glue_label(task: str, text: str) -> tuple[int | float, bool]:
-    """GLUE label from a generated response and whether the rules parsed it (report §3.5).
+    """GLUE label from a generated response and whether the rules parsed it (docs/DECISIONS.md D30).
 
     STS-B: first number (commas removed) clipped to [0, 5]. Others: substring rules in order; a
     leading yes/no is mapped but counts as a parse failure; anything else → label 0 (STS-B 0.0),

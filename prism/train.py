@@ -1,4 +1,4 @@
-"""One training loop for every method, private or not (SPEC §3, Algorithm 1).
+"""One training loop for every method, private or not (docs/DECISIONS.md D1–D3, D7, Algorithm 1).
 
 All six methods receive their privacy from the same Poisson sampler, the same σ (PRV-calibrated
 for the exact number of steps), the same clipping norm C and the same number of steps; they differ

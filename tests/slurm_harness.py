@@ -1,4 +1,4 @@
-"""A real single-node SLURM cluster for integration tests (SPEC §9).
+"""A real single-node SLURM cluster for integration tests (docs/DECISIONS.md D36).
 
 `LocalSlurm(root).start()` installs `slurm-wlm` and `munge` with apt-get when they are missing
 (root only), starts a private `munged` (own key, socket, pid and log under `root`), writes a
@@ -98,7 +98,7 @@ def _wait(predicate, timeout: float, what: str, interval: float = 0.2) -> None:
 
 
 def slurm_conf(root: Path, node: str, cpus: int, mem_mb: int, ports: tuple[int, int], munge_socket: Path) -> str:
-    """The one-node slurm.conf of SPEC §9 with every state/spool/log/pid path under `root`."""
+    """The one-node slurm.conf (docs/DECISIONS.md D36) with every state/spool/log/pid path under `root`."""
     return "\n".join([
         "ClusterName=prismtest",
         f"SlurmctldHost={node}",

@@ -1,4 +1,4 @@
-"""Answer extraction (report §3.5): tricky strings, GLUE rule order and fallbacks, real LLM-Adapters golds."""
+"""Answer extraction (docs/DECISIONS.md D12, D30, D31): tricky strings, GLUE rule order and fallbacks, real LLM-Adapters golds."""
 from __future__ import annotations
 
 import json

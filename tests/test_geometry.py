@@ -195,7 +195,7 @@ def test_sampler_law_equals_dense_projection(gauge: bool) -> None:
 
 
 def test_sampler_negative_controls_fail_the_law_test() -> None:
-    """The covariance test detects an unwhitened or damped sampler (SPEC §3: no damping)."""
+    """The covariance test detects an unwhitened or damped sampler (docs/DECISIONS.md D4: no damping)."""
     m, n, r, draws = 7, 5, 2, 40_000
     A, B = _factors(m, n, r)
     A, B = 0.05 * A, 20.0 * B  # same Z-scale, small Gram M so damping +1e-2 matters
@@ -354,7 +354,7 @@ def test_retract_zero_step_and_dtype() -> None:
     assert torch.allclose(A3 @ B3.mT, (A @ B.mT).double(), atol=1e-6)
 
 
-# ----------------------------------------------------------------------------- rank check (§1.9)
+# ----------------------------------------------------------------------------- rank check (docs/DECISIONS.md D20)
 
 
 def test_check_full_rank_accepts_full_rank() -> None:

@@ -1,4 +1,4 @@
-"""GLUE/Math metrics against closed-form computations on fixed vectors (report §3.5)."""
+"""GLUE/Math metrics against closed-form computations on fixed vectors (docs/DECISIONS.md D30)."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""Prompt strings (report §3.4–3.5), label masking and the collator, with an in-test character tokenizer."""
+"""Prompt strings (docs/DECISIONS.md D31, D39), label masking and the collator, with an in-test character tokenizer."""
 from __future__ import annotations
 
 import string
@@ -32,7 +32,7 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
                                    unk_token="<unk>", clean_up_tokenization_spaces=False)
 
 
-# The report's literal strings (§3.4, §3.5), written out independently of prism.data.prompts.
+# The released code's literal strings (docs/DECISIONS.md D31, D39), written out independently of prism.data.prompts.
 WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. Write a "
     "response that appropriately completes the request. \n\n                ### Instruction:\n                {instruction}"

@@ -1,4 +1,4 @@
-"""Suites (report §3.1, §3.4–3.5): GLUE8 and Math-10K at paper scale, and their embedded stand-ins.
+"""Suites (docs/DECISIONS.md D29–D31, D39): GLUE8 and Math-10K at paper scale, and their embedded stand-ins.
 
 A :class:`Suite` is one training set plus evaluation sets per task; every evaluation task names the
 Table 2 column it scores (``task_columns``). Paper and embedded suites share the prompt, tokenisation,

@@ -1,4 +1,4 @@
-"""Embedded (offline, CPU) stand-ins for GLUE8 and Math-10K, built only from pip-installed data (SPEC §8).
+"""Embedded (offline, CPU) stand-ins for GLUE8 and Math-10K, built only from pip-installed data (docs/DECISIONS.md D34).
 
 Each stand-in task records the Table 2 column it stands in for and goes through the same prompt,
 tokenisation, decoding and metric code as the paper task of that column:

@@ -1,4 +1,4 @@
-"""GLUE8 at paper scale (report §3.1, §3.4): instruction strings, label words, stratified sub-sampling.
+"""GLUE8 at paper scale (docs/DECISIONS.md D29, D39): instruction strings, label words, stratified sub-sampling.
 
 The paper's training file (`glue8_1250.json`, 10,000 rows) is not retrievable, so it is rebuilt:
 ``train_per_task`` (1,250) rows per task from the GLUE train split, drawn with the run seed and

@@ -1,4 +1,4 @@
-"""Math-10K at paper scale (report §3.1, §3.5): the LLM-Adapters training mixture and four test sets.
+"""Math-10K at paper scale (docs/DECISIONS.md D31): the LLM-Adapters training mixture and four test sets.
 
 Node ``suite.paper`` fields:
 
@@ -23,7 +23,7 @@ from prism.fileio import sha256_file
 MATH10K_URL = "https://raw.githubusercontent.com/AGI-Edgerunners/LLM-Adapters/main/ft-training_set/math_10k.json"
 LLM_ADAPTERS_URL = "https://raw.githubusercontent.com/AGI-Edgerunners/LLM-Adapters/main"
 MATH10K_ROWS = 9919
-MATH10K_SHA256 = "0342d0d8...0418b8"  # abbreviated in the report (§3.1); full digest unknown
+MATH10K_SHA256 = "0342d0d8...0418b8"  # only this abbreviation is published; full digest unknown
 
 # test set → (folder in LLM-Adapters/dataset, Table 2 column, expected rows)
 MATH_TESTS = {

@@ -1,6 +1,6 @@
 """Prompt templates, tokenisation with label masking, and the padding collator.
 
-The strings follow the paper's pipeline (LLM-Adapters Alpaca templates, report §3.4–3.5), including
+The strings follow the paper's pipeline (LLM-Adapters Alpaca templates, docs/DECISIONS.md D31, D39), including
 the odd whitespace: the *training* templates indent every line by 16 spaces and carry trailing
 spaces, while the *Math evaluation* template has no indentation. This mismatch is inherited from
 LLM-Adapters and kept on purpose.
@@ -40,14 +40,14 @@ MATH_EVAL_TEMPLATE = (
 
 
 def train_prompt(example: Example, with_output: bool = True) -> str:
-    """Training text (report §3.4): the with-input template when `input` is non-empty, else the other."""
+    """Training text (docs/DECISIONS.md D39): the with-input template when `input` is non-empty, else the other."""
     output = example.output if with_output else ""
     template = TRAIN_TEMPLATE_WITH_INPUT if example.input else TRAIN_TEMPLATE_NO_INPUT
     return template.format(instruction=example.instruction, input=example.input, output=output)
 
 
 def eval_prompt(example: Example, family: str) -> str:
-    """Generation prompt (report §3.5): GLUE reuses the training template with an empty output;
+    """Generation prompt (docs/DECISIONS.md D9, D31): GLUE reuses the training template with an empty output;
     Math uses the un-indented LLM-Adapters evaluation template (instruction only)."""
     if family == "glue":
         return train_prompt(example, with_output=False)
@@ -82,7 +82,7 @@ def _ids(tokenizer: Any, text: str, cutoff_len: int) -> list[int]:
 
 
 def tokenize_example(tokenizer: Any, example: Example, cutoff_len: int, train_on_inputs: bool) -> dict:
-    """Tokenise one training example (report §3.4).
+    """Tokenise one training example (docs/DECISIONS.md D39).
 
     Truncate the full prompt at `cutoff_len`; append EOS if it is not the last token and there is
     room; ``labels = input_ids``; when `train_on_inputs` is False the first

@@ -1,4 +1,4 @@
-"""The interface every method implements: a privatiser plus an update rule (SPEC §2–§3).
+"""The interface every method implements: a privatiser plus an update rule (docs/DECISIONS.md D2, D23).
 
 The training loop (:mod:`prism.train`) drives one logical step as::
 

@@ -1,4 +1,4 @@
-"""Factor-space DP-SGD (paper eq. 3) followed by a baseline optimizer (SPEC §2–§3, Table 8).
+"""Factor-space DP-SGD (paper eq. 3) followed by a baseline optimizer (docs/DECISIONS.md D23, Table 8).
 
 DP: each example's gradients over *all* trainable LoRA tensors are concatenated, clipped to flat norm
 ``C`` with Opacus' coefficient ``min(1, C/(‖g_i‖ + 1e-6))`` (eq. 3–4: this norm is not gauge

@@ -1,5 +1,5 @@
 """LoRA-RITE (Yen et al. 2025, "LoRA done RITE: robust invariant transformation equilibration for LoRA
-optimization"), written from the paper and the algorithm summary in the design notes (§5).
+optimization"), written from the paper and its reference implementation's defaults (docs/DECISIONS.md D27).
 
 For each LoRA pair ``Z = A Bᵀ`` (paper notation, :mod:`prism.lora`) and each step:
 

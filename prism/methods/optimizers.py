@@ -1,4 +1,4 @@
-"""The update rules the factor-space baselines apply to their privatised gradient (SPEC §2, Table 8).
+"""The update rules the factor-space baselines apply to their privatised gradient (docs/DECISIONS.md D23–D27, Table 8).
 
 Every hyper-parameter is read explicitly from the method config node (``conf/method/<name>.yaml``);
 nothing falls back to a library default, so a library upgrade cannot silently change a baseline.

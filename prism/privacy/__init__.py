@@ -1,4 +1,4 @@
-"""DP plumbing (SPEC §3): PRV accounting, Poisson sampling, per-example losses and gradients."""
+"""DP plumbing (docs/DECISIONS.md D1–D3, D21, D22): PRV accounting, Poisson sampling, per-example losses and gradients."""
 from prism.privacy.accounting import (
     Accountant,
     calibrate_for_run,

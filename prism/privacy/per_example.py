@@ -1,4 +1,4 @@
-"""Per-example losses and gradients of the trainable LoRA factors (SPEC §3).
+"""Per-example losses and gradients of the trainable LoRA factors (docs/DECISIONS.md D3).
 
 The per-example loss ``ℓ_i`` is the mean token cross-entropy over example ``i``'s supervised
 tokens (paper §3: clipping bounds ``∇ℓ_i`` per record). HF's ``labels=`` loss is one mean over all

@@ -1,4 +1,4 @@
-"""Poisson subsampling of logical batches (SPEC §3; the sampling Thm 3.4 and the accountant assume).
+"""Poisson subsampling of logical batches (docs/DECISIONS.md D21, D22; the sampling Thm 3.4 and the accountant assume).
 
 Each step includes every example independently with probability ``q = B/N``, so the realised
 batch size is Binomial(N, q) with mean B and may be zero. The sampler owns its ``torch.Generator``
