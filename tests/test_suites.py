@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 
 import pytest
@@ -156,3 +157,41 @@ def test_fetch_data_offline_fails_in_one_line(tmp_path, monkeypatch, capsys) -> 
     assert fetch_data.main(["--only", "math"]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "math_10k.json" in err and "SVAMP/test.json" in err and "make data" in err
+
+
+def test_embedded_arithmetic_is_two_small_terms() -> None:
+    """The MAWPS / AQuA stand-ins are two-term sums or differences of 1-2 digit numbers (learnable by
+    a 135M backbone); every gold answer is the value of the question's expression, recomputed here."""
+    suite = _embedded("math10k", 0, tasks=["basic_arithmetic", "arith_choice"])
+    for ex in suite.train + suite.eval["basic_arithmetic"]:
+        if ex.task != "basic_arithmetic":
+            continue
+        (a, op, b), = re.findall(r"(\d+) ([+-]) (\d+)", ex.instruction)
+        assert int(a) < 100 and int(b) < 100
+        assert float(ex.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+    for ex in suite.eval["arith_choice"]:
+        (a, op, b), = re.findall(r"(\d+) ([+-]) (\d+)", ex.instruction.split(" Answer Choices:")[0])
+        options = dict(re.findall(r"\(([A-E])\) (-?\d+)", ex.instruction))
+        assert int(options[ex.answer]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+
+
+@pytest.mark.parametrize("scale", ["embedded", "smoke"])
+@pytest.mark.parametrize("name", ["glue8", "math10k"])
+def test_configured_scale_builds_its_sizes(scale: str, name: str) -> None:
+    """The sizes conf/suite_scale/<suite>_<scale>.yaml asks for exist: exact train/eval counts, fixed
+    eval rows (same for another run seed), train rows disjoint from them, GLUE labels balanced."""
+    from pipelines.grid import job_config
+
+    cfg = job_config([f"suite={name}", f"scale={scale}"])
+    node = cfg.suite.embedded
+    a, b = build_suite(cfg.suite, 42), build_suite(cfg.suite, 43)
+    assert len(a.train) == node.train_per_task * len(node.tasks)
+    assert a.eval == b.eval and a.train != b.train
+    for task, rows in a.eval.items():
+        assert len(rows) == node.eval_per_task
+        train_keys = {(ex.instruction, ex.input) for ex in a.train if ex.task == task}
+        assert len(train_keys) == node.train_per_task  # distinct
+        assert not train_keys & {(ex.instruction, ex.input) for ex in rows}
+        if name == "glue8":
+            assert Counter(ex.answer for ex in rows)[0] == node.eval_per_task // 2
+    assert a.train_on_inputs is cfg.suite.train_on_inputs
