@@ -30,6 +30,7 @@ from prism.metrics import (
     parse_glue_label,
     score_outputs,
 )
+from prism.prompt_cache import FrozenPrompts
 
 __all__ = [
     "evaluate_suite", "generate_responses", "parse_glue_label", "extract_number", "math_correct",
@@ -107,12 +108,16 @@ def generate_responses(
         encoded = [ids[-int(max_input):] for ids in encoded]
     num_beams = int(cfg_decoding.get("num_beams", 1))
     share = num_beams == 1 and bool(cfg_decoding.get("shared_prefix", True))
+    frozen = FrozenPrompts.build(model, encoded) if share and cfg_decoding.get("frozen_prefix", True) else None
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
     out: list[str] = [""] * len(prompts)
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         rows = [encoded[i] for i in idx]
-        if share:
+        if frozen is not None:
+            padded = collate([{"input_ids": row} for row in rows], pad, pad_to_multiple_of=None, padding_side="left")
+            batch = frozen.generate_inputs(idx, padded["input_ids"].to(device), padded["attention_mask"].to(device))
+        elif share:
             batch = _shared_prefix_batch(model, rows, pad, device)
         else:
             padded = collate([{"input_ids": row} for row in rows], pad, pad_to_multiple_of=None, padding_side="left")

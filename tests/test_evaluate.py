@@ -10,7 +10,8 @@ from prism.data import Example, Suite
 from prism.data.prompts import encode_prompt_as_trained, eval_prompt, response_text
 from prism.evaluate import common_prefix_length, evaluate_suite, generate_responses
 from prism.metrics import parse_glue_label
-from prism.models import load_backbone
+from prism.models import attach_lora, load_backbone
+from prism.prefix import prefix_depth
 
 KEYS = {"scores", "columns", "average", "parse_failure", "n", "skipped", "samples", "seconds", "eval_rows", "suite",
         "scale"}
@@ -153,3 +154,30 @@ def test_common_prefix_length_keeps_one_token_per_row() -> None:
     assert common_prefix_length([[1, 2, 3], [1, 2, 3, 4]]) == 2  # a row equal to the prefix keeps its last token
     assert common_prefix_length([[7], [7]]) == 0
     assert common_prefix_length([[1, 2, 3]]) == 2
+
+
+@pytest.mark.parametrize("backbone", ["tiny-llama", "tiny-gemma"])
+def test_frozen_prompt_cache_generates_what_the_full_model_does(backbone: str, tmp_path, monkeypatch) -> None:
+    """LoRA on the top layer only: the stored frozen-layer KV of the prompts plus the trained top layer
+    give the same greedy responses as plain batched ``generate`` and as each prompt alone; the store
+    is computed once and reused (another run, other LoRA weights: still equal)."""
+    monkeypatch.setenv("PRISM_CACHE", str(tmp_path))
+    lora = {"r": 4, "alpha": 8, "dropout": 0.0, "targets": ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]}
+    inputs = ["Sentence: ok", "Sentence: a much longer tweet, with more words in it", "Sentence: x y",
+              "Sentence: twelve chars", "Sentence: !"]
+    prompts = [eval_prompt(Example("t", "Task: SST-2.", text, "", 0), "glue") for text in inputs]
+    prompts.append(eval_prompt(Example("t", "What is 2+2?", "", "", 4.0), "math"))
+    greedy = {"num_beams": 1, "max_new_tokens": 6, "prompt_encoding": "as_trained"}
+    for seed in (0, 1):
+        model, tok = load_backbone({"name": backbone}, "cpu")
+        model = attach_lora(model, lora, {"name": backbone, "lora_layers": 1}, init="peft",
+                            generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.5, generator=torch.Generator().manual_seed(seed))
+        assert prefix_depth(model) == 1
+        stored = generate_responses(model, tok, prompts, greedy, batch_size=4)
+        plain = generate_responses(model, tok, prompts, {**greedy, "frozen_prefix": False, "shared_prefix": False}, 4)
+        assert stored == plain == [_greedy_alone(model, tok, p, 6)[0] for p in prompts]
+    assert len([p for p in (tmp_path / "prompts").iterdir() if p.is_dir()]) == 1  # one store, reused
