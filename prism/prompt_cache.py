@@ -28,7 +28,6 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from prism.fileio import sha256_file
 from prism.models import cache_root
 from prism.prefix import (
     _decoder,
@@ -144,7 +143,7 @@ class FrozenPrompts:
                 tensors = {"kv": torch.cat(kv, dim=3).contiguous(), "states": torch.cat(states).contiguous(),
                            "lengths": torch.tensor(lengths, dtype=torch.long)}
                 _write_atomic(directory / _TENSORS, lambda tmp: save_file(tensors, str(tmp)))
-                meta = {"format": FORMAT, "key": key, "rows": len(rows), "sha256": sha256_file(directory / _TENSORS)}
+                meta = {"format": FORMAT, "key": key, "rows": len(rows), "bytes": (directory / _TENSORS).stat().st_size}
                 _write_atomic(directory / _META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2)))
         return cls(decoder, depth, directory / _TENSORS, lengths, build_seconds=seconds)
 
@@ -184,8 +183,8 @@ def _valid(directory: Path, key: str, lengths: list[int]) -> bool:
         meta = json.loads((directory / _META).read_text())
         if (meta.get("format"), meta.get("key"), meta.get("rows")) != (FORMAT, key, len(lengths)):
             return False
-        if sha256_file(directory / _TENSORS) != meta.get("sha256"):
-            return False
+        if (directory / _TENSORS).stat().st_size != meta.get("bytes"):  # written atomically; a hash of
+            return False                                                   # gigabytes would cost each run seconds
         with safe_open(str(directory / _TENSORS), framework="pt") as fh:
             return fh.get_tensor("lengths").tolist() == lengths
     except (OSError, ValueError, json.JSONDecodeError, KeyError):

@@ -53,7 +53,7 @@ def test_embedded_math_targets_extract_to_gold() -> None:
         if ex.task == "arith_choice":
             assert extract_choice(ex.output) == ex.answer
         else:
-            assert extract_number(ex.output) == ex.answer and ex.output.startswith("The answer is ")
+            assert extract_number(ex.output) == ex.answer and ex.output == f"{ex.output[:-1]}."
 
 
 def test_embedded_task_subset_and_eval_limit() -> None:

@@ -21,7 +21,9 @@ SST-2 stand-in has at most about 4,000 training rows.
 
 Evaluation rows are drawn from a fixed stream (seed `EVAL_SEED`, like the paper's fixed test sets);
 training rows from the run seed, excluding any question that is in the evaluation set. GLUE-style
-classes are balanced in both. Math targets are short: ``The answer is 42.`` / ``The answer is (C).``
+classes are balanced in both. Math targets are the bare answer, ``42.`` / ``(C).`` (a few tokens to
+generate; the paper's Math-10K targets are rationales ending in "The answer is …", read by the same
+last-number / last-letter extraction).
 
 Node ``suite.embedded`` fields: ``tasks`` (default: all of the suite's), ``train_per_task``,
 ``eval_per_task``, ``min_confidence`` (tweets; default 0.8).
@@ -42,7 +44,7 @@ from prism.data.glue import glue_example
 from prism.data.math10k import parse_gold_number
 
 EVAL_SEED = 20260601
-DEFAULT_TRAIN_PER_TASK = {"glue8": 1000, "math10k": 500}
+DEFAULT_TRAIN_PER_TASK = {"glue8": 500, "math10k": 250}
 DEFAULT_EVAL_PER_TASK = 200
 
 Split = tuple[list[Example], list[Example], int]  # train, eval, malformed rows skipped
@@ -175,7 +177,7 @@ def _numeric(task: str, items: list[dict]) -> tuple[list[Example], int]:
             bad += 1
             continue
         answer = str(item["answer"]).strip()
-        out.append(Example(task, question.strip(), "", f"The answer is {answer}.", gold))
+        out.append(Example(task, question.strip(), "", f"{answer}.", gold))
     return out, bad
 
 
@@ -191,7 +193,7 @@ def _choice(items: list[dict], seed: int) -> tuple[list[Example], int]:
         letter = "ABCDE"[options.index(gold)]
         choices = " ".join(f"({L}) {v}" for L, v in zip("ABCDE", options))
         out.append(Example(ex.task, f"{ex.instruction} Answer Choices: {choices}", "",
-                           f"The answer is ({letter}).", letter))
+                           f"({letter}).", letter))
     return out, bad
 
 
@@ -204,10 +206,10 @@ def _math_task(generator: str, config: dict, choice: bool = False):
             items = _gym(generator, stream_seed, size, **config)
             return _choice(items, stream_seed) if choice else _numeric(task, items)
 
-        eval_rows, bad_e = make(sub_seed(EVAL_SEED, task), n_eval + 16)
+        eval_rows, bad_e = make(sub_seed(EVAL_SEED, task), 2 * n_eval + 64)  # small generators repeat questions
         eval_rows = list({ex.instruction: ex for ex in eval_rows}.values())[:n_eval]
         seen = {ex.instruction for ex in eval_rows}
-        pool, bad_t = make(sub_seed(seed, task, "train"), 2 * n_train + 64)
+        pool, bad_t = make(sub_seed(seed, task, "train"), 3 * n_train + 64)
         train = [ex for ex in {ex.instruction: ex for ex in pool}.values() if ex.instruction not in seen][:n_train]
         return train, eval_rows, bad_e + bad_t
 
