@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from prism.data import DataUnavailableError, build_suite
-from prism.data.embedded import EMBEDDED_TASKS
+from prism.data.embedded import EMBEDDED_TASKS, train_size
 from prism.data.glue import GLUE_TASKS
 from prism.metrics import extract_choice, extract_number, gold_is_valid
 
@@ -185,13 +185,21 @@ def test_configured_scale_builds_its_sizes(scale: str, name: str) -> None:
     cfg = job_config([f"suite={name}", f"scale={scale}"])
     node = cfg.suite.embedded
     a, b = build_suite(cfg.suite, 42), build_suite(cfg.suite, 43)
-    assert len(a.train) == node.train_per_task * len(node.tasks)
+    sizes = {task: train_size(node.train_per_task, task) for task in node.tasks}
+    assert len(a.train) == sum(sizes.values())
     assert a.eval == b.eval and a.train != b.train
     for task, rows in a.eval.items():
         assert len(rows) == node.eval_per_task
         train_keys = {(ex.instruction, ex.input) for ex in a.train if ex.task == task}
-        assert len(train_keys) == node.train_per_task  # distinct
+        assert len(train_keys) == sizes[task]  # distinct
         assert not train_keys & {(ex.instruction, ex.input) for ex in rows}
         if name == "glue8":
             assert Counter(ex.answer for ex in rows)[0] == node.eval_per_task // 2
     assert a.train_on_inputs is cfg.suite.train_on_inputs
+
+
+def test_train_per_task_mapping() -> None:
+    suite = _embedded("glue8", 3, train_per_task={"tweet_sentiment": 10, "syllogism": 4})
+    assert Counter(ex.task for ex in suite.train) == {"tweet_sentiment": 10, "syllogism": 4}
+    with pytest.raises(ValueError, match="train_per_task"):
+        _embedded("glue8", 3, train_per_task="many")

@@ -25,8 +25,8 @@ classes are balanced in both. Math targets are the bare answer, ``42.`` / ``(C).
 generate; the paper's Math-10K targets are rationales ending in "The answer is …", read by the same
 last-number / last-letter extraction).
 
-Node ``suite.embedded`` fields: ``tasks`` (default: all of the suite's), ``train_per_task``,
-``eval_per_task``, ``min_confidence`` (tweets; default 0.8).
+Node ``suite.embedded`` fields: ``tasks`` (default: all of the suite's), ``train_per_task`` (a count,
+or a mapping task → count), ``eval_per_task``, ``min_confidence`` (tweets; default 0.8).
 """
 from __future__ import annotations
 
@@ -227,6 +227,15 @@ EMBEDDED_TASKS: dict[str, dict[str, tuple[str, Callable[..., Split]]]] = {
 }
 
 
+def train_size(sizes: Any, task: str) -> int:
+    """``train_per_task``: one count for every task, or a mapping task → count (tasks it omits get 0)."""
+    if isinstance(sizes, int):
+        return sizes
+    if hasattr(sizes, "get"):
+        return int(sizes.get(task, 0))
+    raise ValueError(f"suite.embedded.train_per_task={sizes!r}: give a count or a mapping task -> count")
+
+
 def build(suite: str, node: Any, seed: int):
     """Embedded suite: (train, eval per task, task → column, skipped rows); deterministic in `seed`."""
     available = EMBEDDED_TASKS[suite]
@@ -234,7 +243,7 @@ def build(suite: str, node: Any, seed: int):
     unknown = [t for t in tasks if t not in available]
     if unknown:
         raise ValueError(f"unknown embedded {suite} task(s) {unknown}; valid: {', '.join(available)}")
-    n_train = int(node.get("train_per_task", DEFAULT_TRAIN_PER_TASK[suite]))
+    sizes = node.get("train_per_task", DEFAULT_TRAIN_PER_TASK[suite])
     n_eval = int(node.get("eval_per_task", DEFAULT_EVAL_PER_TASK))
     train: list[Example] = []
     evals: dict[str, list[Example]] = {}
@@ -242,6 +251,7 @@ def build(suite: str, node: Any, seed: int):
     skipped: dict[str, int] = {}
     for task in tasks:
         column, make = available[task]
+        n_train = train_size(sizes, task)
         task_train, task_eval, bad = make(n_train, n_eval, seed, node)
         if len(task_train) < n_train or len(task_eval) < n_eval:
             raise ValueError(
