@@ -9,7 +9,10 @@ Greedy batches share their prompts' common token prefix (the template and the ta
 thirds of a GLUE prompt): its KV cache is computed once and repeated over the batch, and each row's
 remainder follows it left-padded, so a row sees exactly its own tokens at its own positions
 (``[prefix | padding | rest]``, padding masked) — the same greedy tokens as generating it alone
-(``tests/test_evaluate.py``).
+(``tests/test_evaluate.py``). When LoRA sits on the top layers only, the frozen layers' KV cache of
+the prompts comes from :class:`prism.prompt_cache.FrozenPrompts` instead (computed once per grid),
+so a run's prefill costs only its LoRA layers. ``decoding.shared_prefix`` / ``decoding.frozen_prefix``
+(default true) switch either off.
 """
 from __future__ import annotations
 
