@@ -66,7 +66,7 @@ REPRODUCE = $(PY) -m pipelines.reproduce $(1) scale=$(SCALE) launcher=$(LAUNCHER
 reproduce-table2: setup  ## Table 2 grid, then render it (SCALE=embedded|paper LAUNCHER=local|slurm JOBS=2)
 	$(call REPRODUCE,2)
 
-reproduce-table3: setup $(if $(filter embedded,$(SCALE)),setup-gemma3)  ## Table 3 (embedded: needs gemma3-270m)
+reproduce-table3: setup $(if $(filter embedded smoke,$(SCALE)),setup-gemma3)  ## Table 3 (embedded: needs gemma3-270m)
 	$(call REPRODUCE,3)
 
 reproduce-table4: setup  ## Table 4 (ranks 8/16/32)

@@ -1,9 +1,18 @@
 """Generation-based evaluation of a suite (docs/DECISIONS.md D9–D12, D30, D31).
 
-Batched ``model.generate`` with left padding, greedy (``num_beams=1``) or beam search, the text after
-the first ``### Response:`` parsed per task rule; scores per task, per Table 2 column (MNLI = mean of
-matched and mismatched) and the suite average (mean over its columns). Parsing and metrics are the
-pure functions of :mod:`prism.metrics`, re-exported here.
+Batched ``model.generate`` with left padding and the KV cache, greedy (``num_beams=1``) or beam
+search, the text after the first ``### Response:`` parsed per task rule; scores per task, per Table 2
+column (MNLI = mean of matched and mismatched) and the suite average (mean over its columns). Parsing
+and metrics are the pure functions of :mod:`prism.metrics`, re-exported here.
+
+Greedy batches share their prompts' common token prefix (the template and the task instruction, two
+thirds of a GLUE prompt): its KV cache is computed once and repeated over the batch, and each row's
+remainder follows it left-padded, so a row sees exactly its own tokens at its own positions
+(``[prefix | padding | rest]``, padding masked) — the same greedy tokens as generating it alone
+(``tests/test_evaluate.py``). When LoRA sits on the top layers only, the frozen layers' KV cache of
+the prompts comes from :class:`prism.prompt_cache.FrozenPrompts` instead (computed once per grid),
+so a run's prefill costs only its LoRA layers. ``decoding.shared_prefix`` / ``decoding.frozen_prefix``
+(default true) switch either off.
 """
 from __future__ import annotations
 
@@ -24,6 +33,7 @@ from prism.metrics import (
     parse_glue_label,
     score_outputs,
 )
+from prism.prompt_cache import FrozenPrompts
 
 __all__ = [
     "evaluate_suite", "generate_responses", "parse_glue_label", "extract_number", "math_correct",
@@ -40,6 +50,36 @@ def _pad_id(tokenizer: Any) -> int:
     return 0
 
 
+def common_prefix_length(rows: Sequence[Sequence[int]]) -> int:
+    """Length of the longest token prefix shared by every row, leaving each row at least one token."""
+    if not rows:
+        return 0
+    limit = min(len(row) for row in rows) - 1
+    first = rows[0]
+    for k in range(max(limit, 0)):
+        if any(row[k] != first[k] for row in rows[1:]):
+            return k
+    return max(limit, 0)
+
+
+def _shared_prefix_batch(model: Any, rows: Sequence[Sequence[int]], pad: int,
+                         device: torch.device) -> dict[str, Any]:
+    """``generate`` inputs for `rows` as ``[shared prefix | left padding | rest]`` with the prefix's KV
+    cache (computed once, repeated per row); plain left padding when no prefix is shared."""
+    shared = common_prefix_length(rows)
+    if shared == 0:
+        batch = collate([{"input_ids": row} for row in rows], pad, pad_to_multiple_of=None, padding_side="left")
+        return {"input_ids": batch["input_ids"].to(device), "attention_mask": batch["attention_mask"].to(device)}
+    prefix = torch.tensor([list(rows[0][:shared])], dtype=torch.long, device=device)
+    cache = model(input_ids=prefix, use_cache=True).cache
+    cache.batch_repeat_interleave(len(rows))
+    rest = collate([{"input_ids": row[shared:]} for row in rows], pad, pad_to_multiple_of=None, padding_side="left")
+    ones = torch.ones(len(rows), shared, dtype=torch.long)
+    return {"input_ids": torch.cat([prefix.cpu().expand(len(rows), -1), rest["input_ids"]], 1).to(device),
+            "attention_mask": torch.cat([ones, rest["attention_mask"]], 1).to(device),
+            "cache": cache}
+
+
 @torch.inference_mode()
 def generate_responses(
     model: Any,
@@ -52,7 +92,8 @@ def generate_responses(
 
     Prompts are batched by length (less padding), left-padded, decoded with ``do_sample=False`` and
     ``num_beams``/``max_new_tokens`` from `cfg_decoding`; an optional ``max_input_length`` keeps the
-    last tokens of a longer prompt so the response marker survives. ``prompt_encoding`` is ``text``
+    last tokens of a longer prompt so the response marker survives. Greedy batches reuse the KV cache
+    of their common prompt prefix (``shared_prefix``, default true; see the module docstring). ``prompt_encoding`` is ``text``
     (the released code: tokenize the prompt string alone) or ``as_trained`` (see
     :func:`prism.data.prompts.encode_prompt_as_trained`). ``renormalize_logits`` /
     ``remove_invalid_values`` are passed to ``generate`` (the released evaluation sets both).
@@ -69,16 +110,26 @@ def generate_responses(
         raise ValueError(f"decoding.prompt_encoding={encoding!r}: use 'as_trained' or 'text'")
     if max_input:
         encoded = [ids[-int(max_input):] for ids in encoded]
+    num_beams = int(cfg_decoding.get("num_beams", 1))
+    share = num_beams == 1 and bool(cfg_decoding.get("shared_prefix", True))
+    frozen = FrozenPrompts.build(model, encoded) if share and cfg_decoding.get("frozen_prefix", True) else None
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
     out: list[str] = [""] * len(prompts)
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        batch = collate([{"input_ids": encoded[i]} for i in idx], pad, pad_to_multiple_of=None, padding_side="left")
+        rows = [encoded[i] for i in idx]
+        if frozen is not None:
+            padded = collate([{"input_ids": row} for row in rows], pad, pad_to_multiple_of=None, padding_side="left")
+            batch = frozen.generate_inputs(idx, padded["input_ids"].to(device), padded["attention_mask"].to(device))
+        elif share:
+            batch = _shared_prefix_batch(model, rows, pad, device)
+        else:
+            padded = collate([{"input_ids": row} for row in rows], pad, pad_to_multiple_of=None, padding_side="left")
+            batch = {k: padded[k].to(device) for k in ("input_ids", "attention_mask")}
         generated = model.generate(
-            input_ids=batch["input_ids"].to(device),
-            attention_mask=batch["attention_mask"].to(device),
+            **batch,
             do_sample=False,
-            num_beams=int(cfg_decoding.get("num_beams", 1)),
+            num_beams=num_beams,
             max_new_tokens=int(cfg_decoding.get("max_new_tokens", 8)),
             pad_token_id=pad,
             eos_token_id=tokenizer.eos_token_id,
@@ -96,11 +147,13 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
     Returns ``scores`` (task → score), ``columns`` (Table 2 column → mean of its tasks' scores),
     ``average`` (mean over the suite's columns), ``parse_failure`` (task → fraction of responses the
     rules could not parse; they are still scored), ``n`` (task → examples scored), ``skipped`` (task →
-    rows with an invalid gold answer), ``samples`` (task → first responses), ``seconds`` (task → time).
+    rows with an invalid gold answer), ``samples`` (task → first responses), ``seconds`` (task → time),
+    ``eval_rows`` (task → evaluation rows of the suite, scored or skipped: what a table header reports).
     """
     was_training = model.training
     model.eval()
-    result: dict[str, dict] = {k: {} for k in ("scores", "parse_failure", "n", "skipped", "samples", "seconds")}
+    result: dict[str, dict] = {k: {} for k in ("scores", "parse_failure", "n", "skipped", "samples", "seconds",
+                                                  "eval_rows")}
     try:
         for task, examples in suite.eval.items():
             column = suite.task_columns[task]
@@ -115,6 +168,7 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
             result["parse_failure"][task] = failures / len(rows) if rows else 0.0
             result["n"][task] = len(rows)
             result["skipped"][task] = len(examples) - len(rows)
+            result["eval_rows"][task] = len(examples)
             result["samples"][task] = texts[:N_SAMPLES]
             result["seconds"][task] = time.perf_counter() - started
     finally:

@@ -32,6 +32,7 @@ import transformers
 from filelock import FileLock
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+from transformers import DynamicCache
 
 from prism.fileio import atomic_write, sha256_file, write_text_atomic
 from prism.models import cache_root
@@ -160,12 +161,41 @@ def _pad(rows: Sequence[Sequence[int]], fill: int, device: torch.device) -> Tens
     return torch.tensor([list(row) + [fill] * (length - len(row)) for row in rows], dtype=torch.long, device=device)
 
 
+def shared_prefix_groups(input_ids: Sequence[Sequence[int]], min_group: int = 64) -> list[tuple[int, list[int]]]:
+    """Partition example indices into groups ``(shared, members)`` whose members all start with the same
+    ``shared`` tokens (each keeping at least one token of its own): a group is split by the token
+    after its common prefix into subgroups of at least ``min_group`` members (smaller ones stay
+    behind), so a template and a task instruction shared by many examples become one group."""
+    groups: list[tuple[int, list[int]]] = []
+    pending = [list(range(len(input_ids)))] if input_ids else []
+    while pending:
+        members = pending.pop()
+        shared = _common_length([input_ids[i] for i in members])
+        by_next: dict[int, list[int]] = {}
+        for i in members:
+            if len(input_ids[i]) > shared + 1:
+                by_next.setdefault(int(input_ids[i][shared]), []).append(i)
+        split = [sub for sub in by_next.values() if len(sub) >= min_group and len(sub) < len(members)]
+        taken = {i for sub in split for i in sub}
+        pending.extend(split)
+        rest = [i for i in members if i not in taken]
+        if rest:
+            groups.append((shared, rest))
+    return sorted(groups, key=lambda group: group[1][0])
+
+
 @torch.no_grad()
 def compute_prefix_states(model: nn.Module, depth: int, input_ids: Sequence[Sequence[int]],
                           micro_batch_size: int = 16) -> list[Tensor]:
     """Per example, the hidden states ``[len_i, hidden]`` (CPU, model dtype) at the input of decoder
-    layer ``depth``, from the model's own forward on right-padded micro-batches (similar lengths
-    together), stopped at that layer. The model is in ``eval()`` meanwhile (restored after)."""
+    layer ``depth``, from the model's own forward stopped at that layer. The model is in ``eval()``
+    meanwhile (restored after).
+
+    Examples are grouped by their shared leading tokens (:func:`shared_prefix_groups`: the prompt
+    template and task instruction), then batched by length within a group. A micro-batch runs its
+    common prefix once (batch 1, with the KV cache of the layers below ``depth``) and its remainders
+    right-padded behind that cache at positions ``shared..len−1``: causal attention makes this the
+    full forward of every row, up to float rounding."""
     decoder = _decoder(model)
     if decoder is None:
         raise ValueError(f"{type(_unwrap(model)).__name__} has no supported decoder; check prefix_depth first")
@@ -176,27 +206,49 @@ def compute_prefix_states(model: nn.Module, depth: int, input_ids: Sequence[Sequ
         captured.append(args[0] if args else kwargs["hidden_states"])
         raise _PrefixCapturedError
 
-    order = sorted(range(len(input_ids)), key=lambda i: len(input_ids[i]))
+    def run(ids: Tensor, mask: Tensor, cache: Any = None) -> Tensor:
+        captured.clear()
+        with suppress(_PrefixCapturedError):
+            decoder(input_ids=ids, attention_mask=mask, cache=cache, use_cache=cache is not None)
+        return captured[0].cpu()
+
     states: list[Tensor | None] = [None] * len(input_ids)
     was_training = decoder.training
     handle = decoder.layers[depth].register_forward_pre_hook(capture, with_kwargs=True)
     decoder.eval()
     try:
-        for start in range(0, len(order), micro_batch_size):
-            chunk = order[start:start + micro_batch_size]
-            rows = [input_ids[i] for i in chunk]
-            ids = _pad(rows, 0, device)
-            mask = _pad([[1] * len(row) for row in rows], 0, device)
-            captured.clear()
-            with suppress(_PrefixCapturedError):
-                decoder(input_ids=ids, attention_mask=mask, use_cache=False)
-            hidden = captured[0].cpu()
-            for row, i in enumerate(chunk):
-                states[i] = hidden[row, :len(input_ids[i])].clone()
+        for _, members in shared_prefix_groups(input_ids, min_group=micro_batch_size):
+            order = sorted(members, key=lambda i: len(input_ids[i]))
+            for start in range(0, len(order), micro_batch_size):
+                chunk = order[start:start + micro_batch_size]
+                rows = [input_ids[i] for i in chunk]
+                shared = _common_length(rows)
+                head: Tensor | None = None
+                cache = None
+                if shared:
+                    cache = DynamicCache(config=decoder.config)
+                    head_ids = torch.tensor([list(rows[0][:shared])], dtype=torch.long, device=device)
+                    head = run(head_ids, torch.ones_like(head_ids), cache)[0]
+                    cache.batch_repeat_interleave(len(rows))
+                ids = _pad([row[shared:] for row in rows], 0, device)
+                mask = _pad([[1] * len(row) for row in rows], 0, device)
+                hidden = run(ids, mask, cache)
+                for row, i in enumerate(chunk):
+                    tail = hidden[row, :len(input_ids[i]) - shared]
+                    states[i] = torch.cat([head, tail]) if head is not None else tail.clone()
     finally:
         handle.remove()
         decoder.train(was_training)
     return [s for s in states if s is not None]
+
+
+def _common_length(rows: Sequence[Sequence[int]]) -> int:
+    """Leading tokens shared by all `rows`, leaving each at least one token of its own."""
+    limit = min(len(row) for row in rows) - 1
+    shared = 0
+    while shared < limit and all(row[shared] == rows[0][shared] for row in rows[1:]):
+        shared += 1
+    return shared
 
 
 # ------------------------------------------------------------------------------------------ storage

@@ -7,11 +7,14 @@ from test_prompts import char_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from prism.data import Example, Suite
-from prism.data.prompts import eval_prompt
-from prism.evaluate import evaluate_suite, generate_responses
+from prism.data.prompts import encode_prompt_as_trained, eval_prompt, response_text
+from prism.evaluate import common_prefix_length, evaluate_suite, generate_responses
 from prism.metrics import parse_glue_label
+from prism.models import attach_lora, load_backbone
+from prism.prefix import prefix_depth
 
-KEYS = {"scores", "columns", "average", "parse_failure", "n", "skipped", "samples", "seconds", "suite", "scale"}
+KEYS = {"scores", "columns", "average", "parse_failure", "n", "skipped", "samples", "seconds", "eval_rows", "suite",
+        "scale"}
 
 
 def _glue_suite() -> Suite:
@@ -66,9 +69,11 @@ def test_scripted_glue_scores_columns_and_failures() -> None:
     tok = char_tokenizer()
     model = ScriptedModel(tok, _nli_answer)
     model.train()
-    res = evaluate_suite(model, tok, _glue_suite(), {"num_beams": 1, "max_new_tokens": 8}, batch_size=4)
+    decoding = {"num_beams": 1, "max_new_tokens": 8, "shared_prefix": False}  # a scripted model has no KV cache
+    res = evaluate_suite(model, tok, _glue_suite(), decoding, batch_size=4)
     assert set(res) == KEYS and model.training  # mode restored
     assert res["n"] == {"mnli_matched": 6, "mnli_mismatched": 4, "tweet_sentiment": 5}
+    assert res["eval_rows"] == {"mnli_matched": 6, "mnli_mismatched": 4, "tweet_sentiment": 6}
     assert res["skipped"] == {"mnli_matched": 0, "mnli_mismatched": 0, "tweet_sentiment": 1}
     assert res["scores"]["mnli_matched"] == pytest.approx(5 / 6)  # "unclear" → fallback label 0 vs gold 2
     assert res["scores"]["mnli_mismatched"] == 1.0
@@ -117,3 +122,62 @@ def test_tiny_llama_end_to_end() -> None:
     failures = sum(not parse_glue_label("mnli", t)[1] for t in texts)
     assert res["parse_failure"]["mnli_matched"] == pytest.approx(failures / len(texts))
     assert all(len(t) <= 3 + 16 + 1 for t in texts)  # response starts after the prompt's marker
+
+
+def _greedy_alone(model, tok, prompt: str, max_new_tokens: int) -> tuple[str, int]:
+    """Reference: one prompt, no padding, no shared cache, plain ``generate``: (response, new tokens)."""
+    ids = torch.tensor([encode_prompt_as_trained(tok, prompt)])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
+                         max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    return response_text(tok.decode(out[0], skip_special_tokens=True)), out.shape[1] - ids.shape[1]
+
+
+@pytest.mark.parametrize("backbone", ["tiny-llama", "tiny-gemma"])
+def test_batched_shared_prefix_greedy_equals_unbatched(backbone: str) -> None:
+    """Left-padded batches behind a shared-prefix KV cache give each prompt the greedy tokens it gets
+    alone, token for token (prompts of different lengths, so most rows carry padding)."""
+    model, tok = load_backbone({"name": backbone}, "cpu")
+    inputs = ["Sentence: ok", "Sentence: a much longer tweet, with more words in it", "Sentence: x y",
+              "Sentence: twelve chars", "Sentence: !"]
+    prompts = [eval_prompt(Example("t", "Task: SST-2.", text, "", 0), "glue") for text in inputs]
+    prompts.append(eval_prompt(Example("t", "What is 2+2?", "", "", 4.0), "math"))  # little shared prefix
+    assert common_prefix_length([encode_prompt_as_trained(tok, p) for p in prompts[:5]]) > 100
+    reference = [_greedy_alone(model, tok, p, 6) for p in prompts]
+    assert sum(n for _, n in reference) > 3 * len(prompts)  # the comparison covers generated tokens
+    decoding = {"num_beams": 1, "max_new_tokens": 6, "prompt_encoding": "as_trained"}
+    for batch_size in (4, 6):
+        assert generate_responses(model, tok, prompts, decoding, batch_size) == [text for text, _ in reference]
+
+
+def test_common_prefix_length_keeps_one_token_per_row() -> None:
+    assert common_prefix_length([[1, 2, 3, 4], [1, 2, 5]]) == 2
+    assert common_prefix_length([[1, 2, 3], [1, 2, 3, 4]]) == 2  # a row equal to the prefix keeps its last token
+    assert common_prefix_length([[7], [7]]) == 0
+    assert common_prefix_length([[1, 2, 3]]) == 2
+
+
+@pytest.mark.parametrize("backbone", ["tiny-llama", "tiny-gemma"])
+def test_frozen_prompt_cache_generates_what_the_full_model_does(backbone: str, tmp_path, monkeypatch) -> None:
+    """LoRA on the top layer only: the stored frozen-layer KV of the prompts plus the trained top layer
+    give the same greedy responses as plain batched ``generate`` and as each prompt alone; the store
+    is computed once and reused (another run, other LoRA weights: still equal)."""
+    monkeypatch.setenv("PRISM_CACHE", str(tmp_path))
+    lora = {"r": 4, "alpha": 8, "dropout": 0.0, "targets": ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]}
+    inputs = ["Sentence: ok", "Sentence: a much longer tweet, with more words in it", "Sentence: x y",
+              "Sentence: twelve chars", "Sentence: !"]
+    prompts = [eval_prompt(Example("t", "Task: SST-2.", text, "", 0), "glue") for text in inputs]
+    prompts.append(eval_prompt(Example("t", "What is 2+2?", "", "", 4.0), "math"))
+    greedy = {"num_beams": 1, "max_new_tokens": 6, "prompt_encoding": "as_trained"}
+    for seed in (0, 1):
+        model, tok = load_backbone({"name": backbone}, "cpu")
+        model = attach_lora(model, lora, {"name": backbone, "lora_layers": 1}, init="peft",
+                            generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.5, generator=torch.Generator().manual_seed(seed))
+        assert prefix_depth(model) == 1
+        stored = generate_responses(model, tok, prompts, greedy, batch_size=4)
+        plain = generate_responses(model, tok, prompts, {**greedy, "frozen_prefix": False, "shared_prefix": False}, 4)
+        assert stored == plain == [_greedy_alone(model, tok, p, 6)[0] for p in prompts]
+    assert len([p for p in (tmp_path / "prompts").iterdir() if p.is_dir()]) == 1  # one store, reused

@@ -27,7 +27,7 @@ from transformers import (
 
 import prism.prefix as prefix
 from prism.data.prompts import collate
-from prism.prefix import PrefixCache, prefix_cache, prefix_depth, prefix_key
+from prism.prefix import PrefixCache, prefix_cache, prefix_depth, prefix_key, shared_prefix_groups
 from prism.privacy.per_example import (
     IGNORE_INDEX,
     PerExampleGradients,
@@ -323,3 +323,49 @@ def test_real_backbone_cache_matches_full_forward(tmp_path: Path) -> None:
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5)
     for name, ref in ref_grads.items():
         torch.testing.assert_close(grads[name], ref, rtol=1e-3, atol=1e-5)
+
+
+# ----------------------------------------------------------------------- shared prompt prefix
+def templated_features(seed: int = 1) -> list[dict[str, list[int]]]:
+    """Two 'tasks': a common template, a task-specific instruction, then each example's own tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    template = torch.randint(3, VOCAB, (5,), generator=gen).tolist()
+    tasks = [torch.randint(3, VOCAB, (4,), generator=gen).tolist() for _ in range(2)]
+    rows = []
+    for i, n in enumerate([3, 1, 6, 2, 5, 4, 2, 7]):
+        ids = template + tasks[i % 2] + torch.randint(3, VOCAB, (n,), generator=gen).tolist()
+        rows.append({"input_ids": ids, "labels": ids})
+    rows.append({"input_ids": template[:3], "labels": template[:3]})  # shorter than the shared part
+    return rows
+
+
+def test_shared_prefix_groups_partition_by_common_tokens() -> None:
+    ids = [f["input_ids"] for f in templated_features()]
+    groups = shared_prefix_groups(ids, min_group=2)
+    assert sorted(i for _, members in groups for i in members) == list(range(len(ids)))
+    for shared, members in groups:  # the claimed prefix is shared and leaves each row a token
+        assert all(ids[i][:shared] == ids[members[0]][:shared] and len(ids[i]) > shared for i in members)
+    assert sorted((shared, len(members)) for shared, members in groups) == [(2, 1), (9, 4), (9, 4)]
+    assert shared_prefix_groups(ids, min_group=5) == [(5, list(range(8))), (2, [8])]  # tasks of 4 stay together
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_states_behind_a_shared_prefix_equal_the_plain_forward(family: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Micro-batches that run their common prefix once through the KV cache (Gemma-3: sliding window
+    3, shorter than the shared 9 tokens) give every row the states of its own full forward."""
+    model = tiny_model(family, torch.float32)
+    ids = [f["input_ids"] for f in templated_features()]
+    shared = prefix.compute_prefix_states(model, 2, ids, micro_batch_size=4)
+    monkeypatch.setattr(prefix, "_common_length", lambda rows: 0)  # no sharing: one padded forward
+    plain = prefix.compute_prefix_states(model, 2, ids, micro_batch_size=4)
+    decoder = prefix._decoder(model)
+    captured: list[Tensor] = []
+    decoder.layers[2].register_forward_pre_hook(lambda m, a, k: captured.append(a[0] if a else k["hidden_states"]),
+                                                with_kwargs=True)
+    for i, row in enumerate(ids):
+        captured.clear()
+        with torch.no_grad():
+            decoder(input_ids=torch.tensor([row]))
+        torch.testing.assert_close(shared[i], captured[0][0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(plain[i], captured[0][0], rtol=0, atol=1e-5)

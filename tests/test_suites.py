@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 
 import pytest
 
 from prism.data import DataUnavailableError, build_suite
-from prism.data.embedded import EMBEDDED_TASKS
+from prism.data.embedded import EMBEDDED_TASKS, train_size
 from prism.data.glue import GLUE_TASKS
 from prism.metrics import extract_choice, extract_number, gold_is_valid
 
@@ -52,7 +53,7 @@ def test_embedded_math_targets_extract_to_gold() -> None:
         if ex.task == "arith_choice":
             assert extract_choice(ex.output) == ex.answer
         else:
-            assert extract_number(ex.output) == ex.answer and ex.output.startswith("The answer is ")
+            assert extract_number(ex.output) == ex.answer and ex.output == f"{ex.output[:-1]}."
 
 
 def test_embedded_task_subset_and_eval_limit() -> None:
@@ -156,3 +157,49 @@ def test_fetch_data_offline_fails_in_one_line(tmp_path, monkeypatch, capsys) -> 
     assert fetch_data.main(["--only", "math"]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "math_10k.json" in err and "SVAMP/test.json" in err and "make data" in err
+
+
+def test_embedded_arithmetic_is_two_small_terms() -> None:
+    """The MAWPS / AQuA stand-ins are sums or differences of two numbers 0-10 (learnable by
+    a 135M backbone); every gold answer is the value of the question's expression, recomputed here."""
+    suite = _embedded("math10k", 0, tasks=["basic_arithmetic", "arith_choice"])
+    for ex in suite.train + suite.eval["basic_arithmetic"]:
+        if ex.task != "basic_arithmetic":
+            continue
+        (a, op, b), = re.findall(r"(\d+) ([+-]) (\d+)", ex.instruction)
+        assert int(a) <= 10 and int(b) <= 10  # reasoning-gym draws 1-digit operands from 0..10
+        assert float(ex.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+    for ex in suite.eval["arith_choice"]:
+        (a, op, b), = re.findall(r"(\d+) ([+-]) (\d+)", ex.instruction.split(" Answer Choices:")[0])
+        options = dict(re.findall(r"\(([A-E])\) (-?\d+)", ex.instruction))
+        assert int(options[ex.answer]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+
+
+@pytest.mark.parametrize("scale", ["embedded", "smoke"])
+@pytest.mark.parametrize("name", ["glue8", "math10k"])
+def test_configured_scale_builds_its_sizes(scale: str, name: str) -> None:
+    """The sizes conf/suite_scale/<suite>_<scale>.yaml asks for exist: exact train/eval counts, fixed
+    eval rows (same for another run seed), train rows disjoint from them, GLUE labels balanced."""
+    from pipelines.grid import job_config
+
+    cfg = job_config([f"suite={name}", f"scale={scale}"])
+    node = cfg.suite.embedded
+    a, b = build_suite(cfg.suite, 42), build_suite(cfg.suite, 43)
+    sizes = {task: train_size(node.train_per_task, task) for task in node.tasks}
+    assert len(a.train) == sum(sizes.values())
+    assert a.eval == b.eval and a.train != b.train
+    for task, rows in a.eval.items():
+        assert len(rows) == node.eval_per_task
+        train_keys = {(ex.instruction, ex.input) for ex in a.train if ex.task == task}
+        assert len(train_keys) == sizes[task]  # distinct
+        assert not train_keys & {(ex.instruction, ex.input) for ex in rows}
+        if name == "glue8":
+            assert Counter(ex.answer for ex in rows)[0] == node.eval_per_task // 2
+    assert a.train_on_inputs is cfg.suite.train_on_inputs
+
+
+def test_train_per_task_mapping() -> None:
+    suite = _embedded("glue8", 3, train_per_task={"tweet_sentiment": 10, "syllogism": 4})
+    assert Counter(ex.task for ex in suite.train) == {"tweet_sentiment": 10, "syllogism": 4}
+    with pytest.raises(ValueError, match="train_per_task"):
+        _embedded("glue8", 3, train_per_task="many")
