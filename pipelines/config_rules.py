@@ -186,15 +186,24 @@ def _embedded_size(name: str, node: Mapping) -> int:
     from prism.data.embedded import EMBEDDED_TASKS
 
     tasks = _tasks(node, "tasks", EMBEDDED_TASKS[name], "suite.embedded")
-    for key in ("train_per_task", "eval_per_task"):
-        if node.get(key) is not None:
-            _positive_int(node[key], f"suite.embedded.{key}")
+    if node.get("eval_per_task") is not None:
+        _positive_int(node.eval_per_task, "suite.embedded.eval_per_task")
+    from prism.data.embedded import DEFAULT_TRAIN_PER_TASK
+
+    sizes = node.get("train_per_task") or DEFAULT_TRAIN_PER_TASK[name]
+    if isinstance(sizes, Mapping):  # task -> count; tasks it omits train on nothing
+        unknown = sorted(set(sizes) - set(tasks))
+        _require(not unknown, f"suite.embedded.train_per_task names {unknown}, not among suite.embedded.tasks {tasks}")
+        for task, count in sizes.items():
+            _positive_int(count, f"suite.embedded.train_per_task.{task}")
+        total = sum(int(sizes[t]) for t in tasks if t in sizes)
+    else:
+        _positive_int(sizes, "suite.embedded.train_per_task")
+        total = len(tasks) * int(sizes)
     if node.get("min_confidence") is not None:
         _require(0 <= float(node.min_confidence) <= 1,
                  f"suite.embedded.min_confidence={node.min_confidence} must lie in [0, 1]")
-    from prism.data.embedded import DEFAULT_TRAIN_PER_TASK
-
-    return len(tasks) * int(node.get("train_per_task") or DEFAULT_TRAIN_PER_TASK[name])
+    return total
 
 
 def _paper_size(name: str, node: Mapping) -> int | None:

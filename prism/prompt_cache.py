@@ -28,13 +28,13 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from prism.fileio import atomic_write, write_text_atomic
 from prism.models import cache_root
 from prism.prefix import (
     _decoder,
     _pad,
     _PrefixCapturedError,
     _top_layers_only,
-    _write_atomic,
     prefix_depth,
     prefix_key,
     shared_prefix_groups,
@@ -142,9 +142,9 @@ class FrozenPrompts:
                 directory.mkdir(parents=True, exist_ok=True)
                 tensors = {"kv": torch.cat(kv, dim=3).contiguous(), "states": torch.cat(states).contiguous(),
                            "lengths": torch.tensor(lengths, dtype=torch.long)}
-                _write_atomic(directory / _TENSORS, lambda tmp: save_file(tensors, str(tmp)))
+                atomic_write(directory / _TENSORS, lambda tmp: save_file(tensors, str(tmp)))
                 meta = {"format": FORMAT, "key": key, "rows": len(rows), "bytes": (directory / _TENSORS).stat().st_size}
-                _write_atomic(directory / _META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2)))
+                write_text_atomic(directory / _META, json.dumps(meta, indent=2))
         return cls(decoder, depth, directory / _TENSORS, lengths, build_seconds=seconds)
 
     @torch.no_grad()

@@ -91,7 +91,7 @@ CASES: list[tuple[str, str]] = [
     ("lora.r=4096", "lora.r"),
     ("backbone=tiny-llama lora.r=64", "lora.r"),
     ("backbone.lora_layers=99", "backbone.lora_layers"),
-    ("train.micro_batch_size=32", "train.micro_batch_size"),
+    ("train.micro_batch_size=128", "train.micro_batch_size"),
     ("train.batch_size=1000", "train.batch_size"),
     ("backbone=tiny-llama suite=glue8", "suite.cutoff_len"),
     ("logging=online", "logging"),

@@ -11,6 +11,7 @@ from pathlib import Path
 import dp_accounting
 import pytest
 import torch
+from omegaconf import OmegaConf
 from opacus import GradSampleModule
 from peft import LoraConfig, get_peft_model
 from torch import Tensor, nn
@@ -35,6 +36,8 @@ from prism.privacy import (
 from prism.privacy.per_example import released_weights
 from prism.privacy.sampling import noise_denominator
 from prism.protocol import ITEMS, NOT_DP_AS_STATED, protocol_record
+
+REPO = Path(__file__).resolve().parents[1]
 
 VOCAB = 64
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -89,7 +92,8 @@ def test_presets_set_every_item_and_each_stays_overridable() -> None:
     assert protocol_record(corrected)["items"] == {
         "calibration": "exact", "denominator": "expected", "per_example_scale": "record", "noise_damping": None,
         "pinv_rcond": None, "init_svd": "auto", "nondp_trainer": "shared",
-        "padding_side": "right", "prompt_encoding": "as_trained", "eval_batch_size": 16,
+        "padding_side": "right", "prompt_encoding": "as_trained",
+        "eval_batch_size": OmegaConf.load(REPO / "conf" / "scale" / "embedded.yaml").train.eval_batch_size,
         "renormalize_logits": False, "remove_invalid_values": False, "choice_regex": "lookaround"}
     # every item overridden by its own key: all back to the corrected values
     back = protocol_record(corrected)["items"]
