@@ -92,7 +92,7 @@ CASES: list[tuple[str, str]] = [
     ("backbone=tiny-llama lora.r=64", "lora.r"),
     ("backbone.lora_layers=99", "backbone.lora_layers"),
     ("train.micro_batch_size=128", "train.micro_batch_size"),
-    ("train.batch_size=1000", "train.batch_size"),
+    ("train.batch_size=100000", "train.batch_size"),
     ("backbone=tiny-llama suite=glue8", "suite.cutoff_len"),
     ("logging=online", "logging"),
     # paper-scale data that is not there
@@ -131,7 +131,11 @@ def check_one_line(stderr: str, field: str, results: Path) -> None:
 
 @pytest.mark.parametrize("overrides, field", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line(overrides: str, field: str, isolated: Path,
-                               capsys: pytest.CaptureFixture[str]) -> None:
+                               capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_training(*_: object) -> None:  # a case that slipped past validation fails fast, not after a run
+        raise AssertionError(f"{overrides!r} passed validation and reached the trainer")
+
+    monkeypatch.setattr(run, "default_trainer", no_training)
     results = isolated / "results"
     started = time.perf_counter()
     code = main([*overrides.split(), f"results_dir={results}"])
