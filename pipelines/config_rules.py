@@ -190,7 +190,8 @@ def _embedded_size(name: str, node: Mapping) -> int:
         _positive_int(node.eval_per_task, "suite.embedded.eval_per_task")
     from prism.data.embedded import DEFAULT_TRAIN_PER_TASK
 
-    sizes = node.get("train_per_task") or DEFAULT_TRAIN_PER_TASK[name]
+    sizes = node.get("train_per_task")
+    sizes = DEFAULT_TRAIN_PER_TASK[name] if sizes is None else sizes
     if isinstance(sizes, Mapping):  # task -> count; tasks it omits train on nothing
         unknown = sorted(set(sizes) - set(tasks))
         _require(not unknown, f"suite.embedded.train_per_task names {unknown}, not among suite.embedded.tasks {tasks}")

@@ -186,7 +186,8 @@ def _check_override(override: Override, reference: DictConfig) -> None:
     value = override.value()
     if key in LOCKED and value != known:
         raise _locked(key, value, known)
-    if isinstance(known, Mapping) and not isinstance(value, Mapping):
+    if isinstance(known, Mapping) and not isinstance(value, Mapping) \
+            and type(value).__name__ not in shipped_types().get(key, frozenset()):  # e.g. train_per_task: count or map
         raise ConfigError(f"{key} is a section, not a value, set one of its keys instead "
                           f"(e.g. {key}.{next(iter(known), 'key')}=...)")
 
@@ -261,6 +262,8 @@ def _conform_value(path: str, value: Any, ref: Any, root: dict) -> Any:
         return _conform_open(path, value)
     if isinstance(ref, dict):
         if not isinstance(value, dict):
+            if type(value).__name__ in shipped_types().get(path, frozenset()):  # a count or a mapping
+                return value
             raise ConfigError(f"{path} must be a section with keys {', '.join(map(str, ref))}, got {value!r}")
         _conform_node(value, ref, f"{path}.", root)
         return value
