@@ -320,7 +320,7 @@ def test_tables_are_written_per_scale_and_never_replaced_by_an_empty_one(tmp_pat
     assert "table2.embedded.md" in before
     # a failed paper-scale launch has no finished run: nothing written, the embedded table untouched
     assert agg.main(["experiment=table2", f"runs_dir={root}", f"out_dir={out}", "scale=paper"]) == 0
-    assert "no finished run at scale paper; no table written" in capsys.readouterr().out
+    assert "no finished run at scale paper under protocol corrected; no table written" in capsys.readouterr().out
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     make_run(root, "p1", method="prism", privacy="eps6", suite="glue8", columns={"SST-2": 0.9}, experiment="table2",
              scale="paper")
@@ -362,3 +362,43 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_protocols_get_their_own_tables_and_a_side_by_side_one(tmp_path: Path, capsys) -> None:
+    root, out = tmp_path / "runs", tmp_path / "tables"
+    released = {"protocol": {"name": "released"}}
+    not_dp = {"protocol": {"name": "released", "dp_guarantee": "not a valid DP guarantee as stated"}}
+    make_run(root, "c1", method="prism", privacy="eps6", suite="glue8", columns={"SST-2": 0.75}, experiment="table2")
+    make_run(root, "c2", method="adamw", privacy="nondp", suite="glue8", columns={"SST-2": 0.70}, experiment="table2",
+             extra_config={"protocol": {"name": "corrected"}})
+    make_run(root, "r1", method="prism", privacy="eps6", suite="glue8", columns={"SST-2": 0.60}, experiment="table2",
+             extra_config=released, protocol=not_dp["protocol"])
+    make_run(root, "r2", method="adamw", privacy="nondp", suite="glue8", columns={"SST-2": 0.90}, experiment="table2",
+             extra_config=released)
+    records = agg.read_run_folders(root, "table2")
+    corrected = agg.build_table(agg.SPECS["table2"], records, "embedded")
+    rel = agg.build_table(agg.SPECS["table2"], records, "embedded", protocol="released")
+    # one config per cell and protocol: nothing refused, each table holds only its own runs
+    assert not [m for m in corrected.missing + rel.missing if "REFUSED" in m]
+    assert _row(corrected.frame, "ε=6", "PRISM")["SST-2"] == 0.75 and _row(rel.frame, "ε=6", "PRISM")["SST-2"] == 0.60
+    assert _row(corrected.frame, "Non-DP", "AdamW")["SST-2"] == 0.70 and _row(rel.frame, "Non-DP", "AdamW")["SST-2"] == 0.90
+    assert rel.not_dp == 1 and corrected.not_dp == 0
+    assert "NOT a valid" not in agg.to_markdown(corrected)
+    assert "1 private run(s) here are not a valid DP guarantee as stated" in agg.to_markdown(rel)
+    with pytest.raises(agg.AggregateError, match="protocol=paper is not known"):
+        agg.build_table(agg.SPECS["table2"], records, "embedded", protocol="paper")
+
+    assert agg.main(["experiment=table2", f"runs_dir={root}", f"out_dir={out}"]) == 0
+    names = {p.name for p in out.iterdir()}
+    assert {"table2.embedded.md", "table2.embedded.released.md", "table2.embedded.protocols.md",
+            "table2.embedded_privacy_utility.png", "table2.embedded.released_privacy_utility.png"} <= names
+    side = (out / "table2.embedded.protocols.md").read_text()
+    assert "| Setting | Method | SST-2: corrected | SST-2: released | SST-2: Δ |" in side
+    assert "| ε=6 | PRISM | 0.750 | 0.600 | -0.150 |" in side and "| Non-DP | AdamW | 0.700 | 0.900 | +0.200 |" in side
+    # protocol= picks one table; no side-by-side from one protocol
+    (out / "table2.embedded.protocols.md").unlink()
+    assert agg.main(["experiment=table2", f"runs_dir={root}", f"out_dir={out}", "protocol=released"]) == 0
+    assert not (out / "table2.embedded.protocols.md").exists()
+    capsys.readouterr()
+    assert agg.main(["experiment=table2", f"runs_dir={root}", "protocol=nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: protocol=nope is not known")

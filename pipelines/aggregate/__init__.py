@@ -2,12 +2,15 @@
 
     python -m pipelines.aggregate experiment=table2 [source=runs|wandb] [runs_dir=results/runs]
                                   [out_dir=results/tables] [scale=embedded|paper]
+                                  [protocol=corrected|released]
                                   [wandb_project=prism-dp-lora] [wandb_entity=...]
 
 Input: the runs in the view of the experiment (``<runs_dir>/_views/<experiment>/`` over the shared
 store ``<runs_dir>/<hash>/``, plus the old ``<runs_dir>/<experiment>/<hash>/`` layout; see
 :mod:`pipelines.store`). Output: ``<out_dir>/<experiment>.<scale>.{md,csv,tex}`` and
-``<experiment>.<scale>_missing.csv`` (Table 2 also ``table2.<scale>_privacy_utility.png``).
+``<experiment>.<scale>_missing.csv`` (Table 2 also ``table2.<scale>_privacy_utility.png``); a
+protocol other than ``corrected`` adds its name to the stem (``table2.embedded.released.md``), and
+when two protocols have runs ``<experiment>.<scale>.protocols.md`` sets them side by side.
 
 Each cell is the mean over the seeds of that cell: runs agreeing on every result-changing field
 but the seed; a cell whose runs differ otherwise is refused and listed. The header gives the runs'

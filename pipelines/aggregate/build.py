@@ -20,9 +20,11 @@ import pandas as pd
 from pipelines import store
 from pipelines.aggregate.records import AggregateError, RunRecord
 from pipelines.aggregate.specs import SUITE_TASKS, TableSpec, as_float, norm_name
+from prism.protocol import NOT_DP_AS_STATED
 
 PAPER_DIR = Path(__file__).resolve().parents[1] / "paper_tables"
 SCALES = ("embedded", "paper")
+PROTOCOLS = ("corrected", "released")  # conf/protocol/*.yaml; a run without the key ran `corrected`
 EPS_RTOL = 1e-3  # the accountant's calibration tolerance is far tighter
 
 
@@ -37,11 +39,13 @@ class TableResult:
     frame: pd.DataFrame
     missing: list[str]
     ignored: list[str]
+    protocol: str = "corrected"
     stand_ins: list[str] = field(default_factory=list)
     header: dict[str, dict[str, str]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     columns_seen: dict[str, list[str]] = field(default_factory=dict)
     n_finished: int = 0
+    not_dp: int = 0  # private runs whose final.json says their ε is not a valid DP guarantee as stated
 
 
 def load_paper(name: str) -> pd.DataFrame:
@@ -57,6 +61,11 @@ def choose_scale(records: Sequence[RunRecord], scale: str | None) -> str:
         return scale
     seen = pd.Series([r.get("suite.scale") for r in records]).dropna()
     return str(seen.mode().iloc[0]) if not seen.empty else "embedded"
+
+
+def protocol_of(record: RunRecord) -> str:
+    """The protocol a run ran under (``protocol.name``; runs from before the switch ran ``corrected``)."""
+    return str(record.get("protocol.name") or "corrected")
 
 
 def epsilon_problem(record: RunRecord) -> str:
@@ -172,13 +181,24 @@ def header_facts(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord]]) -
 # ----------------------------------------------------------------------------------------- table
 
 def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str | None = None,
-                paper: pd.DataFrame | None = None) -> TableResult:
-    """Cells from records, paper numbers and deltas beside them, best marks, the missing list."""
+                paper: pd.DataFrame | None = None, protocol: str | None = None) -> TableResult:
+    """Cells from the records of one scale and one protocol, paper numbers and deltas beside them,
+    best marks, the missing list. Runs of another scale or protocol are listed as ignored, never
+    averaged into a cell (a protocol changes the mechanism, so it is a table of its own). Without
+    ``scale``/``protocol``: the one most runs have."""
+    if protocol is not None and protocol not in PROTOCOLS:
+        raise AggregateError(f"protocol={protocol} is not known, use protocol= one of {', '.join(PROTOCOLS)}")
     paper = load_paper(spec.name) if paper is None else paper
     scale = choose_scale(records, scale)
     ignored = [f"{r.run_id}: scale {r.get('suite.scale')}" for r in records
                if r.config and r.get("suite.scale") not in (None, scale)]
     records = [r for r in records if not r.config or r.get("suite.scale") in (None, scale)]
+    if protocol is None:
+        seen = Counter(protocol_of(r) for r in records if r.config)
+        protocol = seen.most_common(1)[0][0] if seen else "corrected"
+    ignored += [f"{r.run_id}: protocol {protocol_of(r)}" for r in records
+                if r.config and protocol_of(r) != protocol]
+    records = [r for r in records if not r.config or protocol_of(r) == protocol]
     problems = [r for r in records if r.state != "finished"]
     missing: list[str] = []
     finished = []
@@ -231,8 +251,10 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str | None
     used = {s: [r for by_suite in cells.values() for r in by_suite.get(s, [])] for s in spec.suites}
     header, fact_warnings = header_facts(spec, {s: rs for s, rs in used.items() if rs})
     seen = {s: sorted({c for r in rs for c in r.final.get("columns", {})}) for s, rs in used.items()}
-    return TableResult(spec, scale, mark_best(frame, spec), missing, ignored, stand_ins(records), header,
-                       fact_warnings + warnings, seen, sum(len(rs) for rs in used.values()))
+    not_dp = sum(isinstance(p := r.final.get("protocol"), Mapping) and p.get("dp_guarantee") == NOT_DP_AS_STATED
+                 for rs in used.values() for r in rs)
+    return TableResult(spec, scale, mark_best(frame, spec), missing, ignored, protocol, stand_ins(records),
+                       header, fact_warnings + warnings, seen, sum(len(rs) for rs in used.values()), not_dp)
 
 
 def cell_epsilon(by_suite: Mapping[str, Sequence[RunRecord]]) -> dict[str, float]:

@@ -1,17 +1,20 @@
 """Rendering a built table: Markdown, CSV, LaTeX and Table 2's privacy–utility plot, per scale.
 
-Every file name carries the scale (``table2.embedded.md``, ``table2.paper.md``, …), so an
-embedded-scale table never replaces a paper-scale one, and nothing is written for a table
-without a single finished run.
+Every file name carries the scale (``table2.embedded.md``, ``table2.paper.md``, …) and, for a
+protocol other than the default ``corrected``, the protocol (``table2.embedded.released.md``), so no
+table replaces another, and nothing is written for a table without a single finished run. When both
+protocols have runs, ``<table>.<scale>.protocols.md`` sets them side by side, cell by cell.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
 
 from pipelines.aggregate.build import FACTS, TableResult, average_label
+from prism.protocol import NOT_DP_AS_STATED
 
 DASH = "—"
 LABELS = {"GLUE8_Avg": "GLUE8 Avg", "Math_Avg": "Math Avg", "Avg_12": "Avg (12 tasks)",
@@ -49,6 +52,18 @@ def scale_line(result: TableResult) -> str:
             "NOT comparable with the paper's — the paper's numbers are shown for layout only).")
 
 
+def protocol_line(result: TableResult) -> str:
+    """Which protocol produced the table, and whether its ε is a DP guarantee (docs/DECISIONS.md D1–D12)."""
+    if result.protocol == "corrected":
+        return "Protocol: corrected (this project's DP-SGD semantics; the default)."
+    line = (f"Protocol: {result.protocol} (the paper's released code as it ran, docs/DECISIONS.md D1–D12; "
+            "compare with the corrected table to see what the corrections change).")
+    if result.not_dp:
+        line += (f" WARNING: {result.not_dp} private run(s) here are {NOT_DP_AS_STATED} — their ε is what "
+                 "the accountant reports for a mechanism they did not run (final.json protocol.dp_caveats).")
+    return line
+
+
 def header_lines(result: TableResult) -> list[str]:
     """The runs behind the table: one Markdown row per suite (backbone, steps, batch, N, eval rows,
     protocol, run count), then the stand-in and average notes and any warnings."""
@@ -73,7 +88,7 @@ def header_lines(result: TableResult) -> list[str]:
 def to_markdown(result: TableResult) -> str:
     """The table as Markdown: title, scale, run facts, rows, then the missing runs."""
     spec, frame = result.spec, result.frame
-    head = [f"# Table {spec.name[-1]}: {spec.title}", "", scale_line(result), ""]
+    head = [f"# Table {spec.name[-1]}: {spec.title}", "", scale_line(result), "", protocol_line(result), ""]
     head += header_lines(result)
     if result.stand_ins:
         head += ["Backbones run in place of the paper's: " + ", ".join(result.stand_ins) + ".", ""]
@@ -91,7 +106,8 @@ def _missing_md(result: TableResult) -> list[str]:
     out = ["## Missing, running, stale, failed, corrupt or refused runs", ""]
     out += [f"- {m}" for m in result.missing] or ["- none"]
     if result.ignored:
-        out += ["", f"Ignored (other scale than {result.scale}):", *(f"- {m}" for m in result.ignored)]
+        out += ["", f"Ignored (other scale than {result.scale} or other protocol than {result.protocol}):",
+                *(f"- {m}" for m in result.ignored)]
     return out
 
 
@@ -104,7 +120,8 @@ def to_latex(result: TableResult) -> str:
     """The table as a booktabs ``tabular`` (scale, run facts and missing runs as comments)."""
     spec, frame = result.spec, result.frame
     cols = "l" * len(spec.keys) + "r" * len(spec.columns)
-    lines = [f"% {scale_line(result)}", *(f"% {line}" for line in header_lines(result) if line),
+    lines = [f"% {scale_line(result)}", f"% {protocol_line(result)}",
+             *(f"% {line}" for line in header_lines(result) if line),
              r"\begin{tabular}{" + cols + "}", r"\toprule",
              " & ".join(_tex_escape(h) for h in (*spec.keys, *(column_label(result, c) for c in spec.columns)))
              + r" \\", r"\midrule"]
@@ -148,7 +165,7 @@ def plot_privacy_utility(result: TableResult, path: Path) -> Path:
     ax.set_xticks(ticks, [f"{e:g}" for e in finite] + ["∞\n(non-DP)"])
     ax.set_xlabel("ε (δ = 1e-5)")
     ax.set_ylabel(column_label(result, "Avg"))
-    ax.set_title(f"Privacy–utility ({result.scale} scale; dashed = paper)")
+    ax.set_title(f"Privacy–utility ({result.scale} scale, {result.protocol} protocol; dashed = paper)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -157,8 +174,45 @@ def plot_privacy_utility(result: TableResult, path: Path) -> Path:
 
 
 def output_stem(result: TableResult) -> str:
-    """``<table>.<scale>``: the stem of every file of this table at this scale."""
-    return f"{result.spec.name}.{result.scale}"
+    """``<table>.<scale>`` (``<table>.<scale>.<protocol>`` for a protocol other than ``corrected``):
+    the stem of every file of this table."""
+    suffix = "" if result.protocol == "corrected" else f".{result.protocol}"
+    return f"{result.spec.name}.{result.scale}{suffix}"
+
+
+def to_protocols_markdown(results: Sequence[TableResult]) -> str:
+    """The same table under each protocol, side by side: per value column one sub-column per protocol
+    and the difference of the last from the first (``released − corrected``)."""
+    first, spec = results[0], results[0].spec
+    cols = [c for c in spec.columns if any(r.frame[c].notna().any() for r in results)]
+    names = [r.protocol for r in results]
+    lines = [f"# Table {spec.name[-1]} by protocol: {spec.title}", "", scale_line(first), "",
+             f"Each column: {' | '.join(names)} | Δ ({names[-1]} − {names[0]}). The tables themselves, with "
+             f"their run facts and missing runs: {', '.join(output_stem(r) + '.md' for r in results)}.", ""]
+    lines += [f"WARNING: {r.protocol}: {r.not_dp} private run(s) are {NOT_DP_AS_STATED}." for r in results if r.not_dp]
+    header = [*spec.keys, *(f"{column_label(first, c)}: {n}" for c in cols for n in [*names, "Δ"])]
+    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    by_key = [{tuple(row[k] for k in spec.keys): row for _, row in r.frame.iterrows()} for r in results]
+    for key in dict.fromkeys(k for rows in by_key for k in rows):
+        cells = [str(k) for k in key]
+        for c in cols:
+            d = _digits(first, c)
+            values = [rows[key][c] if key in rows else math.nan for rows in by_key]
+            delta = values[-1] - values[0]
+            cells += [DASH if pd.isna(v) else f"{v:.{d}f}" for v in values]
+            cells.append(DASH if pd.isna(delta) else f"{delta:+.{d}f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_protocols(results: Sequence[TableResult], out_dir: Path) -> Path | None:
+    """``<table>.<scale>.protocols.md`` when two or more protocols have finished runs, else nothing."""
+    results = [r for r in results if r.n_finished]
+    if len(results) < 2:
+        return None
+    path = Path(out_dir) / f"{results[0].spec.name}.{results[0].scale}.protocols.md"
+    path.write_text(to_protocols_markdown(results))
+    return path
 
 
 def write_outputs(result: TableResult, out_dir: Path) -> list[Path]:
