@@ -120,24 +120,28 @@ class HFTrainerBaseline(Method):
     def accumulate(self, grads: Mapping[str, Tensor]) -> None:
         self.inner.accumulate(grads)
 
-    def step(self, denominator: float, generator: torch.Generator | None) -> dict[str, float]:
+    def step(self, denominator: float, generator: torch.Generator | None,
+             diagnostics: bool = True) -> dict[str, Tensor]:
         """Scheduled learning rate, global clip of the mean gradient, the optimizer step, then every
-        ``eval_every`` steps the hold-out loss and, when it is the lowest so far, a parameter snapshot."""
+        ``eval_every`` steps the hold-out loss and, when it is the lowest so far, a parameter snapshot.
+        The clip stays on the device (one fused norm, as ``torch.nn.utils.clip_grad_norm_``); only the
+        hold-out evaluation reads a value on the host."""
         self.t += 1
         factor = linear_warmup_factor(self.t, self.recipe.warmup_steps, self.recipe.total_steps)
         for group, base in zip(self.inner.optimizer.param_groups, self.base_lrs):
             group["lr"] = base * factor
-        stats: dict[str, float] = {"lr_factor": factor}
+        sums = list(self.inner.summed.values())
+        stats: dict[str, Tensor] = {"lr_factor": torch.tensor(factor, device=sums[0].device)}
         if self.recipe.max_grad_norm > 0:
-            norm = math.sqrt(sum(float(acc.double().square().sum()) for acc in self.inner.summed.values())) / denominator
-            coef = min(1.0, self.recipe.max_grad_norm / (norm + NORM_EPS))
-            for acc in self.inner.summed.values():
-                acc.mul_(coef)
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(a, dtype=torch.float64)
+                                                         for a in sums])) / denominator
+            coef = (self.recipe.max_grad_norm / (norm + NORM_EPS)).clamp(max=1.0)
+            torch._foreach_mul_(sums, coef.to(sums[0].dtype))
             stats["grad_norm"] = norm
-        stats.update(self.inner.step(denominator, generator))
+        stats.update(self.inner.step(denominator, generator, diagnostics))
         if self.t % self.recipe.eval_every == 0:
             loss = self.validation_loss()
-            stats["holdout_loss"] = loss
+            stats["holdout_loss"] = torch.tensor(loss)
             if loss < self.best["loss"]:
                 params = {n: p.detach().cpu().clone() for n, p in self.params.items()}
                 self.best = {"loss": loss, "step": self.t, "params": params}

@@ -406,3 +406,11 @@ def test_released_tiny_run_end_to_end(tmp_path: Path) -> None:
     assert final["sample_rate"] == 7 / 32 and final["epsilon_spent"] < 6.0 - 0.1  # accounted at B/N, 3 steps
     assert final["epsilon_spent"] == pytest.approx(epsilon_spent(final["sigma"], 7 / 32, 3, 1e-5), rel=1e-6)
     assert math.isfinite(final["average"])
+
+
+def test_released_tiny_nondp_baseline_end_to_end(tmp_path: Path) -> None:
+    """The HF-Trainer recipe inside the real loop (the grid's released non-private baseline cells)."""
+    cfg = tiny_cfg("protocol=released", "method=adamw", "privacy=nondp", "train.prefix_cache=off")
+    final = T.train_and_evaluate(cfg, tmp_path)
+    assert final["protocol"]["name"] == "released" and final["protocol"]["dp_guarantee"] == "non-private"
+    assert math.isfinite(final["average"])
