@@ -221,27 +221,27 @@ def lifted_sqnorm(
     return 0.25 * sq(cA + cB.mT) + (sq(XA) - sq(cA)).clamp_min(0.0) + (sq(XB) - sq(cB)).clamp_min(0.0)
 
 
-def example_lifted_sqnorms(fr: Frame, gA: Tensor, gB: Tensor) -> Tensor:
-    """:func:`lifted_sqnorm` of ``k`` examples stored interleaved, ``g_A`` [..., m, k, r], ``g_B`` [..., n, k, r] → [..., k].
+def gram_lifted_sqnorms(
+    PA: Tensor, KA: Tensor, PB: Tensor, KB: Tensor, WA: Tensor, WB: Tensor
+) -> Tensor:
+    """:func:`lifted_sqnorm` from ``r×r`` products of the factor gradients (per example, per module).
 
-    The same blocks, laid out so that every product is one batched matmul on a contiguous view:
-    ``X_A = g_A R_B⁻¹`` acts on the ``m·k`` rows at once, ``c_A = Q_AᵀX_A`` on the ``k·r`` columns
-    at once (no broadcast copies of ``Q``). ``R⁻¹`` is the ``r×r`` triangular inverse (same ``eps·κ``
-    accuracy as the triangular solve).
+    ``P_A = g_Aᵀg_A``, ``K_A = Q_Aᵀg_A``, ``P_B = g_Bᵀg_B``, ``K_B = Q_Bᵀg_B`` and the whiteners
+    ``W_A = R_B⁻¹``, ``W_B = R_A⁻¹`` (``X_A = g_A W_A``, ``X_B = g_B W_B``; the identity when the
+    gradients were whitened before the products). The blocks of :func:`lifted_sqnorm` are
+    ``c_A = K_A W_A``, ``c_B = K_B W_B`` and ``‖(I − Π_A)X_A‖² = tr(W_Aᵀ (P_A − K_AᵀK_A) W_A)``
+    (``P_A − K_AᵀK_A = g_Aᵀ(I − Π_A)g_A``), so the ``m×r`` gradients are read once, by two products
+    whose outputs are ``r×r``. Accuracy: the products' rounding (``eps·√m`` of ``‖g‖²``) is carried
+    through ``W`` on both sides, ``eps·κ²`` relative to the result — in float64 ``≤ 1e-9`` for the
+    κ ≤ 1/√eps32 that the float32 rank check admits; at the float64 admission limit the gradients must
+    be whitened first (``W = I``, the block form's ``eps·κ``). Shapes ``[..., r, r]`` → ``[...]``.
     """
-    *lead, m, k, r = gA.shape
-    n = gB.shape[-3]
-    eye = torch.eye(r, dtype=gA.dtype, device=gA.device)
-    XA = gA.reshape(*lead, m * k, r) @ torch.linalg.solve_triangular(fr.RB, eye, upper=True)
-    XB = gB.reshape(*lead, n * k, r) @ torch.linalg.solve_triangular(fr.RA, eye, upper=True)
-    cA = (fr.QA.mT @ XA.reshape(*lead, m, k * r)).reshape(*lead, r, k, r)
-    cB = (fr.QB.mT @ XB.reshape(*lead, n, k * r)).reshape(*lead, r, k, r)
+    cA, cB = KA @ WA, KB @ WB
 
-    def sq(X: Tensor) -> Tensor:  # per example: over rows (-3) and columns (-1)
-        return torch.linalg.vector_norm(X, dim=(-3, -1)).square()
+    def outside(P: Tensor, K: Tensor, W: Tensor) -> Tensor:  # ‖(I − Π)X‖², clamped at the rounding floor
+        return (((P - K.mT @ K) @ W) * W).sum((-2, -1)).clamp_min(0.0)
 
-    return (0.25 * sq(cA + cB.transpose(-3, -1)) + (sq(XA.reshape(*lead, m, k, r)) - sq(cA)).clamp_min(0.0)
-            + (sq(XB.reshape(*lead, n, k, r)) - sq(cB)).clamp_min(0.0))
+    return 0.25 * (cA + cB.mT).square().sum((-2, -1)) + outside(PA, KA, WA) + outside(PB, KB, WB)
 
 
 def tangent_noise(

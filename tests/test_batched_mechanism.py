@@ -89,8 +89,11 @@ def test_lifted_sqnorm_is_the_norm_of_the_lift_without_forming_it() -> None:
     dA, dB = geo.lift(A, B, gA, gB, frame=fr)
     image = (dA @ B.mT + A @ dB.mT).square().sum((-2, -1))
     assert rel(geo.lifted_sqnorm(A, B, gA, gB, frame=fr), image) < 1e-10
-    interleaved = geo.example_lifted_sqnorms(fr, gA.permute(1, 2, 0, 3), gB.permute(1, 2, 0, 3))  # [G, m, k, r]
-    assert interleaved.shape == (G_, k) and rel(interleaved.T, image) < 1e-10
+    eye = torch.eye(R, dtype=F64)
+    WA, WB = torch.linalg.inv(fr.RB), torch.linalg.inv(fr.RA)
+    for XA, XB, VA, VB in ((gA, gB, WA, WB), (gA @ WA, gB @ WB, eye, eye)):  # whitened after / before
+        grams = geo.gram_lifted_sqnorms(XA.mT @ XA, fr.QA.mT @ XA, XB.mT @ XB, fr.QB.mT @ XB, VA, VB)
+        assert grams.shape == (k, G_) and rel(grams, image) < 1e-10
 
 
 @pytest.mark.parametrize("name", ["prism", "prism_paper"])

@@ -168,22 +168,6 @@ def stack_pairs(tensors: Mapping[str, Tensor], pairs: list[LoraPair], dtype: tor
     return A, Bt.mT
 
 
-@torch.no_grad()
-def stack_examples(grads: Mapping[str, Tensor], pairs: list[LoraPair], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Per-example paper factor grads of several modules, examples interleaved: ``[G, m, k, r]``, ``[G, n, k, r]``.
-
-    From peft ``lora_B`` grads ``[k, m, r]`` and ``lora_A`` grads ``[k, r, n]``, in one fused copy
-    each (the layout :func:`geometry.example_lifted_sqnorms` and the clipped sum read without copies).
-    """
-    a, b = grads[pairs[0].a_name], grads[pairs[0].b_name]
-    (k, m, r), n = a.shape, b.shape[-1]
-    A = torch.empty(len(pairs), m, k, r, dtype=dtype, device=a.device)
-    B = torch.empty(len(pairs), n, k, r, dtype=dtype, device=a.device)
-    torch._foreach_copy_(list(A.permute(0, 2, 1, 3).unbind(0)), [grads[p.a_name] for p in pairs])
-    torch._foreach_copy_(list(B.permute(0, 2, 3, 1).unbind(0)), [grads[p.b_name] for p in pairs])
-    return A, B
-
-
 class PrismMethod(Method):
     """PRISM (paper Alg. 1) over the peft LoRA parameters ``params``."""
 
@@ -204,6 +188,7 @@ class PrismMethod(Method):
             adaptive = RankSpaceAdaptive(self.config.adaptive, m, n, r, self.dtype, A.device, batch=(len(group),))
             self.groups.append(ShapeGroup(pairs=group, adaptive=adaptive))
         self._norms: list[Tensor] = []
+        self._workspace: Tensor | None = None
         self._ready = False
         self._fused = geometry.fused if batched else _one_by_one
 
@@ -220,7 +205,7 @@ class PrismMethod(Method):
                 raise
             self._floor_rank_deficient()
         for g in self.groups:
-            g.sums = (torch.zeros_like(g.frame.A), torch.zeros_like(g.frame.B))
+            g.sums = (g.frame.A.new_zeros(g.frame.A.shape), g.frame.B.new_zeros(g.frame.B.mT.shape))  # g_A, g_Bᵀ layouts
         self._ready = True
 
     def accumulate(self, grads: Mapping[str, Tensor]) -> None:
@@ -228,8 +213,9 @@ class PrismMethod(Method):
 
         Sums the clipped factor gradients ``Σ α_i (g_A, g_B)_i``; their lift (eq. 14, linear) is taken
         once per step. The clip norm ``s_i`` is the exact norm of example ``i``'s lift
-        (:func:`geometry.example_lifted_sqnorms`), summed over all modules (eq. 16). Two passes over the
-        groups (norms, then the weighted sum) keep one group's working-dtype copy alive at a time.
+        (:func:`geometry.gram_lifted_sqnorms`), summed over all modules (eq. 16). Two passes over the
+        groups (norms, then the weighted sum) hold one group's working-dtype copy at a time, in one
+        reused workspace; the sums are kept in the grads' own layouts (``g_A``, ``g_Bᵀ``).
         """
         if not self._ready:
             raise RuntimeError("call zero_accumulators() before accumulate()")
@@ -244,17 +230,57 @@ class PrismMethod(Method):
                     )
         if not self.dp:
             for g in self.groups:
-                for acc, x in zip(g.sums, stack_pairs(grads, g.pairs, self.work_dtype)):
-                    acc.add_(x)
+                for acc, names in zip(g.sums, ([p.a_name for p in g.pairs], [p.b_name for p in g.pairs])):
+                    torch._foreach_add_(list(acc.unbind(0)), [grads[name] for name in names])
             return
-        sq = sum(geometry.example_lifted_sqnorms(g.frame, *stack_examples(grads, g.pairs, self.work_dtype)).sum(0)
-                 for g in self.groups)
+        k = grads[self.groups[0].pairs[0].a_name].shape[0]
+        sq = sum(self._example_sqnorms(g, *self._stack_examples(grads, g.pairs)) for g in self.groups)
         norms = sq.sqrt()  # NaN stays NaN: it reaches the update and the loop's finite check
         alpha = (self.privacy.clip_norm / norms).clamp(max=1.0)
         self._norms.append(norms)
-        for g in self.groups:
-            for acc, x in zip(g.sums, stack_examples(grads, g.pairs, self.work_dtype)):
-                acc.add_(torch.matmul(alpha, x))  # Σ_i α_i x[:, :, i, :]
+        for g in self.groups:  # Σ_i α_i g_i in float64: one product per factor over all modules and examples
+            for acc, x in zip(g.sums, self._stack_examples(grads, g.pairs)):
+                acc.view(1, -1).addmm_(alpha[None], x.view(k, -1))
+
+    def _example_sqnorms(self, g: ShapeGroup, gA: Tensor, gBt: Tensor) -> Tensor:
+        """``Σ_modules s_i²`` of one group (eqs. 15–16) from its stacked per-example grads ``[k, G, m, r]``, ``[k, G, r, n]``.
+
+        :func:`geometry.gram_lifted_sqnorms` of the ``r×r`` products, which read the gradients once
+        (float64 accumulation). With ``compute_dtype: float64`` (κ up to 1/√eps64) the gradients are
+        whitened first, so the products carry no κ² amplification.
+        """
+        fr = g.frame
+        eye = torch.eye(fr.A.shape[-1], dtype=fr.A.dtype, device=fr.A.device)
+        WA = torch.linalg.solve_triangular(fr.RB, eye, upper=True)
+        WB = torch.linalg.solve_triangular(fr.RA, eye, upper=True)
+        if self.dtype == torch.float64:
+            gA, gBt, WA, WB = gA @ WA, WB.mT @ gBt, eye, eye
+        PA, PB = gA.mT @ gA, gBt @ gBt.mT
+        KA = torch.stack([fr.QA.mT @ x for x in gA.unbind(0)])  # one product per example: Q is shared
+        KB = torch.stack([x @ fr.QB for x in gBt.unbind(0)]).mT
+        return geometry.gram_lifted_sqnorms(PA, KA, PB, KB, WA, WB).sum(-1)
+
+    @torch.no_grad()
+    def _stack_examples(self, grads: Mapping[str, Tensor], pairs: list[LoraPair]) -> tuple[Tensor, Tensor]:
+        """Per-example grads of a group in the working dtype: paper ``g_A`` ``[k, G, m, r]`` (peft ``lora_B``
+        layout) and ``g_Bᵀ`` ``[k, G, r, n]`` (peft ``lora_A`` layout), one fused copy each into the workspace."""
+        a, b = grads[pairs[0].a_name], grads[pairs[0].b_name]
+        (k, m, r), n, G = a.shape, b.shape[-1], len(pairs)
+        flat = self._buffer(k * G * (m + n) * r, a.device)
+        gA, gBt = flat[: k * G * m * r].view(k, G, m, r), flat[k * G * m * r:].view(k, G, r, n)
+        torch._foreach_copy_(list(gA.unbind(1)), [grads[p.a_name] for p in pairs])
+        torch._foreach_copy_(list(gBt.unbind(1)), [grads[p.b_name] for p in pairs])
+        return gA, gBt
+
+    def _buffer(self, numel: int, device: torch.device) -> Tensor:
+        """A ``numel`` working-dtype scratch tensor. Kept across calls on the CPU, where a fresh block above
+        glibc's mmap threshold page-faults on first touch (as costly as the copy into it); elsewhere
+        transient, so the caching allocator can hand the block to the next backward pass."""
+        if device.type != "cpu":
+            return torch.empty(numel, dtype=self.work_dtype, device=device)
+        if self._workspace is None or self._workspace.numel() < numel:
+            self._workspace = torch.empty(numel, dtype=self.work_dtype, device=device)
+        return self._workspace[:numel]
 
     def privatized_group(
         self, g: ShapeGroup, denominator: float, generator: torch.Generator | None, diagnostics: bool = True
@@ -267,7 +293,8 @@ class PrismMethod(Method):
         The noise energy (a device tensor) is computed only with ``diagnostics``.
         """
         fr = g.frame
-        dA, dB = geometry.lift(fr.A, fr.B, *(s / denominator for s in g.sums), frame=fr, rcond=self.config.pinv_rcond)
+        SA, SBt = g.sums
+        dA, dB = geometry.lift(fr.A, fr.B, SA / denominator, SBt.mT / denominator, frame=fr, rcond=self.config.pinv_rcond)
         tau = self.tau(denominator)
         noise_sq = dA.new_zeros(()) if diagnostics else None
         if tau > 0:
