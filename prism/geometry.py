@@ -161,7 +161,7 @@ def lift(
     else:
         YA = gA @ _gram_function(fr.SB, fr.VB, lambda w: _pinv_eigenvalues(w, rcond))
         YB = gB @ _gram_function(fr.SA, fr.VA, lambda w: _pinv_eigenvalues(w, rcond))
-    return YA - 0.5 * _project(fr.QA, YA), YB - 0.5 * _project(fr.QB, YB)
+    return YA.sub_(_project(fr.QA, YA), alpha=0.5), YB.sub_(_project(fr.QB, YB), alpha=0.5)  # Y: fresh solves
 
 
 def _pinv_eigenvalues(w: Tensor, rcond: float) -> Tensor:
@@ -297,18 +297,42 @@ def horizontalize(
     mu, U, nu, V = fr.SA.square(), fr.VA, fr.SB.square(), fr.VB
     C = dB.mT @ fr.B - fr.A.mT @ dA
     Omega = U @ ((U.mT @ C @ V) / (mu[..., :, None] + nu[..., None, :])) @ V.mT
-    return dA + fr.A @ Omega, dB - fr.B @ Omega.mT
+    return (fr.A @ Omega).add_(dA), (fr.B @ Omega.mT).neg_().add_(dB)  # in place on the fresh products
+
+
+def extend_qr(Q: Tensor, R: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
+    """Thin QR of ``[Q R, X]`` from the thin QR ``Q R`` of its first block (block Gram–Schmidt).
+
+    ``X = Q C + Y`` with ``C = QᵀX`` taken twice ("twice is enough": ``Y ⟂ Q`` to rounding), then
+    ``Y = Q₂R₂``: ``[QR, X] = [Q, Q₂] [[R, C], [0, R₂]]``. One QR of width ``r`` instead of ``2r``
+    (a quarter of the Householder work); where ``Y`` is (numerically) zero, ``R₂`` is too, so ``Q₂``
+    never reaches a product of the retraction (:func:`balanced_factors` weights it by ``R₂``).
+    """
+    C = Q.mT @ X
+    Y = X - Q @ C
+    C2 = Q.mT @ Y
+    Q2, R2 = torch.linalg.qr(Y - Q @ C2, mode="reduced")
+    top = torch.cat([R, C + C2], dim=-1)
+    return torch.cat([Q, Q2], dim=-1), torch.cat([top, torch.cat([torch.zeros_like(R2), R2], dim=-1)], dim=-2)
 
 
 def retraction_core(
-    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float
+    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float, frame: Frame | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Eq. 22, first half: ``(Q_u, Q_v, R_u K R_vᵀ)`` in float64 (see :func:`retract`)."""
+    """Eq. 22, first half: ``(Q_u, Q_v, R_u K R_vᵀ)`` in float64 (see :func:`retract`).
+
+    With a float64 ``frame`` of ``(A, B)`` the QRs of ``[A, ΔA]``, ``[B, ΔB]`` extend the frame's
+    (:func:`extend_qr`) instead of starting over.
+    """
     _check_pair(A, B)
     r = A.shape[-1]
     A64, B64, dA64, dB64 = (t.to(torch.float64) for t in (A, B, dA, dB))
-    Qu, Ru = torch.linalg.qr(torch.cat([A64, dA64], dim=-1), mode="reduced")
-    Qv, Rv = torch.linalg.qr(torch.cat([B64, dB64], dim=-1), mode="reduced")
+    if frame is not None and frame.QA.dtype == torch.float64:
+        Qu, Ru = extend_qr(frame.QA, frame.RA, dA64)
+        Qv, Rv = extend_qr(frame.QB, frame.RB, dB64)
+    else:
+        Qu, Ru = torch.linalg.qr(torch.cat([A64, dA64], dim=-1), mode="reduced")
+        Qv, Rv = torch.linalg.qr(torch.cat([B64, dB64], dim=-1), mode="reduced")
     # R_u K without forming K: R_u K = [R_u1 − lr R_u2, −lr R_u1] for R_u = [R_u1, R_u2].
     RuK = torch.cat([Ru[..., :r] - lr * Ru[..., r:], -lr * Ru[..., :r]], dim=-1)
     return Qu, Qv, RuK @ Rv.mT

@@ -372,7 +372,7 @@ class PrismMethod(Method):
 
     def _retract(self, directions: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
         """:func:`geometry.retract` (aligned) of every group, each of its two SVDs fused over the groups."""
-        cores = [geometry.retraction_core(g.frame.A, g.frame.B, UA, UB, self.config.lr)
+        cores = [geometry.retraction_core(g.frame.A, g.frame.B, UA, UB, self.config.lr, frame=g.frame)
                  for g, (UA, UB) in zip(self.groups, directions)]
         svds = self._fused(torch.linalg.svd, [_finite_or_zero(core) for _, _, core in cores])
         balanced = [geometry.balanced_factors(Qu, Qv, svd, g.frame.A.shape[-1])
