@@ -300,26 +300,43 @@ def horizontalize(
     return (fr.A @ Omega).add_(dA), (fr.B @ Omega.mT).neg_().add_(dB)  # in place on the fresh products
 
 
+class Retraction(NamedTuple):
+    """Eq. 22's thin QRs ``[A, ΔA] = Q_u R_u``, ``[B, ΔB] = Q_v R_v`` (``Q`` as column blocks) and the core."""
+
+    Qu: tuple[Tensor, ...]
+    Qv: tuple[Tensor, ...]
+    Ru: Tensor
+    Rv: Tensor
+    core: Tensor
+
+
+def _minus_product(X: Tensor, Q: Tensor, C: Tensor) -> Tensor:
+    """``X − Q C`` as one fused batched product (``X``, ``Q``, ``C`` share their leading dims)."""
+    def flat(T: Tensor) -> Tensor:
+        return T.reshape(-1, *T.shape[-2:])
+    return torch.baddbmm(flat(X), flat(Q), flat(C), alpha=-1.0).view(X.shape)
+
+
 def extend_qr(Q: Tensor, R: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
-    """Thin QR of ``[Q R, X]`` from the thin QR ``Q R`` of its first block (block Gram–Schmidt).
+    """Thin QR of ``[Q R, X]`` from the thin QR ``Q R`` of its first block (block Gram–Schmidt): ``(Q₂, R_full)``.
 
     ``X = Q C + Y`` with ``C = QᵀX`` taken twice ("twice is enough": ``Y ⟂ Q`` to rounding), then
     ``Y = Q₂R₂``: ``[QR, X] = [Q, Q₂] [[R, C], [0, R₂]]``. One QR of width ``r`` instead of ``2r``
     (a quarter of the Householder work); where ``Y`` is (numerically) zero, ``R₂`` is too, so ``Q₂``
-    never reaches a product of the retraction (:func:`balanced_factors` weights it by ``R₂``).
+    never reaches the retracted factors (the core, hence its singular vectors, weight it by ``R₂``).
     """
     C = Q.mT @ X
-    Y = X - Q @ C
+    Y = _minus_product(X, Q, C)
     C2 = Q.mT @ Y
-    Q2, R2 = torch.linalg.qr(Y - Q @ C2, mode="reduced")
+    Q2, R2 = torch.linalg.qr(_minus_product(Y, Q, C2), mode="reduced")
     top = torch.cat([R, C + C2], dim=-1)
-    return torch.cat([Q, Q2], dim=-1), torch.cat([top, torch.cat([torch.zeros_like(R2), R2], dim=-1)], dim=-2)
+    return Q2, torch.cat([top, torch.cat([torch.zeros_like(R2), R2], dim=-1)], dim=-2)
 
 
 def retraction_core(
     A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float, frame: Frame | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Eq. 22, first half: ``(Q_u, Q_v, R_u K R_vᵀ)`` in float64 (see :func:`retract`).
+) -> Retraction:
+    """Eq. 22, first half: the thin QRs and the core ``R_u K R_vᵀ``, in float64 (see :func:`retract`).
 
     With a float64 ``frame`` of ``(A, B)`` the QRs of ``[A, ΔA]``, ``[B, ΔB]`` extend the frame's
     (:func:`extend_qr`) instead of starting over.
@@ -328,32 +345,49 @@ def retraction_core(
     r = A.shape[-1]
     A64, B64, dA64, dB64 = (t.to(torch.float64) for t in (A, B, dA, dB))
     if frame is not None and frame.QA.dtype == torch.float64:
-        Qu, Ru = extend_qr(frame.QA, frame.RA, dA64)
-        Qv, Rv = extend_qr(frame.QB, frame.RB, dB64)
+        (Q2u, Ru), (Q2v, Rv) = extend_qr(frame.QA, frame.RA, dA64), extend_qr(frame.QB, frame.RB, dB64)
+        Qu, Qv = (frame.QA, Q2u), (frame.QB, Q2v)
     else:
         Qu, Ru = torch.linalg.qr(torch.cat([A64, dA64], dim=-1), mode="reduced")
         Qv, Rv = torch.linalg.qr(torch.cat([B64, dB64], dim=-1), mode="reduced")
+        Qu, Qv = (Qu,), (Qv,)
     # R_u K without forming K: R_u K = [R_u1 − lr R_u2, −lr R_u1] for R_u = [R_u1, R_u2].
     RuK = torch.cat([Ru[..., :r] - lr * Ru[..., r:], -lr * Ru[..., :r]], dim=-1)
-    return Qu, Qv, RuK @ Rv.mT
+    return Retraction(Qu=Qu, Qv=Qv, Ru=Ru, Rv=Rv, core=RuK @ Rv.mT)
 
 
-def balanced_factors(Qu: Tensor, Qv: Tensor, core_svd: tuple[Tensor, Tensor, Tensor], r: int) -> tuple[Tensor, Tensor]:
-    """Eq. 22, second half: ``A' = Q_u U_c √S_r``, ``B' = Q_v V_c √S_r`` from the core's SVD."""
+def balanced_coefficients(core_svd: tuple[Tensor, Tensor, Tensor], r: int) -> tuple[Tensor, Tensor]:
+    """Eq. 22, second half, in the QR bases: ``A' = Q_u M_A``, ``B' = Q_v M_B`` with ``M_A = U_c √S_r``, ``M_B = V_c √S_r``."""
     Uc, S, Vch = core_svd
     root = S[..., None, :r].sqrt()
-    return Qu @ (Uc[..., :r] * root), Qv @ (Vch[..., :r, :].mT * root)
+    return Uc[..., :r] * root, Vch[..., :r, :].mT * root
 
 
-def procrustes_rotate(A_new: Tensor, B_new: Tensor, target_svd: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """Rotate by ``Q = U'V'ᵀ`` from the SVD of ``A'ᵀA + B'ᵀB = U'ΣV'ᵀ`` (App. A.24)."""
+def procrustes_target(rt: Retraction, MA: Tensor, MB: Tensor) -> Tensor:
+    """``A'ᵀA + B'ᵀB = M_AᵀR_{u1} + M_BᵀR_{v1}`` (``A = Q_u R_{u1}``, ``R_{u1}`` the first ``r`` columns of ``R_u``): ``2r×r`` work only."""
+    r = MA.shape[-1]
+    return MA.mT @ rt.Ru[..., :r] + MB.mT @ rt.Rv[..., :r]
+
+
+def procrustes_rotation(target_svd: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    """``Q = U'V'ᵀ`` from the SVD of ``A'ᵀA + B'ᵀB = U'ΣV'ᵀ`` (App. A.24)."""
     Up, _, Vph = target_svd
-    Q = Up @ Vph
-    return A_new @ Q, B_new @ Q
+    return Up @ Vph
+
+
+def block_product(blocks: tuple[Tensor, ...], M: Tensor) -> Tensor:
+    """``[Q_1, Q_2, …] M`` without concatenating the blocks: ``Σ_b Q_b M_b`` over the matching row blocks of ``M``."""
+    width = blocks[0].shape[-1]
+    out = blocks[0] @ M[..., :width, :]
+    for Qb in blocks[1:]:
+        Mb = M[..., width:width + Qb.shape[-1], :]
+        width += Qb.shape[-1]
+        out.view(-1, *out.shape[-2:]).baddbmm_(Qb.reshape(-1, *Qb.shape[-2:]), Mb.reshape(-1, *Mb.shape[-2:]))
+    return out
 
 
 def retract(
-    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float, align: bool = True
+    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float, align: bool = True, frame: Frame | None = None
 ) -> tuple[Tensor, Tensor]:
     """Eq. 22: best rank-r approximation of the first-order point ``Z − lr (ΔA Bᵀ + A ΔBᵀ)``.
 
@@ -362,17 +396,18 @@ def retract(
     ``2r×2r`` core ``R_u K R_vᵀ = U_c S V_cᵀ``. Balanced refactorisation ``A' = Q_u U_c √S_r``,
     ``B' = Q_v V_c √S_r`` (``A'ᵀA' = B'ᵀB' = S_r``); with ``align`` the factors are rotated by the
     orthogonal Procrustes solution ``Q = U'V'ᵀ`` of ``A'ᵀA + B'ᵀB = U'ΣV'ᵀ``, which keeps ``Z'``,
-    ``Π_{A'}``, ``Π_{B'}`` and the balance (App. A.22, A.24). Computed in float64, returned in the
+    ``Π_{A'}``, ``Π_{B'}`` and the balance (App. A.22, A.24). The rotation acts on the small
+    coefficients before the one ``m×2r`` product per factor. Computed in float64, returned in the
     input dtype. If the point has rank < r the trailing columns are zero; the next step's
     :func:`check_full_rank` reports it. (The batched method runs the same pieces with each SVD
     fused over all shape groups.)
     """
-    Qu, Qv, core = retraction_core(A, B, dA, dB, lr)
-    A_new, B_new = balanced_factors(Qu, Qv, torch.linalg.svd(core), A.shape[-1])
+    rt = retraction_core(A, B, dA, dB, lr, frame=frame)
+    MA, MB = balanced_coefficients(torch.linalg.svd(rt.core), A.shape[-1])
     if align:
-        target = A_new.mT @ A.to(torch.float64) + B_new.mT @ B.to(torch.float64)
-        A_new, B_new = procrustes_rotate(A_new, B_new, torch.linalg.svd(target))
-    return A_new.to(A.dtype), B_new.to(B.dtype)
+        Q = procrustes_rotation(torch.linalg.svd(procrustes_target(rt, MA, MB)))
+        MA, MB = MA @ Q, MB @ Q
+    return block_product(rt.Qu, MA).to(A.dtype), block_product(rt.Qv, MB).to(B.dtype)
 
 
 def default_rcond(dtype: torch.dtype) -> float:

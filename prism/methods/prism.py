@@ -374,14 +374,13 @@ class PrismMethod(Method):
         """:func:`geometry.retract` (aligned) of every group, each of its two SVDs fused over the groups."""
         cores = [geometry.retraction_core(g.frame.A, g.frame.B, UA, UB, self.config.lr, frame=g.frame)
                  for g, (UA, UB) in zip(self.groups, directions)]
-        svds = self._fused(torch.linalg.svd, [_finite_or_zero(core) for _, _, core in cores])
-        balanced = [geometry.balanced_factors(Qu, Qv, svd, g.frame.A.shape[-1])
-                    for g, (Qu, Qv, _), svd in zip(self.groups, cores, svds)]
-        targets = [A_new.mT @ g.frame.A.double() + B_new.mT @ g.frame.B.double()
-                   for g, (A_new, B_new) in zip(self.groups, balanced)]
+        svds = self._fused(torch.linalg.svd, [_finite_or_zero(rt.core) for rt in cores])
+        coefficients = [geometry.balanced_coefficients(svd, g.frame.A.shape[-1]) for g, svd in zip(self.groups, svds)]
+        targets = [geometry.procrustes_target(rt, MA, MB) for rt, (MA, MB) in zip(cores, coefficients)]
         rotations = self._fused(torch.linalg.svd, [_finite_or_zero(t) for t in targets])
-        return [tuple(x.to(self.work_dtype) for x in geometry.procrustes_rotate(A_new, B_new, svd))
-                for (A_new, B_new), svd in zip(balanced, rotations)]
+        return [(geometry.block_product(rt.Qu, MA @ Q).to(self.work_dtype),
+                 geometry.block_product(rt.Qv, MB @ Q).to(self.work_dtype))
+                for rt, (MA, MB), Q in zip(cores, coefficients, (geometry.procrustes_rotation(svd) for svd in rotations))]
 
     def tau(self, denominator: float) -> float:
         """Noise standard deviation ``σC/denominator`` of the averaged lift (0 without DP)."""
