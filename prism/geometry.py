@@ -271,7 +271,7 @@ def tangent_noise(
     opts = {"generator": generator, "dtype": fr.A.dtype, "device": fr.A.device}
     Omega_A = torch.randn(*sample_shape, *fr.A.shape, **opts)
     Omega_B = torch.randn(*sample_shape, *fr.B.shape, **opts)
-    Omega_A = Omega_A - _project(fr.QA, Omega_A)
+    Omega_A = Omega_A.sub_(_project(fr.QA, Omega_A))
     if damping is not None:
         if damping < 0:
             raise ValueError(f"damping={damping} must be >= 0 (method.noise_damping)")

@@ -294,16 +294,16 @@ class PrismMethod(Method):
         """
         fr = g.frame
         SA, SBt = g.sums
-        dA, dB = geometry.lift(fr.A, fr.B, SA / denominator, SBt.mT / denominator, frame=fr, rcond=self.config.pinv_rcond)
+        dA, dB = geometry.lift(fr.A, fr.B, SA, SBt.mT, frame=fr, rcond=self.config.pinv_rcond)
+        dA, dB = dA.div_(denominator), dB.div_(denominator)  # the lift is linear; its outputs are fresh tensors
         tau = self.tau(denominator)
         noise_sq = dA.new_zeros(()) if diagnostics else None
         if tau > 0:
             XiA, XiB = geometry.tangent_noise(fr.A, fr.B, generator=generator, frame=fr,
                                               damping=self.config.noise_damping)
-            XiA, XiB = tau * XiA, tau * XiB
             if diagnostics:
-                noise_sq = geometry.intrinsic_sqnorm(fr.A, fr.B, XiA, XiB, frame=fr).sum()
-            dA, dB = dA + XiA, dB + XiB
+                noise_sq = tau**2 * geometry.intrinsic_sqnorm(fr.A, fr.B, XiA, XiB, frame=fr).sum()
+            dA, dB = dA.add_(XiA, alpha=tau), dB.add_(XiB, alpha=tau)
         if self.horizontal_lift:
             dA, dB = geometry.horizontalize(fr.A, fr.B, dA, dB, frame=fr)
         return dA, dB, noise_sq
