@@ -233,43 +233,62 @@ class PrismMethod(Method):
                 for acc, names in zip(g.sums, ([p.a_name for p in g.pairs], [p.b_name for p in g.pairs])):
                     torch._foreach_add_(list(acc.unbind(0)), [grads[name] for name in names])
             return
-        k = grads[self.groups[0].pairs[0].a_name].shape[0]
-        sq = sum(self._example_sqnorms(g, *self._stack_examples(grads, g.pairs)) for g in self.groups)
+        order = sorted(self.groups, key=lambda g: g.frame.A.numel() + g.frame.B.numel())  # the largest last
+        sq = 0.0
+        for g in order:
+            stacked = self._stack_examples(grads, g.pairs)
+            sq = sq + self._example_sqnorms(g, *stacked)
         norms = sq.sqrt()  # NaN stays NaN: it reaches the update and the loop's finite check
         alpha = (self.privacy.clip_norm / norms).clamp(max=1.0)
         self._norms.append(norms)
-        for g in self.groups:  # Σ_i α_i g_i in float64: one product per factor over all modules and examples
-            for acc, x in zip(g.sums, self._stack_examples(grads, g.pairs)):
-                acc.view(1, -1).addmm_(alpha[None], x.view(k, -1))
+        for g in reversed(order):  # the workspace still holds the last group's copy
+            self._add_clipped(g, alpha, *(stacked if g is order[-1] else self._stack_examples(grads, g.pairs)))
 
     def _example_sqnorms(self, g: ShapeGroup, gA: Tensor, gBt: Tensor) -> Tensor:
-        """``Σ_modules s_i²`` of one group (eqs. 15–16) from its stacked per-example grads ``[k, G, m, r]``, ``[k, G, r, n]``.
+        """``Σ_modules s_i²`` of one group (eqs. 15–16) from its stacked per-example grads
+        ``g_A`` ``[G, m, k, r]`` (examples interleaved) and ``g_Bᵀ`` ``[G, k, r, n]``.
 
-        :func:`geometry.gram_lifted_sqnorms` of the ``r×r`` products, which read the gradients once
-        (float64 accumulation). With ``compute_dtype: float64`` (κ up to 1/√eps64) the gradients are
+        :func:`geometry.gram_lifted_sqnorms` of the ``r×r`` products (float64 accumulation). The
+        layouts make each cross product ``Q_Aᵀ g_A``, ``g_Bᵀ Q_B`` one product over all ``k`` examples,
+        reading ``Q`` once. With ``compute_dtype: float64`` (κ up to 1/√eps64) the gradients are
         whitened first, so the products carry no κ² amplification.
         """
         fr = g.frame
-        eye = torch.eye(fr.A.shape[-1], dtype=fr.A.dtype, device=fr.A.device)
+        G, m, k, r = gA.shape
+        eye = torch.eye(r, dtype=fr.A.dtype, device=fr.A.device)
         WA = torch.linalg.solve_triangular(fr.RB, eye, upper=True)
         WB = torch.linalg.solve_triangular(fr.RA, eye, upper=True)
         if self.dtype == torch.float64:
-            gA, gBt, WA, WB = gA @ WA, WB.mT @ gBt, eye, eye
-        PA, PB = gA.mT @ gA, gBt @ gBt.mT
-        KA = torch.stack([fr.QA.mT @ x for x in gA.unbind(0)])  # one product per example: Q is shared
-        KB = torch.stack([x @ fr.QB for x in gBt.unbind(0)]).mT
-        return geometry.gram_lifted_sqnorms(PA, KA, PB, KB, WA, WB).sum(-1)
+            gA = (gA.reshape(G, m * k, r) @ WA).view(G, m, k, r)
+            gBt = WB.mT[:, None] @ gBt
+            WA, WB = eye, eye
+        else:
+            WA, WB = WA[:, None], WB[:, None]  # broadcast over the examples
+        PA = torch.stack([x.mT @ x for x in gA.unbind(2)], dim=1)  # [G, k, r, r]
+        KA = (fr.QA.mT @ gA.reshape(G, m, k * r)).view(G, r, k, r).transpose(1, 2)
+        PB = gBt @ gBt.mT
+        KB = (gBt.reshape(G, k * r, -1) @ fr.QB).view(G, k, r, r).mT
+        return geometry.gram_lifted_sqnorms(PA, KA, PB, KB, WA, WB).sum(0)
+
+    def _add_clipped(self, g: ShapeGroup, alpha: Tensor, gA: Tensor, gBt: Tensor) -> None:
+        """``sums += Σ_i α_i (g_A, g_Bᵀ)_i`` in float64, one product per factor over all modules and examples
+        (``g_A`` rows times ``α ⊗ I_r``; ``g_Bᵀ`` by a batched ``αᵀ`` product)."""
+        SA, SBt = g.sums
+        G, m, k, r = gA.shape
+        weights = (alpha[:, None, None] * torch.eye(r, dtype=alpha.dtype, device=alpha.device)).reshape(k * r, r)
+        SA.view(G * m, r).addmm_(gA.view(G * m, k * r), weights)
+        SBt.view(G, 1, -1).baddbmm_(alpha.expand(G, 1, k), gBt.view(G, k, -1))
 
     @torch.no_grad()
     def _stack_examples(self, grads: Mapping[str, Tensor], pairs: list[LoraPair]) -> tuple[Tensor, Tensor]:
-        """Per-example grads of a group in the working dtype: paper ``g_A`` ``[k, G, m, r]`` (peft ``lora_B``
-        layout) and ``g_Bᵀ`` ``[k, G, r, n]`` (peft ``lora_A`` layout), one fused copy each into the workspace."""
+        """Per-example grads of a group in the working dtype, one fused copy each into the workspace:
+        paper ``g_A`` ``[G, m, k, r]`` (examples interleaved) and ``g_Bᵀ`` ``[G, k, r, n]`` (peft ``lora_A``)."""
         a, b = grads[pairs[0].a_name], grads[pairs[0].b_name]
         (k, m, r), n, G = a.shape, b.shape[-1], len(pairs)
         flat = self._buffer(k * G * (m + n) * r, a.device)
-        gA, gBt = flat[: k * G * m * r].view(k, G, m, r), flat[k * G * m * r:].view(k, G, r, n)
-        torch._foreach_copy_(list(gA.unbind(1)), [grads[p.a_name] for p in pairs])
-        torch._foreach_copy_(list(gBt.unbind(1)), [grads[p.b_name] for p in pairs])
+        gA, gBt = flat[: k * G * m * r].view(G, m, k, r), flat[k * G * m * r:].view(G, k, r, n)
+        torch._foreach_copy_(list(gA.permute(0, 2, 1, 3).unbind(0)), [grads[p.a_name] for p in pairs])
+        torch._foreach_copy_(list(gBt.unbind(0)), [grads[p.b_name] for p in pairs])
         return gA, gBt
 
     def _buffer(self, numel: int, device: torch.device) -> Tensor:
