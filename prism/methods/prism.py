@@ -37,13 +37,13 @@ only, plus the (image-preserving) pre-retraction step.
 
 Non-DP: grads arrive summed over the micro-batch and are summed, then lifted once, the same way.
 
-Precision. Under DP the per-example lifts, intrinsic norms (eq. 15, block form), clip coefficients,
-clipped sums, noise and horizontalisation run in float64 from the snapshots, so every clipped
-contribution has intrinsic norm ≤ C(1 + 1e-6) for every factor pair the rank check admits
-(float32 norms under-estimate by up to 1.35× at κ = 2,500, the error growing like eps·κ²).
-Measured on CPU: the float64 per-example path costs ~1.75× the float32 one (SmolLM2-135M shapes,
-r = 16, micro-batch 8; float32 lifts with float64 norms cost the same as all-float64). Its cost is
-``O(k m r²)`` per module against ``O(k L m r)`` for the per-example gradients of ``L`` tokens.
+Precision. Under DP the per-example intrinsic norms (eq. 15), clip coefficients, clipped sums,
+noise and horizontalisation run in float64 from the snapshots, so every clipped contribution has
+intrinsic norm ≤ C(1 + 1e-6) for every factor pair the rank check admits (float32 norms
+under-estimate by up to 1.35× at κ = 2,500, the error growing like eps·κ²). The norms come from
+``r×r`` float64 products of each example's float32 gradients (:func:`geometry.gram_lifted_sqnorms`;
+docs/DECISIONS.md D40, D60): ``O(k m r²)`` flops per module against ``O(k L m r)`` for the
+per-example gradients of ``L`` tokens, and no ``m×r`` lift per example.
 ``compute_dtype`` (default float32) is the dtype of the snapshots, the rank check's cutoff and the
 adaptive moments (non-DP: of everything); bf16 parameters are never used for the linear algebra;
 the retraction runs in float64 internally.
