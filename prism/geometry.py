@@ -343,13 +343,13 @@ def retraction_core(
     """
     _check_pair(A, B)
     r = A.shape[-1]
-    A64, B64, dA64, dB64 = (t.to(torch.float64) for t in (A, B, dA, dB))
+    dA64, dB64 = dA.to(torch.float64), dB.to(torch.float64)
     if frame is not None and frame.QA.dtype == torch.float64:
         (Q2u, Ru), (Q2v, Rv) = extend_qr(frame.QA, frame.RA, dA64), extend_qr(frame.QB, frame.RB, dB64)
         Qu, Qv = (frame.QA, Q2u), (frame.QB, Q2v)
     else:
-        Qu, Ru = torch.linalg.qr(torch.cat([A64, dA64], dim=-1), mode="reduced")
-        Qv, Rv = torch.linalg.qr(torch.cat([B64, dB64], dim=-1), mode="reduced")
+        Qu, Ru = torch.linalg.qr(torch.cat([A.to(torch.float64), dA64], dim=-1), mode="reduced")
+        Qv, Rv = torch.linalg.qr(torch.cat([B.to(torch.float64), dB64], dim=-1), mode="reduced")
         Qu, Qv = (Qu,), (Qv,)
     # R_u K without forming K: R_u K = [R_u1 − lr R_u2, −lr R_u1] for R_u = [R_u1, R_u2].
     RuK = torch.cat([Ru[..., :r] - lr * Ru[..., r:], -lr * Ru[..., :r]], dim=-1)
