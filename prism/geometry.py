@@ -294,10 +294,14 @@ def horizontalize(
     ``Ω = U [(UᵀCV)_ij / (μ_i + ν_j)] Vᵀ``. The result satisfies ``AᵀΔA' = (BᵀΔB')ᵀ`` (eq. 30).
     """
     fr = _frame(A, B, frame)
-    mu, U, nu, V = fr.SA.square(), fr.VA, fr.SB.square(), fr.VB
-    C = dB.mT @ fr.B - fr.A.mT @ dA
-    Omega = U @ ((U.mT @ C @ V) / (mu[..., :, None] + nu[..., None, :])) @ V.mT
+    Omega = _sylvester_gauge(fr, dB.mT @ fr.B - fr.A.mT @ dA)
     return (fr.A @ Omega).add_(dA), (fr.B @ Omega.mT).neg_().add_(dB)  # in place on the fresh products
+
+
+def _sylvester_gauge(fr: Frame, C: Tensor) -> Tensor:
+    """The ``Ω`` of :func:`horizontalize`: ``M Ω + Ω N = C`` in the frame's eigenbases of ``M``, ``N``."""
+    mu, U, nu, V = fr.SA.square(), fr.VA, fr.SB.square(), fr.VB
+    return U @ ((U.mT @ C @ V) / (mu[..., :, None] + nu[..., None, :])) @ V.mT
 
 
 class Retraction(NamedTuple):
@@ -317,37 +321,50 @@ def _minus_product(X: Tensor, Q: Tensor, C: Tensor) -> Tensor:
     return torch.baddbmm(flat(X), flat(Q), flat(C), alpha=-1.0).view(X.shape)
 
 
-def extend_qr(Q: Tensor, R: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
-    """Thin QR of ``[Q R, X]`` from the thin QR ``Q R`` of its first block (block Gram–Schmidt): ``(Q₂, R_full)``.
+def extend_qr(Q: Tensor, R: Tensor, X: Tensor, C: Tensor | None = None, shift: Tensor | None = None
+              ) -> tuple[Tensor, Tensor]:
+    """Thin QR of ``[Q R, X + Q·shift]`` from the thin QR ``Q R`` of its first block (block Gram–Schmidt): ``(Q₂, R_full)``.
 
-    ``X = Q C + Y`` with ``C = QᵀX`` taken twice ("twice is enough": ``Y ⟂ Q`` to rounding), then
-    ``Y = Q₂R₂``: ``[QR, X] = [Q, Q₂] [[R, C], [0, R₂]]``. One QR of width ``r`` instead of ``2r``
-    (a quarter of the Householder work); where ``Y`` is (numerically) zero, ``R₂`` is too, so ``Q₂``
-    never reaches the retracted factors (the core, hence its singular vectors, weight it by ``R₂``).
+    ``X = Q C + Y`` with ``C = QᵀX`` (pass it if known) taken twice ("twice is enough": ``Y ⟂ Q`` to
+    rounding), then ``Y = Q₂R₂``: ``[QR, X + Q·shift] = [Q, Q₂] [[R, C + shift], [0, R₂]]``. One QR of
+    width ``r`` instead of ``2r`` (a quarter of the Householder work); where ``Y`` is (numerically)
+    zero, ``R₂`` is too, so ``Q₂`` never reaches the retracted factors (the core, hence its singular
+    vectors, weight it by ``R₂``). A component ``Q·shift`` inside ``span(Q)`` costs only ``r×r`` work.
     """
-    C = Q.mT @ X
+    C = Q.mT @ X if C is None else C
     Y = _minus_product(X, Q, C)
     C2 = Q.mT @ Y
     Q2, R2 = torch.linalg.qr(_minus_product(Y, Q, C2), mode="reduced")
-    top = torch.cat([R, C + C2], dim=-1)
+    top = torch.cat([R, C + C2 if shift is None else C + C2 + shift], dim=-1)
     return Q2, torch.cat([top, torch.cat([torch.zeros_like(R2), R2], dim=-1)], dim=-2)
 
 
 def retraction_core(
-    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float, frame: Frame | None = None
+    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float, frame: Frame | None = None, horizontal: bool = False
 ) -> Retraction:
     """Eq. 22, first half: the thin QRs and the core ``R_u K R_vᵀ``, in float64 (see :func:`retract`).
 
-    With a float64 ``frame`` of ``(A, B)`` the QRs of ``[A, ΔA]``, ``[B, ΔB]`` extend the frame's
-    (:func:`extend_qr`) instead of starting over.
+    ``horizontal``: retract the :func:`horizontalize`-d direction ``(ΔA + AΩ, ΔB − BΩᵀ)``. With a
+    float64 ``frame`` of ``(A, B)`` the QRs of ``[A, ΔA]``, ``[B, ΔB]`` extend the frame's
+    (:func:`extend_qr`) instead of starting over, and the gauge term, inside ``span(A)``,
+    ``span(B)``, enters as ``r×r`` shifts ``R_A Ω``, ``−R_B Ωᵀ`` (``Ω`` from ``Q_AᵀΔA``, ``Q_BᵀΔB``).
     """
     _check_pair(A, B)
     r = A.shape[-1]
-    dA64, dB64 = dA.to(torch.float64), dB.to(torch.float64)
     if frame is not None and frame.QA.dtype == torch.float64:
-        (Q2u, Ru), (Q2v, Rv) = extend_qr(frame.QA, frame.RA, dA64), extend_qr(frame.QB, frame.RB, dB64)
+        dA64, dB64 = dA.to(torch.float64), dB.to(torch.float64)
+        CA, CB = frame.QA.mT @ dA64, frame.QB.mT @ dB64
+        shifts = (None, None)
+        if horizontal:  # AᵀΔA = R_AᵀC_A, ΔBᵀB = C_BᵀR_B
+            Omega = _sylvester_gauge(frame, CB.mT @ frame.RB - frame.RA.mT @ CA)
+            shifts = (frame.RA @ Omega, -(frame.RB @ Omega.mT))
+        (Q2u, Ru) = extend_qr(frame.QA, frame.RA, dA64, C=CA, shift=shifts[0])
+        (Q2v, Rv) = extend_qr(frame.QB, frame.RB, dB64, C=CB, shift=shifts[1])
         Qu, Qv = (frame.QA, Q2u), (frame.QB, Q2v)
     else:
+        if horizontal:  # in the frame's dtype, then float64
+            dA, dB = horizontalize(A, B, dA, dB, frame=frame)
+        dA64, dB64 = dA.to(torch.float64), dB.to(torch.float64)
         Qu, Ru = torch.linalg.qr(torch.cat([A.to(torch.float64), dA64], dim=-1), mode="reduced")
         Qv, Rv = torch.linalg.qr(torch.cat([B.to(torch.float64), dB64], dim=-1), mode="reduced")
         Qu, Qv = (Qu,), (Qv,)
@@ -387,7 +404,8 @@ def block_product(blocks: tuple[Tensor, ...], M: Tensor) -> Tensor:
 
 
 def retract(
-    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float, align: bool = True, frame: Frame | None = None
+    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float, align: bool = True, frame: Frame | None = None,
+    horizontal: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Eq. 22: best rank-r approximation of the first-order point ``Z − lr (ΔA Bᵀ + A ΔBᵀ)``.
 
@@ -397,12 +415,13 @@ def retract(
     ``B' = Q_v V_c √S_r`` (``A'ᵀA' = B'ᵀB' = S_r``); with ``align`` the factors are rotated by the
     orthogonal Procrustes solution ``Q = U'V'ᵀ`` of ``A'ᵀA + B'ᵀB = U'ΣV'ᵀ``, which keeps ``Z'``,
     ``Π_{A'}``, ``Π_{B'}`` and the balance (App. A.22, A.24). The rotation acts on the small
-    coefficients before the one ``m×2r`` product per factor. Computed in float64, returned in the
+    coefficients before the one ``m×2r`` product per factor; ``frame``, ``horizontal``: see
+    :func:`retraction_core`. Computed in float64, returned in the
     input dtype. If the point has rank < r the trailing columns are zero; the next step's
     :func:`check_full_rank` reports it. (The batched method runs the same pieces with each SVD
     fused over all shape groups.)
     """
-    rt = retraction_core(A, B, dA, dB, lr, frame=frame)
+    rt = retraction_core(A, B, dA, dB, lr, frame=frame, horizontal=horizontal)
     MA, MB = balanced_coefficients(torch.linalg.svd(rt.core), A.shape[-1])
     if align:
         Q = procrustes_rotation(torch.linalg.svd(procrustes_target(rt, MA, MB)))

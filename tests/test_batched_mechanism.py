@@ -336,7 +336,8 @@ def test_released_geometry_options_act_per_module_on_batched_frames() -> None:
 @pytest.mark.parametrize("case", ["generic", "inside_span"])
 def test_retraction_from_the_frame_equals_householder(case: str) -> None:
     """Eq. 22 with the QRs of [A, ΔA], [B, ΔB] extended from the frame's (block Gram–Schmidt) equals
-    the plain Householder QRs, also when ΔA, ΔB lie in span(A), span(B) (the new block is zero)."""
+    the plain Householder QRs, also when ΔA, ΔB lie in span(A), span(B) (the new block is zero), and
+    with the horizontalisation's gauge term as an r×r shift (the retraction sees only the tangent vector)."""
     G, m, n = 3, 9, 7
     A, B = stacked_factors(G, m, n, seed=11)
     g = torch.Generator().manual_seed(12)
@@ -349,8 +350,12 @@ def test_retraction_from_the_frame_equals_householder(case: str) -> None:
     assert rel(Qu @ R_full, torch.cat([A, dA], dim=-1)) < 1e-12
     if case == "generic":
         torch.testing.assert_close(Qu.mT @ Qu, torch.eye(2 * R, dtype=F64).expand(G, -1, -1), rtol=0, atol=1e-12)
+    hA, hB = geo.horizontalize(A, B, dA, dB, frame=fr)
     for align in (True, False):
-        got, ref = geo.retract(A, B, dA, dB, lr=0.3, align=align, frame=fr), geo.retract(A, B, dA, dB, lr=0.3, align=align)
-        assert rel(got[0] @ got[1].mT, ref[0] @ ref[1].mT) < 1e-10
-        if align:  # the aligned factors are unique (the Procrustes rotation fixes the gauge)
-            assert rel(got[0], ref[0]) < 1e-10 and rel(got[1], ref[1]) < 1e-10
+        ref = geo.retract(A, B, dA, dB, lr=0.3, align=align)
+        for got in (geo.retract(A, B, dA, dB, lr=0.3, align=align, frame=fr),
+                    geo.retract(A, B, dA, dB, lr=0.3, align=align, frame=fr, horizontal=True),  # r×r gauge shift
+                    geo.retract(A, B, hA, hB, lr=0.3, align=align)):  # the same tangent vector, so the same point
+            assert rel(got[0] @ got[1].mT, ref[0] @ ref[1].mT) < 1e-10
+            if align:  # the aligned factors are unique (the Procrustes rotation fixes the gauge)
+                assert rel(got[0], ref[0]) < 1e-10 and rel(got[1], ref[1]) < 1e-10

@@ -366,10 +366,7 @@ class PrismMethod(Method):
             U = [m_hat @ spectral_preconditioner(cfg, w, E, floor) for (m_hat, _, floor), (w, E) in zip(estimates, eighs)]
             directions = list(zip(U[0::2], U[1::2]))
         directions = [(UA.to(self.work_dtype), UB.to(self.work_dtype)) for UA, UB in directions]
-        if h in ("both", "pre_retract"):
-            directions = [geometry.horizontalize(g.frame.A, g.frame.B, UA, UB, frame=g.frame)
-                          for g, (UA, UB) in zip(self.groups, directions)]
-        new = self._retract(directions)
+        new = self._retract(directions, horizontal=h in ("both", "pre_retract"))
         update_sq = []
         for g, (A_new, B_new) in zip(self.groups, new):
             if diagnostics:
@@ -389,9 +386,11 @@ class PrismMethod(Method):
         self._ready = False
         return stats
 
-    def _retract(self, directions: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
-        """:func:`geometry.retract` (aligned) of every group, each of its two SVDs fused over the groups."""
-        cores = [geometry.retraction_core(g.frame.A, g.frame.B, UA, UB, self.config.lr, frame=g.frame)
+    def _retract(self, directions: list[tuple[Tensor, Tensor]], horizontal: bool) -> list[tuple[Tensor, Tensor]]:
+        """:func:`geometry.retract` (aligned; of the horizontalised directions with ``horizontal``) of every
+        group, each of its two SVDs fused over the groups."""
+        cores = [geometry.retraction_core(g.frame.A, g.frame.B, UA, UB, self.config.lr, frame=g.frame,
+                                          horizontal=horizontal)
                  for g, (UA, UB) in zip(self.groups, directions)]
         svds = self._fused(torch.linalg.svd, [_finite_or_zero(rt.core) for rt in cores])
         coefficients = [geometry.balanced_coefficients(svd, g.frame.A.shape[-1]) for g, svd in zip(self.groups, svds)]
