@@ -42,7 +42,8 @@ class Frame(NamedTuple):
     ``M = R_AᵀR_A``, ``N = R_BᵀR_B``, ``Π_A = Q_A Q_Aᵀ``, ``Π_B = Q_B Q_Bᵀ``; the SVDs
     ``R_A = · diag(s_A) V_Aᵀ``, ``R_B = · diag(s_B) V_Bᵀ`` give ``M = V_A diag(s_A²) V_Aᵀ``,
     ``N = V_B diag(s_B²) V_Bᵀ`` (for :func:`horizontalize`) and the singular values of ``A``, ``B``
-    (for :func:`check_frames`). A non-finite ``R`` gets ``s = 0`` (the SVD fails on NaN).
+    (for :func:`check_frames`). A non-finite ``R`` gets ``s = 0`` (the SVD fails on NaN). ``M``, ``N``
+    themselves are never formed.
     """
 
     A: Tensor
@@ -51,8 +52,6 @@ class Frame(NamedTuple):
     RA: Tensor
     QB: Tensor
     RB: Tensor
-    M: Tensor
-    N: Tensor
     SA: Tensor
     VA: Tensor
     SB: Tensor
@@ -96,7 +95,7 @@ def frames(factors: Sequence[tuple[Tensor, Tensor]]) -> list[Frame]:
         qrs.append((*torch.linalg.qr(A, mode="reduced"), *torch.linalg.qr(B, mode="reduced")))
     spectra = fused(_safe_svd, [R for _, RA, _, RB in qrs for R in (RA, RB)])
     return [
-        Frame(A=A, B=B, QA=QA, RA=RA, QB=QB, RB=RB, M=A.mT @ A, N=B.mT @ B,
+        Frame(A=A, B=B, QA=QA, RA=RA, QB=QB, RB=RB,
               SA=spectra[2 * i][0], VA=spectra[2 * i][1], SB=spectra[2 * i + 1][0], VB=spectra[2 * i + 1][1])
         for i, ((A, B), (QA, RA, QB, RB)) in enumerate(zip(factors, qrs))
     ]
