@@ -113,6 +113,34 @@ def step_counts(kind: str, layers: int, r: int, k: int, micro: int, privacy: Pri
             "checks": zero[2] + micro * acc[2] + stp[2]}
 
 
+def op_cost_s(r: int, calls: int = 20000) -> float:
+    """Seconds per call of an ``r×r`` float64 product from a Python loop: the fixed Python, dispatcher
+    and BLAS-call cost of one small op, i.e. what batching modules into one op can save per op."""
+    x = torch.randn(r, r, dtype=torch.float64)
+    for _ in range(1000):
+        x @ x
+    tic = time.perf_counter()
+    for _ in range(calls):
+        x @ x
+    return (time.perf_counter() - tic) / calls
+
+
+def read_pass_s(grads: dict[str, torch.Tensor], repeats: int = 3) -> float:
+    """Seconds of one float32 read of a micro-batch's per-example gradients (one fused norm over all
+    of them): the memory floor of one pass over the data every accumulate must touch."""
+    tensors = list(grads.values())
+    torch._foreach_norm(tensors)
+    return statistics.median(timed(lambda: torch._foreach_norm(tensors)) for _ in range(repeats))
+
+
+def gram_rate(k: int, r: int, repeats: int = 3) -> float:
+    """float64 flop/s of the per-example ``r×r`` Gram products (``[k, m, r]ᵀ [k, m, r]`` batched, m = 10,240)."""
+    X = torch.randn(8 * k, INTERMEDIATE, r, dtype=torch.float64)
+    X.mT @ X
+    seconds = statistics.median(timed(lambda: X.mT @ X) for _ in range(repeats))
+    return 2 * X.numel() * r / seconds
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=34)
@@ -163,6 +191,25 @@ def main() -> int:
               f"{c['checks']:>10}")
     print("\nhost reads: ours per logical step, zero_accumulators + (accumulate, step); linalg chk: torch's "
           "eigh/SVD convergence checks (host reads here; a device sync each on CUDA)\n")
+    pm, pb, ad = kinds
+    t_op, t_read = op_cost_s(r), read_pass_s(grads)
+    rows = args.layers * sum(m + n for m, n in MODULES.values())
+    flops = 4 * k * r * r * rows  # P = gᵀg and K = Qᵀg for both factors of every module, 2 flops per multiply-add
+    floor = flops / gram_rate(k, r)
+    overhead = counts[pm, args.layers]["ops"] * t_op
+    ceiling = logical[pm] / max(logical[pm] - overhead, 1e-12)
+    accum = {kind: statistics.median(times[kind]["accumulate"]) for kind in kinds}
+    megabytes = sum(g.numel() * g.element_size() for g in grads.values()) / 1e6
+    print(f"roofline: one small aten op costs {1e6 * t_op:.1f} µs; × {counts[pm, args.layers]['ops']} ops = "
+          f"{1e3 * overhead:.0f} ms of the per-module path's {1e3 * logical[pm]:.0f} ms logical step, the most that "
+          f"batching can remove (the rest is arithmetic and memory traffic, the same in both paths), so "
+          f"per-module / batched <= {ceiling:.2f} here. One float32 read of a micro-batch's per-example grads "
+          f"({megabytes:.0f} MB) takes {1e3 * t_read:.1f} ms: accumulate = {accum[pb] / t_read:.1f} such reads for "
+          f"PRISM batched (float32->float64 copies into a workspace, r×r Gram/cross products, one weighted sum), "
+          f"{accum[ad] / t_read:.1f} for DP-AdamW. The float64 products of PRISM's per-example norms are "
+          f"{flops / 1e9:.1f} GFLOP per micro-batch: at the measured {flops / floor / 1e9:.0f} GFLOP/s that is "
+          f"{1e3 * floor:.0f} ms, a floor of {1e3 * micro * floor:.0f} ms per logical step against DP-AdamW's "
+          f"whole {1e3 * logical[ad]:.0f} ms (<= 2x leaves PRISM {1e3 * 2 * logical[ad]:.0f} ms).\n")
     missed = 0
     print(f"{'ratio (logical step)':<36} {'measured':>9}  target")
     for a, b, target, sense in TARGETS:
@@ -170,6 +217,9 @@ def main() -> int:
         ok = ratio >= target if sense == ">=" else ratio <= target
         missed += not ok
         print(f"{a + ' / ' + b:<36} {ratio:9.2f}  {sense} {target:<5} {'ok' if ok else 'MISSED'}")
+        if a == pm:
+            print(f"{'  its ceiling, no op cost at all':<36} {ceiling:9.2f}  {sense} {target:<5} "
+                  f"{'reachable' if ceiling >= target else 'out of reach at these shapes'}")
     flat = counts["PRISM batched", half]["ops"] == counts["PRISM batched", args.layers]["ops"]
     missed += not flat
     print(f"{'PRISM batched ops independent of L':<36} {str(flat):>9}  == True {'ok' if flat else 'MISSED'}")

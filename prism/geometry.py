@@ -42,7 +42,8 @@ class Frame(NamedTuple):
     ``M = R_AᵀR_A``, ``N = R_BᵀR_B``, ``Π_A = Q_A Q_Aᵀ``, ``Π_B = Q_B Q_Bᵀ``; the SVDs
     ``R_A = · diag(s_A) V_Aᵀ``, ``R_B = · diag(s_B) V_Bᵀ`` give ``M = V_A diag(s_A²) V_Aᵀ``,
     ``N = V_B diag(s_B²) V_Bᵀ`` (for :func:`horizontalize`) and the singular values of ``A``, ``B``
-    (for :func:`check_frames`). A non-finite ``R`` gets ``s = 0`` (the SVD fails on NaN).
+    (for :func:`check_frames`). A non-finite ``R`` gets ``s = 0`` (the SVD fails on NaN). ``M``, ``N``
+    themselves are never formed.
     """
 
     A: Tensor
@@ -51,8 +52,6 @@ class Frame(NamedTuple):
     RA: Tensor
     QB: Tensor
     RB: Tensor
-    M: Tensor
-    N: Tensor
     SA: Tensor
     VA: Tensor
     SB: Tensor
@@ -96,7 +95,7 @@ def frames(factors: Sequence[tuple[Tensor, Tensor]]) -> list[Frame]:
         qrs.append((*torch.linalg.qr(A, mode="reduced"), *torch.linalg.qr(B, mode="reduced")))
     spectra = fused(_safe_svd, [R for _, RA, _, RB in qrs for R in (RA, RB)])
     return [
-        Frame(A=A, B=B, QA=QA, RA=RA, QB=QB, RB=RB, M=A.mT @ A, N=B.mT @ B,
+        Frame(A=A, B=B, QA=QA, RA=RA, QB=QB, RB=RB,
               SA=spectra[2 * i][0], VA=spectra[2 * i][1], SB=spectra[2 * i + 1][0], VB=spectra[2 * i + 1][1])
         for i, ((A, B), (QA, RA, QB, RB)) in enumerate(zip(factors, qrs))
     ]
@@ -161,7 +160,7 @@ def lift(
     else:
         YA = gA @ _gram_function(fr.SB, fr.VB, lambda w: _pinv_eigenvalues(w, rcond))
         YB = gB @ _gram_function(fr.SA, fr.VA, lambda w: _pinv_eigenvalues(w, rcond))
-    return YA - 0.5 * _project(fr.QA, YA), YB - 0.5 * _project(fr.QB, YB)
+    return YA.sub_(_project(fr.QA, YA), alpha=0.5), YB.sub_(_project(fr.QB, YB), alpha=0.5)  # Y: fresh solves
 
 
 def _pinv_eigenvalues(w: Tensor, rcond: float) -> Tensor:
@@ -221,27 +220,27 @@ def lifted_sqnorm(
     return 0.25 * sq(cA + cB.mT) + (sq(XA) - sq(cA)).clamp_min(0.0) + (sq(XB) - sq(cB)).clamp_min(0.0)
 
 
-def example_lifted_sqnorms(fr: Frame, gA: Tensor, gB: Tensor) -> Tensor:
-    """:func:`lifted_sqnorm` of ``k`` examples stored interleaved, ``g_A`` [..., m, k, r], ``g_B`` [..., n, k, r] → [..., k].
+def gram_lifted_sqnorms(
+    PA: Tensor, KA: Tensor, PB: Tensor, KB: Tensor, WA: Tensor, WB: Tensor
+) -> Tensor:
+    """:func:`lifted_sqnorm` from ``r×r`` products of the factor gradients (per example, per module).
 
-    The same blocks, laid out so that every product is one batched matmul on a contiguous view:
-    ``X_A = g_A R_B⁻¹`` acts on the ``m·k`` rows at once, ``c_A = Q_AᵀX_A`` on the ``k·r`` columns
-    at once (no broadcast copies of ``Q``). ``R⁻¹`` is the ``r×r`` triangular inverse (same ``eps·κ``
-    accuracy as the triangular solve).
+    ``P_A = g_Aᵀg_A``, ``K_A = Q_Aᵀg_A``, ``P_B = g_Bᵀg_B``, ``K_B = Q_Bᵀg_B`` and the whiteners
+    ``W_A = R_B⁻¹``, ``W_B = R_A⁻¹`` (``X_A = g_A W_A``, ``X_B = g_B W_B``; the identity when the
+    gradients were whitened before the products). The blocks of :func:`lifted_sqnorm` are
+    ``c_A = K_A W_A``, ``c_B = K_B W_B`` and ``‖(I − Π_A)X_A‖² = tr(W_Aᵀ (P_A − K_AᵀK_A) W_A)``
+    (``P_A − K_AᵀK_A = g_Aᵀ(I − Π_A)g_A``), so the ``m×r`` gradients are read once, by two products
+    whose outputs are ``r×r``. Accuracy: the products' rounding (``eps·√m`` of ``‖g‖²``) is carried
+    through ``W`` on both sides, ``eps·κ²`` relative to the result — in float64 ``≤ 1e-9`` for the
+    κ ≤ 1/√eps32 that the float32 rank check admits; at the float64 admission limit the gradients must
+    be whitened first (``W = I``, the block form's ``eps·κ``). Shapes ``[..., r, r]`` → ``[...]``.
     """
-    *lead, m, k, r = gA.shape
-    n = gB.shape[-3]
-    eye = torch.eye(r, dtype=gA.dtype, device=gA.device)
-    XA = gA.reshape(*lead, m * k, r) @ torch.linalg.solve_triangular(fr.RB, eye, upper=True)
-    XB = gB.reshape(*lead, n * k, r) @ torch.linalg.solve_triangular(fr.RA, eye, upper=True)
-    cA = (fr.QA.mT @ XA.reshape(*lead, m, k * r)).reshape(*lead, r, k, r)
-    cB = (fr.QB.mT @ XB.reshape(*lead, n, k * r)).reshape(*lead, r, k, r)
+    cA, cB = KA @ WA, KB @ WB
 
-    def sq(X: Tensor) -> Tensor:  # per example: over rows (-3) and columns (-1)
-        return torch.linalg.vector_norm(X, dim=(-3, -1)).square()
+    def outside(P: Tensor, K: Tensor, W: Tensor) -> Tensor:  # ‖(I − Π)X‖², clamped at the rounding floor
+        return (((P - K.mT @ K) @ W) * W).sum((-2, -1)).clamp_min(0.0)
 
-    return (0.25 * sq(cA + cB.transpose(-3, -1)) + (sq(XA.reshape(*lead, m, k, r)) - sq(cA)).clamp_min(0.0)
-            + (sq(XB.reshape(*lead, n, k, r)) - sq(cB)).clamp_min(0.0))
+    return 0.25 * (cA + cB.mT).square().sum((-2, -1)) + outside(PA, KA, WA) + outside(PB, KB, WB)
 
 
 def tangent_noise(
@@ -271,7 +270,7 @@ def tangent_noise(
     opts = {"generator": generator, "dtype": fr.A.dtype, "device": fr.A.device}
     Omega_A = torch.randn(*sample_shape, *fr.A.shape, **opts)
     Omega_B = torch.randn(*sample_shape, *fr.B.shape, **opts)
-    Omega_A = Omega_A - _project(fr.QA, Omega_A)
+    Omega_A = Omega_A.sub_(_project(fr.QA, Omega_A))
     if damping is not None:
         if damping < 0:
             raise ValueError(f"damping={damping} must be >= 0 (method.noise_damping)")
@@ -294,42 +293,118 @@ def horizontalize(
     ``Ω = U [(UᵀCV)_ij / (μ_i + ν_j)] Vᵀ``. The result satisfies ``AᵀΔA' = (BᵀΔB')ᵀ`` (eq. 30).
     """
     fr = _frame(A, B, frame)
+    Omega = _sylvester_gauge(fr, dB.mT @ fr.B - fr.A.mT @ dA)
+    return (fr.A @ Omega).add_(dA), (fr.B @ Omega.mT).neg_().add_(dB)  # in place on the fresh products
+
+
+def _sylvester_gauge(fr: Frame, C: Tensor) -> Tensor:
+    """The ``Ω`` of :func:`horizontalize`: ``M Ω + Ω N = C`` in the frame's eigenbases of ``M``, ``N``."""
     mu, U, nu, V = fr.SA.square(), fr.VA, fr.SB.square(), fr.VB
-    C = dB.mT @ fr.B - fr.A.mT @ dA
-    Omega = U @ ((U.mT @ C @ V) / (mu[..., :, None] + nu[..., None, :])) @ V.mT
-    return dA + fr.A @ Omega, dB - fr.B @ Omega.mT
+    return U @ ((U.mT @ C @ V) / (mu[..., :, None] + nu[..., None, :])) @ V.mT
+
+
+class Retraction(NamedTuple):
+    """Eq. 22's thin QRs ``[A, ΔA] = Q_u R_u``, ``[B, ΔB] = Q_v R_v`` (``Q`` as column blocks) and the core."""
+
+    Qu: tuple[Tensor, ...]
+    Qv: tuple[Tensor, ...]
+    Ru: Tensor
+    Rv: Tensor
+    core: Tensor
+
+
+def _minus_product(X: Tensor, Q: Tensor, C: Tensor) -> Tensor:
+    """``X − Q C`` as one fused batched product (``X``, ``Q``, ``C`` share their leading dims)."""
+    def flat(T: Tensor) -> Tensor:
+        return T.reshape(-1, *T.shape[-2:])
+    return torch.baddbmm(flat(X), flat(Q), flat(C), alpha=-1.0).view(X.shape)
+
+
+def extend_qr(Q: Tensor, R: Tensor, X: Tensor, C: Tensor | None = None, shift: Tensor | None = None
+              ) -> tuple[Tensor, Tensor]:
+    """Thin QR of ``[Q R, X + Q·shift]`` from the thin QR ``Q R`` of its first block (block Gram–Schmidt): ``(Q₂, R_full)``.
+
+    ``X = Q C + Y`` with ``C = QᵀX`` (pass it if known) taken twice ("twice is enough": ``Y ⟂ Q`` to
+    rounding), then ``Y = Q₂R₂``: ``[QR, X + Q·shift] = [Q, Q₂] [[R, C + shift], [0, R₂]]``. One QR of
+    width ``r`` instead of ``2r`` (a quarter of the Householder work); where ``Y`` is (numerically)
+    zero, ``R₂`` is too, so ``Q₂`` never reaches the retracted factors (the core, hence its singular
+    vectors, weight it by ``R₂``). A component ``Q·shift`` inside ``span(Q)`` costs only ``r×r`` work.
+    """
+    C = Q.mT @ X if C is None else C
+    Y = _minus_product(X, Q, C)
+    C2 = Q.mT @ Y
+    Q2, R2 = torch.linalg.qr(_minus_product(Y, Q, C2), mode="reduced")
+    top = torch.cat([R, C + C2 if shift is None else C + C2 + shift], dim=-1)
+    return Q2, torch.cat([top, torch.cat([torch.zeros_like(R2), R2], dim=-1)], dim=-2)
 
 
 def retraction_core(
-    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Eq. 22, first half: ``(Q_u, Q_v, R_u K R_vᵀ)`` in float64 (see :func:`retract`)."""
+    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float, frame: Frame | None = None, horizontal: bool = False
+) -> Retraction:
+    """Eq. 22, first half: the thin QRs and the core ``R_u K R_vᵀ``, in float64 (see :func:`retract`).
+
+    ``horizontal``: retract the :func:`horizontalize`-d direction ``(ΔA + AΩ, ΔB − BΩᵀ)``. With a
+    float64 ``frame`` of ``(A, B)`` the QRs of ``[A, ΔA]``, ``[B, ΔB]`` extend the frame's
+    (:func:`extend_qr`) instead of starting over, and the gauge term, inside ``span(A)``,
+    ``span(B)``, enters as ``r×r`` shifts ``R_A Ω``, ``−R_B Ωᵀ`` (``Ω`` from ``Q_AᵀΔA``, ``Q_BᵀΔB``).
+    """
     _check_pair(A, B)
     r = A.shape[-1]
-    A64, B64, dA64, dB64 = (t.to(torch.float64) for t in (A, B, dA, dB))
-    Qu, Ru = torch.linalg.qr(torch.cat([A64, dA64], dim=-1), mode="reduced")
-    Qv, Rv = torch.linalg.qr(torch.cat([B64, dB64], dim=-1), mode="reduced")
+    if frame is not None and frame.QA.dtype == torch.float64:
+        dA64, dB64 = dA.to(torch.float64), dB.to(torch.float64)
+        CA, CB = frame.QA.mT @ dA64, frame.QB.mT @ dB64
+        shifts = (None, None)
+        if horizontal:  # AᵀΔA = R_AᵀC_A, ΔBᵀB = C_BᵀR_B
+            Omega = _sylvester_gauge(frame, CB.mT @ frame.RB - frame.RA.mT @ CA)
+            shifts = (frame.RA @ Omega, -(frame.RB @ Omega.mT))
+        (Q2u, Ru) = extend_qr(frame.QA, frame.RA, dA64, C=CA, shift=shifts[0])
+        (Q2v, Rv) = extend_qr(frame.QB, frame.RB, dB64, C=CB, shift=shifts[1])
+        Qu, Qv = (frame.QA, Q2u), (frame.QB, Q2v)
+    else:
+        if horizontal:  # in the frame's dtype, then float64
+            dA, dB = horizontalize(A, B, dA, dB, frame=frame)
+        dA64, dB64 = dA.to(torch.float64), dB.to(torch.float64)
+        Qu, Ru = torch.linalg.qr(torch.cat([A.to(torch.float64), dA64], dim=-1), mode="reduced")
+        Qv, Rv = torch.linalg.qr(torch.cat([B.to(torch.float64), dB64], dim=-1), mode="reduced")
+        Qu, Qv = (Qu,), (Qv,)
     # R_u K without forming K: R_u K = [R_u1 − lr R_u2, −lr R_u1] for R_u = [R_u1, R_u2].
     RuK = torch.cat([Ru[..., :r] - lr * Ru[..., r:], -lr * Ru[..., :r]], dim=-1)
-    return Qu, Qv, RuK @ Rv.mT
+    return Retraction(Qu=Qu, Qv=Qv, Ru=Ru, Rv=Rv, core=RuK @ Rv.mT)
 
 
-def balanced_factors(Qu: Tensor, Qv: Tensor, core_svd: tuple[Tensor, Tensor, Tensor], r: int) -> tuple[Tensor, Tensor]:
-    """Eq. 22, second half: ``A' = Q_u U_c √S_r``, ``B' = Q_v V_c √S_r`` from the core's SVD."""
+def balanced_coefficients(core_svd: tuple[Tensor, Tensor, Tensor], r: int) -> tuple[Tensor, Tensor]:
+    """Eq. 22, second half, in the QR bases: ``A' = Q_u M_A``, ``B' = Q_v M_B`` with ``M_A = U_c √S_r``, ``M_B = V_c √S_r``."""
     Uc, S, Vch = core_svd
     root = S[..., None, :r].sqrt()
-    return Qu @ (Uc[..., :r] * root), Qv @ (Vch[..., :r, :].mT * root)
+    return Uc[..., :r] * root, Vch[..., :r, :].mT * root
 
 
-def procrustes_rotate(A_new: Tensor, B_new: Tensor, target_svd: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """Rotate by ``Q = U'V'ᵀ`` from the SVD of ``A'ᵀA + B'ᵀB = U'ΣV'ᵀ`` (App. A.24)."""
+def procrustes_target(rt: Retraction, MA: Tensor, MB: Tensor) -> Tensor:
+    """``A'ᵀA + B'ᵀB = M_AᵀR_{u1} + M_BᵀR_{v1}`` (``A = Q_u R_{u1}``, ``R_{u1}`` the first ``r`` columns of ``R_u``): ``2r×r`` work only."""
+    r = MA.shape[-1]
+    return MA.mT @ rt.Ru[..., :r] + MB.mT @ rt.Rv[..., :r]
+
+
+def procrustes_rotation(target_svd: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    """``Q = U'V'ᵀ`` from the SVD of ``A'ᵀA + B'ᵀB = U'ΣV'ᵀ`` (App. A.24)."""
     Up, _, Vph = target_svd
-    Q = Up @ Vph
-    return A_new @ Q, B_new @ Q
+    return Up @ Vph
+
+
+def block_product(blocks: tuple[Tensor, ...], M: Tensor) -> Tensor:
+    """``[Q_1, Q_2, …] M`` without concatenating the blocks: ``Σ_b Q_b M_b`` over the matching row blocks of ``M``."""
+    width = blocks[0].shape[-1]
+    out = blocks[0] @ M[..., :width, :]
+    for Qb in blocks[1:]:
+        Mb = M[..., width:width + Qb.shape[-1], :]
+        width += Qb.shape[-1]
+        out.view(-1, *out.shape[-2:]).baddbmm_(Qb.reshape(-1, *Qb.shape[-2:]), Mb.reshape(-1, *Mb.shape[-2:]))
+    return out
 
 
 def retract(
-    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float, align: bool = True
+    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float, align: bool = True, frame: Frame | None = None,
+    horizontal: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Eq. 22: best rank-r approximation of the first-order point ``Z − lr (ΔA Bᵀ + A ΔBᵀ)``.
 
@@ -338,17 +413,19 @@ def retract(
     ``2r×2r`` core ``R_u K R_vᵀ = U_c S V_cᵀ``. Balanced refactorisation ``A' = Q_u U_c √S_r``,
     ``B' = Q_v V_c √S_r`` (``A'ᵀA' = B'ᵀB' = S_r``); with ``align`` the factors are rotated by the
     orthogonal Procrustes solution ``Q = U'V'ᵀ`` of ``A'ᵀA + B'ᵀB = U'ΣV'ᵀ``, which keeps ``Z'``,
-    ``Π_{A'}``, ``Π_{B'}`` and the balance (App. A.22, A.24). Computed in float64, returned in the
+    ``Π_{A'}``, ``Π_{B'}`` and the balance (App. A.22, A.24). The rotation acts on the small
+    coefficients before the one ``m×2r`` product per factor; ``frame``, ``horizontal``: see
+    :func:`retraction_core`. Computed in float64, returned in the
     input dtype. If the point has rank < r the trailing columns are zero; the next step's
     :func:`check_full_rank` reports it. (The batched method runs the same pieces with each SVD
     fused over all shape groups.)
     """
-    Qu, Qv, core = retraction_core(A, B, dA, dB, lr)
-    A_new, B_new = balanced_factors(Qu, Qv, torch.linalg.svd(core), A.shape[-1])
+    rt = retraction_core(A, B, dA, dB, lr, frame=frame, horizontal=horizontal)
+    MA, MB = balanced_coefficients(torch.linalg.svd(rt.core), A.shape[-1])
     if align:
-        target = A_new.mT @ A.to(torch.float64) + B_new.mT @ B.to(torch.float64)
-        A_new, B_new = procrustes_rotate(A_new, B_new, torch.linalg.svd(target))
-    return A_new.to(A.dtype), B_new.to(B.dtype)
+        Q = procrustes_rotation(torch.linalg.svd(procrustes_target(rt, MA, MB)))
+        MA, MB = MA @ Q, MB @ Q
+    return block_product(rt.Qu, MA).to(A.dtype), block_product(rt.Qv, MB).to(B.dtype)
 
 
 def default_rcond(dtype: torch.dtype) -> float:

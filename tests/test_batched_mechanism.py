@@ -89,8 +89,11 @@ def test_lifted_sqnorm_is_the_norm_of_the_lift_without_forming_it() -> None:
     dA, dB = geo.lift(A, B, gA, gB, frame=fr)
     image = (dA @ B.mT + A @ dB.mT).square().sum((-2, -1))
     assert rel(geo.lifted_sqnorm(A, B, gA, gB, frame=fr), image) < 1e-10
-    interleaved = geo.example_lifted_sqnorms(fr, gA.permute(1, 2, 0, 3), gB.permute(1, 2, 0, 3))  # [G, m, k, r]
-    assert interleaved.shape == (G_, k) and rel(interleaved.T, image) < 1e-10
+    eye = torch.eye(R, dtype=F64)
+    WA, WB = torch.linalg.inv(fr.RB), torch.linalg.inv(fr.RA)
+    for XA, XB, VA, VB in ((gA, gB, WA, WB), (gA @ WA, gB @ WB, eye, eye)):  # whitened after / before
+        grams = geo.gram_lifted_sqnorms(XA.mT @ XA, fr.QA.mT @ XA, XB.mT @ XB, fr.QB.mT @ XB, VA, VB)
+        assert grams.shape == (k, G_) and rel(grams, image) < 1e-10
 
 
 @pytest.mark.parametrize("name", ["prism", "prism_paper"])
@@ -328,3 +331,31 @@ def test_released_geometry_options_act_per_module_on_batched_frames() -> None:
         torch.testing.assert_close(a, exact[0], rtol=1e-8, atol=1e-10)
     assert XA.shape == A.shape and XB.shape == B.shape
     torch.testing.assert_close(XA.mT @ A, torch.zeros(3, 4, 4, dtype=torch.float64), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["generic", "inside_span"])
+def test_retraction_from_the_frame_equals_householder(case: str) -> None:
+    """Eq. 22 with the QRs of [A, ΔA], [B, ΔB] extended from the frame's (block Gram–Schmidt) equals
+    the plain Householder QRs, also when ΔA, ΔB lie in span(A), span(B) (the new block is zero), and
+    with the horizontalisation's gauge term as an r×r shift (the retraction sees only the tangent vector)."""
+    G, m, n = 3, 9, 7
+    A, B = stacked_factors(G, m, n, seed=11)
+    g = torch.Generator().manual_seed(12)
+    dA, dB = torch.randn(G, m, R, generator=g, dtype=F64), torch.randn(G, n, R, generator=g, dtype=F64)
+    if case == "inside_span":
+        dA, dB = A @ torch.randn(G, R, R, generator=g, dtype=F64), B @ torch.randn(G, R, R, generator=g, dtype=F64)
+    fr = geo.frame(A, B)
+    Q2, R_full = geo.extend_qr(fr.QA, fr.RA, dA)
+    Qu = torch.cat([fr.QA, Q2], dim=-1)
+    assert rel(Qu @ R_full, torch.cat([A, dA], dim=-1)) < 1e-12
+    if case == "generic":
+        torch.testing.assert_close(Qu.mT @ Qu, torch.eye(2 * R, dtype=F64).expand(G, -1, -1), rtol=0, atol=1e-12)
+    hA, hB = geo.horizontalize(A, B, dA, dB, frame=fr)
+    for align in (True, False):
+        ref = geo.retract(A, B, dA, dB, lr=0.3, align=align)
+        for got in (geo.retract(A, B, dA, dB, lr=0.3, align=align, frame=fr),
+                    geo.retract(A, B, dA, dB, lr=0.3, align=align, frame=fr, horizontal=True),  # r×r gauge shift
+                    geo.retract(A, B, hA, hB, lr=0.3, align=align)):  # the same tangent vector, so the same point
+            assert rel(got[0] @ got[1].mT, ref[0] @ ref[1].mT) < 1e-10
+            if align:  # the aligned factors are unique (the Procrustes rotation fixes the gauge)
+                assert rel(got[0], ref[0]) < 1e-10 and rel(got[1], ref[1]) < 1e-10

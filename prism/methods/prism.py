@@ -37,13 +37,13 @@ only, plus the (image-preserving) pre-retraction step.
 
 Non-DP: grads arrive summed over the micro-batch and are summed, then lifted once, the same way.
 
-Precision. Under DP the per-example lifts, intrinsic norms (eq. 15, block form), clip coefficients,
-clipped sums, noise and horizontalisation run in float64 from the snapshots, so every clipped
-contribution has intrinsic norm ≤ C(1 + 1e-6) for every factor pair the rank check admits
-(float32 norms under-estimate by up to 1.35× at κ = 2,500, the error growing like eps·κ²).
-Measured on CPU: the float64 per-example path costs ~1.75× the float32 one (SmolLM2-135M shapes,
-r = 16, micro-batch 8; float32 lifts with float64 norms cost the same as all-float64). Its cost is
-``O(k m r²)`` per module against ``O(k L m r)`` for the per-example gradients of ``L`` tokens.
+Precision. Under DP the per-example intrinsic norms (eq. 15), clip coefficients, clipped sums,
+noise and horizontalisation run in float64 from the snapshots, so every clipped contribution has
+intrinsic norm ≤ C(1 + 1e-6) for every factor pair the rank check admits (float32 norms
+under-estimate by up to 1.35× at κ = 2,500, the error growing like eps·κ²). The norms come from
+``r×r`` float64 products of each example's float32 gradients (:func:`geometry.gram_lifted_sqnorms`;
+docs/DECISIONS.md D40, D60): ``O(k m r²)`` flops per module against ``O(k L m r)`` for the
+per-example gradients of ``L`` tokens, and no ``m×r`` lift per example.
 ``compute_dtype`` (default float32) is the dtype of the snapshots, the rank check's cutoff and the
 adaptive moments (non-DP: of everything); bf16 parameters are never used for the linear algebra;
 the retraction runs in float64 internally.
@@ -168,22 +168,6 @@ def stack_pairs(tensors: Mapping[str, Tensor], pairs: list[LoraPair], dtype: tor
     return A, Bt.mT
 
 
-@torch.no_grad()
-def stack_examples(grads: Mapping[str, Tensor], pairs: list[LoraPair], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Per-example paper factor grads of several modules, examples interleaved: ``[G, m, k, r]``, ``[G, n, k, r]``.
-
-    From peft ``lora_B`` grads ``[k, m, r]`` and ``lora_A`` grads ``[k, r, n]``, in one fused copy
-    each (the layout :func:`geometry.example_lifted_sqnorms` and the clipped sum read without copies).
-    """
-    a, b = grads[pairs[0].a_name], grads[pairs[0].b_name]
-    (k, m, r), n = a.shape, b.shape[-1]
-    A = torch.empty(len(pairs), m, k, r, dtype=dtype, device=a.device)
-    B = torch.empty(len(pairs), n, k, r, dtype=dtype, device=a.device)
-    torch._foreach_copy_(list(A.permute(0, 2, 1, 3).unbind(0)), [grads[p.a_name] for p in pairs])
-    torch._foreach_copy_(list(B.permute(0, 2, 3, 1).unbind(0)), [grads[p.b_name] for p in pairs])
-    return A, B
-
-
 class PrismMethod(Method):
     """PRISM (paper Alg. 1) over the peft LoRA parameters ``params``."""
 
@@ -204,6 +188,7 @@ class PrismMethod(Method):
             adaptive = RankSpaceAdaptive(self.config.adaptive, m, n, r, self.dtype, A.device, batch=(len(group),))
             self.groups.append(ShapeGroup(pairs=group, adaptive=adaptive))
         self._norms: list[Tensor] = []
+        self._workspace: Tensor | None = None
         self._ready = False
         self._fused = geometry.fused if batched else _one_by_one
 
@@ -220,7 +205,7 @@ class PrismMethod(Method):
                 raise
             self._floor_rank_deficient()
         for g in self.groups:
-            g.sums = (torch.zeros_like(g.frame.A), torch.zeros_like(g.frame.B))
+            g.sums = (g.frame.A.new_zeros(g.frame.A.shape), g.frame.B.new_zeros(g.frame.B.mT.shape))  # g_A, g_Bᵀ layouts
         self._ready = True
 
     def accumulate(self, grads: Mapping[str, Tensor]) -> None:
@@ -228,8 +213,9 @@ class PrismMethod(Method):
 
         Sums the clipped factor gradients ``Σ α_i (g_A, g_B)_i``; their lift (eq. 14, linear) is taken
         once per step. The clip norm ``s_i`` is the exact norm of example ``i``'s lift
-        (:func:`geometry.example_lifted_sqnorms`), summed over all modules (eq. 16). Two passes over the
-        groups (norms, then the weighted sum) keep one group's working-dtype copy alive at a time.
+        (:func:`geometry.gram_lifted_sqnorms`), summed over all modules (eq. 16). Two passes over the
+        groups (norms, then the weighted sum) hold one group's working-dtype copy at a time, in one
+        reused workspace; the sums are kept in the grads' own layouts (``g_A``, ``g_Bᵀ``).
         """
         if not self._ready:
             raise RuntimeError("call zero_accumulators() before accumulate()")
@@ -244,17 +230,76 @@ class PrismMethod(Method):
                     )
         if not self.dp:
             for g in self.groups:
-                for acc, x in zip(g.sums, stack_pairs(grads, g.pairs, self.work_dtype)):
-                    acc.add_(x)
+                for acc, names in zip(g.sums, ([p.a_name for p in g.pairs], [p.b_name for p in g.pairs])):
+                    torch._foreach_add_(list(acc.unbind(0)), [grads[name] for name in names])
             return
-        sq = sum(geometry.example_lifted_sqnorms(g.frame, *stack_examples(grads, g.pairs, self.work_dtype)).sum(0)
-                 for g in self.groups)
+        order = sorted(self.groups, key=lambda g: g.frame.A.numel() + g.frame.B.numel())  # the largest last
+        sq = 0.0
+        for g in order:
+            stacked = self._stack_examples(grads, g.pairs)
+            sq = sq + self._example_sqnorms(g, *stacked)
         norms = sq.sqrt()  # NaN stays NaN: it reaches the update and the loop's finite check
         alpha = (self.privacy.clip_norm / norms).clamp(max=1.0)
         self._norms.append(norms)
-        for g in self.groups:
-            for acc, x in zip(g.sums, stack_examples(grads, g.pairs, self.work_dtype)):
-                acc.add_(torch.matmul(alpha, x))  # Σ_i α_i x[:, :, i, :]
+        for g in reversed(order):  # the workspace still holds the last group's copy
+            self._add_clipped(g, alpha, *(stacked if g is order[-1] else self._stack_examples(grads, g.pairs)))
+
+    def _example_sqnorms(self, g: ShapeGroup, gA: Tensor, gBt: Tensor) -> Tensor:
+        """``Σ_modules s_i²`` of one group (eqs. 15–16) from its stacked per-example grads
+        ``g_A`` ``[G, m, k, r]`` (examples interleaved) and ``g_Bᵀ`` ``[G, k, r, n]``.
+
+        :func:`geometry.gram_lifted_sqnorms` of the ``r×r`` products (float64 accumulation). The
+        layouts make each cross product ``Q_Aᵀ g_A``, ``g_Bᵀ Q_B`` one product over all ``k`` examples,
+        reading ``Q`` once. With ``compute_dtype: float64`` (κ up to 1/√eps64) the gradients are
+        whitened first, so the products carry no κ² amplification.
+        """
+        fr = g.frame
+        G, m, k, r = gA.shape
+        eye = torch.eye(r, dtype=fr.A.dtype, device=fr.A.device)
+        WA = torch.linalg.solve_triangular(fr.RB, eye, upper=True)
+        WB = torch.linalg.solve_triangular(fr.RA, eye, upper=True)
+        if self.dtype == torch.float64:
+            gA = (gA.reshape(G, m * k, r) @ WA).view(G, m, k, r)
+            gBt = WB.mT[:, None] @ gBt
+            WA, WB = eye, eye
+        else:
+            WA, WB = WA[:, None], WB[:, None]  # broadcast over the examples
+        PA = torch.stack([x.mT @ x for x in gA.unbind(2)], dim=1)  # [G, k, r, r]
+        KA = (fr.QA.mT @ gA.reshape(G, m, k * r)).view(G, r, k, r).transpose(1, 2)
+        PB = gBt @ gBt.mT
+        KB = (gBt.reshape(G, k * r, -1) @ fr.QB).view(G, k, r, r).mT
+        return geometry.gram_lifted_sqnorms(PA, KA, PB, KB, WA, WB).sum(0)
+
+    def _add_clipped(self, g: ShapeGroup, alpha: Tensor, gA: Tensor, gBt: Tensor) -> None:
+        """``sums += Σ_i α_i (g_A, g_Bᵀ)_i`` in float64, one product per factor over all modules and examples
+        (``g_A`` rows times ``α ⊗ I_r``; ``g_Bᵀ`` by a batched ``αᵀ`` product)."""
+        SA, SBt = g.sums
+        G, m, k, r = gA.shape
+        weights = (alpha[:, None, None] * torch.eye(r, dtype=alpha.dtype, device=alpha.device)).reshape(k * r, r)
+        SA.view(G * m, r).addmm_(gA.view(G * m, k * r), weights)
+        SBt.view(G, 1, -1).baddbmm_(alpha.expand(G, 1, k), gBt.view(G, k, -1))
+
+    @torch.no_grad()
+    def _stack_examples(self, grads: Mapping[str, Tensor], pairs: list[LoraPair]) -> tuple[Tensor, Tensor]:
+        """Per-example grads of a group in the working dtype, one fused copy each into the workspace:
+        paper ``g_A`` ``[G, m, k, r]`` (examples interleaved) and ``g_Bᵀ`` ``[G, k, r, n]`` (peft ``lora_A``)."""
+        a, b = grads[pairs[0].a_name], grads[pairs[0].b_name]
+        (k, m, r), n, G = a.shape, b.shape[-1], len(pairs)
+        flat = self._buffer(k * G * (m + n) * r, a.device)
+        gA, gBt = flat[: k * G * m * r].view(G, m, k, r), flat[k * G * m * r:].view(G, k, r, n)
+        torch._foreach_copy_(list(gA.permute(0, 2, 1, 3).unbind(0)), [grads[p.a_name] for p in pairs])
+        torch._foreach_copy_(list(gBt.unbind(0)), [grads[p.b_name] for p in pairs])
+        return gA, gBt
+
+    def _buffer(self, numel: int, device: torch.device) -> Tensor:
+        """A ``numel`` working-dtype scratch tensor. Kept across calls on the CPU, where a fresh block above
+        glibc's mmap threshold page-faults on first touch (as costly as the copy into it); elsewhere
+        transient, so the caching allocator can hand the block to the next backward pass."""
+        if device.type != "cpu":
+            return torch.empty(numel, dtype=self.work_dtype, device=device)
+        if self._workspace is None or self._workspace.numel() < numel:
+            self._workspace = torch.empty(numel, dtype=self.work_dtype, device=device)
+        return self._workspace[:numel]
 
     def privatized_group(
         self, g: ShapeGroup, denominator: float, generator: torch.Generator | None, diagnostics: bool = True
@@ -267,16 +312,17 @@ class PrismMethod(Method):
         The noise energy (a device tensor) is computed only with ``diagnostics``.
         """
         fr = g.frame
-        dA, dB = geometry.lift(fr.A, fr.B, *(s / denominator for s in g.sums), frame=fr, rcond=self.config.pinv_rcond)
+        SA, SBt = g.sums
+        dA, dB = geometry.lift(fr.A, fr.B, SA, SBt.mT, frame=fr, rcond=self.config.pinv_rcond)
+        dA, dB = dA.div_(denominator), dB.div_(denominator)  # the lift is linear; its outputs are fresh tensors
         tau = self.tau(denominator)
         noise_sq = dA.new_zeros(()) if diagnostics else None
         if tau > 0:
             XiA, XiB = geometry.tangent_noise(fr.A, fr.B, generator=generator, frame=fr,
                                               damping=self.config.noise_damping)
-            XiA, XiB = tau * XiA, tau * XiB
             if diagnostics:
-                noise_sq = geometry.intrinsic_sqnorm(fr.A, fr.B, XiA, XiB, frame=fr).sum()
-            dA, dB = dA + XiA, dB + XiB
+                noise_sq = tau**2 * geometry.intrinsic_sqnorm(fr.A, fr.B, XiA, XiB, frame=fr).sum()
+            dA, dB = dA.add_(XiA, alpha=tau), dB.add_(XiB, alpha=tau)
         if self.horizontal_lift:
             dA, dB = geometry.horizontalize(fr.A, fr.B, dA, dB, frame=fr)
         return dA, dB, noise_sq
@@ -320,10 +366,7 @@ class PrismMethod(Method):
             U = [m_hat @ spectral_preconditioner(cfg, w, E, floor) for (m_hat, _, floor), (w, E) in zip(estimates, eighs)]
             directions = list(zip(U[0::2], U[1::2]))
         directions = [(UA.to(self.work_dtype), UB.to(self.work_dtype)) for UA, UB in directions]
-        if h in ("both", "pre_retract"):
-            directions = [geometry.horizontalize(g.frame.A, g.frame.B, UA, UB, frame=g.frame)
-                          for g, (UA, UB) in zip(self.groups, directions)]
-        new = self._retract(directions)
+        new = self._retract(directions, horizontal=h in ("both", "pre_retract"))
         update_sq = []
         for g, (A_new, B_new) in zip(self.groups, new):
             if diagnostics:
@@ -343,18 +386,19 @@ class PrismMethod(Method):
         self._ready = False
         return stats
 
-    def _retract(self, directions: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
-        """:func:`geometry.retract` (aligned) of every group, each of its two SVDs fused over the groups."""
-        cores = [geometry.retraction_core(g.frame.A, g.frame.B, UA, UB, self.config.lr)
+    def _retract(self, directions: list[tuple[Tensor, Tensor]], horizontal: bool) -> list[tuple[Tensor, Tensor]]:
+        """:func:`geometry.retract` (aligned; of the horizontalised directions with ``horizontal``) of every
+        group, each of its two SVDs fused over the groups."""
+        cores = [geometry.retraction_core(g.frame.A, g.frame.B, UA, UB, self.config.lr, frame=g.frame,
+                                          horizontal=horizontal)
                  for g, (UA, UB) in zip(self.groups, directions)]
-        svds = self._fused(torch.linalg.svd, [_finite_or_zero(core) for _, _, core in cores])
-        balanced = [geometry.balanced_factors(Qu, Qv, svd, g.frame.A.shape[-1])
-                    for g, (Qu, Qv, _), svd in zip(self.groups, cores, svds)]
-        targets = [A_new.mT @ g.frame.A.double() + B_new.mT @ g.frame.B.double()
-                   for g, (A_new, B_new) in zip(self.groups, balanced)]
+        svds = self._fused(torch.linalg.svd, [_finite_or_zero(rt.core) for rt in cores])
+        coefficients = [geometry.balanced_coefficients(svd, g.frame.A.shape[-1]) for g, svd in zip(self.groups, svds)]
+        targets = [geometry.procrustes_target(rt, MA, MB) for rt, (MA, MB) in zip(cores, coefficients)]
         rotations = self._fused(torch.linalg.svd, [_finite_or_zero(t) for t in targets])
-        return [tuple(x.to(self.work_dtype) for x in geometry.procrustes_rotate(A_new, B_new, svd))
-                for (A_new, B_new), svd in zip(balanced, rotations)]
+        return [(geometry.block_product(rt.Qu, MA @ Q).to(self.work_dtype),
+                 geometry.block_product(rt.Qv, MB @ Q).to(self.work_dtype))
+                for rt, (MA, MB), Q in zip(cores, coefficients, (geometry.procrustes_rotation(svd) for svd in rotations))]
 
     def tau(self, denominator: float) -> float:
         """Noise standard deviation ``σC/denominator`` of the averaged lift (0 without DP)."""
