@@ -3,7 +3,8 @@
 The strings follow the paper's pipeline (LLM-Adapters Alpaca templates, docs/DECISIONS.md D31, D39), including
 the odd whitespace: the *training* templates indent every line by 16 spaces and carry trailing
 spaces, while the *Math evaluation* template has no indentation. This mismatch is inherited from
-LLM-Adapters and kept on purpose.
+LLM-Adapters and kept on purpose at paper scale (the embedded scale evaluates Math with the training
+template, docs/DECISIONS.md D60).
 """
 from __future__ import annotations
 
