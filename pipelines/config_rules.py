@@ -159,6 +159,12 @@ def _suite(cfg: DictConfig) -> None:
     if "prompt_encoding" in decoding:
         _require(decoding.prompt_encoding in ("as_trained", "text"),
                  f"suite.decoding.prompt_encoding={decoding.prompt_encoding!r} must be as_trained or text")
+    if "math_eval_template" in decoding:
+        from prism.data.prompts import MATH_EVAL_TEMPLATES
+
+        _require(decoding.math_eval_template in MATH_EVAL_TEMPLATES,
+                 f"suite.decoding.math_eval_template={decoding.math_eval_template!r} must be one of "
+                 f"{', '.join(MATH_EVAL_TEMPLATES)}")
     from prism.data import SCALES
 
     _require(suite.scale in SCALES, f"suite.scale={suite.scale!r} is not a data scale, choose scale=<one of "

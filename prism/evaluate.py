@@ -159,8 +159,9 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
             column = suite.task_columns[task]
             rows = [ex for ex in examples if gold_is_valid(column, ex.answer)]
             started = time.perf_counter()
+            template = cfg_decoding.get("math_eval_template", "llm_adapters")
             texts = generate_responses(
-                model, tokenizer, [eval_prompt(ex, suite.family) for ex in rows], cfg_decoding, batch_size
+                model, tokenizer, [eval_prompt(ex, suite.family, template) for ex in rows], cfg_decoding, batch_size
             )
             score, failures = score_outputs(column, texts, [ex.answer for ex in rows],
                                             choice_rule=cfg_decoding.get("choice_regex", "lookaround"))

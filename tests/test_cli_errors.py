@@ -77,6 +77,7 @@ CASES: list[tuple[str, str]] = [
     ("suite.cutoff_len=0", "suite.cutoff_len"),
     ("suite.decoding.num_beams=0", "suite.decoding.num_beams"),
     ("suite.embedded.tasks=[tweets]", "suite.embedded.tasks"),
+    ("suite=math10k suite.decoding.math_eval_template=indented", "suite.decoding.math_eval_template"),
     ("suite.embedded.train_per_task=0", "suite.embedded.train_per_task"),
     ("train.device=tpu", "train.device"),
     ("train.prefix_cache=maybe", "train.prefix_cache"),

@@ -181,3 +181,22 @@ def test_frozen_prompt_cache_generates_what_the_full_model_does(backbone: str, t
         plain = generate_responses(model, tok, prompts, {**greedy, "frozen_prefix": False, "shared_prefix": False}, 4)
         assert stored == plain == [_greedy_alone(model, tok, p, 6)[0] for p in prompts]
     assert len([p for p in (tmp_path / "prompts").iterdir() if p.is_dir()]) == 1  # one store, reused
+
+
+def test_math_eval_template_reaches_the_prompts() -> None:
+    """``math_eval_template=train`` evaluates Math on the training text minus the answer; the default the
+    un-indented LLM-Adapters template. The scripted model answers right only on the indented template."""
+    tok = char_tokenizer()
+    indented = " " * 16 + "### Instruction:"
+
+    def answer(prompt: str) -> str:
+        if indented not in prompt:
+            return "-1"
+        return str(2 * int(prompt.split("What is ")[1].split("+")[0])) if "What is " in prompt else "(B)"
+
+    suite = _math_suite()
+    base = {"num_beams": 1, "max_new_tokens": 8, "shared_prefix": False}
+    default = evaluate_suite(ScriptedModel(tok, answer), tok, suite, base, batch_size=4)
+    switched = evaluate_suite(ScriptedModel(tok, answer), tok, suite, {**base, "math_eval_template": "train"}, 4)
+    assert default["scores"] == {"gsm_symbolic": 0.0, "arith_choice": 0.0}
+    assert switched["scores"] == {"gsm_symbolic": 1.0, "arith_choice": 0.5}  # golds A, B; always "(B)"

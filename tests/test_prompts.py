@@ -66,6 +66,18 @@ def test_eval_templates_exact() -> None:
         eval_prompt(MATH_EX, "vision")
 
 
+def test_math_eval_template_switch() -> None:
+    """``math_template="train"``: the training text minus the answer (the text itself is the answer's
+    prefix), for Math only; the default stays the un-indented LLM-Adapters evaluation template."""
+    switched = eval_prompt(MATH_EX, "math", "train")
+    assert train_prompt(MATH_EX) == switched + MATH_EX.output
+    assert switched == NO_INPUT.format(instruction="What is 2+3?", output="")
+    assert eval_prompt(MATH_EX, "math") == eval_prompt(MATH_EX, "math", "llm_adapters") != switched
+    assert eval_prompt(GLUE_EX, "glue", "train") == eval_prompt(GLUE_EX, "glue")
+    with pytest.raises(ValueError, match="math_eval_template"):
+        eval_prompt(MATH_EX, "math", "indented")
+
+
 def test_response_text_splits_at_first_marker() -> None:
     assert response_text("prompt ### Response:\n positive ### Response: x") == "\n positive ### Response: x"
     assert response_text("no marker") == "no marker"

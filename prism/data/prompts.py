@@ -3,7 +3,8 @@
 The strings follow the paper's pipeline (LLM-Adapters Alpaca templates, docs/DECISIONS.md D31, D39), including
 the odd whitespace: the *training* templates indent every line by 16 spaces and carry trailing
 spaces, while the *Math evaluation* template has no indentation. This mismatch is inherited from
-LLM-Adapters and kept on purpose.
+LLM-Adapters and kept on purpose at paper scale (the embedded scale evaluates Math with the training
+template, docs/DECISIONS.md D61).
 """
 from __future__ import annotations
 
@@ -46,10 +47,17 @@ def train_prompt(example: Example, with_output: bool = True) -> str:
     return template.format(instruction=example.instruction, input=example.input, output=output)
 
 
-def eval_prompt(example: Example, family: str) -> str:
+MATH_EVAL_TEMPLATES = ("llm_adapters", "train")
+
+
+def eval_prompt(example: Example, family: str, math_template: str = "llm_adapters") -> str:
     """Generation prompt (docs/DECISIONS.md D9, D31): GLUE reuses the training template with an empty output;
-    Math uses the un-indented LLM-Adapters evaluation template (instruction only)."""
-    if family == "glue":
+    Math uses the un-indented LLM-Adapters evaluation template (instruction only), or with
+    ``math_template="train"`` (``suite.decoding.math_eval_template``, embedded scale: docs/DECISIONS.md D61)
+    the training template with an empty output, as GLUE does."""
+    if math_template not in MATH_EVAL_TEMPLATES:
+        raise ValueError(f"suite.decoding.math_eval_template={math_template!r}: use one of {', '.join(MATH_EVAL_TEMPLATES)}")
+    if family == "glue" or (family == "math" and math_template == "train"):
         return train_prompt(example, with_output=False)
     if family == "math":
         return MATH_EVAL_TEMPLATE.format(instruction=example.instruction)
