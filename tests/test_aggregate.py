@@ -402,3 +402,12 @@ def test_protocols_get_their_own_tables_and_a_side_by_side_one(tmp_path: Path, c
     capsys.readouterr()
     assert agg.main(["experiment=table2", f"runs_dir={root}", "protocol=nope"]) == 2
     assert capsys.readouterr().err.startswith("error: protocol=nope is not known")
+
+
+def test_plot_panels_show_each_stand_in_column_at_embedded_scale(table2_runs: Path) -> None:
+    from pipelines.aggregate.render import plot_panels
+
+    res = _build(table2_runs)
+    assert plot_panels(res) == ["Avg", "CoLA", "SST-2", "GSM8K"]  # the columns the runs have, in table order
+    paper = agg.build_table(agg.SPECS["table2"], agg.read_run_folders(table2_runs, "table2"), "paper")
+    assert plot_panels(paper) == ["Avg", "SST-2"]

@@ -139,8 +139,16 @@ def to_latex(result: TableResult) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot_panels(result: TableResult) -> list[str]:
+    """The value columns Table 2's plot draws: the average, then every column with runs (at embedded
+    scale an average over stand-ins hides the one column that moves)."""
+    seen = {c for cols in result.columns_seen.values() for c in cols}
+    return ["Avg", *(c for c in result.spec.columns if c in seen)]
+
+
 def plot_privacy_utility(result: TableResult, path: Path) -> Path:
-    """Avg vs ε per method for Table 2 (ours solid, paper dashed); ε=∞ (Non-DP) drawn at the right end."""
+    """Utility vs ε per method, one panel per column of :func:`plot_panels` (ours solid, paper dashed);
+    ε=∞ (Non-DP) drawn at the right end."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,23 +159,32 @@ def plot_privacy_utility(result: TableResult, path: Path) -> Path:
     finite = sorted(e for e in frame["eps"].unique() if not math.isinf(e)) or [1.0]
     inf_x = finite[-1] * 2
     frame["x"] = frame["eps"].replace(math.inf, inf_x)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for i, (method, part) in enumerate(frame.sort_values("x").groupby("Method", sort=False)):
-        color = f"C{i % 10}"
-        ours = part.dropna(subset=["Avg"])
-        if not ours.empty:
-            ax.plot(ours["x"], ours["Avg"], "o-", color=color, label=f"{method}")
-        ref = part.dropna(subset=["Avg_paper"])
-        if not ref.empty:
-            ax.plot(ref["x"], ref["Avg_paper"], "x--", color=color, alpha=0.5,
-                    label=None if not ours.empty else f"{method} (paper only)")
-    ticks = [*finite, inf_x]
-    ax.set_xticks(ticks, [f"{e:g}" for e in finite] + ["∞\n(non-DP)"])
-    ax.set_xlabel("ε (δ = 1e-5)")
-    ax.set_ylabel(column_label(result, "Avg"))
-    ax.set_title(f"Privacy–utility ({result.scale} scale, {result.protocol} protocol; dashed = paper)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    panels = plot_panels(result)
+    ncols = min(len(panels), 4)
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 3.0 * nrows), squeeze=False)
+    methods = list(dict.fromkeys(frame["Method"]))
+    for ax, col in zip(axes.flat, panels):
+        for i, method in enumerate(methods):
+            part = frame[frame["Method"] == method].sort_values("x")
+            color = f"C{i % 10}"
+            ours = part.dropna(subset=[col])
+            if not ours.empty:
+                ax.plot(ours["x"], ours[col], "o-", color=color, label=method)
+            ref = part.dropna(subset=[f"{col}_paper"])
+            if not ref.empty:
+                ax.plot(ref["x"], ref[f"{col}_paper"], "x--", color=color, alpha=0.4,
+                        label=None if not ours.empty else f"{method} (paper only)")
+        ax.set_xticks([*finite, inf_x], [f"{e:g}" for e in finite] + ["∞"])
+        ax.set_title(column_label(result, col), fontsize=9)
+        ax.tick_params(labelsize=8)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.suptitle(f"Privacy–utility, {result.scale} scale, {result.protocol} protocol: accuracy vs ε "
+                 "(δ = 1e-5; ∞ = non-DP); solid = these runs, dashed = paper", fontsize=9)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
