@@ -21,7 +21,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +156,33 @@ def _top_layers_only(decoder: nn.Module, depth: int) -> Iterator[None]:
         decoder.layers = layers
 
 
+@contextmanager
+def layer_input_capture(decoder: nn.Module, depth: int) -> Iterator[Callable[[Tensor, Tensor, Any], Tensor]]:
+    """A function ``run(ids, mask, cache)`` that runs the decoder's own forward (eval mode, restored on
+    exit) and stops it at the input of layer ``depth``, returning the hidden states entering that layer
+    (on the decoder's device); ``cache`` (a ``DynamicCache`` or ``None``) collects the lower layers' KV."""
+    captured: list[Tensor] = []
+
+    def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        captured.append(args[0] if args else kwargs["hidden_states"])
+        raise _PrefixCapturedError
+
+    def run(ids: Tensor, mask: Tensor, cache: Any = None) -> Tensor:
+        captured.clear()
+        with suppress(_PrefixCapturedError):
+            decoder(input_ids=ids, attention_mask=mask, cache=cache, use_cache=cache is not None)
+        return captured[0]
+
+    was_training = decoder.training
+    handle = decoder.layers[depth].register_forward_pre_hook(capture, with_kwargs=True)
+    decoder.eval()
+    try:
+        yield run
+    finally:
+        handle.remove()
+        decoder.train(was_training)
+
+
 def _pad(rows: Sequence[Sequence[int]], fill: int, device: torch.device) -> Tensor:
     length = max(len(row) for row in rows)
     return torch.tensor([list(row) + [fill] * (length - len(row)) for row in rows], dtype=torch.long, device=device)
@@ -200,23 +227,8 @@ def compute_prefix_states(model: nn.Module, depth: int, input_ids: Sequence[Sequ
     if decoder is None:
         raise ValueError(f"{type(_unwrap(model)).__name__} has no supported decoder; check prefix_depth first")
     device = decoder.embed_tokens.weight.device
-    captured: list[Tensor] = []
-
-    def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        captured.append(args[0] if args else kwargs["hidden_states"])
-        raise _PrefixCapturedError
-
-    def run(ids: Tensor, mask: Tensor, cache: Any = None) -> Tensor:
-        captured.clear()
-        with suppress(_PrefixCapturedError):
-            decoder(input_ids=ids, attention_mask=mask, cache=cache, use_cache=cache is not None)
-        return captured[0].cpu()
-
     states: list[Tensor | None] = [None] * len(input_ids)
-    was_training = decoder.training
-    handle = decoder.layers[depth].register_forward_pre_hook(capture, with_kwargs=True)
-    decoder.eval()
-    try:
+    with layer_input_capture(decoder, depth) as run:
         for _, members in shared_prefix_groups(input_ids, min_group=micro_batch_size):
             order = sorted(members, key=lambda i: len(input_ids[i]))
             for start in range(0, len(order), micro_batch_size):
@@ -228,17 +240,14 @@ def compute_prefix_states(model: nn.Module, depth: int, input_ids: Sequence[Sequ
                 if shared:
                     cache = DynamicCache(config=decoder.config)
                     head_ids = torch.tensor([list(rows[0][:shared])], dtype=torch.long, device=device)
-                    head = run(head_ids, torch.ones_like(head_ids), cache)[0]
+                    head = run(head_ids, torch.ones_like(head_ids), cache)[0].cpu()
                     cache.batch_repeat_interleave(len(rows))
                 ids = _pad([row[shared:] for row in rows], 0, device)
                 mask = _pad([[1] * len(row) for row in rows], 0, device)
-                hidden = run(ids, mask, cache)
+                hidden = run(ids, mask, cache).cpu()
                 for row, i in enumerate(chunk):
                     tail = hidden[row, :len(input_ids[i]) - shared]
                     states[i] = torch.cat([head, tail]) if head is not None else tail.clone()
-    finally:
-        handle.remove()
-        decoder.train(was_training)
     return [s for s in states if s is not None]
 
 

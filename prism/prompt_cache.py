@@ -17,7 +17,6 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +30,11 @@ from transformers import DynamicCache
 from prism.fileio import atomic_write, write_text_atomic
 from prism.models import cache_root
 from prism.prefix import (
+    _common_length,
     _decoder,
     _pad,
-    _PrefixCapturedError,
     _top_layers_only,
+    layer_input_capture,
     prefix_depth,
     prefix_key,
     shared_prefix_groups,
@@ -52,31 +52,16 @@ def compute_frozen_prompts(decoder: nn.Module, depth: int, rows: Sequence[Sequen
     Rows sharing leading tokens run them once through the cache (as in
     :func:`prism.prefix.compute_prefix_states`); the model's own forward, stopped at ``depth``."""
     device = decoder.embed_tokens.weight.device
-    captured: list[Tensor] = []
-
-    def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        captured.append(args[0] if args else kwargs["hidden_states"])
-        raise _PrefixCapturedError
-
-    def run(ids: Tensor, mask: Tensor, cache: DynamicCache) -> Tensor:
-        captured.clear()
-        with suppress(_PrefixCapturedError):
-            decoder(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
-        return captured[0]
-
     heads = [list(row[:-1]) for row in rows]
     kv: list[Tensor | None] = [None] * len(rows)
     states: list[Tensor | None] = [None] * len(rows)
-    was_training = decoder.training
-    handle = decoder.layers[depth].register_forward_pre_hook(capture, with_kwargs=True)
-    decoder.eval()
-    try:
+    with layer_input_capture(decoder, depth) as run:
         for _, members in shared_prefix_groups(heads, min_group=micro_batch_size):
             order = sorted(members, key=lambda i: len(heads[i]))
             for start in range(0, len(order), micro_batch_size):
                 chunk = order[start:start + micro_batch_size]
                 chunk_rows = [heads[i] for i in chunk]
-                shared = min(_shared(chunk_rows), min(len(r) for r in chunk_rows) - 1)
+                shared = _common_length(chunk_rows)
                 cache = DynamicCache()  # full layers: every key kept, sliding windows come from the mask
                 head_states = None
                 if shared > 0:
@@ -94,18 +79,7 @@ def compute_frozen_prompts(decoder: nn.Module, depth: int, rows: Sequence[Sequen
                     kv[i] = torch.stack([torch.stack([cache.layers[layer].keys[b, :, :n],
                                                       cache.layers[layer].values[b, :, :n]])
                                          for layer in range(depth)]).cpu().clone()
-    finally:
-        handle.remove()
-        decoder.train(was_training)
     return [t for t in kv if t is not None], [t for t in states if t is not None]
-
-
-def _shared(rows: Sequence[Sequence[int]]) -> int:
-    shared = 0
-    limit = min(len(r) for r in rows)
-    while shared < limit and all(r[shared] == rows[0][shared] for r in rows[1:]):
-        shared += 1
-    return shared
 
 
 class FrozenPrompts:
