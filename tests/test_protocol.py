@@ -184,8 +184,8 @@ def test_noise_damping_shrinks_the_covariance_by_the_damping() -> None:
         g = torch.Generator().manual_seed(11)
         draws[damping] = geometry.tangent_noise(A, B, generator=g, damping=damping)
     g = torch.Generator().manual_seed(11)
-    torch.randn(9, 3, generator=g, dtype=torch.float64)
-    OmegaB = torch.randn(7, 3, generator=g, dtype=torch.float64)
+    geometry.standard_normal((9, 3), g, torch.float64, A.device)
+    OmegaB = geometry.standard_normal((7, 3), g, torch.float64, A.device)
     cov = {d: (lambda W: W.mT @ W)(_whitening(draws[d][1], OmegaB)) for d in draws}
     eye = torch.eye(3, dtype=torch.float64)
     torch.testing.assert_close(cov[None], torch.linalg.inv(M), rtol=1e-10, atol=1e-12)  # exact law

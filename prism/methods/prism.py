@@ -188,13 +188,15 @@ class PrismMethod(Method):
             adaptive = RankSpaceAdaptive(self.config.adaptive, m, n, r, self.dtype, A.device, batch=(len(group),))
             self.groups.append(ShapeGroup(pairs=group, adaptive=adaptive))
         self._norms: list[Tensor] = []
-        self._workspace: Tensor | None = None
+        self._buffers: dict[str, Tensor] = {}
+        self._fresh = True
         self._ready = False
         self._fused = geometry.fused if batched else _one_by_one
 
     # ---------------------------------------------------------------- step protocol
     def zero_accumulators(self) -> None:
-        """Snapshot and factor every group's ``(A, B)``, check full rank (one host read), zero the sums."""
+        """Snapshot and factor every group's ``(A, B)``, check full rank (one host read), start the sums
+        (the first :meth:`accumulate` overwrites them, so they are never zeroed first)."""
         self._norms = []
         for g, fr in zip(self.groups, geometry.frames([self._snapshot(g) for g in self.groups])):
             g.frame = fr
@@ -204,18 +206,25 @@ class PrismMethod(Method):
             if self.config.rank_fallback is None:
                 raise
             self._floor_rank_deficient()
-        for g in self.groups:
-            g.sums = (g.frame.A.new_zeros(g.frame.A.shape), g.frame.B.new_zeros(g.frame.B.mT.shape))  # g_A, g_Bᵀ layouts
-        self._ready = True
+        flat = self._buffer("sums", sum(g.frame.A.numel() + g.frame.B.numel() for g in self.groups),
+                            self.groups[0].frame.A.device)
+        offset = 0
+        for g in self.groups:  # g_A, g_Bᵀ layouts; written by the first accumulate (or zeroed by step)
+            (G, m, r), n = g.frame.A.shape, g.frame.B.shape[-2]
+            g.sums = (flat[offset: offset + G * m * r].view(G, m, r),
+                      flat[offset + G * m * r: offset + G * (m + n) * r].view(G, r, n))
+            offset += G * (m + n) * r
+        self._ready, self._fresh = True, True
 
     def accumulate(self, grads: Mapping[str, Tensor]) -> None:
         """Add one micro-batch (DP: per-example ``[k, *shape]`` grads, clipped by eq. 16; else a sum).
 
         Sums the clipped factor gradients ``Σ α_i (g_A, g_B)_i``; their lift (eq. 14, linear) is taken
         once per step. The clip norm ``s_i`` is the exact norm of example ``i``'s lift
-        (:func:`geometry.gram_lifted_sqnorms`), summed over all modules (eq. 16). Two passes over the
-        groups (norms, then the weighted sum) hold one group's working-dtype copy at a time, in one
-        reused workspace; the sums are kept in the grads' own layouts (``g_A``, ``g_Bᵀ``).
+        (:func:`geometry.gram_lifted_sqnorms`), summed over all modules (eq. 16). The grads are
+        converted to the working dtype once, into one reused workspace that holds every group until
+        the weighted sum (a second pass) has read it; the sums are kept in the grads' own layouts
+        (``g_A``, ``g_Bᵀ``).
         """
         if not self._ready:
             raise RuntimeError("call zero_accumulators() before accumulate()")
@@ -229,77 +238,89 @@ class PrismMethod(Method):
                         "grads [k, *shape] (prism.privacy.per_example), non-DP their micro-batch sum [*shape]"
                     )
         if not self.dp:
+            add = torch._foreach_copy_ if self._fresh else torch._foreach_add_
             for g in self.groups:
-                for acc, names in zip(g.sums, ([p.a_name for p in g.pairs], [p.b_name for p in g.pairs])):
-                    torch._foreach_add_(list(acc.unbind(0)), [grads[name] for name in names])
+                add(list(g.sums[0].unbind(0)), [grads[p.a_name] for p in g.pairs])
+                add(list(g.sums[1].unbind(0)), [grads[p.b_name] for p in g.pairs])
+            self._fresh = False
             return
-        order = sorted(self.groups, key=lambda g: g.frame.A.numel() + g.frame.B.numel())  # the largest last
-        sq = 0.0
-        for g in order:
-            stacked = self._stack_examples(grads, g.pairs)
-            sq = sq + self._example_sqnorms(g, *stacked)
+        stacked = self._stack_examples(grads)
+        sq = sum(self._example_sqnorms(g, gA, gBt) for g, (gA, gBt) in zip(self.groups, stacked))
         norms = sq.sqrt()  # NaN stays NaN: it reaches the update and the loop's finite check
         alpha = (self.privacy.clip_norm / norms).clamp(max=1.0)
         self._norms.append(norms)
-        for g in reversed(order):  # the workspace still holds the last group's copy
-            self._add_clipped(g, alpha, *(stacked if g is order[-1] else self._stack_examples(grads, g.pairs)))
+        for g, (gA, gBt) in zip(self.groups, stacked):
+            self._add_clipped(g, alpha, gA, gBt)
+        self._fresh = False
 
     def _example_sqnorms(self, g: ShapeGroup, gA: Tensor, gBt: Tensor) -> Tensor:
         """``Σ_modules s_i²`` of one group (eqs. 15–16) from its stacked per-example grads
-        ``g_A`` ``[G, m, k, r]`` (examples interleaved) and ``g_Bᵀ`` ``[G, k, r, n]``.
+        ``g_A`` ``[G, k, m, r]`` and ``g_Bᵀ`` ``[G, k, r, n]``.
 
-        :func:`geometry.gram_lifted_sqnorms` of the ``r×r`` products (float64 accumulation). The
-        layouts make each cross product ``Q_Aᵀ g_A``, ``g_Bᵀ Q_B`` one product over all ``k`` examples,
-        reading ``Q`` once. With ``compute_dtype: float64`` (κ up to 1/√eps64) the gradients are
-        whitened first, so the products carry no κ² amplification.
+        :func:`geometry.gram_lifted_sqnorms` of the ``r×r`` products (float64 accumulation): ``P``
+        by one batched product per factor over all modules and examples, ``K_A = Q_Aᵀ g_A`` by one
+        per example (``k`` calls), ``g_Bᵀ Q_B`` by one over all examples. With ``compute_dtype:
+        float64`` (κ up to 1/√eps64) the gradients are whitened first, so the products carry no κ²
+        amplification.
         """
         fr = g.frame
-        G, m, k, r = gA.shape
+        G, k, m, r = gA.shape
         eye = torch.eye(r, dtype=fr.A.dtype, device=fr.A.device)
         WA = torch.linalg.solve_triangular(fr.RB, eye, upper=True)
         WB = torch.linalg.solve_triangular(fr.RA, eye, upper=True)
         if self.dtype == torch.float64:
-            gA = (gA.reshape(G, m * k, r) @ WA).view(G, m, k, r)
+            gA = gA @ WA[:, None]
             gBt = WB.mT[:, None] @ gBt
             WA, WB = eye, eye
         else:
             WA, WB = WA[:, None], WB[:, None]  # broadcast over the examples
-        PA = torch.stack([x.mT @ x for x in gA.unbind(2)], dim=1)  # [G, k, r, r]
-        KA = (fr.QA.mT @ gA.reshape(G, m, k * r)).view(G, r, k, r).transpose(1, 2)
+        PA = gA.mT @ gA  # [G, k, r, r]
+        KA = torch.stack([fr.QA.mT @ x for x in gA.unbind(1)], dim=1)
         PB = gBt @ gBt.mT
         KB = (gBt.reshape(G, k * r, -1) @ fr.QB).view(G, k, r, r).mT
         return geometry.gram_lifted_sqnorms(PA, KA, PB, KB, WA, WB).sum(0)
 
     def _add_clipped(self, g: ShapeGroup, alpha: Tensor, gA: Tensor, gBt: Tensor) -> None:
-        """``sums += Σ_i α_i (g_A, g_Bᵀ)_i`` in float64, one product per factor over all modules and examples
-        (``g_A`` rows times ``α ⊗ I_r``; ``g_Bᵀ`` by a batched ``αᵀ`` product)."""
+        """``sums += Σ_i α_i (g_A, g_Bᵀ)_i`` in float64, one batched ``αᵀ`` product per factor over all
+        modules and examples; the first micro-batch of a step overwrites the sums (``beta = 0``)."""
         SA, SBt = g.sums
-        G, m, k, r = gA.shape
-        weights = (alpha[:, None, None] * torch.eye(r, dtype=alpha.dtype, device=alpha.device)).reshape(k * r, r)
-        SA.view(G * m, r).addmm_(gA.view(G * m, k * r), weights)
-        SBt.view(G, 1, -1).baddbmm_(alpha.expand(G, 1, k), gBt.view(G, k, -1))
+        G, k = gA.shape[:2]
+        beta = 0.0 if self._fresh else 1.0
+        SA.view(G, 1, -1).baddbmm_(alpha.expand(G, 1, k), gA.view(G, k, -1), beta=beta)
+        SBt.view(G, 1, -1).baddbmm_(alpha.expand(G, 1, k), gBt.view(G, k, -1), beta=beta)
 
     @torch.no_grad()
-    def _stack_examples(self, grads: Mapping[str, Tensor], pairs: list[LoraPair]) -> tuple[Tensor, Tensor]:
-        """Per-example grads of a group in the working dtype, one fused copy each into the workspace:
-        paper ``g_A`` ``[G, m, k, r]`` (examples interleaved) and ``g_Bᵀ`` ``[G, k, r, n]`` (peft ``lora_A``)."""
-        a, b = grads[pairs[0].a_name], grads[pairs[0].b_name]
-        (k, m, r), n, G = a.shape, b.shape[-1], len(pairs)
-        flat = self._buffer(k * G * (m + n) * r, a.device)
-        gA, gBt = flat[: k * G * m * r].view(G, m, k, r), flat[k * G * m * r:].view(G, k, r, n)
-        torch._foreach_copy_(list(gA.permute(0, 2, 1, 3).unbind(0)), [grads[p.a_name] for p in pairs])
-        torch._foreach_copy_(list(gBt.unbind(0)), [grads[p.b_name] for p in pairs])
-        return gA, gBt
+    def _stack_examples(self, grads: Mapping[str, Tensor]) -> list[tuple[Tensor, Tensor]]:
+        """Per-example grads of every group in the working dtype, one fused copy per factor into one
+        workspace: paper ``g_A`` ``[G, k, m, r]`` (peft ``lora_B``) and ``g_Bᵀ`` ``[G, k, r, n]`` (peft
+        ``lora_A``). Every group stays in the workspace until its clipped sum is taken (one conversion
+        per micro-batch, about twice the float32 grads' memory)."""
+        k = grads[self.groups[0].pairs[0].a_name].shape[0]
+        shapes = [(len(g.pairs), k, *grads[g.pairs[0].a_name].shape[1:], *grads[g.pairs[0].b_name].shape[1:])
+                  for g in self.groups]  # (G, k, m, r, r, n)
+        flat = self._buffer("examples", sum(G * k * (m + n) * r for G, k, m, r, _, n in shapes),
+                            grads[self.groups[0].pairs[0].a_name].device)
+        out, offset = [], 0
+        for g, (G, k, m, r, _, n) in zip(self.groups, shapes):
+            gA = flat[offset: offset + G * k * m * r].view(G, k, m, r)
+            offset += G * k * m * r
+            gBt = flat[offset: offset + G * k * r * n].view(G, k, r, n)
+            offset += G * k * r * n
+            torch._foreach_copy_(list(gA.unbind(0)), [grads[p.a_name] for p in g.pairs])
+            torch._foreach_copy_(list(gBt.unbind(0)), [grads[p.b_name] for p in g.pairs])
+            out.append((gA, gBt))
+        return out
 
-    def _buffer(self, numel: int, device: torch.device) -> Tensor:
-        """A ``numel`` working-dtype scratch tensor. Kept across calls on the CPU, where a fresh block above
-        glibc's mmap threshold page-faults on first touch (as costly as the copy into it); elsewhere
-        transient, so the caching allocator can hand the block to the next backward pass."""
+    def _buffer(self, name: str, numel: int, device: torch.device) -> Tensor:
+        """A ``numel`` working-dtype scratch tensor (uninitialised). Kept across calls on the CPU, where a fresh
+        block above glibc's mmap threshold page-faults on first touch (as costly as the copy into it);
+        elsewhere transient, so the caching allocator can hand the block to the next backward pass."""
         if device.type != "cpu":
             return torch.empty(numel, dtype=self.work_dtype, device=device)
-        if self._workspace is None or self._workspace.numel() < numel:
-            self._workspace = torch.empty(numel, dtype=self.work_dtype, device=device)
-        return self._workspace[:numel]
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[name] = torch.empty(numel, dtype=self.work_dtype, device=device)
+        return buffer[:numel]
 
     def privatized_group(
         self, g: ShapeGroup, denominator: float, generator: torch.Generator | None, diagnostics: bool = True
@@ -313,6 +334,8 @@ class PrismMethod(Method):
         """
         fr = g.frame
         SA, SBt = g.sums
+        if self._fresh:  # no micro-batch this step (an empty Poisson batch): the sums are zero
+            SA.zero_(), SBt.zero_()
         dA, dB = geometry.lift(fr.A, fr.B, SA, SBt.mT, frame=fr, rcond=self.config.pinv_rcond)
         dA, dB = dA.div_(denominator), dB.div_(denominator)  # the lift is linear; its outputs are fresh tensors
         tau = self.tau(denominator)
