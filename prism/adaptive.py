@@ -91,9 +91,7 @@ def noise_second_moments(fr: Frame) -> tuple[Tensor, Tensor]:
 
     ``N⁻¹ = R_B⁻¹R_B⁻ᵀ`` and ``M⁻¹ = R_A⁻¹R_A⁻ᵀ`` from the frame's thin QRs (no Gram inversion).
     """
-    (m, r), eye = fr.A.shape[-2:], torch.eye(fr.A.shape[-1], dtype=fr.A.dtype, device=fr.A.device)
-    RB_inv = torch.linalg.solve_triangular(fr.RB, eye, upper=True)
-    RA_inv = torch.linalg.solve_triangular(fr.RA, eye, upper=True)
+    (m, r), RB_inv, RA_inv = fr.A.shape[-2:], fr.RBi, fr.RAi
     return ((m - r) / m) * (RB_inv @ RB_inv.mT), RA_inv @ RA_inv.mT
 
 

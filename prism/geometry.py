@@ -13,8 +13,9 @@ Conventions:
   module dims (per-example gradients of a group are ``[b, G, m, r]``); they broadcast.
 * Nothing here forms an ``m×n`` matrix except :func:`tangent_project`, the dense reference.
 * Gram inverses are never formed from ``AᵀA``: the thin QR ``A = Q_A R_A`` gives ``M = R_AᵀR_A``
-  and ``Π_A = Q_A Q_Aᵀ`` (Lemma A.18), so solves cost one triangular solve against ``R_A`` and
-  their error grows with ``κ(A)``, not ``κ(A)²``. No damping anywhere: a rank-deficient factor is
+  and ``Π_A = Q_A Q_Aᵀ`` (Lemma A.18), so a solve is a product with the ``r×r`` triangular inverse
+  ``R_A⁻¹`` (formed once per step in the :class:`Frame`) and its error grows with ``κ(A)``, not
+  ``κ(A)²``. No damping anywhere: a rank-deficient factor is
   an error (:func:`check_full_rank`), never a silently shrunk noise covariance (docs/DECISIONS.md D4, D20).
 * Opt-in exceptions for the released protocol (docs/DECISIONS.md D4, D5): ``lift(rcond=…)`` uses
   eigenvalue-cut pseudo-inverses and ``tangent_noise(damping=…)`` the damped ``(N + δI)^{-1/2}``.
@@ -43,7 +44,9 @@ class Frame(NamedTuple):
     ``R_A = · diag(s_A) V_Aᵀ``, ``R_B = · diag(s_B) V_Bᵀ`` give ``M = V_A diag(s_A²) V_Aᵀ``,
     ``N = V_B diag(s_B²) V_Bᵀ`` (for :func:`horizontalize`) and the singular values of ``A``, ``B``
     (for :func:`check_frames`). A non-finite ``R`` gets ``s = 0`` (the SVD fails on NaN). ``M``, ``N``
-    themselves are never formed.
+    themselves are never formed. ``RAi = R_A⁻¹``, ``RBi = R_B⁻¹`` (triangular solves against ``I``): every
+    ``X R⁻¹`` of the step is then one batched product, ``eps·κ`` relative error like a triangular solve
+    (each column of ``R⁻¹`` is a backward-stable solve) at a fraction of its cost on tall ``X``.
     """
 
     A: Tensor
@@ -56,6 +59,8 @@ class Frame(NamedTuple):
     VA: Tensor
     SB: Tensor
     VB: Tensor
+    RAi: Tensor
+    RBi: Tensor
 
 
 def fused(fn: Callable[[Tensor], Tensor | tuple[Tensor, ...]], batches: Sequence[Tensor]) -> list[tuple[Tensor, ...]]:
@@ -94,11 +99,19 @@ def frames(factors: Sequence[tuple[Tensor, Tensor]]) -> list[Frame]:
         _check_pair(A, B)
         qrs.append((*torch.linalg.qr(A, mode="reduced"), *torch.linalg.qr(B, mode="reduced")))
     spectra = fused(_safe_svd, [R for _, RA, _, RB in qrs for R in (RA, RB)])
+    inverses = fused(_triangular_inverse, [R for _, RA, _, RB in qrs for R in (RA, RB)])
     return [
         Frame(A=A, B=B, QA=QA, RA=RA, QB=QB, RB=RB,
-              SA=spectra[2 * i][0], VA=spectra[2 * i][1], SB=spectra[2 * i + 1][0], VB=spectra[2 * i + 1][1])
+              SA=spectra[2 * i][0], VA=spectra[2 * i][1], SB=spectra[2 * i + 1][0], VB=spectra[2 * i + 1][1],
+              RAi=inverses[2 * i][0], RBi=inverses[2 * i + 1][0])
         for i, ((A, B), (QA, RA, QB, RB)) in enumerate(zip(factors, qrs))
     ]
+
+
+def _triangular_inverse(R: Tensor) -> Tensor:
+    """``R⁻¹`` of upper-triangular ``R`` [..., r, r] (one batched triangular solve against ``I``)."""
+    eye = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device)
+    return torch.linalg.solve_triangular(R, eye, upper=True)
 
 
 def frame(A: Tensor, B: Tensor) -> Frame:
@@ -127,10 +140,10 @@ def _project(Q: Tensor, X: Tensor) -> Tensor:
     return Q @ (Q.mT @ X)
 
 
-def _solve_gram(X: Tensor, R: Tensor) -> Tensor:
-    """``X (RᵀR)⁻¹`` by two triangular solves: ``X R⁻¹`` then ``· R⁻ᵀ``."""
-    Y = torch.linalg.solve_triangular(R, X, upper=True, left=False)
-    return torch.linalg.solve_triangular(R.mT, Y, upper=False, left=False)
+def _solve_gram(X: Tensor, R_inv: Tensor) -> Tensor:
+    """``X (RᵀR)⁻¹`` as ``(X R⁻¹) R⁻ᵀ``: two products with the triangular inverse (never ``(RᵀR)⁻¹``
+    itself, whose rounding would grow with ``κ(R)²``)."""
+    return (X @ R_inv) @ R_inv.mT
 
 
 def tangent_project(A: Tensor, B: Tensor, G: Tensor) -> Tensor:
@@ -151,16 +164,16 @@ def lift(
     ``ΔA = g_A N⁻¹ − ½ Π_A (g_A N⁻¹)``, ``ΔB = g_B M⁻¹ − ½ Π_B (g_B M⁻¹)``, so that
     ``ΔA Bᵀ + A ΔBᵀ = P_{A,B}(G)`` (Lemma A.14). ``rcond`` (released protocol, docs/DECISIONS.md D5):
     use the pseudo-inverses ``N^†``, ``M^†`` of eq. 14 with eigenvalues ``≤ rcond·λ_max`` zeroed
-    instead of the exact triangular solves (equal for a well-conditioned full-rank pair).
+    instead of the exact inverses (equal for a well-conditioned full-rank pair).
     """
     fr = _frame(A, B, frame)
     if rcond is None:
-        YA = _solve_gram(gA, fr.RB)
-        YB = _solve_gram(gB, fr.RA)
+        YA = _solve_gram(gA, fr.RBi)
+        YB = _solve_gram(gB, fr.RAi)
     else:
         YA = gA @ _gram_function(fr.SB, fr.VB, lambda w: _pinv_eigenvalues(w, rcond))
         YB = gB @ _gram_function(fr.SA, fr.VA, lambda w: _pinv_eigenvalues(w, rcond))
-    return YA.sub_(_project(fr.QA, YA), alpha=0.5), YB.sub_(_project(fr.QB, YB), alpha=0.5)  # Y: fresh solves
+    return YA.sub_(_project(fr.QA, YA), alpha=0.5), YB.sub_(_project(fr.QB, YB), alpha=0.5)  # Y: fresh products
 
 
 def _pinv_eigenvalues(w: Tensor, rcond: float) -> Tensor:
@@ -203,15 +216,15 @@ def lifted_sqnorm(
     ``c_B = Q_BᵀX_B``, the lift's image (eq. 14) has the orthogonal blocks ``Q_A ½(c_A + c_Bᵀ) Q_Bᵀ``,
     ``(I − Π_A) X_A Q_Bᵀ`` and ``Q_A X_Bᵀ (I − Π_B)``, so its squared norm is
     ``¼‖c_A + c_Bᵀ‖² + (‖X_A‖² − ‖c_A‖²) + (‖X_B‖² − ‖c_B‖²)`` (``= ‖P(G)‖²`` of eq. 13 when
-    ``g_A = GB``, ``g_B = GᵀA``). One triangular solve and one ``r``-row product per factor — a third
+    ``g_A = GB``, ``g_B = GᵀA``). One product with ``R⁻¹`` and one ``r``-row product per factor — a third
     of the lift plus :func:`intrinsic_sqnorm` — so per-example clipping (eq. 16) never forms the lift;
     the clipped sum is lifted once (the lift is linear). The two differences lose at most
     ``eps·(‖X_A‖² + ‖X_B‖²)``, which for gradients of that form is ``≤ 2 eps`` of the result (each
-    of ``‖X_A‖²``, ``‖X_B‖²`` is at most the result); the solves add ``eps·κ`` as in the lift.
+    of ``‖X_A‖²``, ``‖X_B‖²`` is at most the result); ``R⁻¹`` adds ``eps·κ`` as in the lift.
     """
     fr = _frame(A, B, frame)
-    XA = torch.linalg.solve_triangular(fr.RB, gA, upper=True, left=False)
-    XB = torch.linalg.solve_triangular(fr.RA, gB, upper=True, left=False)
+    XA = gA @ fr.RBi
+    XB = gB @ fr.RAi
     cA, cB = fr.QA.mT @ XA, fr.QB.mT @ XB
 
     def sq(X: Tensor) -> Tensor:
@@ -302,8 +315,8 @@ def tangent_noise(
         XiA = Omega_A @ _gram_function(fr.SB, fr.VB, lambda w: (w + damping).rsqrt())
         XiB = Omega_B @ _gram_function(fr.SA, fr.VA, lambda w: (w + damping).rsqrt())
         return XiA, XiB
-    XiA = torch.linalg.solve_triangular(fr.RB.mT, Omega_A, upper=False, left=False)
-    XiB = torch.linalg.solve_triangular(fr.RA.mT, Omega_B, upper=False, left=False)
+    XiA = Omega_A @ fr.RBi.mT
+    XiB = Omega_B @ fr.RAi.mT
     return XiA, XiB
 
 

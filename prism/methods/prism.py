@@ -266,8 +266,7 @@ class PrismMethod(Method):
         fr = g.frame
         G, k, m, r = gA.shape
         eye = torch.eye(r, dtype=fr.A.dtype, device=fr.A.device)
-        WA = torch.linalg.solve_triangular(fr.RB, eye, upper=True)
-        WB = torch.linalg.solve_triangular(fr.RA, eye, upper=True)
+        WA, WB = fr.RBi, fr.RAi
         if self.dtype == torch.float64:
             gA = gA @ WA[:, None]
             gBt = WB.mT[:, None] @ gBt
