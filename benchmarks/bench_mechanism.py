@@ -31,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from prism.geometry import standard_normal  # noqa: E402
 from prism.methods.base import Method, PrivacySpec  # noqa: E402
 from prism.methods.factor import FactorDPMethod  # noqa: E402
 from prism.methods.prism import PrismMethod  # noqa: E402
@@ -134,11 +135,41 @@ def read_pass_s(grads: dict[str, torch.Tensor], repeats: int = 3) -> float:
 
 
 def gram_rate(k: int, r: int, repeats: int = 3) -> float:
-    """float64 flop/s of the per-example ``r×r`` Gram products (``[k, m, r]ᵀ [k, m, r]`` batched, m = 10,240)."""
+    """float64 flop/s of the per-example ``r×r`` Gram products (``[k, m, r]ᵀ [k, m, r]`` batched, m = 10,240),
+    on an operand that fits in cache: the best rate these products reach here, so a lower bound on their time."""
     X = torch.randn(8 * k, INTERMEDIATE, r, dtype=torch.float64)
     X.mT @ X
     seconds = statistics.median(timed(lambda: X.mT @ X) for _ in range(repeats))
     return 2 * X.numel() * r / seconds
+
+
+def float64_floor(grads: dict[str, torch.Tensor], k: int, r: int, repeats: int = 3) -> dict[str, float]:
+    """Seconds of the work every float64 per-example norm (docs/DECISIONS.md D40, D60) must do with torch's
+    CPU kernels, measured on this micro-batch's grads. ``convert``: one float32→float64 copy into a kept
+    buffer (torch multiplies only equal dtypes); ``gram``: the ``4 k r² Σ(m+n)`` flops of ``g_Aᵀg_A``,
+    ``Q_Aᵀg_A``, ``g_Bᵀg_B``, ``Q_Bᵀg_B`` at :func:`gram_rate`; ``sum``: one read of the float64 copy by the
+    weighted sum (its coefficients need every module's norm first, so it is a second pass); ``noise`` (per
+    step): ``Σ(m+n) r`` float64 normals (:func:`prism.geometry.standard_normal`)."""
+    tensors = list(grads.values())
+    numel = sum(g.numel() for g in tensors)
+    buffer = torch.empty(numel, dtype=torch.float64)
+    views = list(buffer.split([g.numel() for g in tensors]))
+    views = [v.view(g.shape) for v, g in zip(views, tensors)]
+    alpha = torch.rand(1, 1, k, dtype=torch.float64)
+    out = torch.empty(1, 1, numel // k, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    rows = sum(sum(g.shape[1:]) - r for g in tensors)  # Σ(m + n): lora_B grads are [k, m, r], lora_A [k, r, n]
+    seconds: dict[str, Callable[[], object]] = {
+        "convert": lambda: torch._foreach_copy_(views, tensors),
+        "sum": lambda: out.baddbmm_(alpha, buffer.view(1, k, -1), beta=0.0),
+        "noise": lambda: standard_normal((rows * r,), gen, torch.float64, torch.device("cpu")),
+    }
+    for fn in seconds.values():
+        fn()
+    result: dict[str, float] = {key: statistics.median(timed(fn) for _ in range(repeats)) for key, fn in seconds.items()}
+    result["rate"] = gram_rate(k, r)
+    result["gram"] = 4 * k * r * r * rows / result["rate"]
+    return result
 
 
 def main() -> int:
@@ -193,23 +224,29 @@ def main() -> int:
           "eigh/SVD convergence checks (host reads here; a device sync each on CUDA)\n")
     pm, pb, ad = kinds
     t_op, t_read = op_cost_s(r), read_pass_s(grads)
-    rows = args.layers * sum(m + n for m, n in MODULES.values())
-    flops = 4 * k * r * r * rows  # P = gᵀg and K = Qᵀg for both factors of every module, 2 flops per multiply-add
-    floor = flops / gram_rate(k, r)
     overhead = counts[pm, args.layers]["ops"] * t_op
     ceiling = logical[pm] / max(logical[pm] - overhead, 1e-12)
     accum = {kind: statistics.median(times[kind]["accumulate"]) for kind in kinds}
     megabytes = sum(g.numel() * g.element_size() for g in grads.values()) / 1e6
+    floor = float64_floor(grads, k, r)
+    per_micro = floor["convert"] + floor["gram"] + floor["sum"]
+    floor_step = micro * per_micro + floor["noise"]
     print(f"roofline: one small aten op costs {1e6 * t_op:.1f} µs; × {counts[pm, args.layers]['ops']} ops = "
           f"{1e3 * overhead:.0f} ms of the per-module path's {1e3 * logical[pm]:.0f} ms logical step, the most that "
           f"batching can remove (the rest is arithmetic and memory traffic, the same in both paths), so "
           f"per-module / batched <= {ceiling:.2f} here. One float32 read of a micro-batch's per-example grads "
           f"({megabytes:.0f} MB) takes {1e3 * t_read:.1f} ms: accumulate = {accum[pb] / t_read:.1f} such reads for "
-          f"PRISM batched (float32->float64 copies into a workspace, r×r Gram/cross products, one weighted sum), "
-          f"{accum[ad] / t_read:.1f} for DP-AdamW. The float64 products of PRISM's per-example norms are "
-          f"{flops / 1e9:.1f} GFLOP per micro-batch: at the measured {flops / floor / 1e9:.0f} GFLOP/s that is "
-          f"{1e3 * floor:.0f} ms, a floor of {1e3 * micro * floor:.0f} ms per logical step against DP-AdamW's "
-          f"whole {1e3 * logical[ad]:.0f} ms (<= 2x leaves PRISM {1e3 * 2 * logical[ad]:.0f} ms).\n")
+          f"PRISM batched, {accum[ad] / t_read:.1f} for DP-AdamW.\n")
+    print(f"float64 floor of PRISM's logical step (per-example norms in float64, docs/DECISIONS.md D40/D60; "
+          f"torch CPU kernels), measured on these grads:\n"
+          f"  per micro-batch: float32->float64 copy {1e3 * floor['convert']:.1f} ms + Gram/cross products "
+          f"{1e3 * floor['gram']:.1f} ms (at the best measured {floor['rate'] / 1e9:.0f} GFLOP/s) + one float64 "
+          f"read by the weighted sum {1e3 * floor['sum']:.1f} ms = {1e3 * per_micro:.1f} ms "
+          f"(PRISM batched accumulate: {1e3 * accum[pb]:.1f} ms)\n"
+          f"  per step: float64 tangent noise draws {1e3 * floor['noise']:.0f} ms\n"
+          f"  floor = {micro} x {1e3 * per_micro:.1f} + {1e3 * floor['noise']:.0f} = {1e3 * floor_step:.0f} ms, "
+          f"= {floor_step / logical[ad]:.2f}x DP-AdamW's {1e3 * logical[ad]:.0f} ms logical step "
+          f"(zero, QR frames, lift and retraction not counted)\n")
     missed = 0
     print(f"{'ratio (logical step)':<36} {'measured':>9}  target")
     for a, b, target, sense in TARGETS:
@@ -220,6 +257,10 @@ def main() -> int:
         if a == pm:
             print(f"{'  its ceiling, no op cost at all':<36} {ceiling:9.2f}  {sense} {target:<5} "
                   f"{'reachable' if ceiling >= target else 'out of reach at these shapes'}")
+        else:
+            bound = floor_step / logical[b]
+            print(f"{'  its floor, float64 norms':<36} {bound:9.2f}  {sense} {target:<5} "
+                  f"{'reachable' if bound <= target else 'out of reach under float64 norms'}")
     flat = counts["PRISM batched", half]["ops"] == counts["PRISM batched", args.layers]["ops"]
     missed += not flat
     print(f"{'PRISM batched ops independent of L':<36} {str(flat):>9}  == True {'ok' if flat else 'MISSED'}")

@@ -244,12 +244,16 @@ class PrismMethod(Method):
                 add(list(g.sums[1].unbind(0)), [grads[p.b_name] for p in g.pairs])
             self._fresh = False
             return
-        stacked = self._stack_examples(grads)
-        sq = sum(self._example_sqnorms(g, gA, gBt) for g, (gA, gBt) in zip(self.groups, stacked))
+        order = sorted(zip(self.groups, self._example_views(grads)), key=lambda x: x[1][0].numel() + x[1][1].numel())
+        sq = 0.0
+        for g, (gA, gBt) in order:  # each group's products right after its copy, while it is in cache
+            torch._foreach_copy_(list(gA.unbind(0)), [grads[p.a_name] for p in g.pairs])
+            torch._foreach_copy_(list(gBt.unbind(0)), [grads[p.b_name] for p in g.pairs])
+            sq = sq + self._example_sqnorms(g, gA, gBt)
         norms = sq.sqrt()  # NaN stays NaN: it reaches the update and the loop's finite check
         alpha = (self.privacy.clip_norm / norms).clamp(max=1.0)
         self._norms.append(norms)
-        for g, (gA, gBt) in zip(self.groups, stacked):
+        for g, (gA, gBt) in reversed(order):  # the latest copies first
             self._add_clipped(g, alpha, gA, gBt)
         self._fresh = False
 
@@ -288,25 +292,22 @@ class PrismMethod(Method):
         SA.view(G, 1, -1).baddbmm_(alpha.expand(G, 1, k), gA.view(G, k, -1), beta=beta)
         SBt.view(G, 1, -1).baddbmm_(alpha.expand(G, 1, k), gBt.view(G, k, -1), beta=beta)
 
-    @torch.no_grad()
-    def _stack_examples(self, grads: Mapping[str, Tensor]) -> list[tuple[Tensor, Tensor]]:
-        """Per-example grads of every group in the working dtype, one fused copy per factor into one
-        workspace: paper ``g_A`` ``[G, k, m, r]`` (peft ``lora_B``) and ``g_Bᵀ`` ``[G, k, r, n]`` (peft
-        ``lora_A``). Every group stays in the workspace until its clipped sum is taken (one conversion
-        per micro-batch, about twice the float32 grads' memory)."""
+    def _example_views(self, grads: Mapping[str, Tensor]) -> list[tuple[Tensor, Tensor]]:
+        """Every group's slots for its per-example grads in the working dtype, in one workspace: paper
+        ``g_A`` ``[G, k, m, r]`` (peft ``lora_B``) and ``g_Bᵀ`` ``[G, k, r, n]`` (peft ``lora_A``). Each
+        group's copy stays there until its clipped sum is taken (one conversion per micro-batch, about
+        twice the float32 grads' memory)."""
         k = grads[self.groups[0].pairs[0].a_name].shape[0]
         shapes = [(len(g.pairs), k, *grads[g.pairs[0].a_name].shape[1:], *grads[g.pairs[0].b_name].shape[1:])
                   for g in self.groups]  # (G, k, m, r, r, n)
         flat = self._buffer("examples", sum(G * k * (m + n) * r for G, k, m, r, _, n in shapes),
                             grads[self.groups[0].pairs[0].a_name].device)
         out, offset = [], 0
-        for g, (G, k, m, r, _, n) in zip(self.groups, shapes):
+        for G, k, m, r, _, n in shapes:
             gA = flat[offset: offset + G * k * m * r].view(G, k, m, r)
             offset += G * k * m * r
             gBt = flat[offset: offset + G * k * r * n].view(G, k, r, n)
             offset += G * k * r * n
-            torch._foreach_copy_(list(gA.unbind(0)), [grads[p.a_name] for p in g.pairs])
-            torch._foreach_copy_(list(gBt.unbind(0)), [grads[p.b_name] for p in g.pairs])
             out.append((gA, gBt))
         return out
 
