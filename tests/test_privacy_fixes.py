@@ -255,3 +255,30 @@ def test_secure_noise_seeds_from_entropy_and_keeps_rng_states_out_of_checkpoints
         T._restore(resumed, state)
         # public: the noise stream continues where it stopped; secure: the fresh stream is kept
         assert torch.equal(resumed.noise.get_state(), fresh) is is_secure
+
+
+def test_float64_noise_draws_have_the_law_of_torch_randn() -> None:
+    """:func:`geometry.standard_normal` (vectorised Box–Muller) against N(0, 1) and ``torch.randn``: the
+    Kolmogorov–Smirnov distance to the normal CDF and to torch's own float64 draws (both at the 1 %
+    critical value), uncorrelated cos/sin halves (and squares), and odd sizes keep their shape."""
+    n = 200_000
+    ours = geometry.standard_normal((n,), torch.Generator().manual_seed(3), F64, torch.device("cpu"))
+    theirs = torch.randn(n, generator=torch.Generator().manual_seed(4), dtype=F64)
+    assert ours.dtype == F64 and ours.shape == (n,)
+    x = ours.sort().values
+    cdf = 0.5 * (1 + torch.special.erf(x / 2**0.5))
+    grid = torch.arange(1, n + 1, dtype=F64) / n
+    ks_normal = torch.maximum((grid - cdf).abs(), (cdf - (grid - 1 / n)).abs()).max().item()
+    assert ks_normal < 1.63 / n**0.5  # the KS test's 1 % critical value
+    both = torch.cat([ours, theirs])
+    rank = torch.empty(2 * n, dtype=F64)
+    rank[both.argsort()] = torch.arange(2 * n, dtype=F64)
+    ours_cdf = torch.cumsum(torch.zeros(2 * n, dtype=F64).index_fill_(0, rank[:n].long(), 1.0), 0) / n
+    theirs_cdf = torch.cumsum(torch.zeros(2 * n, dtype=F64).index_fill_(0, rank[n:].long(), 1.0), 0) / n
+    assert (ours_cdf - theirs_cdf).abs().max().item() < 1.63 * (2 / n) ** 0.5  # two-sample KS, 1 %
+    cos_half, sin_half = ours[: n // 2], ours[n // 2:]
+    for a, b in ((cos_half, sin_half), (cos_half.square(), sin_half.square())):
+        corr = torch.corrcoef(torch.stack([a, b]))[0, 1].item()
+        assert abs(corr) < 4 / (n // 2) ** 0.5
+    assert ours.abs().max().item() <= (2 * 53 * 0.6931471805599453) ** 0.5  # √(−2 ln 2⁻⁵³)
+    assert geometry.standard_normal((3, 5, 7), None, F64, torch.device("cpu")).shape == (3, 5, 7)
