@@ -3,9 +3,11 @@
 No model is loaded: random full-rank factors and synthetic per-example factor gradients with the exact
 shapes of the paper's targeted modules (q, k, v, up, down of every decoder layer; hidden 2560,
 intermediate 10240, 8 query heads × 256, 4 KV heads × 256), r = 16, micro-batch 4, B = 64, so one
-logical step is ``zero_accumulators`` + B/4 ``accumulate`` calls + ``step``. Times are medians over
-``--repeats`` rounds, methods interleaved; each call is timed separately and the logical step is
-composed from them (``zero + B/k·accumulate + step``). ``torch.profiler`` counts, per logical step,
+logical step is ``zero_accumulators`` + B/4 ``accumulate`` calls + ``step``. Times are CPU seconds
+(one thread, so the core time without the waits for a core on a shared machine), medians over
+``--repeats`` rounds, methods and the pieces of the float64 floor (:func:`float64_floor`) interleaved;
+each call is timed separately and the logical step is composed from them (``zero + B/k·accumulate +
+step``). ``torch.profiler`` counts, per logical step,
 the aten ops called from Python (the kernel chain; nested ops excluded), our host reads
 (``_local_scalar_dense`` outside torch's own checks; a device sync on a GPU) and torch's linalg
 convergence checks (one host read of ``info`` per ``eigh``/SVD call, a device sync on CUDA too).
@@ -74,9 +76,11 @@ def build(kind: str, params: dict[str, nn.Parameter], privacy: PrivacySpec) -> M
 
 
 def timed(fn: Callable[[], object]) -> float:
-    tic = time.perf_counter()
+    """CPU seconds (user + system) of one call: single-threaded, so the core time it took, without the
+    time the process waited for a core on a shared machine."""
+    tic = time.process_time()
     fn()
-    return time.perf_counter() - tic
+    return time.process_time() - tic
 
 
 def nested_in(event, prefix: str) -> bool:
@@ -134,22 +138,15 @@ def read_pass_s(grads: dict[str, torch.Tensor], repeats: int = 3) -> float:
     return statistics.median(timed(lambda: torch._foreach_norm(tensors)) for _ in range(repeats))
 
 
-def gram_rate(k: int, r: int, repeats: int = 3) -> float:
-    """float64 flop/s of the per-example ``r×r`` Gram products (``[k, m, r]ᵀ [k, m, r]`` batched, m = 10,240),
-    on an operand that fits in cache: the best rate these products reach here, so a lower bound on their time."""
-    X = torch.randn(8 * k, INTERMEDIATE, r, dtype=torch.float64)
-    X.mT @ X
-    seconds = statistics.median(timed(lambda: X.mT @ X) for _ in range(repeats))
-    return 2 * X.numel() * r / seconds
-
-
-def float64_floor(grads: dict[str, torch.Tensor], k: int, r: int, repeats: int = 3) -> dict[str, float]:
+def float64_floor(grads: dict[str, torch.Tensor], k: int, r: int) -> dict[str, Callable[[], object]]:
     """Seconds of the work every float64 per-example norm (docs/DECISIONS.md D40, D60) must do with torch's
     CPU kernels, measured on this micro-batch's grads. ``convert``: one float32→float64 copy into a kept
     buffer (torch multiplies only equal dtypes); ``gram``: the ``4 k r² Σ(m+n)`` flops of ``g_Aᵀg_A``,
-    ``Q_Aᵀg_A``, ``g_Bᵀg_B``, ``Q_Bᵀg_B`` at :func:`gram_rate`; ``sum``: one read of the float64 copy by the
+    ``Q_Aᵀg_A``, ``g_Bᵀg_B``, ``Q_Bᵀg_B`` as ``[k, m, r]ᵀ [k, m, r]`` products (m = 10,240) on an operand that fits
+    in cache, the best rate they reach here (so a lower bound on their time); ``sum``: one read of the float64 copy by the
     weighted sum (its coefficients need every module's norm first, so it is a second pass); ``noise`` (per
-    step): ``Σ(m+n) r`` float64 normals (:func:`prism.geometry.standard_normal`)."""
+    step): ``Σ(m+n) r`` float64 normals (:func:`prism.geometry.standard_normal`). Returns the calls, timed in
+    the methods' rounds, side by side with them."""
     tensors = list(grads.values())
     numel = sum(g.numel() for g in tensors)
     buffer = torch.empty(numel, dtype=torch.float64)
@@ -164,12 +161,10 @@ def float64_floor(grads: dict[str, torch.Tensor], k: int, r: int, repeats: int =
         "sum": lambda: out.baddbmm_(alpha, buffer.view(1, k, -1), beta=0.0),
         "noise": lambda: standard_normal((rows * r,), gen, torch.float64, torch.device("cpu")),
     }
-    for fn in seconds.values():
-        fn()
-    result: dict[str, float] = {key: statistics.median(timed(fn) for _ in range(repeats)) for key, fn in seconds.items()}
-    result["rate"] = gram_rate(k, r)
-    result["gram"] = 4 * k * r * r * rows / result["rate"]
-    return result
+    flops = 4 * k * r * r * rows
+    X = torch.randn(8 * k, INTERMEDIATE, r, dtype=torch.float64)
+    seconds["gram"] = lambda: [X.mT @ X for _ in range(max(1, round(flops / (2 * X.numel() * r))))]
+    return seconds
 
 
 def main() -> int:
@@ -190,7 +185,13 @@ def main() -> int:
     grads = per_example_grads(params[kinds[0]], k, seed=1)
     gen = torch.Generator().manual_seed(2)
     times: dict[str, dict[str, list[float]]] = {kind: {"zero": [], "accumulate": [], "step": []} for kind in kinds}
+    floor_calls = float64_floor(grads, k, r)
+    floor_times: dict[str, list[float]] = {key: [] for key in floor_calls}
     for rep in range(args.repeats + 1):  # the first round warms up
+        for key, fn in floor_calls.items():
+            seconds = timed(fn)
+            if rep:
+                floor_times[key].append(seconds)
         for kind, method in methods.items():
             t = {"zero": timed(method.zero_accumulators),
                  "accumulate": timed(lambda m=method: m.accumulate(grads)),
@@ -228,7 +229,7 @@ def main() -> int:
     ceiling = logical[pm] / max(logical[pm] - overhead, 1e-12)
     accum = {kind: statistics.median(times[kind]["accumulate"]) for kind in kinds}
     megabytes = sum(g.numel() * g.element_size() for g in grads.values()) / 1e6
-    floor = float64_floor(grads, k, r)
+    floor = {key: statistics.median(v) for key, v in floor_times.items()}
     per_micro = floor["convert"] + floor["gram"] + floor["sum"]
     floor_step = micro * per_micro + floor["noise"]
     print(f"roofline: one small aten op costs {1e6 * t_op:.1f} µs; × {counts[pm, args.layers]['ops']} ops = "
@@ -240,7 +241,7 @@ def main() -> int:
     print(f"float64 floor of PRISM's logical step (per-example norms in float64, docs/DECISIONS.md D40/D60; "
           f"torch CPU kernels), measured on these grads:\n"
           f"  per micro-batch: float32->float64 copy {1e3 * floor['convert']:.1f} ms + Gram/cross products "
-          f"{1e3 * floor['gram']:.1f} ms (at the best measured {floor['rate'] / 1e9:.0f} GFLOP/s) + one float64 "
+          f"{1e3 * floor['gram']:.1f} ms (their flops on a cache-resident operand) + one float64 "
           f"read by the weighted sum {1e3 * floor['sum']:.1f} ms = {1e3 * per_micro:.1f} ms "
           f"(PRISM batched accumulate: {1e3 * accum[pb]:.1f} ms)\n"
           f"  per step: float64 tangent noise draws {1e3 * floor['noise']:.0f} ms\n"
