@@ -13,11 +13,13 @@ each ≤ ``train.steps``). ``--eval-tasks`` scores only some tasks; training sti
 One table row per checkpoint and task: the score, the share of unparsed responses, and the share of
 the most frequent parsed answer with that answer (near 1: the model answers one value for every row,
 a collapse that a score alone hides); then the CPU seconds of this process spent training up to this
-checkpoint (cumulative) and evaluating at it. Nothing is written to disk except the shared frozen-layer caches.
+checkpoint (cumulative) and evaluating at it, and the mean per-example training loss (mean over supervised tokens) of the steps since the previous
+checkpoint. Nothing is written to disk except the shared frozen-layer caches.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections import Counter
@@ -36,8 +38,8 @@ from pipelines.validate import ConfigError, load_job  # noqa: E402
 from prism import evaluate  # noqa: E402
 from prism.metrics import COLUMN_RULES, extract_choice, extract_number, parse_glue_label  # noqa: E402
 
-HEADER = ("| step | task | column | score | unparsed | top answer (share) | train CPU s | eval CPU s |\n"
-          "|---|---|---|---|---|---|---|---|")
+HEADER = ("| step | task | column | score | unparsed | top answer (share) | train loss | train CPU s | eval CPU s |\n"
+          "|---|---|---|---|---|---|---|---|---|")
 
 
 def parsed_answer(column: str, text: str, choice_rule: str = "lookaround") -> Any:
@@ -61,15 +63,15 @@ def top_answer(answers: Sequence[Any]) -> tuple[Any, float]:
 
 
 def checkpoint_rows(step: int, result: dict[str, Any], columns: dict[str, str], choice_rule: str,
-                    train_s: float, eval_s: float) -> list[dict[str, Any]]:
+                    loss: float, train_s: float, eval_s: float) -> list[dict[str, Any]]:
     """One record per task of an :func:`prism.evaluate.evaluate_suite` result whose ``samples`` hold
-    every response."""
+    every response; `loss`: the mean training loss of the steps since the previous checkpoint."""
     rows = []
     for task, score in result["scores"].items():
         answer, share = top_answer([parsed_answer(columns[task], t, choice_rule) for t in result["samples"][task]])
         rows.append({"step": step, "task": task, "column": columns[task], "score": score,
                      "unparsed": result["parse_failure"][task], "top_answer": answer, "top_share": share,
-                     "train_cpu_s": train_s, "eval_cpu_s": eval_s})
+                     "train_loss": loss, "train_cpu_s": train_s, "eval_cpu_s": eval_s})
     return rows
 
 
@@ -77,7 +79,7 @@ def format_row(row: dict[str, Any]) -> str:
     answer = "—" if row["top_answer"] is None else f"{row['top_answer']:g}" if isinstance(row["top_answer"], float) \
         else str(row["top_answer"])
     return (f"| {row['step']} | {row['task']} | {row['column']} | {row['score']:.3f} | {row['unparsed']:.1%} "
-            f"| {answer} ({row['top_share']:.0%}) | {row['train_cpu_s']:.1f} | {row['eval_cpu_s']:.1f} |")
+            f"| {answer} ({row['top_share']:.0%}) | {row['train_loss']:.3f} | {row['train_cpu_s']:.1f} | {row['eval_cpu_s']:.1f} |")
 
 
 def checkpoints(at: Sequence[int] | None, steps: int) -> list[int]:
@@ -106,16 +108,19 @@ def learning_curve(cfg: DictConfig, at: Sequence[int], eval_tasks: Sequence[str]
     step, train_s = 0, 0.0
     emit(HEADER)
     for point in at:
-        tic = time.process_time()
+        tic, losses = time.process_time(), []
         while step < point:
-            train_step(s, cfg, diagnostics=False)
+            record = train_step(s, cfg, diagnostics=False)
+            if "loss" in record:  # absent on an empty non-private batch
+                losses.append(float(record["loss"]))
             step += 1
         train_s += time.process_time() - tic
+        loss = sum(losses) / len(losses) if losses else math.nan
         tic = time.process_time()
         with mock.patch.object(evaluate, "N_SAMPLES", all_rows):  # keep every response, not the first few
             result = evaluate.evaluate_suite(s.model, s.tokenizer, s.suite, cfg.suite.decoding,
                                              cfg.train.eval_batch_size)
-        rows = checkpoint_rows(step, result, s.suite.task_columns, choice_rule, train_s, time.process_time() - tic)
+        rows = checkpoint_rows(step, result, s.suite.task_columns, choice_rule, loss, train_s, time.process_time() - tic)
         for row in rows:
             emit(format_row(row))
         records.extend(rows)
