@@ -21,12 +21,14 @@ SST-2 stand-in has at most about 4,000 training rows.
 
 Evaluation rows are drawn from a fixed stream (seed `EVAL_SEED`, like the paper's fixed test sets);
 training rows from the run seed, excluding any question that is in the evaluation set. GLUE-style
-classes are balanced in both. Math targets are the bare answer, ``42.`` / ``(C).`` (a few tokens to
-generate; the paper's Math-10K targets are rationales ending in "The answer is …", read by the same
-last-number / last-letter extraction).
+classes are balanced in both. Math targets (``target``, :func:`math_target`) are the bare answer,
+``42.`` / ``(C).`` (a few tokens to generate), or for the MAWPS stand-in a one-line rationale
+``4 - 1 = 3.`` (the embedded default, docs/DECISIONS.md D62); the paper's Math-10K targets are
+rationales ending in "The answer is …", read by the same last-number / last-letter extraction.
 
 Node ``suite.embedded`` fields: ``tasks`` (default: all of the suite's), ``train_per_task`` (a count,
-or a mapping task → count), ``eval_per_task``, ``min_confidence`` (tweets; default 0.8).
+or a mapping task → count), ``eval_per_task``, ``min_confidence`` (tweets; default 0.8), ``target``
+(Math: ``bare`` | ``sentence`` | ``equation``; default ``bare``).
 """
 from __future__ import annotations
 
@@ -179,17 +181,16 @@ def math_target(answer: str, style: str, equation: str | None = None) -> str:
     * ``bare``: ``3.`` / ``(C).``;
     * ``sentence``: ``The answer is 3.`` / ``The answer is (C).`` (the closing words of the paper's
       Math-10K rationales);
-    * ``equation``: a one-line rationale, the question's expression and its value, then the answer when it
-      is not that value: ``4 - 1 = 3.`` / ``4 - 1 = 3, (C).``; rows without an expression (`equation`
-      None: the GSM8K and SVAMP stand-ins) stay ``bare``.
+    * ``equation``: a one-line rationale, the question's expression equal to its value, ``4 - 1 = 3.``
+      (`equation` ``"4 - 1 = 3"``); rows without one (`equation` None) stay ``bare``. Only the MAWPS
+      stand-in has one: an AQuA stand-in target ``4 - 1 = 3, (C).`` left 82 % of answers without a letter
+      after 15 steps (docs/embedded-scale.md), so that stand-in, GSM8K's and SVAMP's stay bare.
     """
     if style not in TARGET_STYLES:
         raise ValueError(f"suite.embedded.target={style!r}: use one of {', '.join(TARGET_STYLES)}")
     if style == "sentence":
         return f"The answer is {answer}."
-    if style == "equation" and equation:
-        return f"{equation}." if equation.endswith(f"= {answer}") else f"{equation}, {answer}."
-    return f"{answer}."
+    return f"{equation}." if style == "equation" and equation else f"{answer}."
 
 
 def _parsed(items: list[dict]) -> tuple[list[tuple[str, str, float, str | None]], int]:
@@ -217,14 +218,14 @@ def _choice(items: list[dict], seed: int, style: str) -> tuple[list[Example], in
     rows, bad = _parsed(items)
     rng = random.Random(seed)
     out = []
-    for question, _, value, equation in rows:
+    for question, _, value, _ in rows:
         gold = int(value) if float(value).is_integer() else value
         options = [gold, *(gold + d for d in rng.sample([d for d in range(-12, 13) if d], 4))]
         rng.shuffle(options)
         letter = "ABCDE"[options.index(gold)]
         choices = " ".join(f"({L}) {v}" for L, v in zip("ABCDE", options))
         out.append(Example("arith_choice", f"{question} Answer Choices: {choices}", "",
-                           math_target(f"({letter})", style, equation), letter))
+                           math_target(f"({letter})", style), letter))
     return out, bad
 
 
