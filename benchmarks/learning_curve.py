@@ -12,9 +12,10 @@ each ≤ ``train.steps``). ``--eval-tasks`` scores only some tasks; training sti
 
 One table row per checkpoint and task: the score, the share of unparsed responses, and the share of
 the most frequent parsed answer with that answer (near 1: the model answers one value for every row,
-a collapse that a score alone hides); then the CPU seconds of this process spent training up to this
-checkpoint (cumulative) and evaluating at it, and the mean per-example training loss (mean over supervised tokens) of the steps since the previous
-checkpoint. Nothing is written to disk except the shared frozen-layer caches.
+a collapse that a score alone hides); the mean per-example training loss (mean over supervised tokens)
+of the steps since the previous checkpoint; the CPU seconds of this process spent training up to this
+checkpoint (cumulative) and evaluating at it. Nothing is written to disk except the shared
+frozen-layer caches. Every response is kept by raising ``prism.evaluate.N_SAMPLES`` for the call.
 """
 from __future__ import annotations
 
