@@ -47,13 +47,44 @@ def test_embedded_glue_uses_paper_instructions_and_balanced_labels() -> None:
     assert all(Counter(ex.answer for ex in rows) == {0: 4, 1: 4} for rows in suite.eval.values())
 
 
-def test_embedded_math_targets_extract_to_gold() -> None:
-    suite = _embedded("math10k", 0)
+@pytest.mark.parametrize("target", ["bare", "sentence", "equation"])
+def test_embedded_math_targets_extract_to_gold(target: str) -> None:
+    suite = _embedded("math10k", 0, target=target)
     for ex in suite.train + [ex for rows in suite.eval.values() for ex in rows]:
         if ex.task == "arith_choice":
             assert extract_choice(ex.output) == ex.answer
         else:
-            assert extract_number(ex.output) == ex.answer and ex.output == f"{ex.output[:-1]}."
+            assert extract_number(ex.output) == ex.answer and ex.output.endswith(".")
+        if target == "sentence":
+            assert ex.output.startswith("The answer is ")
+
+
+def test_embedded_math_target_changes_only_the_outputs() -> None:
+    """Every target style has the same questions and gold answers (a 0-step model scores them alike)."""
+    bare, equation = _embedded("math10k", 5), _embedded("math10k", 5, target="equation")
+    strip = lambda rows: [(ex.task, ex.instruction, ex.answer) for ex in rows]  # noqa: E731
+    assert strip(bare.train) == strip(equation.train)
+    assert {t: strip(r) for t, r in bare.eval.items()} == {t: strip(r) for t, r in equation.eval.items()}
+    with pytest.raises(ValueError, match="suite.embedded.target='cot'"):
+        _embedded("math10k", 5, target="cot")
+
+
+def test_embedded_equation_targets_recompute_from_the_question() -> None:
+    """``equation``: the MAWPS stand-in's targets state the question's own expression and its value
+    (recomputed here from the question text); the others stay bare."""
+    suite = _embedded("math10k", 2, target="equation")
+    rows = suite.train + [ex for rows in suite.eval.values() for ex in rows]
+    for ex in rows:
+        if ex.task not in ("basic_arithmetic", "arith_choice"):
+            assert " = " not in ex.output
+            continue
+        (a, op, b), = re.findall(r"(\d+) ([+-]) (\d+)", ex.instruction.split(" Answer Choices:")[0])
+        value = int(a) + int(b) if op == "+" else int(a) - int(b)
+        if ex.task == "basic_arithmetic":
+            assert ex.output == f"{a} {op} {b} = {value}." and ex.answer == value
+        else:
+            options = dict(re.findall(r"\(([A-E])\) (-?\d+)", ex.instruction))
+            assert int(options[ex.answer]) == value and ex.output == f"({ex.answer})."
 
 
 def test_embedded_task_subset_and_eval_limit() -> None:

@@ -21,12 +21,14 @@ SST-2 stand-in has at most about 4,000 training rows.
 
 Evaluation rows are drawn from a fixed stream (seed `EVAL_SEED`, like the paper's fixed test sets);
 training rows from the run seed, excluding any question that is in the evaluation set. GLUE-style
-classes are balanced in both. Math targets are the bare answer, ``42.`` / ``(C).`` (a few tokens to
-generate; the paper's Math-10K targets are rationales ending in "The answer is …", read by the same
-last-number / last-letter extraction).
+classes are balanced in both. Math targets (``target``, :func:`math_target`) are the bare answer,
+``42.`` / ``(C).`` (a few tokens to generate), or for the MAWPS stand-in a one-line rationale
+``4 - 1 = 3.`` (the embedded default, docs/DECISIONS.md D62); the paper's Math-10K targets are
+rationales ending in "The answer is …", read by the same last-number / last-letter extraction.
 
 Node ``suite.embedded`` fields: ``tasks`` (default: all of the suite's), ``train_per_task`` (a count,
-or a mapping task → count), ``eval_per_task``, ``min_confidence`` (tweets; default 0.8).
+or a mapping task → count), ``eval_per_task``, ``min_confidence`` (tweets; default 0.8), ``target``
+(Math: ``bare`` | ``sentence`` | ``equation``; default ``bare``).
 """
 from __future__ import annotations
 
@@ -169,7 +171,31 @@ _ARITH = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "ope
 _LEGS = {"min_animals": 1, "max_animals": 2, "max_instances": 3}
 
 
-def _numeric(task: str, items: list[dict]) -> tuple[list[Example], int]:
+TARGET_STYLES = ("bare", "sentence", "equation")
+
+
+def math_target(answer: str, style: str, equation: str | None = None) -> str:
+    """Training target of a Math stand-in row (``suite.embedded.target``), read by the same last-number /
+    last-letter extraction in every style:
+
+    * ``bare``: ``3.`` / ``(C).``;
+    * ``sentence``: ``The answer is 3.`` / ``The answer is (C).`` (the closing words of the paper's
+      Math-10K rationales);
+    * ``equation``: a one-line rationale, the question's expression equal to its value, ``4 - 1 = 3.``
+      (`equation` ``"4 - 1 = 3"``); rows without one (`equation` None) stay ``bare``. Only the MAWPS
+      stand-in has one: an AQuA stand-in target ``4 - 1 = 3, (C).`` left 82 % of answers without a letter
+      after 15 steps (docs/embedded-scale.md), so that stand-in, GSM8K's and SVAMP's stay bare.
+    """
+    if style not in TARGET_STYLES:
+        raise ValueError(f"suite.embedded.target={style!r}: use one of {', '.join(TARGET_STYLES)}")
+    if style == "sentence":
+        return f"The answer is {answer}."
+    return f"{equation}." if style == "equation" and equation else f"{answer}."
+
+
+def _parsed(items: list[dict]) -> tuple[list[tuple[str, str, float, str | None]], int]:
+    """(question, answer text, gold value, ``"<expression> = <answer>"`` or None) per well-formed item,
+    and the number of malformed ones."""
     out, bad = [], 0
     for item in items:
         question, gold = item.get("question"), parse_gold_number(item.get("answer"))
@@ -177,34 +203,40 @@ def _numeric(task: str, items: list[dict]) -> tuple[list[Example], int]:
             bad += 1
             continue
         answer = str(item["answer"]).strip()
-        out.append(Example(task, question.strip(), "", f"{answer}.", gold))
+        expression = (item.get("metadata") or {}).get("expression")
+        out.append((question.strip(), answer, gold, f"{expression} = {answer}" if expression else None))
     return out, bad
 
 
-def _choice(items: list[dict], seed: int) -> tuple[list[Example], int]:
+def _numeric(task: str, items: list[dict], style: str) -> tuple[list[Example], int]:
+    rows, bad = _parsed(items)
+    return [Example(task, q, "", math_target(answer, style, equation), gold) for q, answer, gold, equation in rows], bad
+
+
+def _choice(items: list[dict], seed: int, style: str) -> tuple[list[Example], int]:
     """AQuA-style 5-way choice: the true value plus four distinct distractors within ±12, shuffled."""
-    numeric, bad = _numeric("arith_choice", items)
+    rows, bad = _parsed(items)
     rng = random.Random(seed)
     out = []
-    for ex in numeric:
-        gold = int(ex.answer) if float(ex.answer).is_integer() else ex.answer
+    for question, _, value, _ in rows:
+        gold = int(value) if float(value).is_integer() else value
         options = [gold, *(gold + d for d in rng.sample([d for d in range(-12, 13) if d], 4))]
         rng.shuffle(options)
         letter = "ABCDE"[options.index(gold)]
         choices = " ".join(f"({L}) {v}" for L, v in zip("ABCDE", options))
-        out.append(Example(ex.task, f"{ex.instruction} Answer Choices: {choices}", "",
-                           f"({letter}).", letter))
+        out.append(Example("arith_choice", f"{question} Answer Choices: {choices}", "",
+                           math_target(f"({letter})", style), letter))
     return out, bad
 
 
 def _math_task(generator: str, config: dict, choice: bool = False):
     def build(n_train: int, n_eval: int, seed: int, node: Any) -> Split:
-        del node
         task = "arith_choice" if choice else generator
+        style = str(node.get("target", "bare"))
 
         def make(stream_seed: int, size: int) -> tuple[list[Example], int]:
             items = _gym(generator, stream_seed, size, **config)
-            return _choice(items, stream_seed) if choice else _numeric(task, items)
+            return _choice(items, stream_seed, style) if choice else _numeric(task, items, style)
 
         eval_rows, bad_e = make(sub_seed(EVAL_SEED, task), 2 * n_eval + 64)  # small generators repeat questions
         eval_rows = list({ex.instruction: ex for ex in eval_rows}.values())[:n_eval]
