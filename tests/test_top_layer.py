@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from prism import top_layer
+from prism.grouped_attention import grouped_eager
 from prism.prefix import PrefixCache, _decoder, _top_layers_only
 from prism.privacy.per_example import PerExampleGradients, summed_gradients
 from tests.test_prefix import features, tiny_model
@@ -69,3 +70,24 @@ def test_only_llama_layers_take_the_shortcut() -> None:
     assert top_layer.supported(_decoder(tiny_model("llama")))
     assert not top_layer.supported(_decoder(tiny_model("gemma3")))
     assert not top_layer.supported(_decoder(tiny_model("llama", attention_dropout=0.1)))
+
+
+def test_grouped_eager_attention_generates_what_eager_does() -> None:
+    """Grouped-query attention without the per-head KV copy: the same greedy tokens and scores as HF's
+    eager attention on a tiny random Llama (4 query heads on 2 key/value heads), left-padded batch."""
+    model = tiny_model("llama", torch.float32, lora_layers=[3]).eval()
+    assert model.config._attn_implementation == "eager"
+    ids = torch.randint(3, 90, (3, 9), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    greedy = {"do_sample": False, "max_new_tokens": 8, "pad_token_id": 0, "output_scores": True,
+              "return_dict_in_generate": True}
+    with torch.no_grad():
+        eager = model.generate(input_ids=ids, attention_mask=mask, **greedy)
+        with grouped_eager(model):
+            assert model.config._attn_implementation != "eager"
+            grouped = model.generate(input_ids=ids, attention_mask=mask, **greedy)
+    assert model.config._attn_implementation == "eager"
+    assert torch.equal(grouped.sequences, eager.sequences)
+    for got, want in zip(grouped.scores, eager.scores):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
