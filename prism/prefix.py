@@ -39,7 +39,7 @@ from transformers import DynamicCache
 from prism import top_layer
 from prism.fileio import atomic_write, sha256_file, write_text_atomic
 from prism.models import cache_root
-from prism.privacy.per_example import IGNORE_INDEX, LossFn, Positions, supervised_losses, supervised_positions
+from prism.privacy.per_example import IGNORE_INDEX, LossFn, Positions, mean_token_loss, supervised_positions
 from prism.transfer import batch_to_device
 
 FORMAT = 1
@@ -319,22 +319,26 @@ class PrefixBatch:
     read_only_supervised: bool = True  # last layer at the supervised positions only (prism/top_layer.py)
 
     def __call__(self, model: nn.Module) -> Tensor:
+        return self.losses(model, training=True)
+
+    def losses(self, model: nn.Module, training: bool = True) -> Tensor:
+        """Per-example losses ``ℓ_i`` ``[k]`` of the micro-batch with the model in ``train()`` mode
+        (the training loss; dropout as configured) or ``eval()`` mode (a held-out loss)."""
         if _decoder(model) is not self.decoder:
             raise ValueError("this prefix batch belongs to another model; build the PrefixCache from the trained model")
         length = self.inputs_embeds.shape[1]
         position_ids = torch.arange(length, device=self.inputs_embeds.device).unsqueeze(0)
+        positions, targets = (self.positions if self.positions is not None
+                              else supervised_positions(self.labels, self.attention_mask))
+        inputs = {"inputs_embeds": self.inputs_embeds, "attention_mask": self.attention_mask,
+                  "position_ids": position_ids, "use_cache": False}
+        model.train(training)
         with _top_layers_only(self.decoder, self.depth):
-            if not self.read_only_supervised or not top_layer.supported(self.decoder):
-                return supervised_losses(model, self.labels, self.attention_mask, self.positions,
-                                         inputs_embeds=self.inputs_embeds, position_ids=position_ids)
-            positions, targets = (self.positions if self.positions is not None
-                                  else supervised_positions(self.labels, self.attention_mask))
-            keep = targets != IGNORE_INDEX
-            model.train()
-            with top_layer.read_positions(self.decoder, positions, self.attention_mask, keep):
-                logits = model(inputs_embeds=self.inputs_embeds, attention_mask=self.attention_mask,
-                               position_ids=position_ids, use_cache=False).logits[0]
-            return kept_token_loss(logits, targets, keep)
+            if self.read_only_supervised and top_layer.supported(self.decoder):
+                keep = targets != IGNORE_INDEX
+                with top_layer.read_positions(self.decoder, positions, self.attention_mask, keep):
+                    return kept_token_loss(model(**inputs).logits[0], targets, keep)
+            return mean_token_loss(model(**inputs, logits_to_keep=positions).logits, targets)
 
 
 class PrefixCache:

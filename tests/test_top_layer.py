@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from prism import top_layer
 from prism.grouped_attention import grouped_eager
+from prism.hf_baseline import holdout_loss
 from prism.prefix import PrefixCache, _decoder, _top_layers_only
 from prism.privacy.per_example import PerExampleGradients, summed_gradients
 from tests.test_prefix import features, tiny_model
@@ -91,3 +93,27 @@ def test_grouped_eager_attention_generates_what_eager_does() -> None:
     assert torch.equal(grouped.sequences, eager.sequences)
     for got, want in zip(grouped.scores, eager.scores):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lora_layers", [[3], [2, 3]])
+def test_holdout_loss_from_prefix_states_is_the_full_models_token_mean(lora_layers, tmp_path: Path) -> None:
+    """The hold-out loss of the released non-private recipe, replayed from frozen-prefix states (last
+    layer at the supervised positions), against the token-mean cross-entropy of the full model run on
+    each row alone; the model's train/eval mode is restored."""
+    model = tiny_model("llama", torch.float64, lora_layers=lora_layers)
+    feats = features()
+    feats[3]["labels"] = feats[3]["input_ids"][:]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        model.eval()
+        for f in feats:
+            logits = model(input_ids=torch.tensor([f["input_ids"]])).logits[0, :-1]
+            targets = torch.tensor(f["labels"][1:])
+            total += float(F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"))
+            count += int((targets != -100).sum())
+    model.train()
+    held = PrefixCache.build(model, feats, cache_dir=tmp_path, micro_batch_size=2)
+    got = holdout_loss(model, feats, 0, 4, torch.device("cpu"), held)
+    plain = holdout_loss(model, feats, 0, 4, torch.device("cpu"))
+    assert model.training
+    assert got == pytest.approx(total / count, rel=1e-7) and plain == pytest.approx(total / count, rel=1e-7)
