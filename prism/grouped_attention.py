@@ -21,6 +21,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 NAME = "prism_grouped_eager"
+MODEL_TYPES = ("llama",)
+"""Models whose eager attention is exactly this arithmetic (Gemma's adds logit soft-capping)."""
 
 
 def grouped_eager_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -47,10 +49,10 @@ AttentionMaskInterface.register(NAME, eager_mask)
 
 @contextmanager
 def grouped_eager(model: nn.Module) -> Iterator[None]:
-    """While active, a model configured with ``eager`` attention uses :func:`grouped_eager_attention`
-    (other implementations, and models without an HF config, are left alone); restored on exit."""
+    """While active, a :data:`MODEL_TYPES` model configured with ``eager`` attention uses
+    :func:`grouped_eager_attention` (other models and implementations are left alone); restored on exit."""
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != "eager":
+    if getattr(config, "model_type", None) not in MODEL_TYPES or config._attn_implementation != "eager":
         yield
         return
     config._attn_implementation = NAME

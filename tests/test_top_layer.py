@@ -91,6 +91,9 @@ def test_grouped_eager_attention_generates_what_eager_does() -> None:
             grouped = model.generate(input_ids=ids, attention_mask=mask, **greedy)
     assert model.config._attn_implementation == "eager"
     assert torch.equal(grouped.sequences, eager.sequences)
+    gemma = tiny_model("gemma2", torch.float32)  # eager with logit soft-capping: left alone
+    with grouped_eager(gemma):
+        assert gemma.config._attn_implementation == "eager"
     for got, want in zip(grouped.scores, eager.scores):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
