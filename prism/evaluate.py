@@ -11,7 +11,8 @@ remainder follows it left-padded, so a row sees exactly its own tokens at its ow
 (``[prefix | padding | rest]``, padding masked) — the same greedy tokens as generating it alone
 (``tests/test_evaluate.py``). When LoRA sits on the top layers only, the frozen layers' KV cache of
 the prompts comes from :class:`prism.prompt_cache.FrozenPrompts` instead (computed once per grid),
-so a run's prefill costs only its LoRA layers. ``decoding.shared_prefix`` / ``decoding.frozen_prefix``
+so a run's prefill costs only its LoRA layers. Generation runs HF's eager attention without its
+per-head copy of the KV cache (:mod:`prism.grouped_attention`). ``decoding.shared_prefix`` / ``decoding.frozen_prefix``
 (default true) switch either off.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from prism.data import Suite
 from prism.data.prompts import collate, encode_prompt_as_trained, eval_prompt, response_text
+from prism.grouped_attention import grouped_eager
 from prism.metrics import (
     extract_choice,
     extract_number,
@@ -126,16 +128,17 @@ def generate_responses(
         else:
             padded = collate([{"input_ids": row} for row in rows], pad, pad_to_multiple_of=None, padding_side="left")
             batch = {k: padded[k].to(device) for k in ("input_ids", "attention_mask")}
-        generated = model.generate(
-            **batch,
-            do_sample=False,
-            num_beams=num_beams,
-            max_new_tokens=int(cfg_decoding.get("max_new_tokens", 8)),
-            pad_token_id=pad,
-            eos_token_id=tokenizer.eos_token_id,
-            renormalize_logits=bool(cfg_decoding.get("renormalize_logits", False)),
-            remove_invalid_values=bool(cfg_decoding.get("remove_invalid_values", False)),
-        )
+        with grouped_eager(model):
+            generated = model.generate(
+                **batch,
+                do_sample=False,
+                num_beams=num_beams,
+                max_new_tokens=int(cfg_decoding.get("max_new_tokens", 8)),
+                pad_token_id=pad,
+                eos_token_id=tokenizer.eos_token_id,
+                renormalize_logits=bool(cfg_decoding.get("renormalize_logits", False)),
+                remove_invalid_values=bool(cfg_decoding.get("remove_invalid_values", False)),
+            )
         for i, text in zip(idx, tokenizer.batch_decode(generated, skip_special_tokens=True)):
             out[i] = response_text(text)
     return out

@@ -28,7 +28,8 @@ from torch import Tensor, nn
 from prism.data.prompts import collate
 from prism.methods.base import Method
 from prism.methods.factor import FactorDPMethod
-from prism.privacy.per_example import per_example_loss
+from prism.prefix import PrefixCache
+from prism.privacy.per_example import IGNORE_INDEX, per_example_loss
 
 TRAINERS = ("shared", "hf")
 NORM_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_
@@ -81,18 +82,30 @@ def holdout_split(examples: Sequence[Any], size: int, seed: int) -> tuple[list[A
 
 
 @torch.no_grad()
+@torch.no_grad()
 def holdout_loss(model: nn.Module, features: Sequence[dict], pad_id: int, batch_size: int,
-                 device: torch.device) -> float:
-    """Mean next-token loss over every supervised token of ``features`` (eval mode, no dropout)."""
+                 device: torch.device, prefix: PrefixCache | None = None) -> float:
+    """Mean next-token loss over every supervised token of ``features`` (eval mode, no dropout).
+
+    ``prefix``: the frozen-prefix states of ``features`` (:class:`prism.prefix.PrefixCache`, same
+    order): each batch then replays from them through the trained top layers only, the last one at
+    the supervised positions (:mod:`prism.top_layer`) — the same loss as the full forward up to float
+    rounding, without the frozen layers and the full-vocabulary head over every token."""
     was_training = model.training
-    model.eval()
     total, tokens = 0.0, 0
     try:
         for start in range(0, len(features), batch_size):
-            batch = {k: v.to(device) for k, v in collate(features[start:start + batch_size], pad_id).items()}
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-            losses = per_example_loss(logits, batch["labels"], batch["attention_mask"])
-            counts = ((batch["labels"][:, 1:] != -100) & (batch["attention_mask"][:, :-1] != 0)).sum(1)
+            if prefix is not None:
+                replay = prefix.batch(list(range(start, min(start + batch_size, len(features)))))["loss_fn"]
+                losses = replay.losses(model, training=False)
+                counts = (replay.positions[1] != IGNORE_INDEX).sum(1)
+            else:
+                model.eval()
+                batch = {k: v.to(device) for k, v in collate(features[start:start + batch_size], pad_id).items()}
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                               use_cache=False).logits
+                losses = per_example_loss(logits, batch["labels"], batch["attention_mask"])
+                counts = ((batch["labels"][:, 1:] != IGNORE_INDEX) & (batch["attention_mask"][:, :-1] != 0)).sum(1)
             total += float((losses * counts).sum())
             tokens += int(counts.sum())
     finally:

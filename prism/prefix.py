@@ -8,7 +8,9 @@ layers, all at depth ``≥ d``). :class:`PrefixCache` computes these states once
 padded, positions ``0..len−1`` as in training), persists them under
 ``$PRISM_CACHE/prefix/<key>/`` and replays micro-batches through the top ``K`` layers only: the
 lower layers are swapped for pass-throughs while the forward runs, so the model's own code computes
-masks, rotary embeddings and per-layer attention types at their true layer indices.
+masks, rotary embeddings and per-layer attention types at their true layer indices. In the last
+layer (Llama), only the keys and values run over every token; the rest of the layer and the LM head
+run at the supervised positions alone (:mod:`prism.top_layer`; ``PrefixBatch.read_only_supervised``).
 
 Exactness (checked by ``tests/test_prefix.py``): logits, per-example losses and per-example LoRA
 gradients equal those of the full forward up to float rounding. :func:`prefix_depth` returns
@@ -34,9 +36,10 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from prism import top_layer
 from prism.fileio import atomic_write, sha256_file, write_text_atomic
 from prism.models import cache_root
-from prism.privacy.per_example import IGNORE_INDEX, LossFn, Positions, supervised_losses, supervised_positions
+from prism.privacy.per_example import IGNORE_INDEX, LossFn, Positions, mean_token_loss, supervised_positions
 from prism.transfer import batch_to_device
 
 FORMAT = 1
@@ -291,6 +294,17 @@ def _load(directory: Path, key: str, lengths: list[int]) -> list[Tensor] | None:
 
 
 # ------------------------------------------------------------------------------------------ cache
+def kept_token_loss(logits: Tensor, targets: Tensor, keep: Tensor) -> Tensor:
+    """``[k]`` mean cross-entropy per row, as :func:`prism.privacy.per_example.mean_token_loss` of
+    ``targets`` ``[k, P]``, from the logits ``[n, V]`` of the kept entries only (``keep = targets ≠
+    −100``, row by row); 0 for a row without any."""
+    token_loss = nn.functional.cross_entropy(logits.float() if logits.dtype in (torch.float16, torch.bfloat16)
+                                             else logits, targets[keep], reduction="none")
+    rows = torch.arange(targets.shape[0], device=targets.device).unsqueeze(1).expand_as(targets)[keep]
+    sums = token_loss.new_zeros(targets.shape[0]).index_add(0, rows, token_loss)
+    return sums / keep.sum(dim=1).clamp(min=1).to(sums.dtype)
+
+
 @dataclass
 class PrefixBatch:
     """A :data:`prism.privacy.per_example.LossFn` replaying one right-padded micro-batch from cached
@@ -302,15 +316,29 @@ class PrefixBatch:
     attention_mask: Tensor
     labels: Tensor
     positions: Positions | None = None
+    read_only_supervised: bool = True  # last layer at the supervised positions only (prism/top_layer.py)
 
     def __call__(self, model: nn.Module) -> Tensor:
+        return self.losses(model, training=True)
+
+    def losses(self, model: nn.Module, training: bool = True) -> Tensor:
+        """Per-example losses ``ℓ_i`` ``[k]`` of the micro-batch with the model in ``train()`` mode
+        (the training loss; dropout as configured) or ``eval()`` mode (a held-out loss)."""
         if _decoder(model) is not self.decoder:
             raise ValueError("this prefix batch belongs to another model; build the PrefixCache from the trained model")
         length = self.inputs_embeds.shape[1]
         position_ids = torch.arange(length, device=self.inputs_embeds.device).unsqueeze(0)
+        positions, targets = (self.positions if self.positions is not None
+                              else supervised_positions(self.labels, self.attention_mask))
+        inputs = {"inputs_embeds": self.inputs_embeds, "attention_mask": self.attention_mask,
+                  "position_ids": position_ids, "use_cache": False}
+        model.train(training)
         with _top_layers_only(self.decoder, self.depth):
-            return supervised_losses(model, self.labels, self.attention_mask, self.positions,
-                                     inputs_embeds=self.inputs_embeds, position_ids=position_ids)
+            if self.read_only_supervised and top_layer.supported(self.decoder):
+                keep = targets != IGNORE_INDEX
+                with top_layer.read_positions(self.decoder, positions, self.attention_mask, keep):
+                    return kept_token_loss(model(**inputs).logits[0], targets, keep)
+            return mean_token_loss(model(**inputs, logits_to_keep=positions).logits, targets)
 
 
 class PrefixCache:

@@ -9,7 +9,8 @@ assembles the KV cache of all but each prompt's last token: layers ``< d`` from 
 ``≥ d`` by running only the trained top layers on the stored states; ``generate`` then feeds the
 last prompt token through the whole model and decodes as usual. Greedy tokens equal those of the
 plain batched ``generate`` up to float rounding (``tests/test_evaluate.py``). A prompt's prefill
-then costs ``K`` layers instead of ``L``; decoding is unchanged.
+then costs ``K`` layers instead of ``L`` (the last of them only its keys and values,
+:func:`prism.top_layer.keys_values_only`: nothing reads its output there); decoding is unchanged.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from prism import top_layer
 from prism.fileio import atomic_write, write_text_atomic
 from prism.models import cache_root
 from prism.prefix import (
@@ -140,7 +143,8 @@ class FrozenPrompts:
         mask = attention_mask[:, :width]
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
         cache = DynamicCache(config=self.decoder.config)
-        with _top_layers_only(self.decoder, self.depth):
+        last_kv_only = top_layer.keys_values_only(self.decoder) if top_layer.supported(self.decoder) else nullcontext()
+        with _top_layers_only(self.decoder, self.depth), last_kv_only:
             self.decoder(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
         for layer in range(self.depth):
             cache.update(kv[layer, 0].contiguous(), kv[layer, 1].contiguous(), layer)

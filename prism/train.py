@@ -154,14 +154,15 @@ def build(cfg: DictConfig, suite: Suite | None = None) -> Setup:
     params = trainable_parameters(model)
     privacy = PrivacySpec(sigma=sigma, clip_norm=float(cfg.privacy.clip_norm)) if dp else None
     method = build_method(cfg.method, params, privacy)
-    if recipe is not None:
-        held = [tokenize_example(tokenizer, ex, suite.cutoff_len, suite.train_on_inputs) for ex in holdout]
-        method = HFTrainerBaseline(method, recipe, lambda: holdout_loss(
-            model, held, tokenizer.pad_token_id, cfg.train.eval_batch_size, device))
     params = {name: p for name, p in params.items() if p.requires_grad}  # FFA freezes peft lora_A
     narrate("frozen-prefix cache (train.prefix_cache=%s) for %d training examples", cfg.train.get("prefix_cache", "auto"),
             len(features))
     prefix = prefix_cache(model, features, cfg.train.get("prefix_cache", "auto"), name=cfg.backbone.name)
+    if recipe is not None:  # hold-out rows replay from their own frozen-prefix states too
+        held = [tokenize_example(tokenizer, ex, suite.cutoff_len, suite.train_on_inputs) for ex in holdout]
+        held_prefix = prefix_cache(model, held, cfg.train.get("prefix_cache", "auto"), name=cfg.backbone.name)
+        method = HFTrainerBaseline(method, recipe, lambda: holdout_loss(
+            model, held, tokenizer.pad_token_id, cfg.train.eval_batch_size, device, held_prefix))
     noise = torch.Generator(device=device).manual_seed(noise_seed)
     if cfg.train.get("activation_checkpointing", False):
         enable_activation_checkpointing(model)
