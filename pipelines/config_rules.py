@@ -210,6 +210,11 @@ def _embedded_size(name: str, node: Mapping) -> int:
     if node.get("min_confidence") is not None:
         _require(0 <= float(node.min_confidence) <= 1,
                  f"suite.embedded.min_confidence={node.min_confidence} must lie in [0, 1]")
+    if node.get("target") is not None:
+        from prism.data.embedded import TARGET_STYLES
+
+        _require(node.target in TARGET_STYLES,
+                 f"suite.embedded.target={node.target!r} must be one of {', '.join(TARGET_STYLES)}")
     return total
 
 

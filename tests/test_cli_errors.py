@@ -79,6 +79,7 @@ CASES: list[tuple[str, str]] = [
     ("suite.embedded.tasks=[tweets]", "suite.embedded.tasks"),
     ("suite=math10k suite.decoding.math_eval_template=indented", "suite.decoding.math_eval_template"),
     ("suite.embedded.train_per_task=0", "suite.embedded.train_per_task"),
+    ("suite=math10k suite.embedded.target=cot", "suite.embedded.target"),
     ("train.device=tpu", "train.device"),
     ("train.prefix_cache=maybe", "train.prefix_cache"),
     ("logging.mode=verbose", "logging.mode"),
