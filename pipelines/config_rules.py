@@ -156,6 +156,17 @@ def _suite(cfg: DictConfig) -> None:
     for key in ("num_beams", "max_new_tokens", "max_input_length"):
         if key in decoding:
             _positive_int(decoding[key], f"suite.decoding.{key}")
+    per_task = decoding.get("max_new_tokens_per_task") or {}
+    _require(isinstance(per_task, Mapping),
+             f"suite.decoding.max_new_tokens_per_task={per_task!r} must map task names to token counts")
+    for task, count in per_task.items():
+        _positive_int(count, f"suite.decoding.max_new_tokens_per_task.{task}")
+    if per_task and suite.scale == "embedded":
+        from prism.data.embedded import EMBEDDED_TASKS
+
+        unknown = sorted(set(per_task) - set(EMBEDDED_TASKS.get(suite.name, {})))
+        _require(not unknown, f"suite.decoding.max_new_tokens_per_task names {unknown}, not tasks of the embedded "
+                              f"{suite.name} suite ({', '.join(EMBEDDED_TASKS.get(suite.name, {}))})")
     if "prompt_encoding" in decoding:
         _require(decoding.prompt_encoding in ("as_trained", "text"),
                  f"suite.decoding.prompt_encoding={decoding.prompt_encoding!r} must be as_trained or text")

@@ -59,9 +59,14 @@ INFO_TOPICS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchp
 
 
 def default_trainer(cfg: DictConfig, folder: Path, log_fn: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    """``prism.train.train_and_evaluate`` (imported lazily: the pipeline tests never load torch models)."""
+    """``prism.train.train_and_evaluate`` (imported lazily: the pipeline tests never load torch models),
+    with subnormal floats flushed to zero on the CPU (docs/DECISIONS.md D64: a diverging run's
+    subnormals made its CPU steps 10–25× slower; the losses are the same to the printed digits)."""
+    import torch
+
     from prism.train import train_and_evaluate
 
+    torch.set_flush_denormal(True)
     return train_and_evaluate(cfg, folder, log_fn)
 
 

@@ -89,11 +89,12 @@ def generate_responses(
     prompts: Sequence[str],
     cfg_decoding: Any,
     batch_size: int,
+    max_new_tokens: int | None = None,
 ) -> list[str]:
     """Responses (text after the first ``### Response:``) for `prompts`, in input order.
 
     Prompts are batched by length (less padding), left-padded, decoded with ``do_sample=False`` and
-    ``num_beams``/``max_new_tokens`` from `cfg_decoding`; an optional ``max_input_length`` keeps the
+    ``num_beams``/``max_new_tokens`` from `cfg_decoding` (``max_new_tokens`` given here wins); an optional ``max_input_length`` keeps the
     last tokens of a longer prompt so the response marker survives. Greedy batches reuse the KV cache
     of their common prompt prefix (``shared_prefix``, default true; see the module docstring). ``prompt_encoding`` is ``text``
     (the released code: tokenize the prompt string alone) or ``as_trained`` (see
@@ -133,7 +134,7 @@ def generate_responses(
                 **batch,
                 do_sample=False,
                 num_beams=num_beams,
-                max_new_tokens=int(cfg_decoding.get("max_new_tokens", 8)),
+                max_new_tokens=int(max_new_tokens or cfg_decoding.get("max_new_tokens", 8)),
                 pad_token_id=pad,
                 eos_token_id=tokenizer.eos_token_id,
                 renormalize_logits=bool(cfg_decoding.get("renormalize_logits", False)),
@@ -142,6 +143,14 @@ def generate_responses(
         for i, text in zip(idx, tokenizer.batch_decode(generated, skip_special_tokens=True)):
             out[i] = response_text(text)
     return out
+
+
+def new_tokens(cfg_decoding: Any, task: str) -> int:
+    """The generation cap of `task`: ``max_new_tokens_per_task[task]`` when set, else ``max_new_tokens``
+    (default 8). A per-task cap lets one task's longer answers (e.g. an equation) leave the others'
+    decoding as it was."""
+    per_task = cfg_decoding.get("max_new_tokens_per_task") or {}
+    return int(per_task.get(task) or cfg_decoding.get("max_new_tokens", 8))
 
 
 def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, batch_size: int) -> dict:
@@ -164,7 +173,8 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
             started = time.perf_counter()
             template = cfg_decoding.get("math_eval_template", "llm_adapters")
             texts = generate_responses(
-                model, tokenizer, [eval_prompt(ex, suite.family, template) for ex in rows], cfg_decoding, batch_size
+                model, tokenizer, [eval_prompt(ex, suite.family, template) for ex in rows], cfg_decoding, batch_size,
+                max_new_tokens=new_tokens(cfg_decoding, task),
             )
             score, failures = score_outputs(column, texts, [ex.answer for ex in rows],
                                             choice_rule=cfg_decoding.get("choice_regex", "lookaround"))

@@ -38,7 +38,14 @@ from prism.evaluate import evaluate_suite
 from prism.hf_baseline import HFRecipe, HFTrainerBaseline, holdout_loss, holdout_split
 from prism.methods import PrivacySpec, build_method
 from prism.methods.base import Method
-from prism.models import attach_lora, export_adapter, load_backbone, peak_memory_mb, trainable_parameters
+from prism.models import (
+    attach_lora,
+    cache_root,
+    export_adapter,
+    load_backbone,
+    peak_memory_mb,
+    trainable_parameters,
+)
 from prism.prefix import PrefixCache, prefix_cache
 from prism.privacy import (
     Accountant,
@@ -148,7 +155,7 @@ def build(cfg: DictConfig, suite: Suite | None = None) -> Setup:
     sigma = 0.0
     if dp:
         sigma = calibrate_for_run(cfg.privacy.epsilon, cfg.privacy.delta, sampler.sample_rate, total_steps(cfg),
-                                  cfg.privacy.calibration)
+                                  cfg.privacy.calibration, cache_dir=cache_root() / "sigma")
         for caveat in dp_caveats(cfg):  # protocol=released: docs/DECISIONS.md
             log.warning("NOT a valid DP guarantee as stated: %s", caveat)
     params = trainable_parameters(model)

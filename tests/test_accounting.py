@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import json
 import math
 
 import dp_accounting
@@ -10,6 +11,7 @@ import torch
 from opacus.accountants import PRVAccountant
 
 from prism.privacy import Accountant, calibrate_sigma, calibration_steps, epsilon_spent
+from prism.privacy.accounting import calibrate_sigma_cached
 
 DELTA = 1e-5
 MATH_Q = 64 / 9919  # Math-10K: N = 9,919, B = 64
@@ -144,3 +146,26 @@ def test_accountant_epsilon_grows_and_rejects_zero_noise() -> None:
     assert accountant.epsilon(DELTA) > one > 0
     with pytest.raises(ValueError, match="non-DP"):
         accountant.step(noise_multiplier=0.0, sample_rate=0.01)
+
+
+def test_cached_calibration_is_the_same_sigma_and_trusts_no_stored_value(tmp_path) -> None:
+    """The cache returns calibrate_sigma's σ bit for bit; a stored σ that would overspend ε, a file
+    for another question or a corrupt file is recomputed and rewritten."""
+    args = (6.0, DELTA, 0.032, 30)
+    fresh = calibrate_sigma(*args)
+    assert calibrate_sigma_cached(*args, cache_dir=tmp_path) == fresh
+    (stored,) = tmp_path.glob("*.json")
+    assert calibrate_sigma_cached(*args, cache_dir=tmp_path) == fresh  # read back, re-verified
+    record = json.loads(stored.read_text())
+    record["sigma"] = fresh / 2  # too little noise: ε(σ/2) > 6
+    stored.write_text(json.dumps(record))
+    assert epsilon_spent(fresh / 2, 0.032, 30, DELTA) > 6.0
+    assert calibrate_sigma_cached(*args, cache_dir=tmp_path) == fresh
+    assert json.loads(stored.read_text())["sigma"] == fresh
+    record = json.loads(stored.read_text())
+    record["question"]["steps"] = 31  # a file that answers another question
+    stored.write_text(json.dumps(record))
+    assert calibrate_sigma_cached(*args, cache_dir=tmp_path) == fresh
+    stored.write_text("{not json")
+    assert calibrate_sigma_cached(*args, cache_dir=tmp_path) == fresh
+    assert calibrate_sigma_cached(math.inf, DELTA, 0.032, 30, cache_dir=tmp_path) == 0.0

@@ -80,6 +80,8 @@ CASES: list[tuple[str, str]] = [
     ("suite=math10k suite.decoding.math_eval_template=indented", "suite.decoding.math_eval_template"),
     ("suite.embedded.train_per_task=0", "suite.embedded.train_per_task"),
     ("suite=math10k suite.embedded.target=cot", "suite.embedded.target"),
+    ("suite=math10k suite.decoding.max_new_tokens_per_task.basic_arithmetic=0",
+     "suite.decoding.max_new_tokens_per_task"),
     ("train.device=tpu", "train.device"),
     ("train.prefix_cache=maybe", "train.prefix_cache"),
     ("logging.mode=verbose", "logging.mode"),

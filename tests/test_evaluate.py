@@ -200,3 +200,13 @@ def test_math_eval_template_reaches_the_prompts() -> None:
     switched = evaluate_suite(ScriptedModel(tok, answer), tok, suite, {**base, "math_eval_template": "train"}, 4)
     assert default["scores"] == {"gsm_symbolic": 0.0, "arith_choice": 0.0}
     assert switched["scores"] == {"gsm_symbolic": 1.0, "arith_choice": 0.5}  # golds A, B; always "(B)"
+
+
+def test_per_task_token_cap_reaches_generate() -> None:
+    """``max_new_tokens_per_task`` caps the named task; the others keep ``max_new_tokens``."""
+    tok = char_tokenizer()
+    model = ScriptedModel(tok, lambda prompt: "(A)." if "Pick" in prompt else "2.")
+    decoding = {"num_beams": 1, "max_new_tokens": 8, "max_new_tokens_per_task": {"gsm_symbolic": 12},
+                "shared_prefix": False}
+    evaluate_suite(model, tok, _math_suite(), decoding, 8)
+    assert [call["max_new_tokens"] for call in model.calls] == [12, 8]  # gsm_symbolic, then arith_choice

@@ -10,15 +10,21 @@ mechanism). Everything here is a thin, validated layer over Opacus' accountants:
 * :func:`calibration_steps` / :func:`calibration_rate` — the step count and sampling rate σ is
   calibrated for: exact ``T`` at ``q = B/N`` (``corrected``) or the released code's epoch-rounded
   ``⌈T/L⌉·L`` steps at ``q = 1/L``, ``L = ⌈1/q⌉`` batches per epoch; :func:`calibrate_for_run`
-  combines them.
+  combines them, optionally through :func:`calibrate_sigma_cached` (σ remembered per question on
+  disk, re-verified against the accountant on every use).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import importlib.metadata
+import json
 import math
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,6 +32,8 @@ from opacus.accountants import PRVAccountant, RDPAccountant, create_accountant
 from opacus.accountants.analysis import rdp as rdp_analysis
 from opacus.accountants.analysis.prv import Domain
 from opacus.accountants.utils import get_noise_multiplier
+
+from prism.fileio import write_text_atomic
 
 ACCOUNTANTS = ("prv", "rdp", "gdp")
 CALIBRATION_MODES = ("exact", "epochs")
@@ -157,10 +165,48 @@ def calibration_rate(sample_rate: float, mode: str) -> float:
     raise ValueError(f"unknown calibration mode {mode!r}; set privacy.calibration to one of {CALIBRATION_MODES}")
 
 
-def calibrate_for_run(epsilon: float, delta: float, sample_rate: float, steps: int, mode: str) -> float:
+def calibrate_for_run(epsilon: float, delta: float, sample_rate: float, steps: int, mode: str,
+                      cache_dir: Path | None = None) -> float:
     """σ of a run of ``steps`` Poisson steps at rate ``sample_rate`` under calibration ``mode``:
-    :func:`calibrate_sigma` at :func:`calibration_rate` for :func:`calibration_steps`."""
-    return calibrate_sigma(epsilon, delta, calibration_rate(sample_rate, mode), calibration_steps(steps, sample_rate, mode))
+    :func:`calibrate_sigma` at :func:`calibration_rate` for :func:`calibration_steps`, or with
+    ``cache_dir`` :func:`calibrate_sigma_cached` (the same σ, bit for bit)."""
+    args = (epsilon, delta, calibration_rate(sample_rate, mode), calibration_steps(steps, sample_rate, mode))
+    return calibrate_sigma(*args) if cache_dir is None else calibrate_sigma_cached(*args, cache_dir=cache_dir)
+
+
+def calibrate_sigma_cached(epsilon: float, delta: float, sample_rate: float, steps: int, *, cache_dir: Path,
+                           accountant: str = "prv", eps_error: float = 0.01) -> float:
+    """:func:`calibrate_sigma`, remembered in ``cache_dir`` (one small JSON file per question).
+
+    The binary search costs 1–4 s of CPU per private run; every run of a grid cell asks the same
+    question. The cache is trusted for nothing: a stored σ is used only if its file holds exactly
+    these arguments (and this Opacus version) and :func:`epsilon_spent` at that σ is ≤ ``epsilon``
+    again (one accountant evaluation); otherwise σ is recomputed and the file rewritten. A σ is a
+    public value (a function of ε, δ, q and T alone), so the cache carries nothing private.
+    """
+    question = {"epsilon": float(epsilon), "delta": float(delta), "sample_rate": float(sample_rate),
+                "steps": int(steps), "accountant": accountant, "eps_error": float(eps_error),
+                "opacus": _opacus_version()}
+    key = hashlib.sha256(json.dumps(question, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"{key}.json"
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        sigma = float(stored["sigma"])
+        if (stored["question"] == question and sigma > 0
+                and epsilon_spent(sigma, sample_rate, steps, delta, accountant, eps_error) <= epsilon):
+            return sigma
+    sigma = calibrate_sigma(epsilon, delta, sample_rate, steps, accountant, eps_error)
+    if sigma > 0:
+        with contextlib.suppress(OSError):
+            write_text_atomic(path, json.dumps({"question": question, "sigma": sigma}, sort_keys=True) + "\n")
+    return sigma
+
+
+def _opacus_version() -> str:
+    try:
+        return importlib.metadata.version("opacus")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _batches_per_epoch(sample_rate: float) -> int:
