@@ -146,7 +146,7 @@ def test_realised_denominator_scales_the_privatised_gradient_by_the_ratio() -> N
 
 def test_loop_divides_by_the_realised_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tiny_cfg("protocol=released", "method=adamw", "privacy=eps6", "train.prefix_cache=off")
-    monkeypatch.setattr(T, "calibrate_for_run", lambda *args: 0.9)  # σ is not under test here
+    monkeypatch.setattr(T, "calibrate_for_run", lambda *args, **kwargs: 0.9)  # σ is not under test here
     s = T.build(cfg)
     seen: list[float] = []
     original = s.method.step
