@@ -82,7 +82,6 @@ def holdout_split(examples: Sequence[Any], size: int, seed: int) -> tuple[list[A
 
 
 @torch.no_grad()
-@torch.no_grad()
 def holdout_loss(model: nn.Module, features: Sequence[dict], pad_id: int, batch_size: int,
                  device: torch.device, prefix: PrefixCache | None = None) -> float:
     """Mean next-token loss over every supervised token of ``features`` (eval mode, no dropout).

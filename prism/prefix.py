@@ -39,7 +39,14 @@ from transformers import DynamicCache
 from prism import top_layer
 from prism.fileio import atomic_write, sha256_file, write_text_atomic
 from prism.models import cache_root
-from prism.privacy.per_example import IGNORE_INDEX, LossFn, Positions, mean_token_loss, supervised_positions
+from prism.privacy.per_example import (
+    IGNORE_INDEX,
+    LossFn,
+    Positions,
+    kept_token_loss,
+    mean_token_loss,
+    supervised_positions,
+)
 from prism.transfer import batch_to_device
 
 FORMAT = 1
@@ -294,17 +301,6 @@ def _load(directory: Path, key: str, lengths: list[int]) -> list[Tensor] | None:
 
 
 # ------------------------------------------------------------------------------------------ cache
-def kept_token_loss(logits: Tensor, targets: Tensor, keep: Tensor) -> Tensor:
-    """``[k]`` mean cross-entropy per row, as :func:`prism.privacy.per_example.mean_token_loss` of
-    ``targets`` ``[k, P]``, from the logits ``[n, V]`` of the kept entries only (``keep = targets ≠
-    −100``, row by row); 0 for a row without any."""
-    token_loss = nn.functional.cross_entropy(logits.float() if logits.dtype in (torch.float16, torch.bfloat16)
-                                             else logits, targets[keep], reduction="none")
-    rows = torch.arange(targets.shape[0], device=targets.device).unsqueeze(1).expand_as(targets)[keep]
-    sums = token_loss.new_zeros(targets.shape[0]).index_add(0, rows, token_loss)
-    return sums / keep.sum(dim=1).clamp(min=1).to(sums.dtype)
-
-
 @dataclass
 class PrefixBatch:
     """A :data:`prism.privacy.per_example.LossFn` replaying one right-padded micro-batch from cached

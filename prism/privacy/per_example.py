@@ -74,6 +74,18 @@ def mean_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
     return token_loss.sum(dim=1) / counts
 
 
+def kept_token_loss(logits: Tensor, targets: Tensor, keep: Tensor) -> Tensor:
+    """``[k]`` mean cross-entropy per row, as :func:`mean_token_loss` of ``targets`` ``[k, P]``, from
+    the logits ``[n, V]`` of the kept entries only (``keep = targets ≠ −100``, row by row; the LM head
+    then runs on no padding entry); 0 for a row without any."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    token_loss = F.cross_entropy(logits, targets[keep], reduction="none")
+    rows = torch.arange(targets.shape[0], device=targets.device).unsqueeze(1).expand_as(targets)[keep]
+    sums = token_loss.new_zeros(targets.shape[0]).index_add(0, rows, token_loss)
+    return sums / keep.sum(dim=1).clamp(min=1).to(sums.dtype)
+
+
 def supervised_positions(labels: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor]:
     """The positions whose logits ``ℓ_i`` reads: row ``i`` lists, in order, every ``t`` whose next
     token ``t+1`` is supervised (label ≠ −100, and ``t`` is not padding, as in
