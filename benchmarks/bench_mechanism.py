@@ -6,8 +6,9 @@ intermediate 10240, 8 query heads × 256, 4 KV heads × 256), r = 16, micro-batc
 logical step is ``zero_accumulators`` + B/4 ``accumulate`` calls + ``step``. Times are CPU seconds
 (one thread, so the core time without the waits for a core on a shared machine), medians over
 ``--repeats`` rounds, methods and the pieces of the float64 floor (:func:`float64_floor`) interleaved;
-each call is timed separately and the logical step is composed from them (``zero + B/k·accumulate +
-step``). ``torch.profiler`` counts, per logical step,
+each round runs whole logical steps, each call timed separately (``accumulate``: the mean of the B/k
+calls of a step, so once-per-step work inside it is spread as in training), and the logical step is
+``zero + B/k·accumulate + step``. ``torch.profiler`` counts, per logical step,
 the aten ops called from Python (the kernel chain; nested ops excluded), our host reads
 (``_local_scalar_dense`` outside torch's own checks; a device sync on a GPU) and torch's linalg
 convergence checks (one host read of ``info`` per ``eigh``/SVD call, a device sync on CUDA too).
@@ -201,7 +202,7 @@ def main() -> int:
                 floor_times[key].append(seconds)
         for kind, method in methods.items():
             t = {"zero": timed(method.zero_accumulators),
-                 "accumulate": timed(lambda m=method: m.accumulate(grads)),
+                 "accumulate": sum(timed(lambda m=method: m.accumulate(grads)) for _ in range(micro)) / micro,
                  "step": timed(lambda m=method: m.step(float(args.batch), gen, diagnostics=False))}
             if rep:
                 for key, value in t.items():
