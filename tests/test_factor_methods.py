@@ -7,6 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from prism.geometry import standard_normal
 from prism.lora import lora_pairs, read_pair
 from prism.methods import PrivacySpec, build_method
 from prism.methods.optimizers import build_optimizer
@@ -149,6 +150,28 @@ def test_noise_has_std_sigma_C_over_B_per_coordinate() -> None:
     assert abs(flat.mean().item()) < 4 * sigma * C / B / flat.numel() ** 0.5
     again, _ = method.privatize(B, torch.Generator().manual_seed(5))
     assert all(torch.equal(again[n], privatized[n]) for n in params)
+
+
+@pytest.mark.parametrize("name", ["adamw", "ffa"])
+def test_noise_is_drawn_in_float64_then_rounded(name: str) -> None:
+    """The factor-space noise is σC/B times float64 standard normals of the step's generator (the law of
+    PRISM's noise, tails past float32's ≈ 5.77 cut), rounded to the float32 accumulators after scaling;
+    not torch's float32 draws."""
+    params = make_params(modules=3, m=20, n=16, r=4)
+    sigma, C, B = 0.7, 2.0, 8
+    method = build_method(cfg(name), params, PrivacySpec(sigma=sigma, clip_norm=C))
+    method.zero_accumulators()
+    method.accumulate({n: torch.zeros(2, *p.shape) for n, p in params.items() if n in method.params})
+    _, noise = method.privatize(B, torch.Generator().manual_seed(11))
+    trained = [n for n in params if n in method.params]
+    total = sum(params[n].numel() for n in trained)
+    draws = standard_normal((total,), torch.Generator().manual_seed(11), torch.float64, torch.device("cpu"))
+    expected = (draws * (sigma * C / B)).to(torch.float32).split([params[n].numel() for n in trained])
+    for n, e in zip(trained, expected):
+        assert noise[n].dtype == torch.float32
+        assert torch.equal(noise[n].reshape(-1), e)
+    float32 = torch.randn(total, generator=torch.Generator().manual_seed(11)) * (sigma * C / B)
+    assert not torch.equal(torch.cat([noise[n].reshape(-1) for n in trained]), float32)
 
 
 def test_noise_norm_is_the_first_order_intrinsic_noise_and_matches_eq8() -> None:

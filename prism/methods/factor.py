@@ -3,7 +3,10 @@
 DP: each example's gradients over *all* trainable LoRA tensors are concatenated, clipped to flat norm
 ``C`` with Opacus' coefficient ``min(1, C/(‖g_i‖ + 1e-6))`` (eq. 3–4: this norm is not gauge
 invariant), summed over the logical batch, noised once with ``N(0, σ²C²)`` per coordinate and divided
-by the expected batch size ``B``; the result is handed to the optimizer as ``p.grad``.
+by the expected batch size ``B``; the result is handed to the optimizer as ``p.grad``. The noise is
+drawn in float64 (:func:`prism.geometry.standard_normal`, the law PRISM's noise has; docs/DECISIONS.md
+D65) and rounded to the accumulators' dtype after scaling: float32 draws stop at ≈ 5.77 standard
+deviations, and a Gaussian cut there lets a neighbouring dataset's outputs fall where this one's cannot.
 
 FFA (Sun et al. 2024): the randomly initialised peft ``lora_A`` (paper ``B``) is frozen and only peft
 ``lora_B`` (paper ``A``) is trained, so it gets neither update nor noise and the clipping norm covers
@@ -19,6 +22,7 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
+from prism.geometry import standard_normal
 from prism.lora import lora_pairs, read_pair
 from prism.methods.base import Method, PrivacySpec
 from prism.methods.optimizers import build_optimizer
@@ -109,9 +113,9 @@ class FactorDPMethod(Method):
     ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """The gradient handed to the optimizer and the noise inside it, both divided by ``denominator``.
 
-        DP (eq. 3): ``(Σ_i clip(g_i) + σC ξ)/B``, ``ξ ~ N(0, I)`` drawn from ``generator`` once per logical
-        step as one flat draw split over the tensors in parameter order. Non-DP: ``Σ_i g_i / b`` and
-        zero noise.
+        DP (eq. 3): ``(Σ_i clip(g_i) + σC ξ)/B``, ``ξ ~ N(0, I)`` drawn in float64 from ``generator`` once per
+        logical step as one flat draw split over the tensors in parameter order, scaled, then rounded to the
+        accumulators' dtype. Non-DP: ``Σ_i g_i / b`` and zero noise.
         """
         if denominator <= 0:
             raise ValueError(f"denominator must be positive (got {denominator}); skip empty non-DP batches")
@@ -119,8 +123,8 @@ class FactorDPMethod(Method):
         if self.dp:
             first = accs[0]
             device = generator.device if generator is not None else first.device
-            flat = torch.randn(sum(a.numel() for a in accs), generator=generator, device=device, dtype=first.dtype)
-            flat = flat.to(first.device).mul_(self.privacy.sigma * self.privacy.clip_norm / denominator)
+            flat = standard_normal((sum(a.numel() for a in accs),), generator, torch.float64, device)
+            flat = flat.mul_(self.privacy.sigma * self.privacy.clip_norm / denominator).to(first.device, first.dtype)
             noise = [x.view(a.shape) for x, a in zip(flat.split([a.numel() for a in accs]), accs)]
         else:
             noise = [torch.zeros_like(a) for a in accs]
