@@ -257,7 +257,7 @@ def gram_lifted_sqnorms(
 
 
 def standard_normal(shape: tuple[int, ...], generator: torch.Generator | None, dtype: torch.dtype,
-                    device: torch.device) -> Tensor:
+                    device: torch.device, workspace: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """i.i.d. N(0, 1) draws of ``shape``; float64 on the CPU by a vectorised Box–Muller transform.
 
     Same law as ``torch.randn(dtype=float64)`` on the CPU, which applies Box–Muller to pairs of
@@ -268,17 +268,24 @@ def standard_normal(shape: tuple[int, ...], generator: torch.Generator | None, d
     normals (exact law up to the last-bit rounding of ``log``/``cos``/``sin``), with the same largest
     magnitude ``√(2·53 ln 2) ≈ 8.57`` (float32 draws stop at ``≈ 5.77``). Whole-tensor vectorised
     ops instead of torch's scalar loop: about 0.6× its time. Other dtypes and devices: ``torch.randn``.
+
+    ``workspace``: two float64 tensors of at least ``2⌈numel/2⌉`` elements each; the draws are then
+    computed in them (no fresh allocation: on the CPU a fresh block above glibc's mmap threshold
+    page-faults on first touch) and returned as a view of the first, with the same values.
     """
     if dtype != torch.float64 or torch.device(device).type != "cpu":
         return torch.randn(shape, generator=generator, dtype=dtype, device=device)
     half = (math.prod(shape) + 1) // 2
-    j = torch.empty(2, half, dtype=torch.int64, device=device).random_(generator=generator)
-    u = j.bitwise_and_(2**53 - 1).to(dtype)  # 2⁵³·u: uniform integers in [0, 2⁵³), as torch's uniform_real
-    radius = torch.log1p(u[0].mul_(-(2.0**-53))).mul_(-2.0).sqrt_()  # √(−2 ln(1 − u₁)), 1 − u₁ ∈ (0, 1]
-    theta = u[1].mul_(2.0 * math.pi * 2.0**-53)
-    out = torch.empty(2, half, dtype=dtype, device=device)
-    torch.cos(theta, out=out[0]).mul_(radius)
-    torch.sin(theta, out=out[1]).mul_(radius)
+    if workspace is None:
+        workspace = (torch.empty(2 * half, dtype=dtype, device=device), torch.empty(2 * half, dtype=dtype, device=device))
+    out, scratch = (w[: 2 * half].view(2, half) for w in workspace)
+    j = scratch.view(torch.int64).random_(generator=generator)
+    out.copy_(j.bitwise_and_(2**53 - 1))  # 2⁵³·u: uniform integers in [0, 2⁵³), as torch's uniform_real
+    radius = torch.log1p(out[0].mul_(-(2.0**-53)), out=out[0]).mul_(-2.0).sqrt_()  # √(−2 ln(1 − u₁)), 1 − u₁ ∈ (0, 1]
+    theta = out[1].mul_(2.0 * math.pi * 2.0**-53)
+    cos = torch.cos(theta, out=scratch[0])
+    theta.sin_().mul_(radius)
+    radius.mul_(cos)
     return out.view(-1)[: math.prod(shape)].view(shape)
 
 
@@ -339,6 +346,77 @@ def _sylvester_gauge(fr: Frame, C: Tensor) -> Tensor:
     """The ``Ω`` of :func:`horizontalize`: ``M Ω + Ω N = C`` in the frame's eigenbases of ``M``, ``N``."""
     mu, U, nu, V = fr.SA.square(), fr.VA, fr.SB.square(), fr.VB
     return U @ ((U.mT @ C @ V) / (mu[..., :, None] + nu[..., None, :])) @ V.mT
+
+
+def privatized_lift(
+    fr: Frame, gA: Tensor, gB: Tensor, scale: float, tau: float, omega: tuple[Tensor, Tensor] | None,
+    horizontal: bool, gram_inverse: bool, out: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Eq. 17 in one pass: ``H(scale·lift(g_A, g_B) + τ(Ξ_A, Ξ_B))`` (eqs. 14, 19; ``H`` = :func:`horizontalize`
+    when ``horizontal``), equal to :func:`lift`, :func:`tangent_noise` and :func:`horizontalize` in turn.
+
+    ``omega = (Ω_A, Ω_B)``: the unit draws of :func:`tangent_noise` (``None``: no noise, ``τ = 0``). Every
+    projection onto ``span(A)``, ``span(B)`` is an ``r×r`` coefficient taken from ``K_A = Q_Aᵀg_A``,
+    ``Q_AᵀΩ_A`` (and the B analogues) before the factor-sized products: with ``W_A = scale·N⁻¹``,
+    ``W_B = scale·M⁻¹``
+
+    ``ΔA = g_A W_A + Ω_A τR_B⁻ᵀ − Q_A (½K_A W_A + Q_AᵀΩ_A τR_B⁻ᵀ − R_A Ω_H)``,
+    ``ΔB = g_B W_B + Ω_B τR_A⁻ᵀ − Q_B (½K_B W_B + R_B Ω_Hᵀ)``,
+
+    with ``Ω_H`` the gauge of :func:`horizontalize` for ``C = ΔBᵀB − AᵀΔA``, which (``Q_AᵀQ_A = I``) is
+    ``(R_Bᵀ(½K_B W_B + Q_BᵀΩ_B τR_A⁻ᵀ))ᵀ − R_Aᵀ ½K_A W_A`` (the noise has ``AᵀΞ_A = 0``): per factor
+    three products with the ``m×r`` operands (``Q_Aᵀ``, ``W``, ``Q_A``) plus two for the noise, instead
+    of about a dozen. ``gram_inverse``: multiply by the ``r×r`` matrix ``N⁻¹ = R_B⁻¹R_B⁻ᵀ`` once
+    instead of by ``R_B⁻¹`` then ``R_B⁻ᵀ``; forming it rounds at ``eps·κ²`` relative to the result, so
+    it needs a bounded ``κ`` — ``≤ 2e-9`` in float64 for the ``κ ≤ 1/√eps32 = 2,896`` the float32 rank
+    check admits (docs/DECISIONS.md D65). ``out``: tensors shaped like ``g_A``, ``g_B`` for the result.
+    """
+    RAi, RBi = fr.RAi, fr.RBi
+    if gram_inverse:
+        WA, WB = (RBi @ RBi.mT).mul_(scale), (RAi @ RAi.mT).mul_(scale)
+        YA = torch.matmul(gA, WA, out=None if out is None else out[0])
+        YB = torch.matmul(gB, WB, out=None if out is None else out[1])
+        VA, VB = (fr.QA.mT @ gA) @ WA, (fr.QB.mT @ gB) @ WB  # Q_AᵀY_A, Q_BᵀY_B
+    else:
+        YA = torch.matmul(gA @ RBi, RBi.mT * scale, out=None if out is None else out[0])
+        YB = torch.matmul(gB @ RAi, RAi.mT * scale, out=None if out is None else out[1])
+        VA, VB = ((fr.QA.mT @ gA) @ RBi) @ (RBi.mT * scale), ((fr.QB.mT @ gB) @ RAi) @ (RAi.mT * scale)
+    KA, KB = 0.5 * VA, 0.5 * VB  # Q_Aᵀ of what the projections remove; the vertical part Q_AᵀΔA stays ½V_A
+    HB = KB
+    if omega is not None:
+        TA, TB = tau * RBi.mT, tau * RAi.mT
+        _rows(YA).baddbmm_(_flat(omega[0]), _flat(TA.expand(*YA.shape[:-2], *TA.shape[-2:])))
+        _rows(YB).baddbmm_(_flat(omega[1]), _flat(TB.expand(*YB.shape[:-2], *TB.shape[-2:])))
+        KA = KA + (fr.QA.mT @ omega[0]) @ TA
+        HB = KB + (fr.QB.mT @ omega[1]) @ TB  # Q_BᵀΔB (Ξ_B is not projected)
+    if horizontal:
+        Omega = _sylvester_gauge(fr, (fr.RB.mT @ HB).mT - fr.RA.mT @ (0.5 * VA))
+        KA = KA - fr.RA @ Omega
+        KB = KB + fr.RB @ Omega.mT
+    _rows(YA).baddbmm_(_flat(fr.QA), _flat(KA), alpha=-1.0)
+    _rows(YB).baddbmm_(_flat(fr.QB), _flat(KB), alpha=-1.0)
+    return YA, YB
+
+
+def tangent_noise_sqnorm(fr: Frame, omega_A: Tensor, omega_B: Tensor) -> Tensor:
+    """Eq. 21's ``‖Ξ_A Bᵀ + A Ξ_Bᵀ‖²_F`` of :func:`tangent_noise`'s draw from its unit draws ``(Ω_A, Ω_B)``.
+
+    The image ``(I − Π_A)Ω_A Q_Bᵀ + Q_A Ω_Bᵀ`` has orthogonal blocks, so the norm is
+    ``‖Ω_A‖² − ‖Q_AᵀΩ_A‖² + ‖Ω_B‖²`` (no ``R⁻¹``; the difference is about ``(m − r)/m`` of ``‖Ω_A‖²``).
+    """
+    def sq(X: Tensor) -> Tensor:
+        return torch.linalg.vector_norm(X, dim=(-2, -1)).square()
+    return sq(omega_A) - sq(fr.QA.mT @ omega_A) + sq(omega_B)
+
+
+def _flat(T: Tensor) -> Tensor:
+    """``T`` [..., p, q] as ``[batch, p, q]`` (a copy only where the layout needs one)."""
+    return T.reshape(-1, *T.shape[-2:])
+
+
+def _rows(T: Tensor) -> Tensor:
+    """Contiguous ``T`` [..., p, q] as a ``[batch, p, q]`` view, the target of an in-place batched product."""
+    return T.view(-1, *T.shape[-2:])
 
 
 class Retraction(NamedTuple):
@@ -479,6 +557,13 @@ def full_rank_mask(X: Tensor, s: Tensor, rcond: float) -> Tensor:
     return low.isfinite() & high.isfinite() & (s[..., -1] > rcond * s[..., 0])
 
 
+def _admissible(X: Tensor, s: Tensor, rcond: float) -> Tensor:
+    """:func:`full_rank_mask`'s test with finiteness from the sum of ``X`` (one cheap reduction): a non-finite
+    entry makes the sum non-finite; finite entries whose sum overflows are flagged too, and
+    :func:`check_frames` then decides them by the exact mask (a conservative screen, never a miss)."""
+    return X.sum((-2, -1)).isfinite() & (s[..., -1] > rcond * s[..., 0])
+
+
 def check_frames(frames: list[Frame], modules: list[list[str]], rcond: float | None = None) -> None:
     """Raise :class:`RankDeficientError` unless every factor of every frame is finite and full rank.
 
@@ -492,7 +577,7 @@ def check_frames(frames: list[Frame], modules: list[list[str]], rcond: float | N
     if not frames:
         return
     cutoff = default_rcond(frames[0].A.dtype) if rcond is None else rcond
-    masks = [full_rank_mask(X, sv, cutoff).all() for fr in frames for X, sv in ((fr.A, fr.SA), (fr.B, fr.SB))]
+    masks = [_admissible(X, sv, cutoff).all() for fr in frames for X, sv in ((fr.A, fr.SA), (fr.B, fr.SB))]
     if bool(torch.stack(masks).all()):  # the one host read
         return
     for fr, names in zip(frames, modules):

@@ -323,23 +323,38 @@ class PrismMethod(Method):
         return buffer[:numel]
 
     def privatized_group(
-        self, g: ShapeGroup, denominator: float, generator: torch.Generator | None, diagnostics: bool = True
+        self, g: ShapeGroup, denominator: float, generator: torch.Generator | None, diagnostics: bool = True,
+        workspace: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Eq. 17 for one group: ``(Δ̄A, Δ̄B) + τ(Ξ_A, Ξ_B)``, ``τ = σC/denominator``, and ``Σ‖N_Z‖²_F`` (eq. 21).
 
         The unit sampler of eq. 19 is scaled by exactly ``τ`` (damped only with ``noise_damping``). Under DP (and with
         ``horizontalize: both``) the result is horizontalised, so its factor components are a
         function of the noised tangent vector and the public ``(A, B)`` only. Non-DP: ``τ = 0``.
-        The noise energy (a device tensor) is computed only with ``diagnostics``.
+        The noise energy (a device tensor) is computed only with ``diagnostics``. A float64 frame
+        (always under DP) takes the fused :func:`geometry.privatized_lift` (with ``N⁻¹``, ``M⁻¹`` formed
+        once when ``compute_dtype`` is float32, whose rank check bounds ``κ``); ``workspace`` (the
+        step's call) puts the draws and the result in kept CPU buffers, overwritten by the next step.
         """
         fr = g.frame
         SA, SBt = g.sums
         if self._fresh:  # no micro-batch this step (an empty Poisson batch): the sums are zero
             SA.zero_(), SBt.zero_()
+        tau = self.tau(denominator)
+        noise_sq = SA.new_zeros(()) if diagnostics else None
+        if fr.A.dtype == torch.float64 and self.config.pinv_rcond is None and self.config.noise_damping is None:
+            omega = self._draw(g, generator, workspace) if tau > 0 else None
+            out = None
+            if workspace:
+                flat = self._buffer(f"lift:{g.modules[0]}", SA.numel() + SBt.numel(), SA.device)
+                out = (flat[: SA.numel()].view(SA.shape), flat[SA.numel():].view(SBt.mT.shape))
+            dA, dB = geometry.privatized_lift(fr, SA, SBt.mT, 1.0 / denominator, tau, omega, self.horizontal_lift,
+                                              gram_inverse=self.dtype == torch.float32, out=out)
+            if diagnostics and omega is not None:
+                noise_sq = tau**2 * geometry.tangent_noise_sqnorm(fr, *omega).sum()
+            return dA, dB, noise_sq
         dA, dB = geometry.lift(fr.A, fr.B, SA, SBt.mT, frame=fr, rcond=self.config.pinv_rcond)
         dA, dB = dA.div_(denominator), dB.div_(denominator)  # the lift is linear; its outputs are fresh tensors
-        tau = self.tau(denominator)
-        noise_sq = dA.new_zeros(()) if diagnostics else None
         if tau > 0:
             XiA, XiB = geometry.tangent_noise(fr.A, fr.B, generator=generator, frame=fr,
                                               damping=self.config.noise_damping)
@@ -349,6 +364,18 @@ class PrismMethod(Method):
         if self.horizontal_lift:
             dA, dB = geometry.horizontalize(fr.A, fr.B, dA, dB, frame=fr)
         return dA, dB, noise_sq
+
+    def _draw(self, g: ShapeGroup, generator: torch.Generator | None, workspace: bool) -> tuple[Tensor, Tensor]:
+        """The unit draws ``(Ω_A, Ω_B)`` of :func:`geometry.tangent_noise` for the group's frame (same stream),
+        in kept buffers with ``workspace``."""
+        fr = g.frame
+        if not workspace:
+            return tuple(geometry.standard_normal(X.shape, generator, X.dtype, X.device) for X in (fr.A, fr.B))
+        sizes = [2 * ((X.numel() + 1) // 2) for X in (fr.A, fr.B)]
+        flat = self._buffer(f"noise:{g.modules[0]}", sum(sizes), fr.A.device)
+        scratch = self._buffer("draws", max(sizes), fr.A.device)
+        return tuple(geometry.standard_normal(X.shape, generator, X.dtype, X.device, workspace=(part, scratch))
+                     for X, part in zip((fr.A, fr.B), flat.split(sizes)))
 
     def privatized_lifts(
         self, denominator: float, generator: torch.Generator | None
@@ -376,7 +403,7 @@ class PrismMethod(Method):
         moments = horizontal_noise_second_moments if self.horizontal_lift else noise_second_moments
         noise_sq, lifts = [], []
         for g in self.groups:
-            dA, dB, sq = self.privatized_group(g, denominator, generator, diagnostics)
+            dA, dB, sq = self.privatized_group(g, denominator, generator, diagnostics, workspace=True)
             if sq is not None:
                 noise_sq.append(sq)
             lifts.append((dA.to(self.dtype), dB.to(self.dtype)))
@@ -461,9 +488,22 @@ class PrismMethod(Method):
             ad.t = int(saved[g.modules[0]]["t"])
 
     # ---------------------------------------------------------------- helpers
+    @torch.no_grad()
     def _snapshot(self, g: ShapeGroup) -> tuple[Tensor, Tensor]:
-        """The group's ``(A, B)`` stacked ``[G, m, r]``, ``[G, n, r]``: rounded to ``compute_dtype``, held in the working dtype."""
-        return tuple(x.to(self.work_dtype) for x in stack_pairs(self.params, g.pairs, self.dtype))
+        """The group's ``(A, B)`` stacked ``[G, m, r]``, ``[G, n, r]``: rounded to ``compute_dtype``, held in the working dtype.
+
+        Parameters that ``compute_dtype`` holds exactly (e.g. float32 or bf16 for float32) are copied straight
+        into the working dtype (the same values, one pass), on the CPU into a kept buffer that the next
+        snapshot overwrites (a frame lives for one step)."""
+        names = [name for p in g.pairs for name in (p.a_name, p.b_name)]
+        if any(torch.promote_types(self.params[name].dtype, self.dtype) != self.dtype for name in names):
+            return tuple(x.to(self.work_dtype) for x in stack_pairs(self.params, g.pairs, self.dtype))
+        G, (m, r), n = len(g.pairs), self.params[names[0]].shape, self.params[names[1]].shape[-1]
+        flat = self._buffer(f"snapshot:{g.modules[0]}", G * (m + n) * r, self.params[names[0]].device)
+        A, Bt = flat[: G * m * r].view(G, m, r), flat[G * m * r:].view(G, r, n)
+        torch._foreach_copy_(list(A.unbind(0)), [self.params[p.a_name] for p in g.pairs])
+        torch._foreach_copy_(list(Bt.unbind(0)), [self.params[p.b_name] for p in g.pairs])
+        return A, Bt.mT
 
     def _check_rank(self) -> None:
         """:func:`geometry.check_frames` with the cutoff of ``compute_dtype`` (frames may be float64)."""
