@@ -198,14 +198,26 @@ class PrismMethod(Method):
         """Snapshot and factor every group's ``(A, B)``, check full rank (one host read), start the sums
         (the first :meth:`accumulate` overwrites them, so they are never zeroed first)."""
         self._norms = []
-        for g, fr in zip(self.groups, geometry.frames([self._snapshot(g) for g in self.groups])):
+        snapshots = [self._snapshot(g) for g in self.groups]
+        cholesky = self.dtype == torch.float32 and self.work_dtype == torch.float64
+        for g, fr in zip(self.groups, geometry.frames(snapshots, self._cholesky_qr(snapshots) if cholesky else None)):
             g.frame = fr
         try:
             self._check_rank()
         except geometry.RankDeficientError:
-            if self.config.rank_fallback is None:
+            if cholesky:  # decide with Householder frames (a failed CholeskyQR2 reads as rank deficient)
+                for g, fr in zip(self.groups, geometry.frames(snapshots)):
+                    g.frame = fr
+                try:
+                    self._check_rank()
+                except geometry.RankDeficientError:
+                    if self.config.rank_fallback is None:
+                        raise
+                    self._floor_rank_deficient()
+            elif self.config.rank_fallback is None:
                 raise
-            self._floor_rank_deficient()
+            else:
+                self._floor_rank_deficient()
         flat = self._buffer("sums", sum(g.frame.A.numel() + g.frame.B.numel() for g in self.groups),
                             self.groups[0].frame.A.device)
         offset = 0
@@ -215,6 +227,19 @@ class PrismMethod(Method):
                       flat[offset + G * m * r: offset + G * (m + n) * r].view(G, r, n))
             offset += G * (m + n) * r
         self._ready, self._fresh = True, True
+
+    def _cholesky_qr(self, snapshots: list[tuple[Tensor, Tensor]]) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
+        """The ``qr`` of :func:`geometry.frames` for float32 ``compute_dtype`` under DP: :func:`geometry.cholesky_qr2`
+        (float64 snapshots, ``κ ≤ 2,896`` admitted), its ``Q`` in kept CPU buffers (a frame lives for one step).
+        Called once per factor in the order of ``snapshots``."""
+        device = snapshots[0][0].device
+        scratch = self._buffer("qr", max(X.numel() for pair in snapshots for X in pair), device)
+        work = []
+        for g, (A, B) in zip(self.groups, snapshots):
+            QA, QB = self._pair_buffer(f"frame:{g.modules[0]}", A.shape, B.shape, device)
+            work += [(scratch[: A.numel()].view(A.shape), QA), (scratch[: B.numel()].view(B.shape), QB)]
+        slots = iter(work)
+        return lambda X: geometry.cholesky_qr2(X, work=next(slots))
 
     def accumulate(self, grads: Mapping[str, Tensor]) -> None:
         """Add one micro-batch (DP: per-example ``[k, *shape]`` grads, clipped by eq. 16; else a sum).
@@ -415,7 +440,7 @@ class PrismMethod(Method):
             eighs = self._fused(torch.linalg.eigh, [_finite_or_zero(symmetric_part(V)) for _, V, _ in estimates])
             U = [m_hat @ spectral_preconditioner(cfg, w, E, floor) for (m_hat, _, floor), (w, E) in zip(estimates, eighs)]
             directions = list(zip(U[0::2], U[1::2]))
-        directions = [(UA.to(self.work_dtype), UB.to(self.work_dtype)) for UA, UB in directions]
+        directions = [self._in_work_dtype(f"direction:{g.modules[0]}", U) for g, U in zip(self.groups, directions)]
         new = self._retract(directions, horizontal=h in ("both", "pre_retract"))
         update_sq = []
         for g, (A_new, B_new) in zip(self.groups, new):
@@ -446,9 +471,28 @@ class PrismMethod(Method):
         coefficients = [geometry.balanced_coefficients(svd, g.frame.A.shape[-1]) for g, svd in zip(self.groups, svds)]
         targets = [geometry.procrustes_target(rt, MA, MB) for rt, (MA, MB) in zip(cores, coefficients)]
         rotations = self._fused(torch.linalg.svd, [_finite_or_zero(t) for t in targets])
-        return [(geometry.block_product(rt.Qu, MA @ Q).to(self.work_dtype),
-                 geometry.block_product(rt.Qv, MB @ Q).to(self.work_dtype))
-                for rt, (MA, MB), Q in zip(cores, coefficients, (geometry.procrustes_rotation(svd) for svd in rotations))]
+        out = []
+        for g, rt, (MA, MB), Q in zip(self.groups, cores, coefficients,
+                                      (geometry.procrustes_rotation(svd) for svd in rotations)):
+            A, B = None, None  # a float32 frame (non-DP float32): the float64 product, then rounded
+            if MA.dtype == self.work_dtype:
+                A, B = self._pair_buffer(f"factors:{g.modules[0]}", g.frame.A.shape, g.frame.B.shape, MA.device)
+            new = geometry.block_product(rt.Qu, MA @ Q, out=A), geometry.block_product(rt.Qv, MB @ Q, out=B)
+            out.append(tuple(x.to(self.work_dtype) for x in new))
+        return out
+
+    def _pair_buffer(self, name: str, shape_A: torch.Size, shape_B: torch.Size, device: torch.device
+                     ) -> tuple[Tensor, Tensor]:
+        """Two contiguous working-dtype tensors shaped like a group's ``A``, ``B`` in the kept buffer ``name``."""
+        flat = self._buffer(name, shape_A.numel() + shape_B.numel(), device)
+        return flat[: shape_A.numel()].view(shape_A), flat[shape_A.numel():].view(shape_B)
+
+    def _in_work_dtype(self, name: str, U: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """A group's direction ``(U_A, U_B)`` converted to the working dtype (into the kept buffer ``name``)."""
+        if all(x.dtype == self.work_dtype for x in U):
+            return U
+        A, B = self._pair_buffer(name, U[0].shape, U[1].shape, U[0].device)
+        return A.copy_(U[0]), B.copy_(U[1])
 
     def tau(self, denominator: float) -> float:
         """Noise standard deviation ``σC/denominator`` of the averaged lift (0 without DP)."""
