@@ -484,8 +484,8 @@ def _minus_product(X: Tensor, Q: Tensor, C: Tensor) -> Tensor:
     return torch.baddbmm(flat(X), flat(Q), flat(C), alpha=-1.0).view(X.shape)
 
 
-def extend_qr(Q: Tensor, R: Tensor, X: Tensor, C: Tensor | None = None, shift: Tensor | None = None
-              ) -> tuple[Tensor, Tensor]:
+def extend_qr(Q: Tensor, R: Tensor, X: Tensor, C: Tensor | None = None, shift: Tensor | None = None,
+              work: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Thin QR of ``[Q R, X + Q·shift]`` from the thin QR ``Q R`` of its first block (block Gram–Schmidt): ``(Q₂, R_full)``.
 
     ``X = Q C + Y`` with ``C = QᵀX`` (pass it if known) taken twice ("twice is enough": ``Y ⟂ Q`` to
@@ -493,25 +493,38 @@ def extend_qr(Q: Tensor, R: Tensor, X: Tensor, C: Tensor | None = None, shift: T
     width ``r`` instead of ``2r`` (a quarter of the Householder work); where ``Y`` is (numerically)
     zero, ``R₂`` is too, so ``Q₂`` never reaches the retracted factors (the core, hence its singular
     vectors, weight it by ``R₂``). A component ``Q·shift`` inside ``span(Q)`` costs only ``r×r`` work.
+    ``work = (Y, Q₂)``: column-major tensors shaped like ``X`` (``T.mT`` of a contiguous ``[..., r, m]``,
+    LAPACK's layout, so the QR copies ``Y`` without transposing) for ``Y`` and the returned ``Q₂``; ``Y``
+    may be ``X`` itself, which is then overwritten.
     """
     C = Q.mT @ X if C is None else C
-    Y = _minus_product(X, Q, C)
-    C2 = Q.mT @ Y
-    _rows(Y).baddbmm_(_flat(Q), _flat(C2), alpha=-1.0)  # in place on the fresh Y
-    Q2, R2 = torch.linalg.qr(Y, mode="reduced")
+    if work is None:
+        Y = _minus_product(X, Q, C)
+        C2 = Q.mT @ Y
+        _rows(Y).baddbmm_(_flat(Q), _flat(C2), alpha=-1.0)  # in place on the fresh Y
+        Q2, R2 = torch.linalg.qr(Y, mode="reduced")
+    else:
+        Y = work[0] if work[0] is X else work[0].copy_(X)
+        Yt = _rows(Y.mT)  # Yᵀ, contiguous: the in-place products run as Yᵀ −= CᵀQᵀ
+        Yt.baddbmm_(_flat(C).mT, _flat(Q).mT, alpha=-1.0)
+        C2 = Q.mT @ Y
+        Yt.baddbmm_(_flat(C2).mT, _flat(Q).mT, alpha=-1.0)
+        Q2, R2 = torch.linalg.qr(Y, mode="reduced", out=(work[1], torch.empty_like(C)))
     top = torch.cat([R, C + C2 if shift is None else C + C2 + shift], dim=-1)
     return Q2, torch.cat([top, torch.cat([torch.zeros_like(R2), R2], dim=-1)], dim=-2)
 
 
 def retraction_core(
-    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float, frame: Frame | None = None, horizontal: bool = False
+    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float, frame: Frame | None = None, horizontal: bool = False,
+    work: tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
 ) -> Retraction:
     """Eq. 22, first half: the thin QRs and the core ``R_u K R_vᵀ``, in float64 (see :func:`retract`).
 
     ``horizontal``: retract the :func:`horizontalize`-d direction ``(ΔA + AΩ, ΔB − BΩᵀ)``. With a
     float64 ``frame`` of ``(A, B)`` the QRs of ``[A, ΔA]``, ``[B, ΔB]`` extend the frame's
     (:func:`extend_qr`) instead of starting over, and the gauge term, inside ``span(A)``,
-    ``span(B)``, enters as ``r×r`` shifts ``R_A Ω``, ``−R_B Ωᵀ`` (``Ω`` from ``Q_AᵀΔA``, ``Q_BᵀΔB``).
+    ``span(B)``, enters as ``r×r`` shifts ``R_A Ω``, ``−R_B Ωᵀ`` (``Ω`` from ``Q_AᵀΔA``, ``Q_BᵀΔB``);
+    ``work``: the two factors' :func:`extend_qr` workspaces there.
     """
     _check_pair(A, B)
     r = A.shape[-1]
@@ -522,8 +535,8 @@ def retraction_core(
         if horizontal:  # AᵀΔA = R_AᵀC_A, ΔBᵀB = C_BᵀR_B
             Omega = _sylvester_gauge(frame, CB.mT @ frame.RB - frame.RA.mT @ CA)
             shifts = (frame.RA @ Omega, -(frame.RB @ Omega.mT))
-        (Q2u, Ru) = extend_qr(frame.QA, frame.RA, dA64, C=CA, shift=shifts[0])
-        (Q2v, Rv) = extend_qr(frame.QB, frame.RB, dB64, C=CB, shift=shifts[1])
+        (Q2u, Ru) = extend_qr(frame.QA, frame.RA, dA64, C=CA, shift=shifts[0], work=work and work[0])
+        (Q2v, Rv) = extend_qr(frame.QB, frame.RB, dB64, C=CB, shift=shifts[1], work=work and work[1])
         Qu, Qv = (frame.QA, Q2u), (frame.QB, Q2v)
     else:
         if horizontal:  # in the frame's dtype, then float64

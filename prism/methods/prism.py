@@ -465,7 +465,7 @@ class PrismMethod(Method):
         """:func:`geometry.retract` (aligned; of the horizontalised directions with ``horizontal``) of every
         group, each of its two SVDs fused over the groups."""
         cores = [geometry.retraction_core(g.frame.A, g.frame.B, UA, UB, self.config.lr, frame=g.frame,
-                                          horizontal=horizontal)
+                                          horizontal=horizontal, work=self._extension_work(g, (UA, UB)))
                  for g, (UA, UB) in zip(self.groups, directions)]
         svds = self._fused(torch.linalg.svd, [_finite_or_zero(rt.core) for rt in cores])
         coefficients = [geometry.balanced_coefficients(svd, g.frame.A.shape[-1]) for g, svd in zip(self.groups, svds)]
@@ -481,6 +481,18 @@ class PrismMethod(Method):
             out.append(tuple(x.to(self.work_dtype) for x in new))
         return out
 
+    def _extension_work(self, g: ShapeGroup, direction: tuple[Tensor, Tensor]
+                        ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]] | None:
+        """Kept CPU workspaces of :func:`geometry.extend_qr` for the group's two factors, column-major: ``Y`` is the
+        direction itself (:meth:`_in_work_dtype`'s buffer, consumed), ``Q₂`` is read by the block product."""
+        fr = g.frame
+        if fr.A.device.type != "cpu" or fr.A.dtype != self.work_dtype:
+            return None
+        (G, m, r), n = fr.A.shape, fr.B.shape[-2]
+        flat = self._buffer(f"extension:{g.modules[0]}", G * (m + n) * r, fr.A.device)
+        return ((direction[0], flat[: G * m * r].view(G, r, m).mT),
+                (direction[1], flat[G * m * r:].view(G, r, n).mT))
+
     def _pair_buffer(self, name: str, shape_A: torch.Size, shape_B: torch.Size, device: torch.device
                      ) -> tuple[Tensor, Tensor]:
         """Two contiguous working-dtype tensors shaped like a group's ``A``, ``B`` in the kept buffer ``name``."""
@@ -488,11 +500,13 @@ class PrismMethod(Method):
         return flat[: shape_A.numel()].view(shape_A), flat[shape_A.numel():].view(shape_B)
 
     def _in_work_dtype(self, name: str, U: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        """A group's direction ``(U_A, U_B)`` converted to the working dtype (into the kept buffer ``name``)."""
-        if all(x.dtype == self.work_dtype for x in U):
-            return U
-        A, B = self._pair_buffer(name, U[0].shape, U[1].shape, U[0].device)
-        return A.copy_(U[0]), B.copy_(U[1])
+        """A group's direction ``(U_A, U_B)`` converted to the working dtype, on the CPU into the kept buffer
+        ``name``, column-major (the layout in which :func:`geometry.extend_qr` turns it into its ``Y``)."""
+        if U[0].device.type != "cpu" or self.work_dtype != torch.float64:  # float32: the frame is too (no extend_qr)
+            return tuple(x.to(self.work_dtype) for x in U)
+        (G, m, r), n = U[0].shape, U[1].shape[-2]
+        flat = self._buffer(name, G * (m + n) * r, U[0].device)
+        return (flat[: G * m * r].view(G, r, m).mT.copy_(U[0]), flat[G * m * r:].view(G, r, n).mT.copy_(U[1]))
 
     def tau(self, denominator: float) -> float:
         """Noise standard deviation ``σC/denominator`` of the averaged lift (0 without DP)."""
