@@ -505,10 +505,9 @@ def extend_qr(Q: Tensor, R: Tensor, X: Tensor, C: Tensor | None = None, shift: T
         Q2, R2 = torch.linalg.qr(Y, mode="reduced")
     else:
         Y = work[0] if work[0] is X else work[0].copy_(X)
-        Yt = _rows(Y.mT)  # Yᵀ, contiguous: the in-place products run as Yᵀ −= CᵀQᵀ
-        Yt.baddbmm_(_flat(C).mT, _flat(Q).mT, alpha=-1.0)
+        _rows(Y).baddbmm_(_flat(Q), _flat(C), alpha=-1.0)
         C2 = Q.mT @ Y
-        Yt.baddbmm_(_flat(C2).mT, _flat(Q).mT, alpha=-1.0)
+        _rows(Y).baddbmm_(_flat(Q), _flat(C2), alpha=-1.0)
         Q2, R2 = torch.linalg.qr(Y, mode="reduced", out=(work[1], torch.empty_like(C)))
     top = torch.cat([R, C + C2 if shift is None else C + C2 + shift], dim=-1)
     return Q2, torch.cat([top, torch.cat([torch.zeros_like(R2), R2], dim=-1)], dim=-2)

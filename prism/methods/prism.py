@@ -431,14 +431,18 @@ class PrismMethod(Method):
             dA, dB, sq = self.privatized_group(g, denominator, generator, diagnostics, workspace=True)
             if sq is not None:
                 noise_sq.append(sq)
-            lifts.append((dA.to(self.dtype), dB.to(self.dtype)))
+            lifts.append(self._cast(f"lift32:{g.modules[0]}", dA, dB))
         if cfg.preconditioner == "none":
             directions = lifts
         else:  # eqs. 24–26: one eigh for the rank-space moments of every factor of every group
             estimates = [e for g, (dA, dB) in zip(self.groups, lifts) for e in g.adaptive.observe(
-                dA, dB, tau, *(x.to(self.dtype) for x in moments(g.frame)))]
+                dA, dB, tau, *(x.to(self.dtype) for x in moments(g.frame)),
+                out=self._scratch_pair(f"moment:{g.modules[0]}", dA, dB))]
             eighs = self._fused(torch.linalg.eigh, [_finite_or_zero(symmetric_part(V)) for _, V, _ in estimates])
-            U = [m_hat @ spectral_preconditioner(cfg, w, E, floor) for (m_hat, _, floor), (w, E) in zip(estimates, eighs)]
+            # U into the buffers of the cast lifts, read by now (never into the lifts the step returns to callers)
+            outs = [x if self.dtype != self.work_dtype and x.device.type == "cpu" else None for pair in lifts for x in pair]
+            U = [torch.matmul(m_hat, spectral_preconditioner(cfg, w, E, floor), out=out)
+                 for (m_hat, _, floor), (w, E), out in zip(estimates, eighs, outs)]
             directions = list(zip(U[0::2], U[1::2]))
         directions = [self._in_work_dtype(f"direction:{g.modules[0]}", U) for g, U in zip(self.groups, directions)]
         new = self._retract(directions, horizontal=h in ("both", "pre_retract"))
@@ -492,6 +496,25 @@ class PrismMethod(Method):
         flat = self._buffer(f"extension:{g.modules[0]}", G * (m + n) * r, fr.A.device)
         return ((direction[0], flat[: G * m * r].view(G, r, m).mT),
                 (direction[1], flat[G * m * r:].view(G, r, n).mT))
+
+    def _scratch_pair(self, name: str, A: Tensor, B: Tensor, dtype: torch.dtype | None = None
+                      ) -> tuple[Tensor, Tensor] | None:
+        """Two contiguous ``dtype`` (default: ``A``'s) tensors shaped like ``A``, ``B`` in the kept CPU buffer
+        ``name`` (a working-dtype buffer viewed as ``dtype``); ``None`` off the CPU (callers allocate)."""
+        if A.device.type != "cpu":
+            return None
+        dtype = dtype or A.dtype
+        numel = A.numel() + B.numel()
+        words = -(-numel * dtype.itemsize // self.work_dtype.itemsize)
+        flat = self._buffer(name, words, A.device).view(dtype)[:numel]
+        return flat[: A.numel()].view(A.shape), flat[A.numel():].view(B.shape)
+
+    def _cast(self, name: str, A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
+        """``(A, B)`` in ``compute_dtype`` (the adaptive moments' dtype), on the CPU in the kept buffer ``name``."""
+        out = self._scratch_pair(name, A, B, self.dtype) if A.dtype != self.dtype else None
+        if out is None:
+            return A.to(self.dtype), B.to(self.dtype)
+        return out[0].copy_(A), out[1].copy_(B)
 
     def _pair_buffer(self, name: str, shape_A: torch.Size, shape_B: torch.Size, device: torch.device
                      ) -> tuple[Tensor, Tensor]:
@@ -554,7 +577,8 @@ class PrismMethod(Method):
         into the working dtype (the same values, one pass), on the CPU into a kept buffer that the next
         snapshot overwrites (a frame lives for one step)."""
         names = [name for p in g.pairs for name in (p.a_name, p.b_name)]
-        if any(torch.promote_types(self.params[name].dtype, self.dtype) != self.dtype for name in names):
+        if any(not self.params[name].is_floating_point()
+               or torch.finfo(self.params[name].dtype).bits > torch.finfo(self.dtype).bits for name in names):
             return tuple(x.to(self.work_dtype) for x in stack_pairs(self.params, g.pairs, self.dtype))
         G, (m, r), n = len(g.pairs), self.params[names[0]].shape, self.params[names[1]].shape[-1]
         flat = self._buffer(f"snapshot:{g.modules[0]}", G * (m + n) * r, self.params[names[0]].device)
