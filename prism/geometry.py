@@ -156,6 +156,38 @@ def cholesky_qr2(X: Tensor, work: tuple[Tensor, Tensor] | None = None) -> tuple[
     return Q, torch.where(ok[..., None, None], R, torch.full_like(R, math.nan))
 
 
+def block_basis(Y: Tensor, work: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """``Y = Q R`` with ``R`` upper triangular and ``Q`` orthonormal wherever ``Y`` has rank, for any finite ``Y``
+    (also rank-deficient or zero): CholeskyQR2 whose Cholesky factorisations fall back to a shifted Gram.
+
+    Each of the two passes factors ``XᵀX = RᵀR`` (``X = Y``, then ``Q₁ = Y R₁⁻¹``); where that Cholesky
+    fails (a numerically singular Gram), it factors ``XᵀX + δI`` with ``δ = (p + r + 1)·eps·‖X‖²_F + tiny``
+    (``p`` rows), above the Gram's rounding, so it always succeeds — decided per matrix on the ``r×r``
+    factors, with no host read. ``Q R = Y`` holds by construction (``Q = Y (R₂R₁)⁻¹``, backward error
+    ``eps·κ(Y)``); ``Q`` is orthonormal to ``O(eps)`` while ``κ(Y) ≲ 1/√eps``; a shifted pass leaves the
+    columns along directions of ``Y`` below ``√δ`` short (a zero ``Y`` gives ``Q = 0``, ``R ≈ 0``), and those
+    directions carry only their ``R`` rows, which are that small. Four ``p×r`` GEMM passes; the signs are
+    Cholesky's (positive diagonal), not Householder's. ``work``: two tensors shaped like ``Y`` for ``Q₁``, ``Q``.
+    """
+    eye = torch.eye(Y.shape[-1], dtype=Y.dtype, device=Y.device)
+    rows, r = Y.shape[-2:]
+
+    def factor(X: Tensor) -> Tensor:
+        gram = X.mT @ X
+        R, info = torch.linalg.cholesky_ex(gram, upper=True)
+        delta = (rows + r + 1) * torch.finfo(X.dtype).eps * gram.diagonal(dim1=-2, dim2=-1).sum(-1)
+        shifted, _ = torch.linalg.cholesky_ex(gram + (delta + torch.finfo(X.dtype).tiny)[..., None, None] * eye,
+                                              upper=True)
+        ok = (info == 0) & R.isfinite().flatten(-2).all(-1)
+        return torch.where(ok[..., None, None], R, shifted)
+
+    R1 = factor(Y)
+    Q1 = torch.matmul(Y, torch.linalg.solve_triangular(R1, eye, upper=True), out=None if work is None else work[0])
+    R2 = factor(Q1)
+    Q = torch.matmul(Q1, torch.linalg.solve_triangular(R2, eye, upper=True), out=None if work is None else work[1])
+    return Q, R2 @ R1
+
+
 def _triangular_inverse(R: Tensor) -> Tensor:
     """``R⁻¹`` of upper-triangular ``R`` [..., r, r] (one batched triangular solve against ``I``)."""
     eye = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device)
@@ -489,33 +521,29 @@ def extend_qr(Q: Tensor, R: Tensor, X: Tensor, C: Tensor | None = None, shift: T
     """Thin QR of ``[Q R, X + Q·shift]`` from the thin QR ``Q R`` of its first block (block Gram–Schmidt): ``(Q₂, R_full)``.
 
     ``X = Q C + Y`` with ``C = QᵀX`` (pass it if known) taken twice ("twice is enough": ``Y ⟂ Q`` to
-    rounding), then ``Y = Q₂R₂``: ``[QR, X + Q·shift] = [Q, Q₂] [[R, C + shift], [0, R₂]]``. One QR of
-    width ``r`` instead of ``2r`` (a quarter of the Householder work); where ``Y`` is (numerically)
+    rounding), then ``Y = Q₂R₂`` by :func:`block_basis` (CholeskyQR2, GEMM work instead of Householder
+    sweeps): ``[QR, X + Q·shift] = [Q, Q₂] [[R, C + shift], [0, R₂]]``. Where ``Y`` is (numerically)
     zero, ``R₂`` is too, so ``Q₂`` never reaches the retracted factors (the core, hence its singular
-    vectors, weight it by ``R₂``). A component ``Q·shift`` inside ``span(Q)`` costs only ``r×r`` work.
-    ``work = (Y, Q₂)``: column-major tensors shaped like ``X`` (``T.mT`` of a contiguous ``[..., r, m]``,
-    LAPACK's layout, so the QR copies ``Y`` without transposing) for ``Y`` and the returned ``Q₂``; ``Y``
-    may be ``X`` itself, which is then overwritten.
+    vectors, weight it by ``R₂``); eq. 22's point does not depend on the basis ``Q₂`` of ``span(Y)``.
+    A component ``Q·shift`` inside ``span(Q)`` costs only ``r×r`` work. ``work = (Y, Q₁, Q₂)``: tensors
+    shaped like ``X`` for ``Y`` (may be ``X`` itself, which is then overwritten) and :func:`block_basis`'s.
     """
     C = Q.mT @ X if C is None else C
     if work is None:
         Y = _minus_product(X, Q, C)
-        C2 = Q.mT @ Y
-        _rows(Y).baddbmm_(_flat(Q), _flat(C2), alpha=-1.0)  # in place on the fresh Y
-        Q2, R2 = torch.linalg.qr(Y, mode="reduced")
     else:
         Y = work[0] if work[0] is X else work[0].copy_(X)
         _rows(Y).baddbmm_(_flat(Q), _flat(C), alpha=-1.0)
-        C2 = Q.mT @ Y
-        _rows(Y).baddbmm_(_flat(Q), _flat(C2), alpha=-1.0)
-        Q2, R2 = torch.linalg.qr(Y, mode="reduced", out=(work[1], torch.empty_like(C)))
+    C2 = Q.mT @ Y
+    _rows(Y).baddbmm_(_flat(Q), _flat(C2), alpha=-1.0)  # in place on the fresh Y
+    Q2, R2 = block_basis(Y, None if work is None else work[1:])
     top = torch.cat([R, C + C2 if shift is None else C + C2 + shift], dim=-1)
     return Q2, torch.cat([top, torch.cat([torch.zeros_like(R2), R2], dim=-1)], dim=-2)
 
 
 def retraction_core(
     A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float, frame: Frame | None = None, horizontal: bool = False,
-    work: tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
+    work: tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]] | None = None,
 ) -> Retraction:
     """Eq. 22, first half: the thin QRs and the core ``R_u K R_vᵀ``, in float64 (see :func:`retract`).
 

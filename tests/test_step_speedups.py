@@ -165,3 +165,41 @@ def test_dp_step_equals_the_unfused_building_blocks(compute_dtype: str, batched:
             for i, pair in enumerate(grp.pairs):
                 got = [x.detach().to(F64) for x in read_pair(params, pair)]
                 assert rel(got[0], A_new[i]) < 1e-6 and rel(got[1], B_new[i]) < 1e-6
+
+
+@pytest.mark.parametrize("case", ["generic", "ill_conditioned", "rank_two", "rounding_noise", "zero"])
+def test_block_basis_and_the_retraction_it_feeds(case: str) -> None:
+    """:func:`geometry.block_basis` (CholeskyQR2 with shifted fallbacks) factors any finite block: ``QR = Y``,
+    ``R`` upper triangular, ``Q`` orthonormal where ``Y`` has rank; and the retraction (eq. 22) built on it
+    (the frame path) equals the one from Householder QRs of ``[A, ΔA]``, ``[B, ΔB]``, also when the new
+    block is rank-deficient, at rounding level, or zero."""
+    G, m, n = 3, 12, 10
+    g = torch.Generator().manual_seed(5)
+    A, B = conditioned(G, m, 20.0, g), conditioned(G, n, 20.0, g)
+    fr = geo.frame(A, B)
+    inside = A @ torch.randn(G, R, R, generator=g, dtype=F64)
+    normal = {
+        "generic": torch.randn(G, m, R, generator=g, dtype=F64),
+        "ill_conditioned": conditioned(G, m, 1e6, g),
+        "rank_two": torch.randn(G, m, 2, generator=g, dtype=F64) @ torch.randn(G, 2, R, generator=g, dtype=F64),
+        "rounding_noise": torch.zeros(G, m, R, dtype=F64),
+        "zero": None,
+    }[case]
+    dA = torch.zeros(G, m, R, dtype=F64) if normal is None else inside + normal  # zero: Y = 0 exactly
+    dB = torch.randn(G, n, R, generator=g, dtype=F64)
+    Y = dA - fr.QA @ (fr.QA.mT @ dA)
+    Q, Rb = geo.block_basis(Y)
+    assert Q.isfinite().all() and Rb.isfinite().all() and torch.equal(Rb, Rb.triu())
+    assert (Q @ Rb - Y).norm() <= 1e-14 * dA.norm()
+    if case == "zero":
+        assert torch.equal(Y, torch.zeros_like(Y)) and torch.equal(Q, torch.zeros_like(Q)) and Rb.abs().max() < 1e-150
+    rank = {"generic": R, "ill_conditioned": R, "rank_two": 2}.get(case, 0)
+    if rank:
+        Uy = torch.linalg.svd(Y).U[..., :rank]  # Q spans range(Y) orthonormally: its projection keeps norms
+        if rank == R:
+            assert (Q.mT @ Q - torch.eye(R, dtype=F64)).abs().max() < 1e-12
+        assert (Q @ (Q.mT @ Uy) - Uy).norm() < 1e-10
+    for horizontal in (False, True):
+        ref = geo.retract(A, B, dA, dB, lr=0.3)
+        got = geo.retract(A, B, dA, dB, lr=0.3, frame=fr, horizontal=horizontal)
+        assert rel(got[0], ref[0]) < 1e-10 and rel(got[1], ref[1]) < 1e-10, (case, horizontal)

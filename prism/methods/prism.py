@@ -486,16 +486,18 @@ class PrismMethod(Method):
         return out
 
     def _extension_work(self, g: ShapeGroup, direction: tuple[Tensor, Tensor]
-                        ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]] | None:
-        """Kept CPU workspaces of :func:`geometry.extend_qr` for the group's two factors, column-major: ``Y`` is the
-        direction itself (:meth:`_in_work_dtype`'s buffer, consumed), ``Q₂`` is read by the block product."""
+                        ) -> tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]] | None:
+        """Kept CPU workspaces of :func:`geometry.extend_qr` for the group's two factors: ``Y`` is the direction
+        itself (:meth:`_in_work_dtype`'s buffer, consumed), ``Q₁`` is shared by all groups (read right away),
+        ``Q₂`` is per group (read by the block product)."""
         fr = g.frame
         if fr.A.device.type != "cpu" or fr.A.dtype != self.work_dtype:
             return None
-        (G, m, r), n = fr.A.shape, fr.B.shape[-2]
-        flat = self._buffer(f"extension:{g.modules[0]}", G * (m + n) * r, fr.A.device)
-        return ((direction[0], flat[: G * m * r].view(G, r, m).mT),
-                (direction[1], flat[G * m * r:].view(G, r, n).mT))
+        scratch = self._buffer("extension", max(X.numel() for h in self.groups for X in (h.frame.A, h.frame.B)),
+                               fr.A.device)
+        QA, QB = self._pair_buffer(f"extension:{g.modules[0]}", fr.A.shape, fr.B.shape, fr.A.device)
+        return ((direction[0], scratch[: fr.A.numel()].view(fr.A.shape), QA),
+                (direction[1], scratch[: fr.B.numel()].view(fr.B.shape), QB))
 
     def _scratch_pair(self, name: str, A: Tensor, B: Tensor, dtype: torch.dtype | None = None
                       ) -> tuple[Tensor, Tensor] | None:
@@ -524,12 +526,11 @@ class PrismMethod(Method):
 
     def _in_work_dtype(self, name: str, U: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         """A group's direction ``(U_A, U_B)`` converted to the working dtype, on the CPU into the kept buffer
-        ``name``, column-major (the layout in which :func:`geometry.extend_qr` turns it into its ``Y``)."""
+        ``name`` (where :func:`geometry.extend_qr` turns it into its ``Y``)."""
         if U[0].device.type != "cpu" or self.work_dtype != torch.float64:  # float32: the frame is too (no extend_qr)
             return tuple(x.to(self.work_dtype) for x in U)
-        (G, m, r), n = U[0].shape, U[1].shape[-2]
-        flat = self._buffer(name, G * (m + n) * r, U[0].device)
-        return (flat[: G * m * r].view(G, r, m).mT.copy_(U[0]), flat[G * m * r:].view(G, r, n).mT.copy_(U[1]))
+        A, B = self._pair_buffer(name, U[0].shape, U[1].shape, U[0].device)
+        return A.copy_(U[0]), B.copy_(U[1])
 
     def tau(self, denominator: float) -> float:
         """Noise standard deviation ``σC/denominator`` of the averaged lift (0 without DP)."""
