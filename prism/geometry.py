@@ -15,8 +15,12 @@ Conventions:
 * Gram inverses are never formed from ``AᵀA``: the thin QR ``A = Q_A R_A`` gives ``M = R_AᵀR_A``
   and ``Π_A = Q_A Q_Aᵀ`` (Lemma A.18), so a solve is a product with the ``r×r`` triangular inverse
   ``R_A⁻¹`` (formed once per step in the :class:`Frame`) and its error grows with ``κ(A)``, not
-  ``κ(A)²``. No damping anywhere: a rank-deficient factor is
+  ``κ(A)²`` — except where a caller bounds ``κ`` and asks for ``M⁻¹ = R_A⁻¹R_A⁻ᵀ`` itself
+  (:func:`privatized_lift`'s ``gram_inverse``, docs/DECISIONS.md D65). No damping anywhere: a rank-deficient factor is
   an error (:func:`check_full_rank`), never a silently shrunk noise covariance (docs/DECISIONS.md D4, D20).
+* Thin QRs are Householder (``torch.linalg.qr``) unless a caller passes :func:`cholesky_qr2` (the same
+  ``Q``, ``R`` for the factors the float32 rank check admits) or the retraction's new block, which
+  :func:`block_basis` factors (GEMM passes instead of Householder sweeps; D65).
 * Opt-in exceptions for the released protocol (docs/DECISIONS.md D4, D5): ``lift(rcond=…)`` uses
   eigenvalue-cut pseudo-inverses and ``tangent_noise(damping=…)`` the damped ``(N + δI)^{-1/2}``.
 * :func:`retract` computes in float64 internally (its cost is ``O((m+n) r²)`` once per step per

@@ -47,6 +47,15 @@ per-example gradients of ``L`` tokens, and no ``m×r`` lift per example.
 ``compute_dtype`` (default float32) is the dtype of the snapshots, the rank check's cutoff and the
 adaptive moments (non-DP: of everything); bf16 parameters are never used for the linear algebra;
 the retraction runs in float64 internally.
+
+CPU cost of the step (docs/DECISIONS.md D65). With a float64 frame the privatised lift is one fused
+pass (:func:`geometry.privatized_lift`: lift, noise and horizontalisation as ``r×r`` coefficients);
+under float32 ``compute_dtype`` (the rank check bounds ``κ ≤ 2,896``) the frame's QRs are CholeskyQR2
+with Householder's signs (:func:`geometry.cholesky_qr2`; a failure reads as rank deficient and is
+re-decided with Householder frames) and the lift multiplies by ``N⁻¹``, ``M⁻¹`` formed once. The
+retraction's new blocks are factored by :func:`geometry.block_basis`. On the CPU the step's
+factor-sized temporaries (snapshots, draws, lifts, moments' ``m̂``, directions, bases, new factors)
+live in kept buffers (:meth:`PrismMethod._buffer`), each overwritten by the next step.
 """
 from __future__ import annotations
 
@@ -479,8 +488,8 @@ class PrismMethod(Method):
         for g, rt, (MA, MB), Q in zip(self.groups, cores, coefficients,
                                       (geometry.procrustes_rotation(svd) for svd in rotations)):
             A, B = None, None  # a float32 frame (non-DP float32): the float64 product, then rounded
-            if MA.dtype == self.work_dtype:
-                A, B = self._pair_buffer(f"factors:{g.modules[0]}", g.frame.A.shape, g.frame.B.shape, MA.device)
+            if MA.dtype == self.work_dtype:  # into the directions' buffer (consumed as extend_qr's Y by now)
+                A, B = self._pair_buffer(f"direction:{g.modules[0]}", g.frame.A.shape, g.frame.B.shape, MA.device)
             new = geometry.block_product(rt.Qu, MA @ Q, out=A), geometry.block_product(rt.Qv, MB @ Q, out=B)
             out.append(tuple(x.to(self.work_dtype) for x in new))
         return out
