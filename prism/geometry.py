@@ -96,16 +96,23 @@ def _safe_svd(R: Tensor) -> tuple[Tensor, Tensor]:
     return s, Vh.mT
 
 
-def frames(factors: Sequence[tuple[Tensor, Tensor]],
-           qr: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None) -> list[Frame]:
+def frames(factors: Sequence[tuple[Tensor, Tensor]], cholesky: bool = False,
+           work: Sequence[tuple[Tensor, Tensor]] | None = None) -> list[Frame]:
     """:func:`frame` of several ``(A, B)`` batches, with one SVD of all their ``R`` factors of equal rank.
 
-    ``qr``: the thin QR of one factor batch (default Householder, ``torch.linalg.qr``; e.g. :func:`cholesky_qr2`)."""
-    qr = qr or (lambda X: torch.linalg.qr(X, mode="reduced"))
-    qrs = []
+    ``cholesky``: thin QRs by :func:`cholesky_qr2` (one :func:`householder_signs` call for all factors)
+    instead of Householder; ``work``: its two workspaces per factor, in the order ``A₁, B₁, A₂, …``."""
     for A, B in factors:
         _check_pair(A, B)
-        qrs.append((*qr(A), *qr(B)))
+    matrices = [X for pair in factors for X in pair]
+    if cholesky:
+        starts = [_cholesky_qr2_start(X, None if work is None else work[i][0]) for i, X in enumerate(matrices)]
+        signs = fused(householder_signs, [start.top for start in starts])
+        flat = [_cholesky_qr2_finish(start, d, None if work is None else work[i][1])
+                for i, (start, (d,)) in enumerate(zip(starts, signs))]
+    else:
+        flat = [tuple(torch.linalg.qr(X, mode="reduced")) for X in matrices]
+    qrs = [(*flat[2 * i], *flat[2 * i + 1]) for i in range(len(factors))]
     spectra = fused(_safe_svd, [R for _, RA, _, RB in qrs for R in (RA, RB)])
     inverses = fused(_triangular_inverse, [R for _, RA, _, RB in qrs for R in (RA, RB)])
     return [
@@ -148,15 +155,36 @@ def cholesky_qr2(X: Tensor, work: tuple[Tensor, Tensor] | None = None) -> tuple[
     Where a Cholesky factorisation fails or ``X`` is not finite, that matrix's ``R`` is NaN (the rank check
     then rejects it; no host read here). ``work``: two tensors shaped like ``X`` (contiguous) for ``Q₁``
     and ``Q``."""
+    start = _cholesky_qr2_start(X, None if work is None else work[0])
+    return _cholesky_qr2_finish(start, householder_signs(start.top), None if work is None else work[1])
+
+
+class _CholeskyStart(NamedTuple):
+    """:func:`cholesky_qr2` up to the signs: ``Q₁ = X R₁⁻¹``, ``R₁``, ``R₂``, ``R₂⁻¹``, the top ``r×r`` block of
+    ``Q₁R₂⁻¹`` (for :func:`householder_signs`) and whether both Cholesky factorisations succeeded."""
+
+    Q1: Tensor
+    R1: Tensor
+    R2: Tensor
+    R2i: Tensor
+    top: Tensor
+    ok: Tensor
+
+
+def _cholesky_qr2_start(X: Tensor, out: Tensor | None) -> _CholeskyStart:
     eye = torch.eye(X.shape[-1], dtype=X.dtype, device=X.device)
     R1, info1 = torch.linalg.cholesky_ex(X.mT @ X, upper=True)
-    Q1 = torch.matmul(X, torch.linalg.solve_triangular(R1, eye, upper=True), out=None if work is None else work[0])
+    Q1 = torch.matmul(X, torch.linalg.solve_triangular(R1, eye, upper=True), out=out)
     R2, info2 = torch.linalg.cholesky_ex(Q1.mT @ Q1, upper=True)
     R2i = torch.linalg.solve_triangular(R2, eye, upper=True)
-    d = householder_signs(Q1[..., : X.shape[-1], :] @ R2i)
-    Q = torch.matmul(Q1, R2i * d[..., None, :], out=None if work is None else work[1])
-    R = (R2 @ R1) * d[..., :, None]
-    ok = (info1 == 0) & (info2 == 0) & R.isfinite().flatten(-2).all(-1)
+    return _CholeskyStart(Q1, R1, R2, R2i, Q1[..., : X.shape[-1], :] @ R2i, (info1 == 0) & (info2 == 0))
+
+
+def _cholesky_qr2_finish(start: _CholeskyStart, d: Tensor, out: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``Q = Q₁R₂⁻¹diag(d)``, ``R = diag(d)R₂R₁`` (NaN where a factorisation failed or ``R`` is not finite)."""
+    Q = torch.matmul(start.Q1, start.R2i * d[..., None, :], out=out)
+    R = (start.R2 @ start.R1) * d[..., :, None]
+    ok = start.ok & R.isfinite().flatten(-2).all(-1)
     return Q, torch.where(ok[..., None, None], R, torch.full_like(R, math.nan))
 
 

@@ -57,7 +57,7 @@ def test_cholesky_qr2_failure_reads_as_rank_deficient() -> None:
     X[1, 5, 2] = float("nan")
     _, Rc = geo.cholesky_qr2(X)
     assert Rc[:2].isnan().all() and rel(Rc[2], torch.linalg.qr(X[2]).R) < 1e-14
-    fr = geo.frames([(X, X)], qr=geo.cholesky_qr2)[0]
+    fr = geo.frames([(X, X)], cholesky=True)[0]
     mask = geo.full_rank_mask(X, fr.SA, 1e-8)
     assert mask.tolist() == [False, False, True]
 
@@ -203,3 +203,35 @@ def test_block_basis_and_the_retraction_it_feeds(case: str) -> None:
         ref = geo.retract(A, B, dA, dB, lr=0.3)
         got = geo.retract(A, B, dA, dB, lr=0.3, frame=fr, horizontal=horizontal)
         assert rel(got[0], ref[0]) < 1e-10 and rel(got[1], ref[1]) < 1e-10, (case, horizontal)
+
+
+@pytest.mark.parametrize("defect", ["duplicate_column", "kappa_5000", "nan"])
+def test_batched_float32_rank_check_decides_like_householder(defect: str) -> None:
+    """Batched float32 ``compute_dtype`` under DP (CholeskyQR2 frames): a rank-deficient, too ill-conditioned
+    or non-finite module is reported with the message the Householder frames give; ``rank_fallback: floor``
+    repairs it and the frames then pass."""
+    G, m, n = 3, 10, 8
+    params = _params(G, m, n, seed=3)
+    names = [f"layers.{i}.proj" for i in range(G)]
+    A1 = params["layers.1.proj.lora_B.default.weight"]
+    with torch.no_grad():
+        if defect == "duplicate_column":
+            A1[:, 2] = A1[:, 0]
+        elif defect == "kappa_5000":
+            A1.copy_(conditioned(1, m, 5000.0, torch.Generator().manual_seed(4))[0].float())
+        else:
+            A1[4, 1] = float("nan")
+    A = torch.stack([params[f"{x}.lora_B.default.weight"].detach().double() for x in names])
+    B = torch.stack([params[f"{x}.lora_A.default.weight"].detach().double().mT for x in names])
+    with pytest.raises(geo.RankDeficientError) as expected:
+        geo.check_full_rank(A, B, names, geo.default_rcond(torch.float32))
+    cfg = {"name": "prism", "lr": 0.05}
+    method = PrismMethod(OmegaConf.create(cfg), params, PrivacySpec(sigma=0.5, clip_norm=1.0))
+    with pytest.raises(geo.RankDeficientError) as got:
+        method.zero_accumulators()
+    assert str(got.value) == str(expected.value) and "layers.1.proj" in str(got.value)
+    if defect != "nan":
+        method = PrismMethod(OmegaConf.create({**cfg, "rank_fallback": "floor"}), params,
+                             PrivacySpec(sigma=0.5, clip_norm=1.0))
+        method.zero_accumulators()
+        geo.check_full_rank(method.groups[0].frame.A, method.groups[0].frame.B, names, geo.default_rcond(torch.float32))

@@ -50,9 +50,9 @@ the retraction runs in float64 internally.
 
 CPU cost of the step (docs/DECISIONS.md D65). With a float64 frame the privatised lift is one fused
 pass (:func:`geometry.privatized_lift`: lift, noise and horizontalisation as ``r×r`` coefficients);
-under float32 ``compute_dtype`` (the rank check bounds ``κ ≤ 2,896``) the frame's QRs are CholeskyQR2
-with Householder's signs (:func:`geometry.cholesky_qr2`; a failure reads as rank deficient and is
-re-decided with Householder frames) and the lift multiplies by ``N⁻¹``, ``M⁻¹`` formed once. The
+under float32 ``compute_dtype`` (the rank check bounds ``κ ≤ 2,896``) the batched frames' QRs are
+CholeskyQR2 with Householder's signs (:func:`geometry.cholesky_qr2`; a failure reads as rank deficient
+and is re-decided with Householder frames; the per-module reference path keeps Householder) and the lift multiplies by ``N⁻¹``, ``M⁻¹`` formed once. The
 retraction's new blocks are factored by :func:`geometry.block_basis`. On the CPU the step's
 factor-sized temporaries (snapshots, draws, lifts, moments' ``m̂``, directions, bases, new factors)
 live in kept buffers (:meth:`PrismMethod._buffer`), each overwritten by the next step.
@@ -200,6 +200,7 @@ class PrismMethod(Method):
         self._buffers: dict[str, Tensor] = {}
         self._fresh = True
         self._ready = False
+        self.batched = batched
         self._fused = geometry.fused if batched else _one_by_one
 
     # ---------------------------------------------------------------- step protocol
@@ -208,8 +209,9 @@ class PrismMethod(Method):
         (the first :meth:`accumulate` overwrites them, so they are never zeroed first)."""
         self._norms = []
         snapshots = [self._snapshot(g) for g in self.groups]
-        cholesky = self.dtype == torch.float32 and self.work_dtype == torch.float64
-        for g, fr in zip(self.groups, geometry.frames(snapshots, self._cholesky_qr(snapshots) if cholesky else None)):
+        cholesky = self.batched and self.dtype == torch.float32 and self.work_dtype == torch.float64
+        work = self._frame_work(snapshots) if cholesky else None
+        for g, fr in zip(self.groups, geometry.frames(snapshots, cholesky=cholesky, work=work)):
             g.frame = fr
         try:
             self._check_rank()
@@ -237,18 +239,18 @@ class PrismMethod(Method):
             offset += G * (m + n) * r
         self._ready, self._fresh = True, True
 
-    def _cholesky_qr(self, snapshots: list[tuple[Tensor, Tensor]]) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
-        """The ``qr`` of :func:`geometry.frames` for float32 ``compute_dtype`` under DP: :func:`geometry.cholesky_qr2`
-        (float64 snapshots, ``κ ≤ 2,896`` admitted), its ``Q`` in kept CPU buffers (a frame lives for one step).
-        Called once per factor in the order of ``snapshots``."""
-        device = snapshots[0][0].device
-        scratch = self._buffer("qr", max(X.numel() for pair in snapshots for X in pair), device)
+    def _frame_work(self, snapshots: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]] | None:
+        """Kept CPU workspaces ``(Q₁, Q)`` of :func:`geometry.cholesky_qr2` per factor, in the order of
+        :func:`geometry.frames`, for batched float32 ``compute_dtype`` under DP (float64 snapshots, ``κ ≤ 2,896``
+        admitted); the frames' ``Q`` stay in them for the step."""
+        if snapshots[0][0].device.type != "cpu":
+            return None
         work = []
         for g, (A, B) in zip(self.groups, snapshots):
-            QA, QB = self._pair_buffer(f"frame:{g.modules[0]}", A.shape, B.shape, device)
-            work += [(scratch[: A.numel()].view(A.shape), QA), (scratch[: B.numel()].view(B.shape), QB)]
-        slots = iter(work)
-        return lambda X: geometry.cholesky_qr2(X, work=next(slots))
+            Q1A, Q1B = self._pair_buffer(f"qr:{g.modules[0]}", A.shape, B.shape, A.device)
+            QA, QB = self._pair_buffer(f"frame:{g.modules[0]}", A.shape, B.shape, A.device)
+            work += [(Q1A, QA), (Q1B, QB)]
+        return work
 
     def accumulate(self, grads: Mapping[str, Tensor]) -> None:
         """Add one micro-batch (DP: per-example ``[k, *shape]`` grads, clipped by eq. 16; else a sum).
