@@ -246,8 +246,8 @@ class PrismMethod(Method):
         if snapshots[0][0].device.type != "cpu":
             return None
         work = []
-        for g, (A, B) in zip(self.groups, snapshots):
-            Q1A, Q1B = self._pair_buffer(f"qr:{g.modules[0]}", A.shape, B.shape, A.device)
+        for g, (A, B) in zip(self.groups, snapshots):  # Q₁ in the buffer of the step's draws, free until then
+            Q1A, Q1B = self._pair_buffer(f"noise:{g.modules[0]}", A.shape, B.shape, A.device)
             QA, QB = self._pair_buffer(f"frame:{g.modules[0]}", A.shape, B.shape, A.device)
             work += [(Q1A, QA), (Q1B, QB)]
         return work
@@ -499,14 +499,15 @@ class PrismMethod(Method):
     def _extension_work(self, g: ShapeGroup, direction: tuple[Tensor, Tensor]
                         ) -> tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]] | None:
         """Kept CPU workspaces of :func:`geometry.extend_qr` for the group's two factors: ``Y`` is the direction
-        itself (:meth:`_in_work_dtype`'s buffer, consumed), ``Q₁`` is shared by all groups (read right away),
-        ``Q₂`` is per group (read by the block product)."""
+        itself (:meth:`_in_work_dtype`'s buffer, consumed), ``Q₁`` is shared by all groups (read right away;
+        the draws' scratch), ``Q₂`` is per group (read by the block product; the buffer of the group's draws,
+        read by :meth:`privatized_group` before)."""
         fr = g.frame
         if fr.A.device.type != "cpu" or fr.A.dtype != self.work_dtype:
             return None
-        scratch = self._buffer("extension", max(X.numel() for h in self.groups for X in (h.frame.A, h.frame.B)),
+        scratch = self._buffer("draws", max(X.numel() for h in self.groups for X in (h.frame.A, h.frame.B)),
                                fr.A.device)
-        QA, QB = self._pair_buffer(f"extension:{g.modules[0]}", fr.A.shape, fr.B.shape, fr.A.device)
+        QA, QB = self._pair_buffer(f"noise:{g.modules[0]}", fr.A.shape, fr.B.shape, fr.A.device)
         return ((direction[0], scratch[: fr.A.numel()].view(fr.A.shape), QA),
                 (direction[1], scratch[: fr.B.numel()].view(fr.B.shape), QB))
 
