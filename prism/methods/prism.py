@@ -216,18 +216,14 @@ class PrismMethod(Method):
         try:
             self._check_rank()
         except geometry.RankDeficientError:
-            if cholesky:  # decide with Householder frames (a failed CholeskyQR2 reads as rank deficient)
+            if cholesky:  # re-decide with Householder frames (a failed CholeskyQR2 reads as rank deficient)
                 for g, fr in zip(self.groups, geometry.frames(snapshots)):
                     g.frame = fr
-                try:
-                    self._check_rank()
-                except geometry.RankDeficientError:
-                    if self.config.rank_fallback is None:
-                        raise
-                    self._floor_rank_deficient()
-            elif self.config.rank_fallback is None:
-                raise
-            else:
+            try:
+                self._check_rank()
+            except geometry.RankDeficientError:
+                if self.config.rank_fallback is None:
+                    raise
                 self._floor_rank_deficient()
         flat = self._buffer("sums", sum(g.frame.A.numel() + g.frame.B.numel() for g in self.groups),
                             self.groups[0].frame.A.device)
@@ -450,7 +446,7 @@ class PrismMethod(Method):
                 dA, dB, tau, *(x.to(self.dtype) for x in moments(g.frame)),
                 out=self._scratch_pair(f"moment:{g.modules[0]}", dA, dB))]
             eighs = self._fused(torch.linalg.eigh, [_finite_or_zero(symmetric_part(V)) for _, V, _ in estimates])
-            # U into the buffers of the cast lifts, read by now (never into the lifts the step returns to callers)
+            # U into the cast lifts' buffers, read by now (never into privatized_group's outputs: callers may hold them)
             outs = [x if self.dtype != self.work_dtype and x.device.type == "cpu" else None for pair in lifts for x in pair]
             U = [torch.matmul(m_hat, spectral_preconditioner(cfg, w, E, floor), out=out)
                  for (m_hat, _, floor), (w, E), out in zip(estimates, eighs, outs)]
