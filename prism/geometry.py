@@ -18,9 +18,9 @@ Conventions:
   ``κ(A)²`` — except where a caller bounds ``κ`` and asks for ``M⁻¹ = R_A⁻¹R_A⁻ᵀ`` itself
   (:func:`privatized_lift`'s ``gram_inverse``, docs/DECISIONS.md D65). No damping anywhere: a rank-deficient factor is
   an error (:func:`check_full_rank`), never a silently shrunk noise covariance (docs/DECISIONS.md D4, D20).
-* Thin QRs are Householder (``torch.linalg.qr``) unless a caller passes :func:`cholesky_qr2` (the same
-  ``Q``, ``R`` for the factors the float32 rank check admits) or the retraction's new block, which
-  :func:`block_basis` factors (GEMM passes instead of Householder sweeps; D65).
+* Thin QRs are Householder (``torch.linalg.qr``) except :func:`frames` with ``cholesky`` (:func:`cholesky_qr2`:
+  the same ``Q``, ``R`` for the factors the float32 rank check admits) and the retraction's new block,
+  which :func:`block_basis` factors (GEMM passes instead of Householder sweeps; docs/DECISIONS.md D65).
 * Opt-in exceptions for the released protocol (docs/DECISIONS.md D4, D5): ``lift(rcond=…)`` uses
   eigenvalue-cut pseudo-inverses and ``tangent_noise(damping=…)`` the damped ``(N + δI)^{-1/2}``.
 * :func:`retract` computes in float64 internally (its cost is ``O((m+n) r²)`` once per step per
@@ -196,10 +196,11 @@ def block_basis(Y: Tensor, work: tuple[Tensor, Tensor] | None = None) -> tuple[T
     fails (a numerically singular Gram), it factors ``XᵀX + δI`` with ``δ = (p + r + 1)·eps·‖X‖²_F + tiny``
     (``p`` rows), above the Gram's rounding, so it always succeeds — decided per matrix on the ``r×r``
     factors, with no host read. ``Q R = Y`` holds by construction (``Q = Y (R₂R₁)⁻¹``, backward error
-    ``eps·κ(Y)``); ``Q`` is orthonormal to ``O(eps)`` while ``κ(Y) ≲ 1/√eps``; a shifted pass leaves the
-    columns along directions of ``Y`` below ``√δ`` short (a zero ``Y`` gives ``Q = 0``, ``R ≈ 0``), and those
-    directions carry only their ``R`` rows, which are that small. Four ``p×r`` GEMM passes; the signs are
-    Cholesky's (positive diagonal), not Householder's. ``work``: two tensors shaped like ``Y`` for ``Q₁``, ``Q``.
+    ``eps·κ(Y)``); ``Q`` is orthonormal to ``O(eps)`` while ``κ(Y) ≲ 1/√(eps·p r)`` (as :func:`cholesky_qr2`).
+    Where a pass needed the shift, ``Q`` is orthonormal to about ``δ/‖X‖²_F`` along the directions of ``Y``
+    above ``√δ`` and short along those below, which carry only their ``R`` rows, that small (a zero ``Y``
+    gives ``Q = 0``, ``R ≈ 0``). Four ``p×r`` GEMM passes; the signs are Cholesky's (positive diagonal), not
+    Householder's. ``work``: two tensors shaped like ``Y`` for ``Q₁``, ``Q``.
     """
     eye = torch.eye(Y.shape[-1], dtype=Y.dtype, device=Y.device)
     rows, r = Y.shape[-2:]
