@@ -687,7 +687,8 @@ def _admissible(X: Tensor, s: Tensor, rcond: float) -> Tensor:
     return X.sum((-2, -1)).isfinite() & (s[..., -1] > rcond * s[..., 0])
 
 
-def check_frames(frames: list[Frame], modules: list[list[str]], rcond: float | None = None) -> None:
+def check_frames(frames: list[Frame], modules: list[list[str]], rcond: float | None = None,
+                 nan_R: bool = False) -> None:
     """Raise :class:`RankDeficientError` unless every factor of every frame is finite and full rank.
 
     ``frames[g]`` holds the factors of the modules named ``modules[g]`` (batched ``[G, m, r]`` or one
@@ -695,12 +696,15 @@ def check_frames(frames: list[Frame], modules: list[list[str]], rcond: float | N
     host read per call; the offending module is looked up only on failure. ``rcond`` defaults to
     :func:`default_rcond` of the factors' dtype (solves then lose at most ``√eps`` relative
     accuracy). The tangent space (eq. 11), the lift (eq. 14) and the noise sampler (eq. 19) need
-    full column rank.
+    full column rank. ``nan_R``: the frames' ``R`` is NaN wherever a factor is not finite (:func:`frames`
+    with ``cholesky``: a non-finite entry makes the Gram's diagonal non-finite), so the singular values
+    alone decide and the factors are not read.
     """
     if not frames:
         return
     cutoff = default_rcond(frames[0].A.dtype) if rcond is None else rcond
-    masks = [_admissible(X, sv, cutoff).all() for fr in frames for X, sv in ((fr.A, fr.SA), (fr.B, fr.SB))]
+    masks = [(sv[..., -1] > cutoff * sv[..., 0] if nan_R else _admissible(X, sv, cutoff)).all()
+             for fr in frames for X, sv in ((fr.A, fr.SA), (fr.B, fr.SB))]
     if bool(torch.stack(masks).all()):  # the one host read
         return
     for fr, names in zip(frames, modules):

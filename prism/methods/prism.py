@@ -214,7 +214,7 @@ class PrismMethod(Method):
         for g, fr in zip(self.groups, geometry.frames(snapshots, cholesky=cholesky, work=work)):
             g.frame = fr
         try:
-            self._check_rank()
+            self._check_rank(cholesky)
         except geometry.RankDeficientError:
             if cholesky:  # re-decide with Householder frames (a failed CholeskyQR2 reads as rank deficient)
                 for g, fr in zip(self.groups, geometry.frames(snapshots)):
@@ -596,10 +596,11 @@ class PrismMethod(Method):
         torch._foreach_copy_(list(Bt.unbind(0)), [self.params[p.b_name] for p in g.pairs])
         return A, Bt.mT
 
-    def _check_rank(self) -> None:
-        """:func:`geometry.check_frames` with the cutoff of ``compute_dtype`` (frames may be float64)."""
+    def _check_rank(self, cholesky: bool = False) -> None:
+        """:func:`geometry.check_frames` with the cutoff of ``compute_dtype`` (frames may be float64; ``cholesky``:
+        CholeskyQR2 frames, whose NaN ``R`` marks a non-finite factor)."""
         geometry.check_frames([g.frame for g in self.groups], [g.modules for g in self.groups],
-                              geometry.default_rcond(self.dtype))
+                              geometry.default_rcond(self.dtype), nan_R=cholesky)
 
     @torch.no_grad()
     def _write(self, g: ShapeGroup, A: Tensor, B: Tensor) -> None:
