@@ -158,17 +158,18 @@ def update_moments(cfg: AdaptiveConfig, state: FactorMoments, delta: Tensor) -> 
 
 
 def moment_estimates(
-    cfg: AdaptiveConfig, state: FactorMoments, t: int, tau: float, sigma_noise: Tensor
+    cfg: AdaptiveConfig, state: FactorMoments, t: int, tau: float, sigma_noise: Tensor, out: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """``(m̂, V̂)`` at step ``t ≥ 1``: bias-corrected moments, ``V̂`` debiased when configured.
 
     ``m̂ = m/(1−β1ᵗ)``, ``V̂ = V/(1−β2ᵗ)`` with ``bias_correction`` (else ``m``, ``V``). The debias
     term is the expected noise part of ``V̂`` (App. A.26, eq. 50): ``τ²Σ`` with bias correction,
-    ``(1−β2ᵗ)τ²Σ`` without. Not yet clamped PSD (:func:`preconditioner` does that).
+    ``(1−β2ᵗ)τ²Σ`` without. Not yet clamped PSD (:func:`preconditioner` does that). ``out``: a tensor
+    shaped like ``m`` for ``m̂``.
     """
     c1 = 1.0 - cfg.beta1**t if cfg.bias_correction else 1.0
     c2 = 1.0 - cfg.beta2**t if cfg.bias_correction else 1.0
-    m_hat, V_hat = state.m / c1, state.V / c2
+    m_hat, V_hat = torch.div(state.m, c1, out=out), state.V / c2
     if cfg.debias and tau > 0:
         V_hat = V_hat - (tau**2 * (1.0 - cfg.beta2**t) / c2) * sigma_noise
     return m_hat, V_hat
@@ -202,18 +203,20 @@ class RankSpaceAdaptive:
                      for m_hat, V_hat, floor in self.observe(dA, dB, tau, sigma_A, sigma_B))
 
     def observe(
-        self, dA: Tensor, dB: Tensor, tau: float, sigma_A: Tensor, sigma_B: Tensor
+        self, dA: Tensor, dB: Tensor, tau: float, sigma_A: Tensor, sigma_B: Tensor,
+        out: tuple[Tensor, Tensor] | None = None,
     ) -> list[tuple[Tensor, Tensor, float | Tensor]]:
         """Eq. 24 update, then per factor ``(m̂, V̂, λ)``: ``U = m̂ P(V̂)`` with floor ``λ`` (eqs. 25–26).
 
         The first half of :meth:`step`; a caller batching several groups runs one ``eigh`` of all
-        ``symmetric_part(V̂)`` and finishes with :func:`spectral_preconditioner`.
+        ``symmetric_part(V̂)`` and finishes with :func:`spectral_preconditioner`. ``out``: tensors shaped
+        like ``m_A``, ``m_B`` for the two ``m̂``.
         """
         self.t += 1
         update_moments(self.cfg, self.A, dA)
         update_moments(self.cfg, self.B, dB)
-        return [(*moment_estimates(self.cfg, state, self.t, tau, sigma), noise_floor(self.cfg, tau, sigma))
-                for state, sigma in ((self.A, sigma_A), (self.B, sigma_B))]
+        return [(*moment_estimates(self.cfg, state, self.t, tau, sigma, out=m_hat), noise_floor(self.cfg, tau, sigma))
+                for state, sigma, m_hat in ((self.A, sigma_A, out and out[0]), (self.B, sigma_B, out and out[1]))]
 
     def state_dict(self) -> dict[str, Any]:
         return {"t": self.t, "mA": self.A.m.clone(), "VA": self.A.V.clone(),

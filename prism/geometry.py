@@ -15,8 +15,12 @@ Conventions:
 * Gram inverses are never formed from ``AᵀA``: the thin QR ``A = Q_A R_A`` gives ``M = R_AᵀR_A``
   and ``Π_A = Q_A Q_Aᵀ`` (Lemma A.18), so a solve is a product with the ``r×r`` triangular inverse
   ``R_A⁻¹`` (formed once per step in the :class:`Frame`) and its error grows with ``κ(A)``, not
-  ``κ(A)²``. No damping anywhere: a rank-deficient factor is
+  ``κ(A)²`` — except where a caller bounds ``κ`` and asks for ``M⁻¹ = R_A⁻¹R_A⁻ᵀ`` itself
+  (:func:`privatized_lift`'s ``gram_inverse``, docs/DECISIONS.md D66). No damping anywhere: a rank-deficient factor is
   an error (:func:`check_full_rank`), never a silently shrunk noise covariance (docs/DECISIONS.md D4, D20).
+* Thin QRs are Householder (``torch.linalg.qr``) except :func:`frames` with ``cholesky`` (:func:`cholesky_qr2`:
+  the same ``Q``, ``R`` for the factors the float32 rank check admits) and the retraction's new block,
+  which :func:`block_basis` factors (GEMM passes instead of Householder sweeps; docs/DECISIONS.md D66).
 * Opt-in exceptions for the released protocol (docs/DECISIONS.md D4, D5): ``lift(rcond=…)`` uses
   eigenvalue-cut pseudo-inverses and ``tangent_noise(damping=…)`` the damped ``(N + δI)^{-1/2}``.
 * :func:`retract` computes in float64 internally (its cost is ``O((m+n) r²)`` once per step per
@@ -92,12 +96,23 @@ def _safe_svd(R: Tensor) -> tuple[Tensor, Tensor]:
     return s, Vh.mT
 
 
-def frames(factors: Sequence[tuple[Tensor, Tensor]]) -> list[Frame]:
-    """:func:`frame` of several ``(A, B)`` batches, with one SVD of all their ``R`` factors of equal rank."""
-    qrs = []
+def frames(factors: Sequence[tuple[Tensor, Tensor]], cholesky: bool = False,
+           work: Sequence[tuple[Tensor, Tensor]] | None = None) -> list[Frame]:
+    """:func:`frame` of several ``(A, B)`` batches, with one SVD of all their ``R`` factors of equal rank.
+
+    ``cholesky``: thin QRs by :func:`cholesky_qr2` (one :func:`householder_signs` call for all factors)
+    instead of Householder; ``work``: its two workspaces per factor, in the order ``A₁, B₁, A₂, …``."""
     for A, B in factors:
         _check_pair(A, B)
-        qrs.append((*torch.linalg.qr(A, mode="reduced"), *torch.linalg.qr(B, mode="reduced")))
+    matrices = [X for pair in factors for X in pair]
+    if cholesky:
+        starts = [_cholesky_qr2_start(X, None if work is None else work[i][0]) for i, X in enumerate(matrices)]
+        signs = fused(householder_signs, [start.top for start in starts])
+        flat = [_cholesky_qr2_finish(start, d, None if work is None else work[i][1])
+                for i, (start, (d,)) in enumerate(zip(starts, signs))]
+    else:
+        flat = [tuple(torch.linalg.qr(X, mode="reduced")) for X in matrices]
+    qrs = [(*flat[2 * i], *flat[2 * i + 1]) for i in range(len(factors))]
     spectra = fused(_safe_svd, [R for _, RA, _, RB in qrs for R in (RA, RB)])
     inverses = fused(_triangular_inverse, [R for _, RA, _, RB in qrs for R in (RA, RB)])
     return [
@@ -106,6 +121,104 @@ def frames(factors: Sequence[tuple[Tensor, Tensor]]) -> list[Frame]:
               RAi=inverses[2 * i][0], RBi=inverses[2 * i + 1][0])
         for i, ((A, B), (QA, RA, QB, RB)) in enumerate(zip(factors, qrs))
     ]
+
+
+def householder_signs(Q: Tensor) -> Tensor:
+    """``d`` [..., r] in ``{±1}`` with ``Q·diag(d)`` the ``Q`` of LAPACK's Householder QR (``geqrf``) of ``Q R``.
+
+    Householder reconstruction (Ballard et al., "Reconstructing Householder vectors from tall-skinny QR",
+    2015): elimination on the top ``r×r`` block of ``Q`` with ``d_j = −sign`` of each pivot (sign(0) = +,
+    as LAPACK's reflector ``β = −sign(α)‖x‖``) reproduces the reflectors of ``geqrf``, whose ``R`` is
+    ``diag(d)`` times the positive-diagonal ``R``. (``geqrf`` skips a reflector, ``β = α``, for a column
+    already zero below its diagonal; there the signs can differ.) ``O(r³)`` work on ``r×r`` blocks."""
+    r = Q.shape[-1]
+    M = Q[..., :r, :r].clone()
+    d = torch.empty(Q.shape[:-2] + (r,), dtype=Q.dtype, device=Q.device)
+    for j in range(r):
+        pivot = M[..., j, j]
+        d[..., j] = torch.where(pivot >= 0, -1.0, 1.0)
+        M[..., j, j] = pivot - d[..., j]  # |pivot − d_j| ≥ 1: no small divisor
+        if j + 1 < r:
+            column = M[..., j + 1:, j] / M[..., j, j, None]
+            M[..., j + 1:, j + 1:] -= column[..., :, None] * M[..., j, None, j + 1:]
+    return d
+
+
+def cholesky_qr2(X: Tensor, work: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """Thin QR ``X = Q R`` by CholeskyQR2 (``R₁ = chol(XᵀX)``, ``Q₁ = X R₁⁻¹``, the same again on ``Q₁``), with
+    the signs of Householder's (:func:`householder_signs`), so ``Q``, ``R`` equal ``torch.linalg.qr``'s to rounding.
+
+    Four passes over ``X`` (two Gram products, two products with ``r×r`` triangular inverses), against the
+    Householder QR's column-by-column sweeps: GEMM work. Accurate (``‖QᵀQ − I‖`` and ``‖X − QR‖/‖X‖`` at
+    ``O(eps)``) while ``κ(X) ≲ 1/√(eps·m r)`` (Yamamoto et al., 2015) — for float64 ``X`` and
+    ``m r ≤ 2·10⁵`` above ``10⁵``, beyond the ``κ ≤ 1/√eps32 = 2,896`` that the float32 rank check admits.
+    Where a Cholesky factorisation fails or ``X`` is not finite, that matrix's ``R`` is NaN (the rank check
+    then rejects it; no host read here). ``work``: two tensors shaped like ``X`` (contiguous) for ``Q₁``
+    and ``Q``."""
+    start = _cholesky_qr2_start(X, None if work is None else work[0])
+    return _cholesky_qr2_finish(start, householder_signs(start.top), None if work is None else work[1])
+
+
+class _CholeskyStart(NamedTuple):
+    """:func:`cholesky_qr2` up to the signs: ``Q₁ = X R₁⁻¹``, ``R₁``, ``R₂``, ``R₂⁻¹``, the top ``r×r`` block of
+    ``Q₁R₂⁻¹`` (for :func:`householder_signs`) and whether both Cholesky factorisations succeeded."""
+
+    Q1: Tensor
+    R1: Tensor
+    R2: Tensor
+    R2i: Tensor
+    top: Tensor
+    ok: Tensor
+
+
+def _cholesky_qr2_start(X: Tensor, out: Tensor | None) -> _CholeskyStart:
+    eye = torch.eye(X.shape[-1], dtype=X.dtype, device=X.device)
+    R1, info1 = torch.linalg.cholesky_ex(X.mT @ X, upper=True)
+    Q1 = torch.matmul(X, torch.linalg.solve_triangular(R1, eye, upper=True), out=out)
+    R2, info2 = torch.linalg.cholesky_ex(Q1.mT @ Q1, upper=True)
+    R2i = torch.linalg.solve_triangular(R2, eye, upper=True)
+    return _CholeskyStart(Q1, R1, R2, R2i, Q1[..., : X.shape[-1], :] @ R2i, (info1 == 0) & (info2 == 0))
+
+
+def _cholesky_qr2_finish(start: _CholeskyStart, d: Tensor, out: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``Q = Q₁R₂⁻¹diag(d)``, ``R = diag(d)R₂R₁`` (NaN where a factorisation failed or ``R`` is not finite)."""
+    Q = torch.matmul(start.Q1, start.R2i * d[..., None, :], out=out)
+    R = (start.R2 @ start.R1) * d[..., :, None]
+    ok = start.ok & R.isfinite().flatten(-2).all(-1)
+    return Q, torch.where(ok[..., None, None], R, torch.full_like(R, math.nan))
+
+
+def block_basis(Y: Tensor, work: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """``Y = Q R`` with ``R`` upper triangular and ``Q`` orthonormal wherever ``Y`` has rank, for any finite ``Y``
+    (also rank-deficient or zero): CholeskyQR2 whose Cholesky factorisations fall back to a shifted Gram.
+
+    Each of the two passes factors ``XᵀX = RᵀR`` (``X = Y``, then ``Q₁ = Y R₁⁻¹``); where that Cholesky
+    fails (a numerically singular Gram), it factors ``XᵀX + δI`` with ``δ = (p + r + 1)·eps·‖X‖²_F + tiny``
+    (``p`` rows), above the Gram's rounding, so it always succeeds — decided per matrix on the ``r×r``
+    factors, with no host read. ``Q R = Y`` holds by construction (``Q = Y (R₂R₁)⁻¹``, backward error
+    ``eps·κ(Y)``); ``Q`` is orthonormal to ``O(eps)`` while ``κ(Y) ≲ 1/√(eps·p r)`` (as :func:`cholesky_qr2`).
+    Where a pass needed the shift, ``Q`` is orthonormal to about ``δ/‖X‖²_F`` along the directions of ``Y``
+    above ``√δ`` and short along those below, which carry only their ``R`` rows, that small (a zero ``Y``
+    gives ``Q = 0``, ``R ≈ 0``). Four ``p×r`` GEMM passes; the signs are Cholesky's (positive diagonal), not
+    Householder's. ``work``: two tensors shaped like ``Y`` for ``Q₁``, ``Q``.
+    """
+    eye = torch.eye(Y.shape[-1], dtype=Y.dtype, device=Y.device)
+    rows, r = Y.shape[-2:]
+
+    def factor(X: Tensor) -> Tensor:
+        gram = X.mT @ X
+        R, info = torch.linalg.cholesky_ex(gram, upper=True)
+        delta = (rows + r + 1) * torch.finfo(X.dtype).eps * gram.diagonal(dim1=-2, dim2=-1).sum(-1)
+        shifted, _ = torch.linalg.cholesky_ex(gram + (delta + torch.finfo(X.dtype).tiny)[..., None, None] * eye,
+                                              upper=True)
+        ok = (info == 0) & R.isfinite().flatten(-2).all(-1)
+        return torch.where(ok[..., None, None], R, shifted)
+
+    R1 = factor(Y)
+    Q1 = torch.matmul(Y, torch.linalg.solve_triangular(R1, eye, upper=True), out=None if work is None else work[0])
+    R2 = factor(Q1)
+    Q = torch.matmul(Q1, torch.linalg.solve_triangular(R2, eye, upper=True), out=None if work is None else work[1])
+    return Q, R2 @ R1
 
 
 def _triangular_inverse(R: Tensor) -> Tensor:
@@ -257,7 +370,7 @@ def gram_lifted_sqnorms(
 
 
 def standard_normal(shape: tuple[int, ...], generator: torch.Generator | None, dtype: torch.dtype,
-                    device: torch.device) -> Tensor:
+                    device: torch.device, workspace: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """i.i.d. N(0, 1) draws of ``shape``; float64 on the CPU by a vectorised Box–Muller transform.
 
     Same law as ``torch.randn(dtype=float64)`` on the CPU, which applies Box–Muller to pairs of
@@ -268,17 +381,24 @@ def standard_normal(shape: tuple[int, ...], generator: torch.Generator | None, d
     normals (exact law up to the last-bit rounding of ``log``/``cos``/``sin``), with the same largest
     magnitude ``√(2·53 ln 2) ≈ 8.57`` (float32 draws stop at ``≈ 5.77``). Whole-tensor vectorised
     ops instead of torch's scalar loop: about 0.6× its time. Other dtypes and devices: ``torch.randn``.
+
+    ``workspace``: two float64 tensors of at least ``2⌈numel/2⌉`` elements each; the draws are then
+    computed in them (no fresh allocation: on the CPU a fresh block above glibc's mmap threshold
+    page-faults on first touch) and returned as a view of the first, with the same values.
     """
     if dtype != torch.float64 or torch.device(device).type != "cpu":
         return torch.randn(shape, generator=generator, dtype=dtype, device=device)
     half = (math.prod(shape) + 1) // 2
-    j = torch.empty(2, half, dtype=torch.int64, device=device).random_(generator=generator)
-    u = j.bitwise_and_(2**53 - 1).to(dtype)  # 2⁵³·u: uniform integers in [0, 2⁵³), as torch's uniform_real
-    radius = torch.log1p(u[0].mul_(-(2.0**-53))).mul_(-2.0).sqrt_()  # √(−2 ln(1 − u₁)), 1 − u₁ ∈ (0, 1]
-    theta = u[1].mul_(2.0 * math.pi * 2.0**-53)
-    out = torch.empty(2, half, dtype=dtype, device=device)
-    torch.cos(theta, out=out[0]).mul_(radius)
-    torch.sin(theta, out=out[1]).mul_(radius)
+    if workspace is None:
+        workspace = (torch.empty(2 * half, dtype=dtype, device=device), torch.empty(2 * half, dtype=dtype, device=device))
+    out, scratch = (w[: 2 * half].view(2, half) for w in workspace)
+    j = scratch.view(torch.int64).random_(generator=generator)
+    out.copy_(j.bitwise_and_(2**53 - 1))  # 2⁵³·u: uniform integers in [0, 2⁵³), as torch's uniform_real
+    radius = torch.log1p(out[0].mul_(-(2.0**-53)), out=out[0]).mul_(-2.0).sqrt_()  # √(−2 ln(1 − u₁)), 1 − u₁ ∈ (0, 1]
+    theta = out[1].mul_(2.0 * math.pi * 2.0**-53)
+    cos = torch.cos(theta, out=scratch[0])
+    theta.sin_().mul_(radius)
+    radius.mul_(cos)
     return out.view(-1)[: math.prod(shape)].view(shape)
 
 
@@ -341,6 +461,77 @@ def _sylvester_gauge(fr: Frame, C: Tensor) -> Tensor:
     return U @ ((U.mT @ C @ V) / (mu[..., :, None] + nu[..., None, :])) @ V.mT
 
 
+def privatized_lift(
+    fr: Frame, gA: Tensor, gB: Tensor, scale: float, tau: float, omega: tuple[Tensor, Tensor] | None,
+    horizontal: bool, gram_inverse: bool, out: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Eq. 17 in one pass: ``H(scale·lift(g_A, g_B) + τ(Ξ_A, Ξ_B))`` (eqs. 14, 19; ``H`` = :func:`horizontalize`
+    when ``horizontal``), equal to :func:`lift`, :func:`tangent_noise` and :func:`horizontalize` in turn.
+
+    ``omega = (Ω_A, Ω_B)``: the unit draws of :func:`tangent_noise` (``None``: no noise, ``τ = 0``). Every
+    projection onto ``span(A)``, ``span(B)`` is an ``r×r`` coefficient taken from ``K_A = Q_Aᵀg_A``,
+    ``Q_AᵀΩ_A`` (and the B analogues) before the factor-sized products: with ``W_A = scale·N⁻¹``,
+    ``W_B = scale·M⁻¹``
+
+    ``ΔA = g_A W_A + Ω_A τR_B⁻ᵀ − Q_A (½K_A W_A + Q_AᵀΩ_A τR_B⁻ᵀ − R_A Ω_H)``,
+    ``ΔB = g_B W_B + Ω_B τR_A⁻ᵀ − Q_B (½K_B W_B + R_B Ω_Hᵀ)``,
+
+    with ``Ω_H`` the gauge of :func:`horizontalize` for ``C = ΔBᵀB − AᵀΔA``, which (``Q_AᵀQ_A = I``) is
+    ``(R_Bᵀ(½K_B W_B + Q_BᵀΩ_B τR_A⁻ᵀ))ᵀ − R_Aᵀ ½K_A W_A`` (the noise has ``AᵀΞ_A = 0``): per factor
+    three products with the ``m×r`` operands (``Q_Aᵀ``, ``W``, ``Q_A``) plus two for the noise, instead
+    of about a dozen. ``gram_inverse``: multiply by the ``r×r`` matrix ``N⁻¹ = R_B⁻¹R_B⁻ᵀ`` once
+    instead of by ``R_B⁻¹`` then ``R_B⁻ᵀ``; forming it rounds at ``eps·κ²`` relative to the result, so
+    it needs a bounded ``κ`` — ``≤ 2e-9`` in float64 for the ``κ ≤ 1/√eps32 = 2,896`` the float32 rank
+    check admits (docs/DECISIONS.md D66). ``out``: tensors shaped like ``g_A``, ``g_B`` for the result.
+    """
+    RAi, RBi = fr.RAi, fr.RBi
+    if gram_inverse:
+        WA, WB = (RBi @ RBi.mT).mul_(scale), (RAi @ RAi.mT).mul_(scale)
+        YA = torch.matmul(gA, WA, out=None if out is None else out[0])
+        YB = torch.matmul(gB, WB, out=None if out is None else out[1])
+        VA, VB = (fr.QA.mT @ gA) @ WA, (fr.QB.mT @ gB) @ WB  # Q_AᵀY_A, Q_BᵀY_B
+    else:
+        YA = torch.matmul(gA @ RBi, RBi.mT * scale, out=None if out is None else out[0])
+        YB = torch.matmul(gB @ RAi, RAi.mT * scale, out=None if out is None else out[1])
+        VA, VB = ((fr.QA.mT @ gA) @ RBi) @ (RBi.mT * scale), ((fr.QB.mT @ gB) @ RAi) @ (RAi.mT * scale)
+    KA, KB = 0.5 * VA, 0.5 * VB  # Q_Aᵀ of what the projections remove; the vertical part Q_AᵀΔA stays ½V_A
+    HB = KB
+    if omega is not None:
+        TA, TB = tau * RBi.mT, tau * RAi.mT
+        _rows(YA).baddbmm_(_flat(omega[0]), _flat(TA.expand(*YA.shape[:-2], *TA.shape[-2:])))
+        _rows(YB).baddbmm_(_flat(omega[1]), _flat(TB.expand(*YB.shape[:-2], *TB.shape[-2:])))
+        KA = KA + (fr.QA.mT @ omega[0]) @ TA
+        HB = KB + (fr.QB.mT @ omega[1]) @ TB  # Q_BᵀΔB (Ξ_B is not projected)
+    if horizontal:
+        Omega = _sylvester_gauge(fr, (fr.RB.mT @ HB).mT - fr.RA.mT @ (0.5 * VA))
+        KA = KA - fr.RA @ Omega
+        KB = KB + fr.RB @ Omega.mT
+    _rows(YA).baddbmm_(_flat(fr.QA), _flat(KA), alpha=-1.0)
+    _rows(YB).baddbmm_(_flat(fr.QB), _flat(KB), alpha=-1.0)
+    return YA, YB
+
+
+def tangent_noise_sqnorm(fr: Frame, omega_A: Tensor, omega_B: Tensor) -> Tensor:
+    """Eq. 21's ``‖Ξ_A Bᵀ + A Ξ_Bᵀ‖²_F`` of :func:`tangent_noise`'s draw from its unit draws ``(Ω_A, Ω_B)``.
+
+    The image ``(I − Π_A)Ω_A Q_Bᵀ + Q_A Ω_Bᵀ`` has orthogonal blocks, so the norm is
+    ``‖Ω_A‖² − ‖Q_AᵀΩ_A‖² + ‖Ω_B‖²`` (no ``R⁻¹``; the difference is about ``(m − r)/m`` of ``‖Ω_A‖²``).
+    """
+    def sq(X: Tensor) -> Tensor:
+        return torch.linalg.vector_norm(X, dim=(-2, -1)).square()
+    return sq(omega_A) - sq(fr.QA.mT @ omega_A) + sq(omega_B)
+
+
+def _flat(T: Tensor) -> Tensor:
+    """``T`` [..., p, q] as ``[batch, p, q]`` (a copy only where the layout needs one)."""
+    return T.reshape(-1, *T.shape[-2:])
+
+
+def _rows(T: Tensor) -> Tensor:
+    """Contiguous ``T`` [..., p, q] as a ``[batch, p, q]`` view, the target of an in-place batched product."""
+    return T.view(-1, *T.shape[-2:])
+
+
 class Retraction(NamedTuple):
     """Eq. 22's thin QRs ``[A, ΔA] = Q_u R_u``, ``[B, ΔB] = Q_v R_v`` (``Q`` as column blocks) and the core."""
 
@@ -358,33 +549,42 @@ def _minus_product(X: Tensor, Q: Tensor, C: Tensor) -> Tensor:
     return torch.baddbmm(flat(X), flat(Q), flat(C), alpha=-1.0).view(X.shape)
 
 
-def extend_qr(Q: Tensor, R: Tensor, X: Tensor, C: Tensor | None = None, shift: Tensor | None = None
-              ) -> tuple[Tensor, Tensor]:
+def extend_qr(Q: Tensor, R: Tensor, X: Tensor, C: Tensor | None = None, shift: Tensor | None = None,
+              work: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Thin QR of ``[Q R, X + Q·shift]`` from the thin QR ``Q R`` of its first block (block Gram–Schmidt): ``(Q₂, R_full)``.
 
     ``X = Q C + Y`` with ``C = QᵀX`` (pass it if known) taken twice ("twice is enough": ``Y ⟂ Q`` to
-    rounding), then ``Y = Q₂R₂``: ``[QR, X + Q·shift] = [Q, Q₂] [[R, C + shift], [0, R₂]]``. One QR of
-    width ``r`` instead of ``2r`` (a quarter of the Householder work); where ``Y`` is (numerically)
+    rounding), then ``Y = Q₂R₂`` by :func:`block_basis` (CholeskyQR2, GEMM work instead of Householder
+    sweeps): ``[QR, X + Q·shift] = [Q, Q₂] [[R, C + shift], [0, R₂]]``. Where ``Y`` is (numerically)
     zero, ``R₂`` is too, so ``Q₂`` never reaches the retracted factors (the core, hence its singular
-    vectors, weight it by ``R₂``). A component ``Q·shift`` inside ``span(Q)`` costs only ``r×r`` work.
+    vectors, weight it by ``R₂``); eq. 22's point does not depend on the basis ``Q₂`` of ``span(Y)``.
+    A component ``Q·shift`` inside ``span(Q)`` costs only ``r×r`` work. ``work = (Y, Q₁, Q₂)``: tensors
+    shaped like ``X`` for ``Y`` (may be ``X`` itself, which is then overwritten) and :func:`block_basis`'s.
     """
     C = Q.mT @ X if C is None else C
-    Y = _minus_product(X, Q, C)
+    if work is None:
+        Y = _minus_product(X, Q, C)
+    else:
+        Y = work[0] if work[0] is X else work[0].copy_(X)
+        _rows(Y).baddbmm_(_flat(Q), _flat(C), alpha=-1.0)
     C2 = Q.mT @ Y
-    Q2, R2 = torch.linalg.qr(_minus_product(Y, Q, C2), mode="reduced")
+    _rows(Y).baddbmm_(_flat(Q), _flat(C2), alpha=-1.0)  # in place on the fresh Y
+    Q2, R2 = block_basis(Y, None if work is None else work[1:])
     top = torch.cat([R, C + C2 if shift is None else C + C2 + shift], dim=-1)
     return Q2, torch.cat([top, torch.cat([torch.zeros_like(R2), R2], dim=-1)], dim=-2)
 
 
 def retraction_core(
-    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float, frame: Frame | None = None, horizontal: bool = False
+    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float, frame: Frame | None = None, horizontal: bool = False,
+    work: tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]] | None = None,
 ) -> Retraction:
     """Eq. 22, first half: the thin QRs and the core ``R_u K R_vᵀ``, in float64 (see :func:`retract`).
 
     ``horizontal``: retract the :func:`horizontalize`-d direction ``(ΔA + AΩ, ΔB − BΩᵀ)``. With a
     float64 ``frame`` of ``(A, B)`` the QRs of ``[A, ΔA]``, ``[B, ΔB]`` extend the frame's
     (:func:`extend_qr`) instead of starting over, and the gauge term, inside ``span(A)``,
-    ``span(B)``, enters as ``r×r`` shifts ``R_A Ω``, ``−R_B Ωᵀ`` (``Ω`` from ``Q_AᵀΔA``, ``Q_BᵀΔB``).
+    ``span(B)``, enters as ``r×r`` shifts ``R_A Ω``, ``−R_B Ωᵀ`` (``Ω`` from ``Q_AᵀΔA``, ``Q_BᵀΔB``);
+    ``work``: the two factors' :func:`extend_qr` workspaces there.
     """
     _check_pair(A, B)
     r = A.shape[-1]
@@ -395,8 +595,8 @@ def retraction_core(
         if horizontal:  # AᵀΔA = R_AᵀC_A, ΔBᵀB = C_BᵀR_B
             Omega = _sylvester_gauge(frame, CB.mT @ frame.RB - frame.RA.mT @ CA)
             shifts = (frame.RA @ Omega, -(frame.RB @ Omega.mT))
-        (Q2u, Ru) = extend_qr(frame.QA, frame.RA, dA64, C=CA, shift=shifts[0])
-        (Q2v, Rv) = extend_qr(frame.QB, frame.RB, dB64, C=CB, shift=shifts[1])
+        (Q2u, Ru) = extend_qr(frame.QA, frame.RA, dA64, C=CA, shift=shifts[0], work=work and work[0])
+        (Q2v, Rv) = extend_qr(frame.QB, frame.RB, dB64, C=CB, shift=shifts[1], work=work and work[1])
         Qu, Qv = (frame.QA, Q2u), (frame.QB, Q2v)
     else:
         if horizontal:  # in the frame's dtype, then float64
@@ -429,10 +629,11 @@ def procrustes_rotation(target_svd: tuple[Tensor, Tensor, Tensor]) -> Tensor:
     return Up @ Vph
 
 
-def block_product(blocks: tuple[Tensor, ...], M: Tensor) -> Tensor:
-    """``[Q_1, Q_2, …] M`` without concatenating the blocks: ``Σ_b Q_b M_b`` over the matching row blocks of ``M``."""
+def block_product(blocks: tuple[Tensor, ...], M: Tensor, out: Tensor | None = None) -> Tensor:
+    """``[Q_1, Q_2, …] M`` without concatenating the blocks: ``Σ_b Q_b M_b`` over the matching row blocks of ``M``
+    (into the contiguous ``out`` if given)."""
     width = blocks[0].shape[-1]
-    out = blocks[0] @ M[..., :width, :]
+    out = torch.matmul(blocks[0], M[..., :width, :], out=out)
     for Qb in blocks[1:]:
         Mb = M[..., width:width + Qb.shape[-1], :]
         width += Qb.shape[-1]
@@ -479,7 +680,15 @@ def full_rank_mask(X: Tensor, s: Tensor, rcond: float) -> Tensor:
     return low.isfinite() & high.isfinite() & (s[..., -1] > rcond * s[..., 0])
 
 
-def check_frames(frames: list[Frame], modules: list[list[str]], rcond: float | None = None) -> None:
+def _admissible(X: Tensor, s: Tensor, rcond: float) -> Tensor:
+    """:func:`full_rank_mask`'s test with finiteness from the sum of ``X`` (one cheap reduction): a non-finite
+    entry makes the sum non-finite; finite entries whose sum overflows are flagged too, and
+    :func:`check_frames` then decides them by the exact mask (a conservative screen, never a miss)."""
+    return X.sum((-2, -1)).isfinite() & (s[..., -1] > rcond * s[..., 0])
+
+
+def check_frames(frames: list[Frame], modules: list[list[str]], rcond: float | None = None,
+                 nan_R: bool = False) -> None:
     """Raise :class:`RankDeficientError` unless every factor of every frame is finite and full rank.
 
     ``frames[g]`` holds the factors of the modules named ``modules[g]`` (batched ``[G, m, r]`` or one
@@ -487,12 +696,15 @@ def check_frames(frames: list[Frame], modules: list[list[str]], rcond: float | N
     host read per call; the offending module is looked up only on failure. ``rcond`` defaults to
     :func:`default_rcond` of the factors' dtype (solves then lose at most ``√eps`` relative
     accuracy). The tangent space (eq. 11), the lift (eq. 14) and the noise sampler (eq. 19) need
-    full column rank.
+    full column rank. ``nan_R``: the frames' ``R`` is NaN wherever a factor is not finite (:func:`frames`
+    with ``cholesky``: a non-finite entry makes the Gram's diagonal non-finite), so the singular values
+    alone decide and the factors are not read.
     """
     if not frames:
         return
     cutoff = default_rcond(frames[0].A.dtype) if rcond is None else rcond
-    masks = [full_rank_mask(X, sv, cutoff).all() for fr in frames for X, sv in ((fr.A, fr.SA), (fr.B, fr.SB))]
+    masks = [(sv[..., -1] > cutoff * sv[..., 0] if nan_R else _admissible(X, sv, cutoff)).all()
+             for fr in frames for X, sv in ((fr.A, fr.SA), (fr.B, fr.SB))]
     if bool(torch.stack(masks).all()):  # the one host read
         return
     for fr, names in zip(frames, modules):

@@ -47,6 +47,15 @@ per-example gradients of ``L`` tokens, and no ``m×r`` lift per example.
 ``compute_dtype`` (default float32) is the dtype of the snapshots, the rank check's cutoff and the
 adaptive moments (non-DP: of everything); bf16 parameters are never used for the linear algebra;
 the retraction runs in float64 internally.
+
+CPU cost of the step (docs/DECISIONS.md D66). With a float64 frame the privatised lift is one fused
+pass (:func:`geometry.privatized_lift`: lift, noise and horizontalisation as ``r×r`` coefficients);
+under float32 ``compute_dtype`` (the rank check bounds ``κ ≤ 2,896``) the batched frames' QRs are
+CholeskyQR2 with Householder's signs (:func:`geometry.cholesky_qr2`; a failure reads as rank deficient
+and is re-decided with Householder frames; the per-module reference path keeps Householder) and the lift multiplies by ``N⁻¹``, ``M⁻¹`` formed once. The
+retraction's new blocks are factored by :func:`geometry.block_basis`. On the CPU the step's
+factor-sized temporaries (snapshots, draws, lifts, moments' ``m̂``, directions, bases, new factors)
+live in kept buffers (:meth:`PrismMethod._buffer`), each overwritten by the next step.
 """
 from __future__ import annotations
 
@@ -191,6 +200,7 @@ class PrismMethod(Method):
         self._buffers: dict[str, Tensor] = {}
         self._fresh = True
         self._ready = False
+        self.batched = batched
         self._fused = geometry.fused if batched else _one_by_one
 
     # ---------------------------------------------------------------- step protocol
@@ -198,14 +208,23 @@ class PrismMethod(Method):
         """Snapshot and factor every group's ``(A, B)``, check full rank (one host read), start the sums
         (the first :meth:`accumulate` overwrites them, so they are never zeroed first)."""
         self._norms = []
-        for g, fr in zip(self.groups, geometry.frames([self._snapshot(g) for g in self.groups])):
+        snapshots = [self._snapshot(g) for g in self.groups]
+        cholesky = self.batched and self.dtype == torch.float32 and self.work_dtype == torch.float64
+        work = self._frame_work(snapshots) if cholesky else None
+        for g, fr in zip(self.groups, geometry.frames(snapshots, cholesky=cholesky, work=work)):
             g.frame = fr
         try:
-            self._check_rank()
+            self._check_rank(cholesky)
         except geometry.RankDeficientError:
-            if self.config.rank_fallback is None:
-                raise
-            self._floor_rank_deficient()
+            if cholesky:  # re-decide with Householder frames (a failed CholeskyQR2 reads as rank deficient)
+                for g, fr in zip(self.groups, geometry.frames(snapshots)):
+                    g.frame = fr
+            try:
+                self._check_rank()
+            except geometry.RankDeficientError:
+                if self.config.rank_fallback is None:
+                    raise
+                self._floor_rank_deficient()
         flat = self._buffer("sums", sum(g.frame.A.numel() + g.frame.B.numel() for g in self.groups),
                             self.groups[0].frame.A.device)
         offset = 0
@@ -215,6 +234,19 @@ class PrismMethod(Method):
                       flat[offset + G * m * r: offset + G * (m + n) * r].view(G, r, n))
             offset += G * (m + n) * r
         self._ready, self._fresh = True, True
+
+    def _frame_work(self, snapshots: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]] | None:
+        """Kept CPU workspaces ``(Q₁, Q)`` of :func:`geometry.cholesky_qr2` per factor, in the order of
+        :func:`geometry.frames`, for batched float32 ``compute_dtype`` under DP (float64 snapshots, ``κ ≤ 2,896``
+        admitted); the frames' ``Q`` stay in them for the step."""
+        if snapshots[0][0].device.type != "cpu":
+            return None
+        work = []
+        for g, (A, B) in zip(self.groups, snapshots):  # Q₁ in the buffer of the step's draws, free until then
+            Q1A, Q1B = self._pair_buffer(f"noise:{g.modules[0]}", A.shape, B.shape, A.device)
+            QA, QB = self._pair_buffer(f"frame:{g.modules[0]}", A.shape, B.shape, A.device)
+            work += [(Q1A, QA), (Q1B, QB)]
+        return work
 
     def accumulate(self, grads: Mapping[str, Tensor]) -> None:
         """Add one micro-batch (DP: per-example ``[k, *shape]`` grads, clipped by eq. 16; else a sum).
@@ -323,23 +355,38 @@ class PrismMethod(Method):
         return buffer[:numel]
 
     def privatized_group(
-        self, g: ShapeGroup, denominator: float, generator: torch.Generator | None, diagnostics: bool = True
+        self, g: ShapeGroup, denominator: float, generator: torch.Generator | None, diagnostics: bool = True,
+        workspace: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Eq. 17 for one group: ``(Δ̄A, Δ̄B) + τ(Ξ_A, Ξ_B)``, ``τ = σC/denominator``, and ``Σ‖N_Z‖²_F`` (eq. 21).
 
         The unit sampler of eq. 19 is scaled by exactly ``τ`` (damped only with ``noise_damping``). Under DP (and with
         ``horizontalize: both``) the result is horizontalised, so its factor components are a
         function of the noised tangent vector and the public ``(A, B)`` only. Non-DP: ``τ = 0``.
-        The noise energy (a device tensor) is computed only with ``diagnostics``.
+        The noise energy (a device tensor) is computed only with ``diagnostics``. A float64 frame
+        (always under DP) takes the fused :func:`geometry.privatized_lift` (with ``N⁻¹``, ``M⁻¹`` formed
+        once when ``compute_dtype`` is float32, whose rank check bounds ``κ``); ``workspace`` (the
+        step's call) puts the draws and the result in kept CPU buffers, overwritten by the next step.
         """
         fr = g.frame
         SA, SBt = g.sums
         if self._fresh:  # no micro-batch this step (an empty Poisson batch): the sums are zero
             SA.zero_(), SBt.zero_()
+        tau = self.tau(denominator)
+        noise_sq = SA.new_zeros(()) if diagnostics else None
+        if fr.A.dtype == torch.float64 and self.config.pinv_rcond is None and self.config.noise_damping is None:
+            omega = self._draw(g, generator, workspace) if tau > 0 else None
+            out = None
+            if workspace:
+                flat = self._buffer(f"lift:{g.modules[0]}", SA.numel() + SBt.numel(), SA.device)
+                out = (flat[: SA.numel()].view(SA.shape), flat[SA.numel():].view(SBt.mT.shape))
+            dA, dB = geometry.privatized_lift(fr, SA, SBt.mT, 1.0 / denominator, tau, omega, self.horizontal_lift,
+                                              gram_inverse=self.dtype == torch.float32, out=out)
+            if diagnostics and omega is not None:
+                noise_sq = tau**2 * geometry.tangent_noise_sqnorm(fr, *omega).sum()
+            return dA, dB, noise_sq
         dA, dB = geometry.lift(fr.A, fr.B, SA, SBt.mT, frame=fr, rcond=self.config.pinv_rcond)
         dA, dB = dA.div_(denominator), dB.div_(denominator)  # the lift is linear; its outputs are fresh tensors
-        tau = self.tau(denominator)
-        noise_sq = dA.new_zeros(()) if diagnostics else None
         if tau > 0:
             XiA, XiB = geometry.tangent_noise(fr.A, fr.B, generator=generator, frame=fr,
                                               damping=self.config.noise_damping)
@@ -349,6 +396,18 @@ class PrismMethod(Method):
         if self.horizontal_lift:
             dA, dB = geometry.horizontalize(fr.A, fr.B, dA, dB, frame=fr)
         return dA, dB, noise_sq
+
+    def _draw(self, g: ShapeGroup, generator: torch.Generator | None, workspace: bool) -> tuple[Tensor, Tensor]:
+        """The unit draws ``(Ω_A, Ω_B)`` of :func:`geometry.tangent_noise` for the group's frame (same stream),
+        in kept buffers with ``workspace``."""
+        fr = g.frame
+        if not workspace:
+            return tuple(geometry.standard_normal(X.shape, generator, X.dtype, X.device) for X in (fr.A, fr.B))
+        sizes = [2 * ((X.numel() + 1) // 2) for X in (fr.A, fr.B)]
+        flat = self._buffer(f"noise:{g.modules[0]}", sum(sizes), fr.A.device)
+        scratch = self._buffer("draws", max(sizes), fr.A.device)
+        return tuple(geometry.standard_normal(X.shape, generator, X.dtype, X.device, workspace=(part, scratch))
+                     for X, part in zip((fr.A, fr.B), flat.split(sizes)))
 
     def privatized_lifts(
         self, denominator: float, generator: torch.Generator | None
@@ -376,19 +435,23 @@ class PrismMethod(Method):
         moments = horizontal_noise_second_moments if self.horizontal_lift else noise_second_moments
         noise_sq, lifts = [], []
         for g in self.groups:
-            dA, dB, sq = self.privatized_group(g, denominator, generator, diagnostics)
+            dA, dB, sq = self.privatized_group(g, denominator, generator, diagnostics, workspace=True)
             if sq is not None:
                 noise_sq.append(sq)
-            lifts.append((dA.to(self.dtype), dB.to(self.dtype)))
+            lifts.append(self._cast(f"lift32:{g.modules[0]}", dA, dB))
         if cfg.preconditioner == "none":
             directions = lifts
         else:  # eqs. 24–26: one eigh for the rank-space moments of every factor of every group
             estimates = [e for g, (dA, dB) in zip(self.groups, lifts) for e in g.adaptive.observe(
-                dA, dB, tau, *(x.to(self.dtype) for x in moments(g.frame)))]
+                dA, dB, tau, *(x.to(self.dtype) for x in moments(g.frame)),
+                out=self._scratch_pair(f"moment:{g.modules[0]}", dA, dB))]
             eighs = self._fused(torch.linalg.eigh, [_finite_or_zero(symmetric_part(V)) for _, V, _ in estimates])
-            U = [m_hat @ spectral_preconditioner(cfg, w, E, floor) for (m_hat, _, floor), (w, E) in zip(estimates, eighs)]
+            # U into the cast lifts' buffers, read by now (never into privatized_group's outputs: callers may hold them)
+            outs = [x if self.dtype != self.work_dtype and x.device.type == "cpu" else None for pair in lifts for x in pair]
+            U = [torch.matmul(m_hat, spectral_preconditioner(cfg, w, E, floor), out=out)
+                 for (m_hat, _, floor), (w, E), out in zip(estimates, eighs, outs)]
             directions = list(zip(U[0::2], U[1::2]))
-        directions = [(UA.to(self.work_dtype), UB.to(self.work_dtype)) for UA, UB in directions]
+        directions = [self._in_work_dtype(f"direction:{g.modules[0]}", U) for g, U in zip(self.groups, directions)]
         new = self._retract(directions, horizontal=h in ("both", "pre_retract"))
         update_sq = []
         for g, (A_new, B_new) in zip(self.groups, new):
@@ -413,15 +476,69 @@ class PrismMethod(Method):
         """:func:`geometry.retract` (aligned; of the horizontalised directions with ``horizontal``) of every
         group, each of its two SVDs fused over the groups."""
         cores = [geometry.retraction_core(g.frame.A, g.frame.B, UA, UB, self.config.lr, frame=g.frame,
-                                          horizontal=horizontal)
+                                          horizontal=horizontal, work=self._extension_work(g, (UA, UB)))
                  for g, (UA, UB) in zip(self.groups, directions)]
         svds = self._fused(torch.linalg.svd, [_finite_or_zero(rt.core) for rt in cores])
         coefficients = [geometry.balanced_coefficients(svd, g.frame.A.shape[-1]) for g, svd in zip(self.groups, svds)]
         targets = [geometry.procrustes_target(rt, MA, MB) for rt, (MA, MB) in zip(cores, coefficients)]
         rotations = self._fused(torch.linalg.svd, [_finite_or_zero(t) for t in targets])
-        return [(geometry.block_product(rt.Qu, MA @ Q).to(self.work_dtype),
-                 geometry.block_product(rt.Qv, MB @ Q).to(self.work_dtype))
-                for rt, (MA, MB), Q in zip(cores, coefficients, (geometry.procrustes_rotation(svd) for svd in rotations))]
+        out = []
+        for g, rt, (MA, MB), Q in zip(self.groups, cores, coefficients,
+                                      (geometry.procrustes_rotation(svd) for svd in rotations)):
+            A, B = None, None  # a float32 frame (non-DP float32): the float64 product, then rounded
+            if MA.dtype == self.work_dtype:  # into the directions' buffer (consumed as extend_qr's Y by now)
+                A, B = self._pair_buffer(f"direction:{g.modules[0]}", g.frame.A.shape, g.frame.B.shape, MA.device)
+            new = geometry.block_product(rt.Qu, MA @ Q, out=A), geometry.block_product(rt.Qv, MB @ Q, out=B)
+            out.append(tuple(x.to(self.work_dtype) for x in new))
+        return out
+
+    def _extension_work(self, g: ShapeGroup, direction: tuple[Tensor, Tensor]
+                        ) -> tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]] | None:
+        """Kept CPU workspaces of :func:`geometry.extend_qr` for the group's two factors: ``Y`` is the direction
+        itself (:meth:`_in_work_dtype`'s buffer, consumed), ``Q₁`` is shared by all groups (read right away;
+        the draws' scratch), ``Q₂`` is per group (read by the block product; the buffer of the group's draws,
+        read by :meth:`privatized_group` before)."""
+        fr = g.frame
+        if fr.A.device.type != "cpu" or fr.A.dtype != self.work_dtype:
+            return None
+        scratch = self._buffer("draws", max(X.numel() for h in self.groups for X in (h.frame.A, h.frame.B)),
+                               fr.A.device)
+        QA, QB = self._pair_buffer(f"noise:{g.modules[0]}", fr.A.shape, fr.B.shape, fr.A.device)
+        return ((direction[0], scratch[: fr.A.numel()].view(fr.A.shape), QA),
+                (direction[1], scratch[: fr.B.numel()].view(fr.B.shape), QB))
+
+    def _scratch_pair(self, name: str, A: Tensor, B: Tensor, dtype: torch.dtype | None = None
+                      ) -> tuple[Tensor, Tensor] | None:
+        """Two contiguous ``dtype`` (default: ``A``'s) tensors shaped like ``A``, ``B`` in the kept CPU buffer
+        ``name`` (a working-dtype buffer viewed as ``dtype``); ``None`` off the CPU (callers allocate)."""
+        if A.device.type != "cpu":
+            return None
+        dtype = dtype or A.dtype
+        numel = A.numel() + B.numel()
+        words = -(-numel * dtype.itemsize // self.work_dtype.itemsize)
+        flat = self._buffer(name, words, A.device).view(dtype)[:numel]
+        return flat[: A.numel()].view(A.shape), flat[A.numel():].view(B.shape)
+
+    def _cast(self, name: str, A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
+        """``(A, B)`` in ``compute_dtype`` (the adaptive moments' dtype), on the CPU in the kept buffer ``name``."""
+        out = self._scratch_pair(name, A, B, self.dtype) if A.dtype != self.dtype else None
+        if out is None:
+            return A.to(self.dtype), B.to(self.dtype)
+        return out[0].copy_(A), out[1].copy_(B)
+
+    def _pair_buffer(self, name: str, shape_A: torch.Size, shape_B: torch.Size, device: torch.device
+                     ) -> tuple[Tensor, Tensor]:
+        """Two contiguous working-dtype tensors shaped like a group's ``A``, ``B`` in the kept buffer ``name``."""
+        flat = self._buffer(name, shape_A.numel() + shape_B.numel(), device)
+        return flat[: shape_A.numel()].view(shape_A), flat[shape_A.numel():].view(shape_B)
+
+    def _in_work_dtype(self, name: str, U: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """A group's direction ``(U_A, U_B)`` converted to the working dtype, on the CPU into the kept buffer
+        ``name`` (where :func:`geometry.extend_qr` turns it into its ``Y``)."""
+        if U[0].device.type != "cpu" or self.work_dtype != torch.float64:  # float32: the frame is too (no extend_qr)
+            return tuple(x.to(self.work_dtype) for x in U)
+        A, B = self._pair_buffer(name, U[0].shape, U[1].shape, U[0].device)
+        return A.copy_(U[0]), B.copy_(U[1])
 
     def tau(self, denominator: float) -> float:
         """Noise standard deviation ``σC/denominator`` of the averaged lift (0 without DP)."""
@@ -461,14 +578,29 @@ class PrismMethod(Method):
             ad.t = int(saved[g.modules[0]]["t"])
 
     # ---------------------------------------------------------------- helpers
+    @torch.no_grad()
     def _snapshot(self, g: ShapeGroup) -> tuple[Tensor, Tensor]:
-        """The group's ``(A, B)`` stacked ``[G, m, r]``, ``[G, n, r]``: rounded to ``compute_dtype``, held in the working dtype."""
-        return tuple(x.to(self.work_dtype) for x in stack_pairs(self.params, g.pairs, self.dtype))
+        """The group's ``(A, B)`` stacked ``[G, m, r]``, ``[G, n, r]``: rounded to ``compute_dtype``, held in the working dtype.
 
-    def _check_rank(self) -> None:
-        """:func:`geometry.check_frames` with the cutoff of ``compute_dtype`` (frames may be float64)."""
+        Parameters that ``compute_dtype`` holds exactly (e.g. float32 or bf16 for float32) are copied straight
+        into the working dtype (the same values, one pass), on the CPU into a kept buffer that the next
+        snapshot overwrites (a frame lives for one step)."""
+        names = [name for p in g.pairs for name in (p.a_name, p.b_name)]
+        if any(not self.params[name].is_floating_point()
+               or torch.finfo(self.params[name].dtype).bits > torch.finfo(self.dtype).bits for name in names):
+            return tuple(x.to(self.work_dtype) for x in stack_pairs(self.params, g.pairs, self.dtype))
+        G, (m, r), n = len(g.pairs), self.params[names[0]].shape, self.params[names[1]].shape[-1]
+        flat = self._buffer(f"snapshot:{g.modules[0]}", G * (m + n) * r, self.params[names[0]].device)
+        A, Bt = flat[: G * m * r].view(G, m, r), flat[G * m * r:].view(G, r, n)
+        torch._foreach_copy_(list(A.unbind(0)), [self.params[p.a_name] for p in g.pairs])
+        torch._foreach_copy_(list(Bt.unbind(0)), [self.params[p.b_name] for p in g.pairs])
+        return A, Bt.mT
+
+    def _check_rank(self, cholesky: bool = False) -> None:
+        """:func:`geometry.check_frames` with the cutoff of ``compute_dtype`` (frames may be float64; ``cholesky``:
+        CholeskyQR2 frames, whose NaN ``R`` marks a non-finite factor)."""
         geometry.check_frames([g.frame for g in self.groups], [g.modules for g in self.groups],
-                              geometry.default_rcond(self.dtype))
+                              geometry.default_rcond(self.dtype), nan_R=cholesky)
 
     @torch.no_grad()
     def _write(self, g: ShapeGroup, A: Tensor, B: Tensor) -> None:
