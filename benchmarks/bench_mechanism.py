@@ -146,7 +146,7 @@ def float64_floor(grads: dict[str, torch.Tensor], k: int, r: int) -> dict[str, C
     ``Q_Aᵀg_A``, ``g_Bᵀg_B``, ``Q_Bᵀg_B`` as ``[k, m, r]ᵀ [k, m, r]`` products (m = 10,240) on an operand that fits
     in cache, the best rate they reach here (so a lower bound on their time); ``sum``: one read of the float64 copy by the
     weighted sum (its coefficients need every module's norm first, so it is a second pass); ``noise`` (per
-    step): ``Σ(m+n) r`` float64 normals (:func:`prism.geometry.standard_normal`); ``qr`` (per step, not a
+    step): ``Σ(m+n) r`` float64 normals (:func:`prism.geometry.standard_normal`, into a kept workspace); ``qr`` (per step, not a
     strict floor: torch's Householder QR, not the cheapest orthogonalisation): the two float64 thin QRs of
     every factor a step takes (the frame, Lemma A.18; the retraction's new block, eq. 22). Returns the
     calls, timed in the methods' rounds, side by side with them."""
@@ -159,10 +159,11 @@ def float64_floor(grads: dict[str, torch.Tensor], k: int, r: int) -> dict[str, C
     out = torch.empty(1, 1, numel // k, dtype=torch.float64)
     gen = torch.Generator().manual_seed(0)
     rows = sum(sum(g.shape[1:]) - r for g in tensors)  # Σ(m + n): lora_B grads are [k, m, r], lora_A [k, r, n]
+    noise_ws = tuple(torch.empty(rows * r + 1, dtype=torch.float64) for _ in range(2))  # kept, as the methods keep theirs
     seconds: dict[str, Callable[[], object]] = {
         "convert": lambda: torch._foreach_copy_(views, tensors),
         "sum": lambda: out.baddbmm_(alpha, buffer.view(1, k, -1), beta=0.0),
-        "noise": lambda: standard_normal((rows * r,), gen, torch.float64, torch.device("cpu")),
+        "noise": lambda: standard_normal((rows * r,), gen, torch.float64, torch.device("cpu"), workspace=noise_ws),
     }
     factors: dict[int, int] = {}  # rows of a factor (m for lora_B [k, m, r], n for lora_A [k, r, n]) -> count
     for g in tensors:
