@@ -126,9 +126,8 @@ def frames(factors: Sequence[tuple[Tensor, Tensor]], cholesky: bool = False,
 def householder_signs(Q: Tensor) -> Tensor:
     """``d`` [..., r] in ``{±1}`` with ``Q·diag(d)`` the ``Q`` of LAPACK's Householder QR (``geqrf``) of ``Q R``.
 
-    Householder reconstruction (Ballard et al., "Reconstructing Householder vectors from tall-skinny QR",
-    2015): elimination on the top ``r×r`` block of ``Q`` with ``d_j = −sign`` of each pivot (sign(0) = +,
-    as LAPACK's reflector ``β = −sign(α)‖x‖``) reproduces the reflectors of ``geqrf``, whose ``R`` is
+    Householder reconstruction from a tall-skinny QR: elimination on the top ``r×r`` block of ``Q`` with
+    ``d_j = −sign`` of each pivot (sign(0) = +, as LAPACK's reflector ``β = −sign(α)‖x‖``) reproduces the reflectors of ``geqrf``, whose ``R`` is
     ``diag(d)`` times the positive-diagonal ``R``. (``geqrf`` skips a reflector, ``β = α``, for a column
     already zero below its diagonal; there the signs can differ.) ``O(r³)`` work on ``r×r`` blocks."""
     r = Q.shape[-1]
@@ -150,7 +149,7 @@ def cholesky_qr2(X: Tensor, work: tuple[Tensor, Tensor] | None = None) -> tuple[
 
     Four passes over ``X`` (two Gram products, two products with ``r×r`` triangular inverses), against the
     Householder QR's column-by-column sweeps: GEMM work. Accurate (``‖QᵀQ − I‖`` and ``‖X − QR‖/‖X‖`` at
-    ``O(eps)``) while ``κ(X) ≲ 1/√(eps·m r)`` (Yamamoto et al., 2015) — for float64 ``X`` and
+    ``O(eps)``) while ``κ(X) ≲ 1/√(eps·m r)`` — for float64 ``X`` and
     ``m r ≤ 2·10⁵`` above ``10⁵``, beyond the ``κ ≤ 1/√eps32 = 2,896`` that the float32 rank check admits.
     Where a Cholesky factorisation fails or ``X`` is not finite, that matrix's ``R`` is NaN (the rank check
     then rejects it; no host read here). ``work``: two tensors shaped like ``X`` (contiguous) for ``Q₁``

@@ -26,6 +26,7 @@ from prism.geometry import standard_normal
 from prism.lora import lora_pairs, read_pair
 from prism.methods.base import Method, PrivacySpec
 from prism.methods.optimizers import build_optimizer
+from prism.methods.scratch import Scratch, kept_on
 
 OPACUS_NORM_EPS = 1e-6  # opacus.optimizers.optimizer.DPOptimizer.clip_and_accumulate
 
@@ -70,7 +71,7 @@ class FactorDPMethod(Method):
         # FFA given only lora_B cannot evaluate the diagnostic (it needs the frozen paper B).
         complete = all(n.replace(".lora_B.", ".lora_A.") in everything for n in names if ".lora_B." in n)
         self.pairs = lora_pairs(names) if complete else None
-        self._noise_buffers: tuple[Tensor, Tensor] | None = None
+        self.scratch = Scratch(torch.float64)  # the noise draws' kept CPU workspace (prism.methods.scratch)
         self.zero_accumulators()
 
     def zero_accumulators(self) -> None:
@@ -109,16 +110,6 @@ class FactorDPMethod(Method):
         self.examples += k
         self.norms.append(norms)
 
-    def _noise_workspace(self, numel: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
-        """Two kept float64 buffers for :func:`standard_normal`'s draws on the CPU (a fresh block there
-        page-faults on first touch, as PRISM's kept buffers avoid too); ``None`` elsewhere (transient)."""
-        if torch.device(device).type != "cpu":
-            return None
-        size = 2 * ((numel + 1) // 2)
-        if self._noise_buffers is None or self._noise_buffers[0].numel() < size:
-            self._noise_buffers = (torch.empty(size, dtype=torch.float64), torch.empty(size, dtype=torch.float64))
-        return self._noise_buffers
-
     def privatize(
         self, denominator: float, generator: torch.Generator | None
     ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -134,8 +125,9 @@ class FactorDPMethod(Method):
         if self.dp:
             first = accs[0]
             device = generator.device if generator is not None else first.device
-            flat = standard_normal((sum(a.numel() for a in accs),), generator, torch.float64, device,
-                                   workspace=self._noise_workspace(sum(a.numel() for a in accs), device))
+            numel, half = sum(a.numel() for a in accs), (sum(a.numel() for a in accs) + 1) // 2
+            workspace = self.scratch.pair("draws", (2 * half,), (2 * half,), device) if kept_on(device) else None
+            flat = standard_normal((numel,), generator, torch.float64, device, workspace=workspace)
             flat = flat.mul_(self.privacy.sigma * self.privacy.clip_norm / denominator).to(first.device, first.dtype)
             noise = [x.view(a.shape) for x, a in zip(flat.split([a.numel() for a in accs]), accs)]
         else:

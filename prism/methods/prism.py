@@ -55,7 +55,7 @@ CholeskyQR2 with Householder's signs (:func:`geometry.cholesky_qr2`; a failure r
 and is re-decided with Householder frames; the per-module reference path keeps Householder) and the lift multiplies by ``N⁻¹``, ``M⁻¹`` formed once. The
 retraction's new blocks are factored by :func:`geometry.block_basis`. On the CPU the step's
 factor-sized temporaries (snapshots, draws, lifts, moments' ``m̂``, directions, bases, new factors)
-live in kept buffers (:meth:`PrismMethod._buffer`), each overwritten by the next step.
+live in kept scratch tensors (:mod:`prism.methods.scratch`), each overwritten by the next step.
 """
 from __future__ import annotations
 
@@ -78,6 +78,7 @@ from prism.adaptive import (
 )
 from prism.lora import LoraPair, lora_pairs, read_pair, write_pair
 from prism.methods.base import Method, PrivacySpec
+from prism.methods.scratch import Scratch
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +198,7 @@ class PrismMethod(Method):
             adaptive = RankSpaceAdaptive(self.config.adaptive, m, n, r, self.dtype, A.device, batch=(len(group),))
             self.groups.append(ShapeGroup(pairs=group, adaptive=adaptive))
         self._norms: list[Tensor] = []
-        self._buffers: dict[str, Tensor] = {}
+        self.scratch = Scratch(self.work_dtype)  # kept CPU workspaces of accumulate/step (prism.methods.scratch)
         self._fresh = True
         self._ready = False
         self.batched = batched
@@ -225,8 +226,8 @@ class PrismMethod(Method):
                 if self.config.rank_fallback is None:
                     raise
                 self._floor_rank_deficient()
-        flat = self._buffer("sums", sum(g.frame.A.numel() + g.frame.B.numel() for g in self.groups),
-                            self.groups[0].frame.A.device)
+        flat = self.scratch.flat("sums", sum(g.frame.A.numel() + g.frame.B.numel() for g in self.groups),
+                                 self.groups[0].frame.A.device)
         offset = 0
         for g in self.groups:  # g_A, g_Bᵀ layouts; written by the first accumulate (or zeroed by step)
             (G, m, r), n = g.frame.A.shape, g.frame.B.shape[-2]
@@ -243,8 +244,8 @@ class PrismMethod(Method):
             return None
         work = []
         for g, (A, B) in zip(self.groups, snapshots):  # Q₁ in the buffer of the step's draws, free until then
-            Q1A, Q1B = self._pair_buffer(f"noise:{g.modules[0]}", A.shape, B.shape, A.device)
-            QA, QB = self._pair_buffer(f"frame:{g.modules[0]}", A.shape, B.shape, A.device)
+            Q1A, Q1B = self.scratch.pair(f"noise:{g.modules[0]}", A.shape, B.shape, A.device)
+            QA, QB = self.scratch.pair(f"frame:{g.modules[0]}", A.shape, B.shape, A.device)
             work += [(Q1A, QA), (Q1B, QB)]
         return work
 
@@ -332,8 +333,8 @@ class PrismMethod(Method):
         k = grads[self.groups[0].pairs[0].a_name].shape[0]
         shapes = [(len(g.pairs), k, *grads[g.pairs[0].a_name].shape[1:], *grads[g.pairs[0].b_name].shape[1:])
                   for g in self.groups]  # (G, k, m, r, r, n)
-        flat = self._buffer("examples", sum(G * k * (m + n) * r for G, k, m, r, _, n in shapes),
-                            grads[self.groups[0].pairs[0].a_name].device)
+        flat = self.scratch.flat("examples", sum(G * k * (m + n) * r for G, k, m, r, _, n in shapes),
+                                 grads[self.groups[0].pairs[0].a_name].device)
         out, offset = [], 0
         for G, k, m, r, _, n in shapes:
             gA = flat[offset: offset + G * k * m * r].view(G, k, m, r)
@@ -342,17 +343,6 @@ class PrismMethod(Method):
             offset += G * k * r * n
             out.append((gA, gBt))
         return out
-
-    def _buffer(self, name: str, numel: int, device: torch.device) -> Tensor:
-        """A ``numel`` working-dtype scratch tensor (uninitialised). Kept across calls on the CPU, where a fresh
-        block above glibc's mmap threshold page-faults on first touch (as costly as the copy into it);
-        elsewhere transient, so the caching allocator can hand the block to the next backward pass."""
-        if device.type != "cpu":
-            return torch.empty(numel, dtype=self.work_dtype, device=device)
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.numel() < numel:
-            buffer = self._buffers[name] = torch.empty(numel, dtype=self.work_dtype, device=device)
-        return buffer[:numel]
 
     def privatized_group(
         self, g: ShapeGroup, denominator: float, generator: torch.Generator | None, diagnostics: bool = True,
@@ -378,7 +368,7 @@ class PrismMethod(Method):
             omega = self._draw(g, generator, workspace) if tau > 0 else None
             out = None
             if workspace:
-                flat = self._buffer(f"lift:{g.modules[0]}", SA.numel() + SBt.numel(), SA.device)
+                flat = self.scratch.flat(f"lift:{g.modules[0]}", SA.numel() + SBt.numel(), SA.device)
                 out = (flat[: SA.numel()].view(SA.shape), flat[SA.numel():].view(SBt.mT.shape))
             dA, dB = geometry.privatized_lift(fr, SA, SBt.mT, 1.0 / denominator, tau, omega, self.horizontal_lift,
                                               gram_inverse=self.dtype == torch.float32, out=out)
@@ -404,8 +394,8 @@ class PrismMethod(Method):
         if not workspace:
             return tuple(geometry.standard_normal(X.shape, generator, X.dtype, X.device) for X in (fr.A, fr.B))
         sizes = [2 * ((X.numel() + 1) // 2) for X in (fr.A, fr.B)]
-        flat = self._buffer(f"noise:{g.modules[0]}", sum(sizes), fr.A.device)
-        scratch = self._buffer("draws", max(sizes), fr.A.device)
+        flat = self.scratch.flat(f"noise:{g.modules[0]}", sum(sizes), fr.A.device)
+        scratch = self.scratch.flat("draws", max(sizes), fr.A.device)
         return tuple(geometry.standard_normal(X.shape, generator, X.dtype, X.device, workspace=(part, scratch))
                      for X, part in zip((fr.A, fr.B), flat.split(sizes)))
 
@@ -444,7 +434,7 @@ class PrismMethod(Method):
         else:  # eqs. 24–26: one eigh for the rank-space moments of every factor of every group
             estimates = [e for g, (dA, dB) in zip(self.groups, lifts) for e in g.adaptive.observe(
                 dA, dB, tau, *(x.to(self.dtype) for x in moments(g.frame)),
-                out=self._scratch_pair(f"moment:{g.modules[0]}", dA, dB))]
+                out=self.scratch.pair(f"moment:{g.modules[0]}", dA.shape, dB.shape, dA.device, dA.dtype))]
             eighs = self._fused(torch.linalg.eigh, [_finite_or_zero(symmetric_part(V)) for _, V, _ in estimates])
             # U into the cast lifts' buffers, read by now (never into privatized_group's outputs: callers may hold them)
             outs = [x if self.dtype != self.work_dtype and x.device.type == "cpu" else None for pair in lifts for x in pair]
@@ -487,7 +477,7 @@ class PrismMethod(Method):
                                       (geometry.procrustes_rotation(svd) for svd in rotations)):
             A, B = None, None  # a float32 frame (non-DP float32): the float64 product, then rounded
             if MA.dtype == self.work_dtype:  # into the directions' buffer (consumed as extend_qr's Y by now)
-                A, B = self._pair_buffer(f"direction:{g.modules[0]}", g.frame.A.shape, g.frame.B.shape, MA.device)
+                A, B = self.scratch.pair(f"direction:{g.modules[0]}", g.frame.A.shape, g.frame.B.shape, MA.device)
             new = geometry.block_product(rt.Qu, MA @ Q, out=A), geometry.block_product(rt.Qv, MB @ Q, out=B)
             out.append(tuple(x.to(self.work_dtype) for x in new))
         return out
@@ -501,43 +491,25 @@ class PrismMethod(Method):
         fr = g.frame
         if fr.A.device.type != "cpu" or fr.A.dtype != self.work_dtype:
             return None
-        scratch = self._buffer("draws", max(X.numel() for h in self.groups for X in (h.frame.A, h.frame.B)),
-                               fr.A.device)
-        QA, QB = self._pair_buffer(f"noise:{g.modules[0]}", fr.A.shape, fr.B.shape, fr.A.device)
+        scratch = self.scratch.flat("draws", max(X.numel() for h in self.groups for X in (h.frame.A, h.frame.B)),
+                                    fr.A.device)
+        QA, QB = self.scratch.pair(f"noise:{g.modules[0]}", fr.A.shape, fr.B.shape, fr.A.device)
         return ((direction[0], scratch[: fr.A.numel()].view(fr.A.shape), QA),
                 (direction[1], scratch[: fr.B.numel()].view(fr.B.shape), QB))
 
-    def _scratch_pair(self, name: str, A: Tensor, B: Tensor, dtype: torch.dtype | None = None
-                      ) -> tuple[Tensor, Tensor] | None:
-        """Two contiguous ``dtype`` (default: ``A``'s) tensors shaped like ``A``, ``B`` in the kept CPU buffer
-        ``name`` (a working-dtype buffer viewed as ``dtype``); ``None`` off the CPU (callers allocate)."""
-        if A.device.type != "cpu":
-            return None
-        dtype = dtype or A.dtype
-        numel = A.numel() + B.numel()
-        words = -(-numel * dtype.itemsize // self.work_dtype.itemsize)
-        flat = self._buffer(name, words, A.device).view(dtype)[:numel]
-        return flat[: A.numel()].view(A.shape), flat[A.numel():].view(B.shape)
-
     def _cast(self, name: str, A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
         """``(A, B)`` in ``compute_dtype`` (the adaptive moments' dtype), on the CPU in the kept buffer ``name``."""
-        out = self._scratch_pair(name, A, B, self.dtype) if A.dtype != self.dtype else None
-        if out is None:
-            return A.to(self.dtype), B.to(self.dtype)
+        if A.dtype == self.dtype:
+            return A, B
+        out = self.scratch.pair(name, A.shape, B.shape, A.device, self.dtype)
         return out[0].copy_(A), out[1].copy_(B)
-
-    def _pair_buffer(self, name: str, shape_A: torch.Size, shape_B: torch.Size, device: torch.device
-                     ) -> tuple[Tensor, Tensor]:
-        """Two contiguous working-dtype tensors shaped like a group's ``A``, ``B`` in the kept buffer ``name``."""
-        flat = self._buffer(name, shape_A.numel() + shape_B.numel(), device)
-        return flat[: shape_A.numel()].view(shape_A), flat[shape_A.numel():].view(shape_B)
 
     def _in_work_dtype(self, name: str, U: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         """A group's direction ``(U_A, U_B)`` converted to the working dtype, on the CPU into the kept buffer
         ``name`` (where :func:`geometry.extend_qr` turns it into its ``Y``)."""
         if U[0].device.type != "cpu" or self.work_dtype != torch.float64:  # float32: the frame is too (no extend_qr)
             return tuple(x.to(self.work_dtype) for x in U)
-        A, B = self._pair_buffer(name, U[0].shape, U[1].shape, U[0].device)
+        A, B = self.scratch.pair(name, U[0].shape, U[1].shape, U[0].device)
         return A.copy_(U[0]), B.copy_(U[1])
 
     def tau(self, denominator: float) -> float:
@@ -590,7 +562,7 @@ class PrismMethod(Method):
                or torch.finfo(self.params[name].dtype).bits > torch.finfo(self.dtype).bits for name in names):
             return tuple(x.to(self.work_dtype) for x in stack_pairs(self.params, g.pairs, self.dtype))
         G, (m, r), n = len(g.pairs), self.params[names[0]].shape, self.params[names[1]].shape[-1]
-        flat = self._buffer(f"snapshot:{g.modules[0]}", G * (m + n) * r, self.params[names[0]].device)
+        flat = self.scratch.flat(f"snapshot:{g.modules[0]}", G * (m + n) * r, self.params[names[0]].device)
         A, Bt = flat[: G * m * r].view(G, m, r), flat[G * m * r:].view(G, r, n)
         torch._foreach_copy_(list(A.unbind(0)), [self.params[p.a_name] for p in g.pairs])
         torch._foreach_copy_(list(Bt.unbind(0)), [self.params[p.b_name] for p in g.pairs])
