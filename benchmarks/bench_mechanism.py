@@ -238,7 +238,8 @@ def main() -> int:
     med = {key: statistics.median(v) for key, v in times[pb].items()}
     print(f"roofline: one small aten op costs {1e6 * t_op:.1f} µs; × {counts[pm, args.layers]['ops']} ops = "
           f"{1e3 * overhead:.0f} ms of the per-module path's {1e3 * logical[pm]:.0f} ms logical step, the most that "
-          f"batching can remove (the rest is arithmetic and memory traffic, the same in both paths), so "
+          f"batching itself can remove (the rest is arithmetic and memory traffic; beyond it the batched path "
+          f"factors its frames by CholeskyQR2, the per-module reference by Householder), so batching alone gives "
           f"per-module / batched <= {ceiling:.2f} here. One float32 read of a micro-batch's per-example grads "
           f"({megabytes:.0f} MB) takes {1e3 * t_read:.1f} ms: accumulate = {accum[pb] / t_read:.1f} such reads for "
           f"PRISM batched, {accum[ad] / t_read:.1f} for DP-AdamW.\n")
