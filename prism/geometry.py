@@ -543,13 +543,11 @@ class Retraction(NamedTuple):
 
 def _minus_product(X: Tensor, Q: Tensor, C: Tensor) -> Tensor:
     """``X − Q C`` as one fused batched product (``X``, ``Q``, ``C`` share their leading dims)."""
-    def flat(T: Tensor) -> Tensor:
-        return T.reshape(-1, *T.shape[-2:])
-    return torch.baddbmm(flat(X), flat(Q), flat(C), alpha=-1.0).view(X.shape)
+    return torch.baddbmm(_flat(X), _flat(Q), _flat(C), alpha=-1.0).view(X.shape)
 
 
 def extend_qr(Q: Tensor, R: Tensor, X: Tensor, C: Tensor | None = None, shift: Tensor | None = None,
-              work: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+              work: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Thin QR of ``[Q R, X + Q·shift]`` from the thin QR ``Q R`` of its first block (block Gram–Schmidt): ``(Q₂, R_full)``.
 
     ``X = Q C + Y`` with ``C = QᵀX`` (pass it if known) taken twice ("twice is enough": ``Y ⟂ Q`` to

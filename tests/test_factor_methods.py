@@ -174,6 +174,19 @@ def test_noise_is_drawn_in_float64_then_rounded(name: str) -> None:
     assert not torch.equal(torch.cat([noise[n].reshape(-1) for n in trained]), float32)
 
 
+def test_returned_noise_survives_the_next_draw_with_float64_accumulators() -> None:
+    """float64 parameters keep float64 accumulators, so the draws need no rounding: the noise handed back must
+    still be a tensor of its own, not a view of the kept workspace that the next step's draws overwrite."""
+    params = {n: torch.nn.Parameter(p.detach().double()) for n, p in make_params().items()}
+    method = build_method(cfg("adamw"), params, PrivacySpec(sigma=1.0, clip_norm=1.0))
+    method.zero_accumulators()
+    method.accumulate({n: torch.zeros(2, *p.shape, dtype=torch.float64) for n, p in params.items()})
+    _, first = method.privatize(4, torch.Generator().manual_seed(1))
+    kept = {n: t.clone() for n, t in first.items()}
+    method.privatize(4, torch.Generator().manual_seed(2))
+    assert all(torch.equal(first[n], kept[n]) for n in params)
+
+
 def test_noise_norm_is_the_first_order_intrinsic_noise_and_matches_eq8() -> None:
     params = make_params(modules=2, m=7, n=5, r=2)
     sigma, C, B = 1.2, 1.0, 4

@@ -125,10 +125,13 @@ class FactorDPMethod(Method):
         if self.dp:
             first = accs[0]
             device = generator.device if generator is not None else first.device
-            numel, half = sum(a.numel() for a in accs), (sum(a.numel() for a in accs) + 1) // 2
-            workspace = self.scratch.pair("draws", (2 * half,), (2 * half,), device) if kept_on(device) else None
+            numel = sum(a.numel() for a in accs)
+            size = 2 * ((numel + 1) // 2)  # what standard_normal's workspace must hold
+            workspace = self.scratch.pair("draws", (size,), (size,), device) if kept_on(device) else None
             flat = standard_normal((numel,), generator, torch.float64, device, workspace=workspace)
-            flat = flat.mul_(self.privacy.sigma * self.privacy.clip_norm / denominator).to(first.device, first.dtype)
+            # a copy even where the dtype matches: the draws live in the kept workspace, the noise is returned
+            flat = flat.mul_(self.privacy.sigma * self.privacy.clip_norm / denominator).to(
+                first.device, first.dtype, copy=True)
             noise = [x.view(a.shape) for x, a in zip(flat.split([a.numel() for a in accs]), accs)]
         else:
             noise = [torch.zeros_like(a) for a in accs]
