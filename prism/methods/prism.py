@@ -78,7 +78,7 @@ from prism.adaptive import (
 )
 from prism.lora import LoraPair, lora_pairs, read_pair, write_pair
 from prism.methods.base import Method, PrivacySpec
-from prism.methods.scratch import Scratch
+from prism.methods.scratch import Scratch, kept_on
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ class PrismMethod(Method):
         """Kept CPU workspaces ``(Q₁, Q)`` of :func:`geometry.cholesky_qr2` per factor, in the order of
         :func:`geometry.frames`, for batched float32 ``compute_dtype`` under DP (float64 snapshots, ``κ ≤ 2,896``
         admitted); the frames' ``Q`` stay in them for the step."""
-        if snapshots[0][0].device.type != "cpu":
+        if not kept_on(snapshots[0][0].device):
             return None
         work = []
         for g, (A, B) in zip(self.groups, snapshots):  # Q₁ in the buffer of the step's draws, free until then
@@ -437,7 +437,7 @@ class PrismMethod(Method):
                 out=self.scratch.pair(f"moment:{g.modules[0]}", dA.shape, dB.shape, dA.device, dA.dtype))]
             eighs = self._fused(torch.linalg.eigh, [_finite_or_zero(symmetric_part(V)) for _, V, _ in estimates])
             # U into the cast lifts' buffers, read by now (never into privatized_group's outputs: callers may hold them)
-            outs = [x if self.dtype != self.work_dtype and x.device.type == "cpu" else None for pair in lifts for x in pair]
+            outs = [x if self.dtype != self.work_dtype and kept_on(x.device) else None for pair in lifts for x in pair]
             U = [torch.matmul(m_hat, spectral_preconditioner(cfg, w, E, floor), out=out)
                  for (m_hat, _, floor), (w, E), out in zip(estimates, eighs, outs)]
             directions = list(zip(U[0::2], U[1::2]))
@@ -489,7 +489,7 @@ class PrismMethod(Method):
         the draws' scratch), ``Q₂`` is per group (read by the block product; the buffer of the group's draws,
         read by :meth:`privatized_group` before)."""
         fr = g.frame
-        if fr.A.device.type != "cpu" or fr.A.dtype != self.work_dtype:
+        if not kept_on(fr.A.device) or fr.A.dtype != self.work_dtype:
             return None
         scratch = self.scratch.flat("draws", max(X.numel() for h in self.groups for X in (h.frame.A, h.frame.B)),
                                     fr.A.device)
@@ -507,7 +507,7 @@ class PrismMethod(Method):
     def _in_work_dtype(self, name: str, U: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         """A group's direction ``(U_A, U_B)`` converted to the working dtype, on the CPU into the kept buffer
         ``name`` (where :func:`geometry.extend_qr` turns it into its ``Y``)."""
-        if U[0].device.type != "cpu" or self.work_dtype != torch.float64:  # float32: the frame is too (no extend_qr)
+        if not kept_on(U[0].device) or self.work_dtype != torch.float64:  # float32: the frame is too (no extend_qr)
             return tuple(x.to(self.work_dtype) for x in U)
         A, B = self.scratch.pair(name, U[0].shape, U[1].shape, U[0].device)
         return A.copy_(U[0]), B.copy_(U[1])
