@@ -6,6 +6,8 @@ Also: no host synchronisation inside ``accumulate``/``step`` and an op count ind
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -187,6 +189,31 @@ def test_method_batched_equals_per_module_reference(name: str, dp: bool) -> None
         assert s1["adaptive"][module]["t"] == state["t"]
         for key in ("mA", "VA", "mB", "VB"):
             torch.testing.assert_close(s1["adaptive"][module][key], state[key], rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("compute_dtype", ["float64", "float32"])
+def test_accumulate_tiles_equal_whole_groups_and_the_reference(compute_dtype: str) -> None:
+    """CPU tiles (prism.methods.scratch.tile_count) of one or two modules, the weighted sum reloading
+    them, give the per-module reference's norms and clipped sums; mixed with whole groups."""
+    cfg = {**RELEASED, "compute_dtype": compute_dtype}
+    privacy = PrivacySpec(sigma=0.0, clip_norm=1.0)
+    results = {}
+    k = 3
+    for label, batched, tile_bytes in (("reference", False, None), ("whole", True, math.inf),
+                                       ("one module", True, 1), ("two modules", True, 2 * k * 15 * R * 8)):
+        params = make_params()
+        method = PrismMethod(OmegaConf.create(cfg), params, privacy, batched=batched, tile_bytes=tile_bytes)
+        method.zero_accumulators()
+        for micro in range(3):
+            method.accumulate(per_example_grads(params, k, seed=micro, dp=True))
+        lifts, _ = method.privatized_lifts(4.0, None)
+        results[label] = (method.example_norms, lifts)
+    norms0, lifts0 = results["reference"]
+    assert (norms0 > 1.0).any() and (norms0 < 1.0).any()
+    for label, (norms, lifts) in results.items():
+        assert rel(norms, norms0) < 1e-12, label
+        for module, (dA, dB) in lifts0.items():
+            assert rel(lifts[module][0], dA) < 1e-12 and rel(lifts[module][1], dB) < 1e-12, (label, module)
 
 
 def test_batched_noise_law_per_module_and_across_modules() -> None:

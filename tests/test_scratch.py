@@ -1,9 +1,11 @@
 """Kept CPU scratch tensors (prism.methods.scratch): reused by name on the CPU, fresh elsewhere."""
 from __future__ import annotations
 
+import math
+
 import torch
 
-from prism.methods.scratch import Scratch, kept_on
+from prism.methods.scratch import CPU_TILE_BYTES, Scratch, kept_on, tile_count
 
 
 def test_cpu_scratch_is_kept_by_name_and_grows() -> None:
@@ -35,3 +37,13 @@ def test_other_devices_get_fresh_tensors() -> None:
     scratch = Scratch(torch.float64)
     x, y = scratch.flat("x", 8, meta), scratch.flat("x", 8, meta)
     assert x.device.type == "meta" and x is not y and not scratch._kept
+
+
+def test_tile_count_fits_the_cpu_tile_and_takes_everything_elsewhere() -> None:
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    assert tile_count(cpu, 3, 10, tile_bytes=10) == 3  # ⌊10 / 3⌋ items of 3 bytes
+    assert tile_count(cpu, 11, 10, tile_bytes=10) == 1  # at least one item, even a larger one
+    assert tile_count(cpu, 1, 10, tile_bytes=10) == 10 == tile_count(cpu, 1, 10, tile_bytes=math.inf)
+    assert tile_count(cpu, CPU_TILE_BYTES // 4, 10) == 4  # the default tile on the CPU
+    assert tile_count(meta, CPU_TILE_BYTES, 10) == 10  # off the CPU: the whole batch, one kernel per op
+    assert tile_count(meta, 3, 10, tile_bytes=10) == 3

@@ -78,7 +78,7 @@ from prism.adaptive import (
 )
 from prism.lora import LoraPair, lora_pairs, read_pair, write_pair
 from prism.methods.base import Method, PrivacySpec
-from prism.methods.scratch import Scratch, kept_on
+from prism.methods.scratch import Scratch, kept_on, tile_count
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class PrismMethod(Method):
     """PRISM (paper Alg. 1) over the peft LoRA parameters ``params``."""
 
     def __init__(self, cfg: Mapping[str, Any], params: Mapping[str, nn.Parameter], privacy: PrivacySpec | None,
-                 batched: bool = True):
+                 batched: bool = True, tile_bytes: float | None = None):
         super().__init__(params, privacy)
         self.config = PrismConfig.from_mapping(cfg)
         pairs: list[LoraPair] = lora_pairs(self.params)
@@ -202,6 +202,7 @@ class PrismMethod(Method):
         self._fresh = True
         self._ready = False
         self.batched = batched
+        self.tile_bytes = tile_bytes  # accumulate's tiles (prism.methods.scratch.tile_count); math.inf: whole groups
         self._fused = geometry.fused if batched else _one_by_one
 
     # ---------------------------------------------------------------- step protocol
@@ -255,9 +256,10 @@ class PrismMethod(Method):
         Sums the clipped factor gradients ``Σ α_i (g_A, g_B)_i``; their lift (eq. 14, linear) is taken
         once per step. The clip norm ``s_i`` is the exact norm of example ``i``'s lift
         (:func:`geometry.gram_lifted_sqnorms`), summed over all modules (eq. 16). The grads are
-        converted to the working dtype once, into one reused workspace that holds every group until
-        the weighted sum (a second pass) has read it; the sums are kept in the grads' own layouts
-        (``g_A``, ``g_Bᵀ``).
+        converted to the working dtype tile by tile (:meth:`_tiles`), each tile's products taken right
+        after its copy; the weighted sum (a second pass: its coefficients need every module's norm)
+        reads a group's copy again when the group is one tile, else loads its tiles again. The sums
+        are kept in the grads' own layouts (``g_A``, ``g_Bᵀ``).
         """
         if not self._ready:
             raise RuntimeError("call zero_accumulators() before accumulate()")
@@ -277,72 +279,110 @@ class PrismMethod(Method):
                 add(list(g.sums[1].unbind(0)), [grads[p.b_name] for p in g.pairs])
             self._fresh = False
             return
-        order = sorted(zip(self.groups, self._example_views(grads)), key=lambda x: x[1][0].numel() + x[1][1].numel())
+        tiles = sorted(self._tiles(grads), key=lambda t: t[0].frame.A.numel() + t[0].frame.B.numel())
         sq = 0.0
-        for g, (gA, gBt) in order:  # each group's products right after its copy, while it is in cache
-            torch._foreach_copy_(list(gA.unbind(0)), [grads[p.a_name] for p in g.pairs])
-            torch._foreach_copy_(list(gBt.unbind(0)), [grads[p.b_name] for p in g.pairs])
-            sq = sq + self._example_sqnorms(g, gA, gBt)
+        for g, group_tiles in tiles:
+            products = self._products(g, group_tiles[0][1].shape[1])
+            for j, gA, gBt in group_tiles:  # each tile's products right after its copy, from cache
+                self._load(g, j, gA, gBt, grads)
+                self._tile_products(g, j, gA, gBt, products)
+            sq = sq + geometry.gram_lifted_sqnorms(*products, *self._whiteners(g)).sum(0)
         norms = sq.sqrt()  # NaN stays NaN: it reaches the update and the loop's finite check
         alpha = (self.privacy.clip_norm / norms).clamp(max=1.0)
         self._norms.append(norms)
-        for g, (gA, gBt) in reversed(order):  # the latest copies first
-            self._add_clipped(g, alpha, gA, gBt)
+        for g, group_tiles in reversed(tiles):  # the latest copies first
+            for j, gA, gBt in reversed(group_tiles):
+                if len(group_tiles) > 1:  # the tile's buffer holds another tile by now
+                    self._load(g, j, gA, gBt, grads)
+                self._add_clipped(g, j, alpha, gA, gBt)
         self._fresh = False
 
-    def _example_sqnorms(self, g: ShapeGroup, gA: Tensor, gBt: Tensor) -> Tensor:
-        """``Σ_modules s_i²`` of one group (eqs. 15–16) from its stacked per-example grads
-        ``g_A`` ``[G, k, m, r]`` and ``g_Bᵀ`` ``[G, k, r, n]``.
+    def _tiles(self, grads: Mapping[str, Tensor]) -> list[tuple[ShapeGroup, list[tuple[slice, Tensor, Tensor]]]]:
+        """Per group, its tiles ``(modules, g_A, g_Bᵀ)``: slots in the working dtype for the per-example grads
+        of the ``modules`` slice, paper ``g_A`` ``[c, k, m, r]`` (peft ``lora_B``) and ``g_Bᵀ`` ``[c, k, r, n]``
+        (peft ``lora_A``), ``c`` modules per tile (:func:`prism.methods.scratch.tile_count`).
 
-        :func:`geometry.gram_lifted_sqnorms` of the ``r×r`` products (float64 accumulation): ``P``
-        by one batched product per factor over all modules and examples, ``K_A = Q_Aᵀ g_A`` by one
-        per example (``k`` calls), ``g_Bᵀ Q_B`` by one over all examples. With ``compute_dtype:
-        float64`` (κ up to 1/√eps64) the gradients are whitened first, so the products carry no κ²
-        amplification.
-        """
-        fr = g.frame
-        G, k, m, r = gA.shape
-        eye = torch.eye(r, dtype=fr.A.dtype, device=fr.A.device)
-        WA, WB = fr.RBi, fr.RAi
-        if self.dtype == torch.float64:
-            gA = gA @ WA[:, None]
-            gBt = WB.mT[:, None] @ gBt
-            WA, WB = eye, eye
-        else:
-            WA, WB = WA[:, None], WB[:, None]  # broadcast over the examples
-        PA = gA.mT @ gA  # [G, k, r, r]
-        KA = torch.stack([fr.QA.mT @ x for x in gA.unbind(1)], dim=1)
-        PB = gBt @ gBt.mT
-        KB = (gBt.reshape(G, k * r, -1) @ fr.QB).view(G, k, r, r).mT
-        return geometry.gram_lifted_sqnorms(PA, KA, PB, KB, WA, WB).sum(0)
-
-    def _add_clipped(self, g: ShapeGroup, alpha: Tensor, gA: Tensor, gBt: Tensor) -> None:
-        """``sums += Σ_i α_i (g_A, g_Bᵀ)_i`` in float64, one batched ``αᵀ`` product per factor over all
-        modules and examples; the first micro-batch of a step overwrites the sums (``beta = 0``)."""
-        SA, SBt = g.sums
-        G, k = gA.shape[:2]
-        beta = 0.0 if self._fresh else 1.0
-        SA.view(G, 1, -1).baddbmm_(alpha.expand(G, 1, k), gA.view(G, k, -1), beta=beta)
-        SBt.view(G, 1, -1).baddbmm_(alpha.expand(G, 1, k), gBt.view(G, k, -1), beta=beta)
-
-    def _example_views(self, grads: Mapping[str, Tensor]) -> list[tuple[Tensor, Tensor]]:
-        """Every group's slots for its per-example grads in the working dtype, in one workspace: paper
-        ``g_A`` ``[G, k, m, r]`` (peft ``lora_B``) and ``g_Bᵀ`` ``[G, k, r, n]`` (peft ``lora_A``). Each
-        group's copy stays there until its clipped sum is taken (one conversion per micro-batch, about
-        twice the float32 grads' memory)."""
-        k = grads[self.groups[0].pairs[0].a_name].shape[0]
-        shapes = [(len(g.pairs), k, *grads[g.pairs[0].a_name].shape[1:], *grads[g.pairs[0].b_name].shape[1:])
-                  for g in self.groups]  # (G, k, m, r, r, n)
-        flat = self.scratch.flat("examples", sum(G * k * (m + n) * r for G, k, m, r, _, n in shapes),
-                                 grads[self.groups[0].pairs[0].a_name].device)
+        A group in one tile (every group off the CPU) has its own slots in one workspace, so its copy is made
+        once per micro-batch and read again by the weighted sum (about twice the float32 grads' memory). A
+        group in several tiles (on the CPU, a group larger than a tile) loads them one by one into one buffer
+        shared by all such groups, where each tile's products read it from cache; the weighted sum loads
+        every tile again (the float32 grads are read twice, as by the factor-space methods, and the float64
+        copy never leaves the cache)."""
+        k, device = grads[self.groups[0].pairs[0].a_name].shape[0], self.groups[0].frame.A.device
+        plans, whole, shared = [], 0, 0
+        for g in self.groups:
+            (G, m, r), n = g.frame.A.shape, g.frame.B.shape[-2]
+            module = k * (m + n) * r
+            c = tile_count(device, module * torch.finfo(self.work_dtype).bits // 8, G, self.tile_bytes)
+            plans.append((g, c, k, m, n, r))
+            if c == G:
+                whole += G * module
+            else:
+                shared = max(shared, c * module)
+        flat = self.scratch.flat("examples", whole + shared, device)
         out, offset = [], 0
-        for G, k, m, r, _, n in shapes:
-            gA = flat[offset: offset + G * k * m * r].view(G, k, m, r)
-            offset += G * k * m * r
-            gBt = flat[offset: offset + G * k * r * n].view(G, k, r, n)
-            offset += G * k * r * n
-            out.append((gA, gBt))
+        for g, c, k, m, n, r in plans:
+            G = len(g.pairs)
+            base = offset if c == G else whole
+            group_tiles = []
+            for start in range(0, G, c):
+                size = min(c, G - start)
+                gA = flat[base: base + size * k * m * r].view(size, k, m, r)
+                gBt = flat[base + size * k * m * r: base + size * k * (m + n) * r].view(size, k, r, n)
+                group_tiles.append((slice(start, start + size), gA, gBt))
+            if c == G:
+                offset += G * k * (m + n) * r
+            out.append((g, group_tiles))
         return out
+
+    def _load(self, g: ShapeGroup, j: slice, gA: Tensor, gBt: Tensor, grads: Mapping[str, Tensor]) -> None:
+        """Copy the tile's per-example grads (modules ``j`` of the group) into its slots, converting them."""
+        torch._foreach_copy_(list(gA.unbind(0)), [grads[p.a_name] for p in g.pairs[j]])
+        torch._foreach_copy_(list(gBt.unbind(0)), [grads[p.b_name] for p in g.pairs[j]])
+
+    def _products(self, g: ShapeGroup, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The group's ``r×r`` products ``P_A``, ``K_A``, ``P_B``, ``K_B`` ``[G, k, r, r]``, as (transposed) views
+        of the buffers :meth:`_tile_products` writes."""
+        G, r = len(g.pairs), g.frame.A.shape[-1]
+        PA, KA, PB, KBt = torch.empty(4, G, k, r, r, dtype=self.work_dtype, device=g.frame.A.device).unbind(0)
+        KA = KA.view(k, G, r, r).transpose(0, 1)  # example-major: each example's slice is contiguous
+        return PA, KA, PB, KBt.mT
+
+    def _tile_products(self, g: ShapeGroup, j: slice, gA: Tensor, gBt: Tensor,
+                       products: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
+        """Write the products of :func:`geometry.gram_lifted_sqnorms` for the tile's modules ``j`` (eqs. 15–16):
+        ``P`` by one batched product per factor over the tile's modules and examples, ``K_A = Q_Aᵀ g_A`` by
+        one per example (``k`` calls), ``g_Bᵀ Q_B`` by one over all examples. With ``compute_dtype: float64``
+        (κ up to 1/√eps64) the gradients are whitened first, so the products carry no κ² amplification."""
+        fr = g.frame
+        c, k, m, r = gA.shape
+        if self.dtype == torch.float64:
+            gA = gA @ fr.RBi[j, None]
+            gBt = fr.RAi.mT[j, None] @ gBt
+        PA, KA, PB, KB = products
+        torch.bmm(gA.view(c * k, m, r).mT, gA.view(c * k, m, r), out=PA[j].view(c * k, r, r))
+        for i in range(k):
+            torch.matmul(fr.QA[j].mT, gA[:, i], out=KA[j, i])
+        torch.bmm(gBt.view(c * k, r, -1), gBt.view(c * k, r, -1).mT, out=PB[j].view(c * k, r, r))
+        torch.matmul(gBt.view(c, k * r, -1), fr.QB[j], out=KB.mT[j].view(c, k * r, r))
+
+    def _whiteners(self, g: ShapeGroup) -> tuple[Tensor, Tensor]:
+        """``W_A = R_B⁻¹``, ``W_B = R_A⁻¹`` of :func:`geometry.gram_lifted_sqnorms`, broadcast over the examples (the
+        identity when :meth:`_tile_products` whitened the gradients)."""
+        fr = g.frame
+        if self.dtype == torch.float64:
+            eye = torch.eye(fr.A.shape[-1], dtype=fr.A.dtype, device=fr.A.device)
+            return eye, eye
+        return fr.RBi[:, None], fr.RAi[:, None]
+
+    def _add_clipped(self, g: ShapeGroup, j: slice, alpha: Tensor, gA: Tensor, gBt: Tensor) -> None:
+        """``sums += Σ_i α_i (g_A, g_Bᵀ)_i`` for the tile's modules ``j``, in float64, one batched ``αᵀ`` product per
+        factor over the tile's modules and examples; the first micro-batch of a step overwrites the sums (``beta = 0``)."""
+        SA, SBt = (S[j] for S in g.sums)
+        c, k = gA.shape[:2]
+        beta = 0.0 if self._fresh else 1.0
+        SA.view(c, 1, -1).baddbmm_(alpha.expand(c, 1, k), gA.view(c, k, -1), beta=beta)
+        SBt.view(c, 1, -1).baddbmm_(alpha.expand(c, 1, k), gBt.view(c, k, -1), beta=beta)
 
     def privatized_group(
         self, g: ShapeGroup, denominator: float, generator: torch.Generator | None, diagnostics: bool = True,

@@ -5,8 +5,15 @@ much as filling it, so the factor-sized temporaries a step fills every time (per
 noise draws, lifts, moments, directions) are kept under a name and overwritten by the next call. On
 other devices they are allocated per call, so the caching allocator can hand the block to the next
 backward pass. A kept tensor is scratch: it never enters a method's ``state_dict`` or a checkpoint.
+
+The same split decides how much of a batched kernel chain runs at a time (:func:`tile_count`): on the
+CPU, one tile that fits in a core's cache, so a chain that reads its input several times (PRISM's
+per-example products, docs/DECISIONS.md D67) reads it from cache after the first kernel; elsewhere the
+whole batch, one kernel per op however many modules it holds.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -15,6 +22,17 @@ from torch import Tensor
 def kept_on(device: torch.device | str) -> bool:
     """Whether scratch tensors on ``device`` are kept across calls (the CPU only)."""
     return torch.device(device).type == "cpu"
+
+
+CPU_TILE_BYTES = 8 << 20  # benchmarks/bench_mechanism.py --tile-bytes: 2–32 MiB within 3 % on 2 MiB-L2 cores
+
+
+def tile_count(device: torch.device | str, item_bytes: int, items: int, tile_bytes: float | None = None) -> int:
+    """How many of ``items`` (each ``item_bytes``) one tile of a multi-pass kernel chain holds: on the CPU
+    as many as fit in ``tile_bytes`` (default :data:`CPU_TILE_BYTES`), at least one; elsewhere all of them.
+    ``tile_bytes=math.inf`` asks for the whole batch on every device."""
+    limit = tile_bytes if tile_bytes is not None else (CPU_TILE_BYTES if kept_on(device) else math.inf)
+    return items if limit >= item_bytes * items else max(1, int(limit // item_bytes))
 
 
 class Scratch:
