@@ -193,14 +193,16 @@ def test_method_batched_equals_per_module_reference(name: str, dp: bool) -> None
 
 @pytest.mark.parametrize("compute_dtype", ["float64", "float32"])
 def test_accumulate_tiles_equal_whole_groups_and_the_reference(compute_dtype: str) -> None:
-    """CPU tiles (prism.methods.scratch.tile_count) of one or two modules, the weighted sum reloading
-    them, give the per-module reference's norms and clipped sums; mixed with whole groups."""
+    """Accumulate's tiles (prism.methods.clipping.plan): spans of one line, spans of three lines (products
+    summed over spans, columns of g_Bᵀ through the temporary), runs of two modules and whole sides mixed,
+    the weighted sum reloading shared tiles, give the per-module reference's norms and clipped sums."""
     cfg = {**RELEASED, "compute_dtype": compute_dtype}
     privacy = PrivacySpec(sigma=0.0, clip_norm=1.0)
     results = {}
     k = 3
-    for label, batched, tile_bytes in (("reference", False, None), ("whole", True, math.inf),
-                                       ("one module", True, 1), ("two modules", True, 2 * k * 15 * R * 8)):
+    line = k * R * 8  # bytes of one line (a row of g_A, a column of g_Bᵀ) of k float64 examples
+    for label, batched, tile_bytes in (("reference", False, None), ("whole", True, math.inf), ("one line", True, 1),
+                                       ("three lines", True, 3 * line), ("two modules", True, 2 * 8 * line)):
         params = make_params()
         method = PrismMethod(OmegaConf.create(cfg), params, privacy, batched=batched, tile_bytes=tile_bytes)
         method.zero_accumulators()

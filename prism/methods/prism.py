@@ -77,8 +77,9 @@ from prism.adaptive import (
     symmetric_part,
 )
 from prism.lora import LoraPair, lora_pairs, read_pair, write_pair
+from prism.methods import clipping
 from prism.methods.base import Method, PrivacySpec
-from prism.methods.scratch import Scratch, kept_on, tile_count
+from prism.methods.scratch import Scratch, kept_on, tile_budget
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +203,7 @@ class PrismMethod(Method):
         self._fresh = True
         self._ready = False
         self.batched = batched
-        self.tile_bytes = tile_bytes  # accumulate's tiles (prism.methods.scratch.tile_count); math.inf: whole groups
+        self.tile_bytes = tile_bytes  # tiles' budget (prism.methods.scratch.tile_budget); math.inf: whole groups
         self._fused = geometry.fused if batched else _one_by_one
 
     # ---------------------------------------------------------------- step protocol
@@ -279,66 +280,72 @@ class PrismMethod(Method):
                 add(list(g.sums[1].unbind(0)), [grads[p.b_name] for p in g.pairs])
             self._fresh = False
             return
-        tiles = sorted(self._tiles(grads), key=lambda t: t[0].frame.A.numel() + t[0].frame.B.numel())
+        k = grads[self.groups[0].pairs[0].a_name].shape[0]
+        plans = self._plans(k)
         sq = 0.0
-        for g, group_tiles in tiles:
-            products = self._products(g, group_tiles[0][1].shape[1])
-            for j, gA, gBt in group_tiles:  # each tile's products right after its copy, from cache
-                self._load(g, j, gA, gBt, grads)
-                self._tile_products(g, j, gA, gBt, products)
+        for g, plan in zip(self.groups, plans):
+            products = self._products(g, k)
+            for side, tile, buffer, _ in plan:  # each tile's products right after its copy, from cache
+                self._tile_products(g, side, tile, self._load(g, side, tile, buffer, grads), products)
             sq = sq + geometry.gram_lifted_sqnorms(*products, *self._whiteners(g)).sum(0)
         norms = sq.sqrt()  # NaN stays NaN: it reaches the update and the loop's finite check
         alpha = (self.privacy.clip_norm / norms).clamp(max=1.0)
         self._norms.append(norms)
-        for g, group_tiles in reversed(tiles):  # the latest copies first
-            for j, gA, gBt in reversed(group_tiles):
-                if len(group_tiles) > 1:  # the tile's buffer holds another tile by now
-                    self._load(g, j, gA, gBt, grads)
-                self._add_clipped(g, j, alpha, gA, gBt)
+        for g, plan in zip(reversed(self.groups), reversed(plans)):  # the latest copies first
+            SA, SBt = g.sums
+            for side, tile, buffer, shared in reversed(plan):
+                if shared:  # the shared tile buffer holds another tile by now
+                    buffer = self._load(g, side, tile, buffer, grads)
+                if side == "A":
+                    clipping.add_clipped_a(clipping.select(SA, tile.modules, tile.span), alpha, buffer, self._fresh)
+                else:
+                    clipping.add_clipped_b(clipping.select(SBt, tile.modules, tile.span, 2), alpha, buffer, self._fresh)
         self._fresh = False
 
-    def _tiles(self, grads: Mapping[str, Tensor]) -> list[tuple[ShapeGroup, list[tuple[slice, Tensor, Tensor]]]]:
-        """Per group, its tiles ``(modules, g_A, g_Bᵀ)``: slots in the working dtype for the per-example grads
-        of the ``modules`` slice, paper ``g_A`` ``[c, k, m, r]`` (peft ``lora_B``) and ``g_Bᵀ`` ``[c, k, r, n]``
-        (peft ``lora_A``), ``c`` modules per tile (:func:`prism.methods.scratch.tile_count`).
+    def _plans(self, k: int) -> list[list[tuple[str, clipping.Tile, Tensor, bool]]]:
+        """Per group, its tiles ``(side, tile, buffer, shared)`` (:func:`prism.methods.clipping.plan`, budget ``tile_bytes``,
+        by default :func:`prism.methods.scratch.tile_budget` of the device): ``buffer`` is the working-dtype
+        slot of the tile's per-example grads, ``[c, k, l, r]`` rows of ``g_A`` or ``[c, k, r, l]`` columns of
+        ``g_Bᵀ``; ``shared``: whether the buffer is shared with other tiles.
 
-        A group in one tile (every group off the CPU) has its own slots in one workspace, so its copy is made
-        once per micro-batch and read again by the weighted sum (about twice the float32 grads' memory). A
-        group in several tiles (on the CPU, a group larger than a tile) loads them one by one into one buffer
-        shared by all such groups, where each tile's products read it from cache; the weighted sum loads
-        every tile again (the float32 grads are read twice, as by the factor-space methods, and the float64
-        copy never leaves the cache)."""
-        k, device = grads[self.groups[0].pairs[0].a_name].shape[0], self.groups[0].frame.A.device
-        plans, whole, shared = [], 0, 0
+        A side in one tile (every side off the CPU) has its own slot in one workspace, so its copy is made
+        once per micro-batch and read again by the weighted sum (about twice the float32 grads' memory). The
+        tiles of a side cut into several share one buffer, so the weighted sum loads them again (the float32
+        grads are read twice, as by the factor-space methods, and their float64 copy stays in cache)."""
+        device = self.groups[0].frame.A.device
+        budget = self.tile_bytes if self.tile_bytes is not None else tile_budget(device)
+        width = torch.finfo(self.work_dtype).bits // 8
+        sides = []
         for g in self.groups:
             (G, m, r), n = g.frame.A.shape, g.frame.B.shape[-2]
-            module = k * (m + n) * r
-            c = tile_count(device, module * torch.finfo(self.work_dtype).bits // 8, G, self.tile_bytes)
-            plans.append((g, c, k, m, n, r))
-            if c == G:
-                whole += G * module
-            else:
-                shared = max(shared, c * module)
-        flat = self.scratch.flat("examples", whole + shared, device)
-        out, offset = [], 0
-        for g, c, k, m, n, r in plans:
-            G = len(g.pairs)
-            base = offset if c == G else whole
-            group_tiles = []
-            for start in range(0, G, c):
-                size = min(c, G - start)
-                gA = flat[base: base + size * k * m * r].view(size, k, m, r)
-                gBt = flat[base + size * k * m * r: base + size * k * (m + n) * r].view(size, k, r, n)
-                group_tiles.append((slice(start, start + size), gA, gBt))
-            if c == G:
-                offset += G * k * (m + n) * r
-            out.append((g, group_tiles))
-        return out
+            sides.append([(side, clipping.plan(G, lines, k * r * width, budget)) for side, lines in (("A", m), ("B", n))])
+        own = sum(len(g.pairs) * k * tiles[0].span.stop * g.frame.A.shape[-1]
+                  for g, group in zip(self.groups, sides) for _, tiles in group if len(tiles) == 1)
+        shared = max([_numel(t, k, g.frame.A.shape[-1]) for g, group in zip(self.groups, sides) for _, tiles in group
+                      if len(tiles) > 1 for t in tiles], default=0)
+        flat = self.scratch.flat("examples", own + shared, device)
+        plans, offset = [], 0
+        for g, group in zip(self.groups, sides):
+            r, plan = g.frame.A.shape[-1], []
+            for side, tiles in group:
+                for tile in tiles:
+                    c, lines = tile.modules.stop - tile.modules.start, tile.span.stop - tile.span.start
+                    start = offset if len(tiles) == 1 else own
+                    slot = flat[start: start + c * k * lines * r]
+                    view = slot.view(c, k, lines, r) if side == "A" else slot.view(c, k, r, lines)
+                    plan.append((side, tile, view, len(tiles) > 1))
+                if len(tiles) == 1:
+                    offset += _numel(tiles[0], k, r)
+            plans.append(plan)
+        return plans
 
-    def _load(self, g: ShapeGroup, j: slice, gA: Tensor, gBt: Tensor, grads: Mapping[str, Tensor]) -> None:
-        """Copy the tile's per-example grads (modules ``j`` of the group) into its slots, converting them."""
-        torch._foreach_copy_(list(gA.unbind(0)), [grads[p.a_name] for p in g.pairs[j]])
-        torch._foreach_copy_(list(gBt.unbind(0)), [grads[p.b_name] for p in g.pairs[j]])
+    def _load(self, g: ShapeGroup, side: str, tile: clipping.Tile, buffer: Tensor,
+              grads: Mapping[str, Tensor]) -> Tensor:
+        """Copy the tile's per-example grads into its buffer, converting them; returns the buffer."""
+        names = [p.a_name if side == "A" else p.b_name for p in g.pairs[tile.modules]]
+        sources = [clipping.select(grads[name], None, tile.span, 1 if side == "A" else 2) for name in names]
+        torch._foreach_copy_(list(buffer.unbind(0)), sources)
+        return buffer
 
     def _products(self, g: ShapeGroup, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The group's ``r×r`` products ``P_A``, ``K_A``, ``P_B``, ``K_B`` ``[G, k, r, r]``, as (transposed) views
@@ -348,23 +355,19 @@ class PrismMethod(Method):
         KA = KA.view(k, G, r, r).transpose(0, 1)  # example-major: each example's slice is contiguous
         return PA, KA, PB, KBt.mT
 
-    def _tile_products(self, g: ShapeGroup, j: slice, gA: Tensor, gBt: Tensor,
+    def _tile_products(self, g: ShapeGroup, side: str, tile: clipping.Tile, buffer: Tensor,
                        products: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
-        """Write the products of :func:`geometry.gram_lifted_sqnorms` for the tile's modules ``j`` (eqs. 15–16):
-        ``P`` by one batched product per factor over the tile's modules and examples, ``K_A = Q_Aᵀ g_A`` by
-        one per example (``k`` calls), ``g_Bᵀ Q_B`` by one over all examples. With ``compute_dtype: float64``
-        (κ up to 1/√eps64) the gradients are whitened first, so the products carry no κ² amplification."""
-        fr = g.frame
-        c, k, m, r = gA.shape
-        if self.dtype == torch.float64:
-            gA = gA @ fr.RBi[j, None]
-            gBt = fr.RAi.mT[j, None] @ gBt
-        PA, KA, PB, KB = products
-        torch.bmm(gA.view(c * k, m, r).mT, gA.view(c * k, m, r), out=PA[j].view(c * k, r, r))
-        for i in range(k):
-            torch.matmul(fr.QA[j].mT, gA[:, i], out=KA[j, i])
-        torch.bmm(gBt.view(c * k, r, -1), gBt.view(c * k, r, -1).mT, out=PB[j].view(c * k, r, r))
-        torch.matmul(gBt.view(c, k * r, -1), fr.QB[j], out=KB.mT[j].view(c, k * r, r))
+        """Add one tile's products of :func:`geometry.gram_lifted_sqnorms` (eqs. 15–16) into the group's.
+        With ``compute_dtype: float64`` (κ up to 1/√eps64) the gradients are whitened first, so the products
+        carry no κ² amplification."""
+        fr, j = g.frame, tile.modules
+        PA, KA, PB, KB = (clipping.select(x, j) for x in products)
+        if side == "A":
+            X = buffer @ clipping.select(fr.RBi, j)[:, None] if self.dtype == torch.float64 else buffer
+            clipping.products_a(X, clipping.select(fr.QA, j, tile.span), PA, KA, tile.first)
+        else:
+            Y = clipping.select(fr.RAi, j).mT[:, None] @ buffer if self.dtype == torch.float64 else buffer
+            clipping.products_b(Y, clipping.select(fr.QB, j, tile.span), PB, KB.mT, tile.first)
 
     def _whiteners(self, g: ShapeGroup) -> tuple[Tensor, Tensor]:
         """``W_A = R_B⁻¹``, ``W_B = R_A⁻¹`` of :func:`geometry.gram_lifted_sqnorms`, broadcast over the examples (the
@@ -374,15 +377,6 @@ class PrismMethod(Method):
             eye = torch.eye(fr.A.shape[-1], dtype=fr.A.dtype, device=fr.A.device)
             return eye, eye
         return fr.RBi[:, None], fr.RAi[:, None]
-
-    def _add_clipped(self, g: ShapeGroup, j: slice, alpha: Tensor, gA: Tensor, gBt: Tensor) -> None:
-        """``sums += Σ_i α_i (g_A, g_Bᵀ)_i`` for the tile's modules ``j``, in float64, one batched ``αᵀ`` product per
-        factor over the tile's modules and examples; the first micro-batch of a step overwrites the sums (``beta = 0``)."""
-        SA, SBt = (S[j] for S in g.sums)
-        c, k = gA.shape[:2]
-        beta = 0.0 if self._fresh else 1.0
-        SA.view(c, 1, -1).baddbmm_(alpha.expand(c, 1, k), gA.view(c, k, -1), beta=beta)
-        SBt.view(c, 1, -1).baddbmm_(alpha.expand(c, 1, k), gBt.view(c, k, -1), beta=beta)
 
     def privatized_group(
         self, g: ShapeGroup, denominator: float, generator: torch.Generator | None, diagnostics: bool = True,
@@ -642,6 +636,11 @@ class PrismMethod(Method):
                 write_pair(self.params, pair, A, B)
             g.frame = geometry.frame(*self._snapshot(g))
         self._check_rank()
+
+
+def _numel(tile: clipping.Tile, k: int, r: int) -> int:
+    """Elements of a tile's buffer (``k`` examples of ``r`` columns per line)."""
+    return (tile.modules.stop - tile.modules.start) * k * (tile.span.stop - tile.span.start) * r
 
 
 def _one_by_one(fn: Callable[[Tensor], Any], batches: list[Tensor]) -> list[tuple[Tensor, ...]]:

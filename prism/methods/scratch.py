@@ -6,8 +6,8 @@ noise draws, lifts, moments, directions) are kept under a name and overwritten b
 other devices they are allocated per call, so the caching allocator can hand the block to the next
 backward pass. A kept tensor is scratch: it never enters a method's ``state_dict`` or a checkpoint.
 
-The same split decides how much of a batched kernel chain runs at a time (:func:`tile_count`): on the
-CPU, one tile that fits in a core's cache, so a chain that reads its input several times (PRISM's
+The same split decides how much of a batched kernel chain runs at a time (:func:`tile_budget`): on the
+CPU, a tile about the size of a core's cache, so a chain that reads its input several times (PRISM's
 per-example products, docs/DECISIONS.md D67) reads it from cache after the first kernel; elsewhere the
 whole batch, one kernel per op however many modules it holds.
 """
@@ -24,14 +24,19 @@ def kept_on(device: torch.device | str) -> bool:
     return torch.device(device).type == "cpu"
 
 
-CPU_TILE_BYTES = 8 << 20  # benchmarks/bench_mechanism.py --tile-bytes: 2–32 MiB within 3 % on 2 MiB-L2 cores
+CPU_TILE_BYTES = 16 << 20  # accumulate at Gemma-3-4B shapes: 2 MiB 263, 16–32 MiB 255, 64 MiB 328, whole groups 304 ms (D67)
+
+
+def tile_budget(device: torch.device | str) -> float:
+    """Bytes of one tile of a multi-pass kernel chain on ``device``: :data:`CPU_TILE_BYTES` on the CPU, unbounded
+    elsewhere (the whole batch, one kernel per op)."""
+    return CPU_TILE_BYTES if kept_on(device) else math.inf
 
 
 def tile_count(device: torch.device | str, item_bytes: int, items: int, tile_bytes: float | None = None) -> int:
-    """How many of ``items`` (each ``item_bytes``) one tile of a multi-pass kernel chain holds: on the CPU
-    as many as fit in ``tile_bytes`` (default :data:`CPU_TILE_BYTES`), at least one; elsewhere all of them.
-    ``tile_bytes=math.inf`` asks for the whole batch on every device."""
-    limit = tile_bytes if tile_bytes is not None else (CPU_TILE_BYTES if kept_on(device) else math.inf)
+    """How many of ``items`` (each ``item_bytes``) one tile of a multi-pass kernel chain holds: as many as fit in
+    ``tile_bytes`` (default :func:`tile_budget` of ``device``), at least one; ``math.inf``: all of them."""
+    limit = tile_bytes if tile_bytes is not None else tile_budget(device)
     return items if limit >= item_bytes * items else max(1, int(limit // item_bytes))
 
 
