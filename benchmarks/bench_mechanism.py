@@ -266,8 +266,9 @@ def main() -> int:
           f"  floor = {micro} x {1e3 * per_micro:.1f} + {1e3 * floor['noise']:.0f} = {1e3 * floor_step:.0f} ms, "
           f"= {floor_step / logical[ad]:.2f}x DP-AdamW's {1e3 * logical[ad]:.0f} ms logical step "
           f"(zero, QR frames, lift and retraction not counted)\n"
-          f"  PRISM batched beyond it: {micro} x {1e3 * (accum[pb] - per_micro):.1f} ms in accumulate (the products on "
-          f"the whole workspace instead of in cache, the norms' r x r algebra), {1e3 * med['zero']:.0f} ms in zero "
+          f"  PRISM batched beyond it: {micro} x {1e3 * (accum[pb] - per_micro):.1f} ms in accumulate (each tile converted "
+          f"twice in cache instead of once plus one float64 read from memory, K_A and P_B's product forms below the "
+          f"cache-resident rate, the norms' r x r algebra), {1e3 * med['zero']:.0f} ms in zero "
           f"(snapshots, frames, rank check), {1e3 * (med['step'] - floor['noise']):.0f} ms in step besides the draws "
           f"(lift, horizontalisation, moments, retraction) = {1e3 * (logical[pb] - floor_step):.0f} ms\n")
     missed = 0

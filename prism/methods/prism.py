@@ -56,6 +56,11 @@ and is re-decided with Householder frames; the per-module reference path keeps H
 retraction's new blocks are factored by :func:`geometry.block_basis`. On the CPU the step's
 factor-sized temporaries (snapshots, draws, lifts, moments' ``m̂``, directions, bases, new factors)
 live in kept scratch tensors (:mod:`prism.methods.scratch`), each overwritten by the next step.
+
+CPU cost of the per-example pass (docs/DECISIONS.md D67). ``accumulate`` runs each group's two factor
+sides in tiles (:mod:`prism.methods.clipping`): on the CPU of about 16 MiB, each converted into one
+shared buffer and its products taken from cache, the weighted sum loading it again; elsewhere (and with
+``tile_bytes=math.inf``) one tile per side, the same kernel chain whatever the depth.
 """
 from __future__ import annotations
 
