@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from prism.geometry import standard_normal
 from prism.lora import lora_pairs, read_pair
 from prism.methods import PrivacySpec, build_method
+from prism.methods.factor import add_clipped_fused, add_clipped_per_tensor, clip_coefficients
 from prism.methods.optimizers import build_optimizer
 
 # The explicit hyper-parameters each conf/method/*.yaml carries (Table 8 GLUE learning rates).
@@ -100,6 +101,21 @@ def test_clipped_sum_bounds_each_example_and_matches_eq3() -> None:
     contribution = torch.sqrt(sum(t.pow(2).sum() for t in alone.values()))
     assert contribution <= C
     assert contribution > 0.999 * C
+
+
+def test_both_clipped_sum_paths_equal_the_sum_by_hand() -> None:
+    """The CPU's per-tensor products and the multi-tensor kernels (the path off the CPU) give eq. 3's sum."""
+    params = make_params()
+    grads = per_example_grads(params, k=5, seed=2, huge=2)
+    names = list(params)
+    norms = torch.linalg.vector_norm(torch.stack([grads[n].flatten(1).norm(dim=1) for n in names]), dim=0)
+    coef = clip_coefficients(norms, 1.0)
+    expected = clipped_sum_by_hand(grads, 1.0)
+    for add in (add_clipped_per_tensor, lambda a, g, c: add_clipped_fused(a, [x.unbind(0) for x in g], c)):
+        accs = [torch.ones_like(params[n], dtype=torch.float32) for n in names]
+        add(accs, [grads[n] for n in names], coef)
+        for n, acc in zip(names, accs):
+            torch.testing.assert_close(acc - 1.0, expected[n].float(), rtol=1e-5, atol=1e-6)
 
 
 def test_step_hands_the_clipped_mean_to_the_optimizer_and_reports_stats() -> None:

@@ -36,6 +36,21 @@ def clip_coefficients(norms: Tensor, clip_norm: float) -> Tensor:
     return (clip_norm / (norms + OPACUS_NORM_EPS)).clamp(max=1.0)
 
 
+def add_clipped_per_tensor(accs: list[Tensor], grads: list[Tensor], coef: Tensor) -> None:
+    """``acc += Σ_i c_i g_i`` for every accumulator: one ``k``-term product per tensor (``grads``
+    ``[k, *shape]``), which reads each gradient once (the CPU's path)."""
+    k = coef.numel()
+    for acc, g in zip(accs, grads):
+        acc.view(1, -1).addmm_(coef[None].to(acc.dtype), g.reshape(k, -1).to(acc.dtype))
+
+
+def add_clipped_fused(accs: list[Tensor], per_example: list[tuple[Tensor, ...]], coef: Tensor) -> None:
+    """``acc += Σ_i c_i g_i`` by multi-tensor kernels: per example one fused scale and one fused add over all
+    tensors (``per_example[tensor][example]``), as many kernels whatever the number of tensors (GPUs' path)."""
+    for i in range(coef.numel()):
+        torch._foreach_add_(accs, torch._foreach_mul([slices[i] for slices in per_example], coef[i]))
+
+
 def first_order_noise_energy(A: Tensor, B: Tensor, xi_A: Tensor, xi_B: Tensor) -> Tensor:
     """``‖ξ_A Bᵀ + A ξ_Bᵀ‖²_F`` (eq. 7's first-order term) without forming the m×n matrix.
 
@@ -83,9 +98,11 @@ class FactorDPMethod(Method):
     def accumulate(self, grads: Mapping[str, Tensor]) -> None:
         """DP: clip each example's flat factor norm to C and add; non-DP: add the micro-batch sum.
 
-        DP uses fused multi-tensor kernels (``torch._foreach_*``): one norm over every tensor's per-
-        example slices, then per example one scale and one add across all tensors — a number of
-        kernels independent of the number of tensors, and no host read.
+        DP: one fused norm over every tensor's per-example slices (``torch._foreach_norm``), then the
+        clipped sum ``Σ_i c_i g_i``, with no host read. On the CPU it is one ``k``-term product per tensor,
+        reading each gradient once; elsewhere per example one fused scale and one fused add across all
+        tensors (``torch._foreach_*``, a number of kernels independent of the number of tensors). The
+        same split as PRISM's tiles (docs/DECISIONS.md D67), so Table 5 compares two tuned paths.
         """
         missing = [n for n in self.params if n not in grads]
         if missing:
@@ -105,8 +122,10 @@ class FactorDPMethod(Method):
         sq = torch.stack(torch._foreach_norm([g for slices in per_example for g in slices])).view(len(accs), k)
         norms = torch.linalg.vector_norm(sq, dim=0)
         coef = clip_coefficients(norms, self.privacy.clip_norm)
-        for i in range(k):
-            torch._foreach_add_(accs, torch._foreach_mul([slices[i] for slices in per_example], coef[i]))
+        if kept_on(accs[0].device):
+            add_clipped_per_tensor(accs, [grads[n] for n in self.summed], coef)
+        else:
+            add_clipped_fused(accs, per_example, coef)
         self.examples += k
         self.norms.append(norms)
 
