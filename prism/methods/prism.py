@@ -262,10 +262,10 @@ class PrismMethod(Method):
         Sums the clipped factor gradients ``Σ α_i (g_A, g_B)_i``; their lift (eq. 14, linear) is taken
         once per step. The clip norm ``s_i`` is the exact norm of example ``i``'s lift
         (:func:`geometry.gram_lifted_sqnorms`), summed over all modules (eq. 16). The grads are
-        converted to the working dtype tile by tile (:meth:`_tiles`), each tile's products taken right
-        after its copy; the weighted sum (a second pass: its coefficients need every module's norm)
-        reads a group's copy again when the group is one tile, else loads its tiles again. The sums
-        are kept in the grads' own layouts (``g_A``, ``g_Bᵀ``).
+        converted to the working dtype tile by tile (:meth:`_plans`, :mod:`prism.methods.clipping`), each
+        tile's products taken right after its copy; the weighted sum (a second pass: its coefficients
+        need every module's norm) reads a side's copy again when the side is one tile, else loads its
+        tiles again. The sums are kept in the grads' own layouts (``g_A``, ``g_Bᵀ``).
         """
         if not self._ready:
             raise RuntimeError("call zero_accumulators() before accumulate()")
