@@ -90,8 +90,8 @@ class FactorDPMethod(Method):
         self.zero_accumulators()
 
     def zero_accumulators(self) -> None:
-        self.summed = {n: torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
-                       for n, p in self.params.items()}
+        self.summed = {n: torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
+                       for n, p in self.params.items()}  # contiguous whatever the parameter's strides
         self.examples = 0
         self.norms: list[Tensor] = []
 
