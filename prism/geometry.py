@@ -67,6 +67,11 @@ class Frame(NamedTuple):
     RBi: Tensor
 
 
+def frame_part(fr: Frame, j: slice) -> Frame:
+    """Modules ``j`` of a batched frame ``[G, …]``: the frame of that smaller batch (views, no copy)."""
+    return Frame(*(x[j] for x in fr))
+
+
 def fused(fn: Callable[[Tensor], Tensor | tuple[Tensor, ...]], batches: Sequence[Tensor]) -> list[tuple[Tensor, ...]]:
     """``[fn(X) for X in batches]`` with one call of the batched matrix function ``fn`` per matrix shape.
 
@@ -605,6 +610,13 @@ def retraction_core(
     # R_u K without forming K: R_u K = [R_u1 − lr R_u2, −lr R_u1] for R_u = [R_u1, R_u2].
     RuK = torch.cat([Ru[..., :r] - lr * Ru[..., r:], -lr * Ru[..., :r]], dim=-1)
     return Retraction(Qu=Qu, Qv=Qv, Ru=Ru, Rv=Rv, core=RuK @ Rv.mT)
+
+
+def joined_retractions(parts: Sequence[Retraction], Qu: tuple[Tensor, ...], Qv: tuple[Tensor, ...]) -> Retraction:
+    """The :class:`Retraction` of a batch from those of consecutive slices of its modules, whose ``Q`` blocks are
+    slices of ``Qu``, ``Qv`` (the ``r×r``-sized ``R`` factors and cores are concatenated)."""
+    return Retraction(Qu=Qu, Qv=Qv, Ru=torch.cat([p.Ru for p in parts]), Rv=torch.cat([p.Rv for p in parts]),
+                      core=torch.cat([p.core for p in parts]))
 
 
 def balanced_coefficients(core_svd: tuple[Tensor, Tensor, Tensor], r: int) -> tuple[Tensor, Tensor]:
