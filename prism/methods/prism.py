@@ -55,7 +55,9 @@ CholeskyQR2 with Householder's signs (:func:`geometry.cholesky_qr2`; a failure r
 and is re-decided with Householder frames; the per-module reference path keeps Householder) and the lift multiplies by ``N⁻¹``, ``M⁻¹`` formed once. The
 retraction's new blocks are factored by :func:`geometry.block_basis`. On the CPU the step's
 factor-sized temporaries (snapshots, draws, lifts, moments' ``m̂``, directions, bases, new factors)
-live in kept scratch tensors (:mod:`prism.methods.scratch`), each overwritten by the next step.
+live in kept scratch tensors (:mod:`prism.methods.scratch`), each overwritten by the next step. The privatised
+lift and the retraction's directions, QR extensions and core run over cache-sized tiles of a group's modules on
+the CPU (:meth:`PrismMethod._step_tiles`, docs/DECISIONS.md D68).
 """
 from __future__ import annotations
 
