@@ -4,7 +4,8 @@ With ``tile_bytes=1`` every module is its own tile, with ``2·(m + n)·r·8`` by
 ``math.inf`` runs every group as one batch (the chain used off the CPU). The privatised lift (eq. 17) and the
 retraction's QR extensions and core (eq. 22) act on each module alone, so the three runs must agree to rounding:
 lifts, new factors, adaptive moments and step statistics within 1e-12, over several DP (σ > 0, the same
-generator stream) and non-DP steps, float32 and float64 ``compute_dtype``.
+generator stream) and non-DP steps, float32 and float64 ``compute_dtype``. Also the float64 normal draws,
+whose transform runs over chunks of pairs, against one pass over all of them.
 """
 from __future__ import annotations
 
@@ -95,3 +96,21 @@ def test_step_tiles_equal_whole_groups(dp: bool, compute_dtype: str, preconditio
                     assert rel(moments[module][key], state[key]) <= 1e-12, (label, module, key)
     # the steps moved the factors (so agreement is not the trivial one of a zero update)
     assert min(rel(whole[-1][2][name], make_params()[name].detach()) for name in whole[-1][2]) > 1e-4
+
+
+def test_normal_draws_in_chunks_are_the_whole_transform(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``standard_normal``'s transform over chunks of pairs (of any size, the last one short) gives bitwise the
+    draws of one pass over all of them: the same integer stream, elementwise arithmetic."""
+    from prism import geometry
+
+    def draw(shape: tuple[int, ...]) -> torch.Tensor:
+        return geometry.standard_normal(shape, torch.Generator().manual_seed(7), torch.float64, torch.device("cpu"))
+
+    shapes = [(1,), (5, 7), (3, 40, 9)]
+    monkeypatch.setattr(geometry, "NORMAL_CHUNK", 1 << 62)
+    whole = [draw(shape) for shape in shapes]
+    for chunk in (1, 13, 64):
+        monkeypatch.setattr(geometry, "NORMAL_CHUNK", chunk)
+        for shape, x in zip(shapes, whole):
+            assert torch.equal(draw(shape), x), (chunk, shape)
+    assert whole[2].std().item() > 0.5  # real draws, not a constant
