@@ -1,7 +1,7 @@
 """PRISM's step over CPU tiles of modules (``PrismMethod._step_tiles``) against the same step on whole groups.
 
-With ``tile_bytes=1`` every module is its own tile, with ``2·(m + n)·r·8`` bytes two modules are, and
-``math.inf`` runs every group as one batch (the chain used off the CPU). The privatised lift (eq. 17) and the
+With ``tile_bytes=1`` every module is its own tile, with ``2·(m + n)·r·8`` bytes two modules are (three: a
+short last tile), and ``math.inf`` runs every group as one batch (the chain used off the CPU). The privatised lift (eq. 17) and the
 retraction's QR extensions and core (eq. 22) act on each module alone, so the three runs must agree to rounding:
 lifts, new factors, adaptive moments and step statistics within 1e-12, over several DP (σ > 0, the same
 generator stream) and non-DP steps, float32 and float64 ``compute_dtype``. Also the float64 normal draws,
@@ -22,7 +22,7 @@ from prism.methods.prism import PrismMethod
 R = 3
 ROWS = 14  # m + n of every shape below, so a two-module tile is the same size in every group
 SHAPES = ((8, 6), (6, 8), (8, 6), (6, 8), (8, 6), (9, 5), (6, 8), (8, 6), (6, 8))  # groups of 4, 4, 1 modules
-TILES = {"one module": 1, "two modules": 2 * ROWS * R * 8, "whole groups": math.inf}
+TILES = {"one module": 1, "two modules": 2 * ROWS * R * 8, "three modules": 3 * ROWS * R * 8, "whole groups": math.inf}
 
 
 def rel(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -81,6 +81,7 @@ def test_step_tiles_equal_whole_groups(dp: bool, compute_dtype: str, preconditio
     assert whole[0][4] == [[None]] * 3  # no slicing at all
     assert [len(t) for t in runs["one module"][0][4]] == [4, 4, 1]
     assert [len(t) for t in runs["two modules"][0][4]] == [2, 2, 1]
+    assert [[j.stop - j.start for j in t] for t in runs["three modules"][0][4][:2]] == [[3, 1], [3, 1]]  # a short last tile
     for label, trace in runs.items():
         for (lifts, stats, params, moments, _), (lifts0, stats0, params0, moments0, _) in zip(trace, whole):
             assert len(lifts) == len(lifts0) == 6
