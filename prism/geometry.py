@@ -67,6 +67,11 @@ class Frame(NamedTuple):
     RBi: Tensor
 
 
+def frame_part(fr: Frame, j: slice) -> Frame:
+    """Modules ``j`` of a batched frame ``[G, …]``: the frame of that smaller batch (views, no copy)."""
+    return Frame(*(x[j] for x in fr))
+
+
 def fused(fn: Callable[[Tensor], Tensor | tuple[Tensor, ...]], batches: Sequence[Tensor]) -> list[tuple[Tensor, ...]]:
     """``[fn(X) for X in batches]`` with one call of the batched matrix function ``fn`` per matrix shape.
 
@@ -368,6 +373,9 @@ def gram_lifted_sqnorms(
     return 0.25 * (cA + cB.mT).square().sum((-2, -1)) + outside(PA, KA, WA) + outside(PB, KB, WB)
 
 
+NORMAL_CHUNK = 1 << 16  # pairs per pass of standard_normal's transform (2 MiB of its float64 work): from cache
+
+
 def standard_normal(shape: tuple[int, ...], generator: torch.Generator | None, dtype: torch.dtype,
                     device: torch.device, workspace: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """i.i.d. N(0, 1) draws of ``shape``; float64 on the CPU by a vectorised Box–Muller transform.
@@ -378,8 +386,9 @@ def standard_normal(shape: tuple[int, ...], generator: torch.Generator | None, d
     64-bit draw), so ``u₁``, ``u₂`` are independent and uniform on the same grid and
     ``(√(−2 ln(1 − u₁)) cos 2πu₂, √(−2 ln(1 − u₁)) sin 2πu₂)`` is the same pair of independent
     normals (exact law up to the last-bit rounding of ``log``/``cos``/``sin``), with the same largest
-    magnitude ``√(2·53 ln 2) ≈ 8.57`` (float32 draws stop at ``≈ 5.77``). Whole-tensor vectorised
-    ops instead of torch's scalar loop: about 0.6× its time. Other dtypes and devices: ``torch.randn``.
+    magnitude ``√(2·53 ln 2) ≈ 8.57`` (float32 draws stop at ``≈ 5.77``). Vectorised ops instead of torch's
+    scalar loop: about 0.6× its time; after the one stream of integers, the transform runs chunk by chunk of
+    :data:`NORMAL_CHUNK` pairs (elementwise, so the same values). Other dtypes and devices: ``torch.randn``.
 
     ``workspace``: two float64 tensors of at least ``2⌈numel/2⌉`` elements each; the draws are then
     computed in them (no fresh allocation: on the CPU a fresh block above glibc's mmap threshold
@@ -392,12 +401,14 @@ def standard_normal(shape: tuple[int, ...], generator: torch.Generator | None, d
         workspace = (torch.empty(2 * half, dtype=dtype, device=device), torch.empty(2 * half, dtype=dtype, device=device))
     out, scratch = (w[: 2 * half].view(2, half) for w in workspace)
     j = scratch.view(torch.int64).random_(generator=generator)
-    out.copy_(j.bitwise_and_(2**53 - 1))  # 2⁵³·u: uniform integers in [0, 2⁵³), as torch's uniform_real
-    radius = torch.log1p(out[0].mul_(-(2.0**-53)), out=out[0]).mul_(-2.0).sqrt_()  # √(−2 ln(1 − u₁)), 1 − u₁ ∈ (0, 1]
-    theta = out[1].mul_(2.0 * math.pi * 2.0**-53)
-    cos = torch.cos(theta, out=scratch[0])
-    theta.sin_().mul_(radius)
-    radius.mul_(cos)
+    for start in range(0, half, NORMAL_CHUNK):  # the transform's passes over cache-sized chunks of pairs
+        o, s, i = (x[:, start: start + NORMAL_CHUNK] for x in (out, scratch, j))
+        o.copy_(i.bitwise_and_(2**53 - 1))  # 2⁵³·u: uniform integers in [0, 2⁵³), as torch's uniform_real
+        radius = torch.log1p(o[0].mul_(-(2.0**-53)), out=o[0]).mul_(-2.0).sqrt_()  # √(−2 ln(1 − u₁)), 1 − u₁ ∈ (0, 1]
+        theta = o[1].mul_(2.0 * math.pi * 2.0**-53)
+        cos = torch.cos(theta, out=s[0])
+        theta.sin_().mul_(radius)
+        radius.mul_(cos)
     return out.view(-1)[: math.prod(shape)].view(shape)
 
 
@@ -605,6 +616,13 @@ def retraction_core(
     # R_u K without forming K: R_u K = [R_u1 − lr R_u2, −lr R_u1] for R_u = [R_u1, R_u2].
     RuK = torch.cat([Ru[..., :r] - lr * Ru[..., r:], -lr * Ru[..., :r]], dim=-1)
     return Retraction(Qu=Qu, Qv=Qv, Ru=Ru, Rv=Rv, core=RuK @ Rv.mT)
+
+
+def joined_retractions(parts: Sequence[Retraction], Qu: tuple[Tensor, ...], Qv: tuple[Tensor, ...]) -> Retraction:
+    """The :class:`Retraction` of a batch from those of consecutive slices of its modules, whose ``Q`` blocks are
+    slices of ``Qu``, ``Qv`` (the ``r×r``-sized ``R`` factors and cores are concatenated)."""
+    return Retraction(Qu=Qu, Qv=Qv, Ru=torch.cat([p.Ru for p in parts]), Rv=torch.cat([p.Rv for p in parts]),
+                      core=torch.cat([p.core for p in parts]))
 
 
 def balanced_coefficients(core_svd: tuple[Tensor, Tensor, Tensor], r: int) -> tuple[Tensor, Tensor]:

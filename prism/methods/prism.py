@@ -55,7 +55,9 @@ CholeskyQR2 with Householder's signs (:func:`geometry.cholesky_qr2`; a failure r
 and is re-decided with Householder frames; the per-module reference path keeps Householder) and the lift multiplies by ``N⁻¹``, ``M⁻¹`` formed once. The
 retraction's new blocks are factored by :func:`geometry.block_basis`. On the CPU the step's
 factor-sized temporaries (snapshots, draws, lifts, moments' ``m̂``, directions, bases, new factors)
-live in kept scratch tensors (:mod:`prism.methods.scratch`), each overwritten by the next step.
+live in kept scratch tensors (:mod:`prism.methods.scratch`), each overwritten by the next step. The privatised
+lift and the retraction's directions, QR extensions and core run over cache-sized tiles of a group's modules on
+the CPU (:meth:`PrismMethod._step_tiles`, docs/DECISIONS.md D68).
 
 CPU cost of the per-example pass (docs/DECISIONS.md D67). ``accumulate`` runs each group's two factor
 sides in tiles (:mod:`prism.methods.clipping`): on the CPU of about 16 MiB, each converted into one
@@ -84,7 +86,7 @@ from prism.adaptive import (
 from prism.lora import LoraPair, lora_pairs, read_pair, write_pair
 from prism.methods import clipping
 from prism.methods.base import Method, PrivacySpec
-from prism.methods.scratch import Scratch, kept_on, tile_budget
+from prism.methods.scratch import Scratch, kept_on, tile_budget, tile_count
 
 log = logging.getLogger(__name__)
 
@@ -405,12 +407,16 @@ class PrismMethod(Method):
         noise_sq = SA.new_zeros(()) if diagnostics else None
         if fr.A.dtype == torch.float64 and self.config.pinv_rcond is None and self.config.noise_damping is None:
             omega = self._draw(g, generator, workspace) if tau > 0 else None
-            out = None
+            out, tiles = None, [None]
             if workspace:
                 flat = self.scratch.flat(f"lift:{g.modules[0]}", SA.numel() + SBt.numel(), SA.device)
                 out = (flat[: SA.numel()].view(SA.shape), flat[SA.numel():].view(SBt.mT.shape))
-            dA, dB = geometry.privatized_lift(fr, SA, SBt.mT, 1.0 / denominator, tau, omega, self.horizontal_lift,
-                                              gram_inverse=self.dtype == torch.float32, out=out)
+                tiles = self._step_tiles(g)
+            for j in tiles:  # each module's lift is its own: tile by tile (the draws stay one stream)
+                dA, dB = geometry.privatized_lift(_part(fr, j), _part(SA, j), _part(SBt, j).mT, 1.0 / denominator, tau,
+                                                  _part(omega, j), self.horizontal_lift,
+                                                  gram_inverse=self.dtype == torch.float32, out=_part(out, j))
+            dA, dB = (dA, dB) if out is None else out
             if diagnostics and omega is not None:
                 noise_sq = tau**2 * geometry.tangent_noise_sqnorm(fr, *omega).sum()
             return dA, dB, noise_sq
@@ -477,10 +483,9 @@ class PrismMethod(Method):
             eighs = self._fused(torch.linalg.eigh, [_finite_or_zero(symmetric_part(V)) for _, V, _ in estimates])
             # U into the cast lifts' buffers, read by now (never into privatized_group's outputs: callers may hold them)
             outs = [x if self.dtype != self.work_dtype and kept_on(x.device) else None for pair in lifts for x in pair]
-            U = [torch.matmul(m_hat, spectral_preconditioner(cfg, w, E, floor), out=out)
+            U = [(m_hat, spectral_preconditioner(cfg, w, E, floor), out)
                  for (m_hat, _, floor), (w, E), out in zip(estimates, eighs, outs)]
             directions = list(zip(U[0::2], U[1::2]))
-        directions = [self._in_work_dtype(f"direction:{g.modules[0]}", U) for g, U in zip(self.groups, directions)]
         new = self._retract(directions, horizontal=h in ("both", "pre_retract"))
         update_sq = []
         for g, (A_new, B_new) in zip(self.groups, new):
@@ -501,12 +506,30 @@ class PrismMethod(Method):
         self._ready = False
         return stats
 
-    def _retract(self, directions: list[tuple[Tensor, Tensor]], horizontal: bool) -> list[tuple[Tensor, Tensor]]:
+    def _retract(self, directions: list[tuple[Tensor | tuple[Tensor, Tensor, Tensor | None], ...]], horizontal: bool
+                 ) -> list[tuple[Tensor, Tensor]]:
         """:func:`geometry.retract` (aligned; of the horizontalised directions with ``horizontal``) of every
-        group, each of its two SVDs fused over the groups."""
-        cores = [geometry.retraction_core(g.frame.A, g.frame.B, UA, UB, self.config.lr, frame=g.frame,
-                                          horizontal=horizontal, work=self._extension_work(g, (UA, UB)))
-                 for g, (UA, UB) in zip(self.groups, directions)]
+        group, each of its two SVDs fused over the groups.
+
+        ``directions``: per group and factor the direction ``U`` or ``(m̂, P, out)`` for ``U = m̂P`` (eq. 25, into
+        ``out``). With kept CPU buffers and a float64 frame the stage before the first SVD runs tile by tile
+        (:meth:`_step_tiles`): ``U``, its copy in the working dtype and the retraction's QR extensions and core
+        (:meth:`_direction`, :func:`geometry.retraction_core`), the tile's ``U`` and ``Y`` in tile-sized buffers
+        that stay in cache; only the new blocks ``Q₂`` go to the group's buffers."""
+        cores = []
+        for g, direction in zip(self.groups, directions):
+            fr = g.frame
+            tiles = self._step_tiles(g) if self._kept_frame(g) else [None]
+            parts = []
+            for j in tiles:
+                UA, UB = self._direction(g, direction, j)
+                parts.append(geometry.retraction_core(_part(fr.A, j), _part(fr.B, j), UA, UB, self.config.lr,
+                                                      frame=_part(fr, j), horizontal=horizontal,
+                                                      work=self._extension_work(g, (UA, UB), j)))
+            if len(parts) > 1:  # the new blocks Q₂ were written into slices of the group's buffers
+                QA2, QB2 = self._new_blocks(g)
+                parts = [geometry.joined_retractions(parts, (fr.QA, QA2), (fr.QB, QB2))]
+            cores.append(parts[0])
         svds = self._fused(torch.linalg.svd, [_finite_or_zero(rt.core) for rt in cores])
         coefficients = [geometry.balanced_coefficients(svd, g.frame.A.shape[-1]) for g, svd in zip(self.groups, svds)]
         targets = [geometry.procrustes_target(rt, MA, MB) for rt, (MA, MB) in zip(cores, coefficients)]
@@ -521,20 +544,51 @@ class PrismMethod(Method):
             out.append(tuple(x.to(self.work_dtype) for x in new))
         return out
 
-    def _extension_work(self, g: ShapeGroup, direction: tuple[Tensor, Tensor]
+    def _direction(self, g: ShapeGroup, direction: tuple[Tensor | tuple[Tensor, Tensor, Tensor | None], ...],
+                   j: slice | None) -> tuple[Tensor, Tensor]:
+        """Modules ``j`` of the group's direction (see :meth:`_retract`) in the working dtype (:meth:`_in_work_dtype`);
+        a tile's ``U = m̂P`` goes to a kept tile-sized buffer instead of ``out``."""
+        products = not isinstance(direction[0], Tensor)
+        if products and j is not None and direction[0][2] is not None:
+            outs = self.scratch.pair("U tile", direction[0][0][j].shape, direction[1][0][j].shape,
+                                     g.frame.A.device, self.dtype)
+        else:
+            outs = [_part(X[2], j) if products else None for X in direction]
+        U = tuple(torch.matmul(_part(X[0], j), _part(X[1], j), out=out) if products else _part(X, j)
+                  for X, out in zip(direction, outs))
+        return self._in_work_dtype(g, U, j)
+
+    def _step_tiles(self, g: ShapeGroup) -> list[slice | None]:
+        """Consecutive slices of the group's modules over which a stage of the step runs its factor-sized passes in
+        turn: as many modules per tile as :func:`prism.methods.scratch.tile_count` fits float64 copies of their
+        factors in ``tile_bytes`` (each tensor of the stage holds that much per tile); ``[None]`` (the whole group,
+        no slicing) when one tile holds them all (always off the CPU, and with ``tile_bytes=math.inf``)."""
+        a, b = self.params[g.pairs[0].a_name], self.params[g.pairs[0].b_name]
+        G = len(g.pairs)
+        c = tile_count(a.device, (a.numel() + b.numel()) * 8, G, self.tile_bytes)
+        return [None] if c >= G else [slice(start, min(start + c, G)) for start in range(0, G, c)]
+
+    def _kept_frame(self, g: ShapeGroup) -> bool:
+        """Whether the group's step runs in kept CPU buffers with a float64 frame (:func:`geometry.extend_qr`'s path)."""
+        return kept_on(g.frame.A.device) and g.frame.A.dtype == self.work_dtype == torch.float64
+
+    def _new_blocks(self, g: ShapeGroup) -> tuple[Tensor, Tensor]:
+        """The kept buffers of the retraction's new blocks ``Q₂`` of the group's two factors (those of its draws, read
+        by :meth:`privatized_group` before)."""
+        return self.scratch.pair(f"noise:{g.modules[0]}", g.frame.A.shape, g.frame.B.shape, g.frame.A.device)
+
+    def _extension_work(self, g: ShapeGroup, direction: tuple[Tensor, Tensor], j: slice | None
                         ) -> tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]] | None:
-        """Kept CPU workspaces of :func:`geometry.extend_qr` for the group's two factors: ``Y`` is the direction
-        itself (:meth:`_in_work_dtype`'s buffer, consumed), ``Q₁`` is shared by all groups (read right away;
-        the draws' scratch), ``Q₂`` is per group (read by the block product; the buffer of the group's draws,
-        read by :meth:`privatized_group` before)."""
-        fr = g.frame
-        if not kept_on(fr.A.device) or fr.A.dtype != self.work_dtype:
+        """Kept CPU workspaces of :func:`geometry.extend_qr` for the two factors of the group's modules ``j``: ``Y``
+        is the direction itself (:meth:`_in_work_dtype`'s buffer, consumed), ``Q₁`` is shared by all groups and
+        tiles (read right away; the draws' scratch), ``Q₂`` is per group (read by the block product;
+        :meth:`_new_blocks`)."""
+        if not self._kept_frame(g):
             return None
         scratch = self.scratch.flat("draws", max(X.numel() for h in self.groups for X in (h.frame.A, h.frame.B)),
-                                    fr.A.device)
-        QA, QB = self.scratch.pair(f"noise:{g.modules[0]}", fr.A.shape, fr.B.shape, fr.A.device)
-        return ((direction[0], scratch[: fr.A.numel()].view(fr.A.shape), QA),
-                (direction[1], scratch[: fr.B.numel()].view(fr.B.shape), QB))
+                                    g.frame.A.device)
+        return tuple((U, scratch[: U.numel()].view(U.shape), _part(Q2, j))
+                     for U, Q2 in zip(direction, self._new_blocks(g)))
 
     def _cast(self, name: str, A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
         """``(A, B)`` in ``compute_dtype`` (the adaptive moments' dtype), on the CPU in the kept buffer ``name``."""
@@ -543,12 +597,16 @@ class PrismMethod(Method):
         out = self.scratch.pair(name, A.shape, B.shape, A.device, self.dtype)
         return out[0].copy_(A), out[1].copy_(B)
 
-    def _in_work_dtype(self, name: str, U: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        """A group's direction ``(U_A, U_B)`` converted to the working dtype, on the CPU into the kept buffer
-        ``name`` (where :func:`geometry.extend_qr` turns it into its ``Y``)."""
+    def _in_work_dtype(self, g: ShapeGroup, U: tuple[Tensor, Tensor], j: slice | None) -> tuple[Tensor, Tensor]:
+        """The direction ``(U_A, U_B)`` of the group's modules ``j`` converted to the working dtype, on the CPU into
+        the group's kept buffer, or for a tile (``j`` not ``None``) a kept tile-sized one, where
+        :func:`geometry.extend_qr` turns it into its ``Y``."""
         if not kept_on(U[0].device) or self.work_dtype != torch.float64:  # float32: the frame is too (no extend_qr)
             return tuple(x.to(self.work_dtype) for x in U)
-        A, B = self.scratch.pair(name, U[0].shape, U[1].shape, U[0].device)
+        if j is not None:
+            A, B = self.scratch.pair("direction tile", U[0].shape, U[1].shape, U[0].device)
+            return A.copy_(U[0]), B.copy_(U[1])
+        A, B = self.scratch.pair(f"direction:{g.modules[0]}", g.frame.A.shape, g.frame.B.shape, U[0].device)
         return A.copy_(U[0]), B.copy_(U[1])
 
     def tau(self, denominator: float) -> float:
@@ -651,6 +709,15 @@ def _numel(tile: clipping.Tile, k: int, r: int) -> int:
 def _one_by_one(fn: Callable[[Tensor], Any], batches: list[Tensor]) -> list[tuple[Tensor, ...]]:
     """The reference path's :func:`geometry.fused`: one call of ``fn`` per batch."""
     return [tuple(fn(X)) for X in batches]
+
+
+def _part(x: Any, j: slice | None) -> Any:
+    """Modules ``j`` of a group's batched tensor, frame or tuple of tensors (``None``: all of it, no op)."""
+    if j is None or x is None:
+        return x
+    if isinstance(x, geometry.Frame):
+        return geometry.frame_part(x, j)
+    return tuple(_part(y, j) for y in x) if isinstance(x, tuple) else x[j]
 
 
 def _finite_or_zero(X: Tensor) -> Tensor:
