@@ -377,7 +377,8 @@ NORMAL_CHUNK = 1 << 16  # pairs per pass of standard_normal's transform (2 MiB o
 
 
 def standard_normal(shape: tuple[int, ...], generator: torch.Generator | None, dtype: torch.dtype,
-                    device: torch.device, workspace: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                    device: torch.device, workspace: tuple[Tensor, Tensor] | None = None,
+                    chunk: float = NORMAL_CHUNK) -> Tensor:
     """i.i.d. N(0, 1) draws of ``shape``; float64 on the CPU by a vectorised Box–Muller transform.
 
     Same law as ``torch.randn(dtype=float64)`` on the CPU, which applies Box–Muller to pairs of
@@ -388,7 +389,8 @@ def standard_normal(shape: tuple[int, ...], generator: torch.Generator | None, d
     normals (exact law up to the last-bit rounding of ``log``/``cos``/``sin``), with the same largest
     magnitude ``√(2·53 ln 2) ≈ 8.57`` (float32 draws stop at ``≈ 5.77``). Vectorised ops instead of torch's
     scalar loop: about 0.6× its time; after the one stream of integers, the transform runs chunk by chunk of
-    :data:`NORMAL_CHUNK` pairs (elementwise, so the same values). Other dtypes and devices: ``torch.randn``.
+    ``chunk`` pairs (elementwise, so the same values; ``math.inf``: one pass). Other dtypes and devices:
+    ``torch.randn``.
 
     ``workspace``: two float64 tensors of at least ``2⌈numel/2⌉`` elements each; the draws are then
     computed in them (no fresh allocation: on the CPU a fresh block above glibc's mmap threshold
@@ -401,8 +403,9 @@ def standard_normal(shape: tuple[int, ...], generator: torch.Generator | None, d
         workspace = (torch.empty(2 * half, dtype=dtype, device=device), torch.empty(2 * half, dtype=dtype, device=device))
     out, scratch = (w[: 2 * half].view(2, half) for w in workspace)
     j = scratch.view(torch.int64).random_(generator=generator)
-    for start in range(0, half, NORMAL_CHUNK):  # the transform's passes over cache-sized chunks of pairs
-        o, s, i = (x[:, start: start + NORMAL_CHUNK] for x in (out, scratch, j))
+    step = half if chunk >= half else int(chunk)
+    for start in range(0, half, step):  # the transform's passes over cache-sized chunks of pairs
+        o, s, i = (x[:, start: start + step] for x in (out, scratch, j)) if step < half else (out, scratch, j)
         o.copy_(i.bitwise_and_(2**53 - 1))  # 2⁵³·u: uniform integers in [0, 2⁵³), as torch's uniform_real
         radius = torch.log1p(o[0].mul_(-(2.0**-53)), out=o[0]).mul_(-2.0).sqrt_()  # √(−2 ln(1 − u₁)), 1 − u₁ ∈ (0, 1]
         theta = o[1].mul_(2.0 * math.pi * 2.0**-53)

@@ -67,6 +67,7 @@ shared buffer and its products taken from cache, the weighted sum loading it aga
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -436,13 +437,15 @@ class PrismMethod(Method):
         """The unit draws ``(Ω_A, Ω_B)`` of :func:`geometry.tangent_noise` for the group's frame (same stream),
         in kept buffers with ``workspace``."""
         fr = g.frame
+        chunk = math.inf if self.tile_bytes == math.inf else geometry.NORMAL_CHUNK  # whole groups: one pass
         if not workspace:
-            return tuple(geometry.standard_normal(X.shape, generator, X.dtype, X.device) for X in (fr.A, fr.B))
+            return tuple(geometry.standard_normal(X.shape, generator, X.dtype, X.device, chunk=chunk)
+                         for X in (fr.A, fr.B))
         sizes = [2 * ((X.numel() + 1) // 2) for X in (fr.A, fr.B)]
         flat = self.scratch.flat(f"noise:{g.modules[0]}", sum(sizes), fr.A.device)
         scratch = self.scratch.flat("draws", max(sizes), fr.A.device)
-        return tuple(geometry.standard_normal(X.shape, generator, X.dtype, X.device, workspace=(part, scratch))
-                     for X, part in zip((fr.A, fr.B), flat.split(sizes)))
+        return tuple(geometry.standard_normal(X.shape, generator, X.dtype, X.device, workspace=(part, scratch),
+                                              chunk=chunk) for X, part in zip((fr.A, fr.B), flat.split(sizes)))
 
     def privatized_lifts(
         self, denominator: float, generator: torch.Generator | None
