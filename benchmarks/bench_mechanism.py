@@ -294,8 +294,8 @@ def main() -> int:
         print(f"{kind.replace('PRISM ', '') + ' host reads in acc+step':<36} {step_reads:>9}  == 0    "
               f"{'ok' if step_reads == 0 else 'MISSED'}")
     print(f"\n(the op-count target is checked on the whole-group chain, the one a GPU runs; on the CPU, accumulate "
-          f"runs in {CPU_TILE_BYTES / 2**20:g} MiB tiles of whole modules, one chain per tile, so its op count grows with "
-          f"the modules: {counts[pb, half]['ops']} -> {counts[pb, args.layers]['ops']})" if args.tile_bytes is None else "")
+          f"and two stages of the step run in {CPU_TILE_BYTES / 2**20:g} MiB tiles of modules (docs/DECISIONS.md D67, D68), "
+          f"one chain per tile, so the op count grows with the modules: {counts[pb, half]['ops']} -> {counts[pb, args.layers]['ops']})" if args.tile_bytes is None else "")
     return 1 if missed else 0
 
 
