@@ -43,13 +43,13 @@ def test_tiled_products_and_sums_equal_the_whole_products() -> None:
         for t in clipping.plan(G, m, k * r * 8, budget):
             X = gA[t.modules, :, t.span].contiguous()
             clipping.products_a(X, QA[t.modules, t.span], PA[t.modules], KA[t.modules], t.first)
-            clipping.add_clipped_a(SA[t.modules, t.span], alpha, X, fresh=True)
-            clipping.add_clipped_a(SA[t.modules, t.span], alpha, X, fresh=False)  # a second micro-batch adds
+            clipping.add_clipped(SA[t.modules, t.span], alpha, X, fresh=True)
+            clipping.add_clipped(SA[t.modules, t.span], alpha, X, fresh=False)  # a second micro-batch adds
         for t in clipping.plan(G, n, k * r * 8, budget):
             Y = gBt[t.modules][..., t.span].contiguous()
             clipping.products_b(Y, QB[t.modules, t.span], PB[t.modules], KBt[t.modules], t.first)
-            clipping.add_clipped_b(SBt[t.modules][..., t.span], alpha, Y, fresh=True)
-            clipping.add_clipped_b(SBt[t.modules][..., t.span], alpha, Y, fresh=False)
+            clipping.add_clipped(SBt[t.modules][..., t.span], alpha, Y, fresh=True)
+            clipping.add_clipped(SBt[t.modules][..., t.span], alpha, Y, fresh=False)
         got = {"PA": PA, "KA": KA, "PB": PB, "KBt": KBt, "SA": SA / 2, "SBt": SBt / 2}
         for key, value in expect.items():
             torch.testing.assert_close(got[key], value, rtol=1e-13, atol=1e-13, msg=f"{key} at budget {budget}")

@@ -6,7 +6,7 @@ or, for a module larger than a tile, of a span of its *lines* (the ``m`` rows of
 columns of ``g_Bᵀ``). Each tile is converted once into a working-dtype buffer, and its ``r×r`` products
 (:func:`prism.geometry.gram_lifted_sqnorms`' ``P`` and ``K``) are accumulated over the spans right away,
 while the buffer is in cache: a product over lines is a sum over them. After every module's norm is
-known, the weighted sum ``Σ_i α_i g_i`` reads each tile again (:func:`add_clipped_a`, :func:`add_clipped_b`),
+known, the weighted sum ``Σ_i α_i g_i`` reads each tile again (:func:`add_clipped`),
 reloading it unless the side is one tile that kept its buffer. On a GPU every side is one tile (the
 whole group: one kernel per op however many modules); on the CPU, tiles of about a core's cache
 (docs/DECISIONS.md D67).
@@ -81,19 +81,13 @@ def products_b(Y: Tensor, Q: Tensor, P: Tensor, Kt: Tensor, first: bool) -> None
     Kt.view(c, k * r, r).baddbmm_(Y.reshape(c, k * r, lines), Q, beta=beta)
 
 
-def add_clipped_a(S: Tensor, alpha: Tensor, X: Tensor, fresh: bool) -> None:
-    """``S += Σ_i α_i X_i`` (``S = …`` if ``fresh``): ``S`` ``[c, l, r]`` (contiguous), ``X`` ``[c, k, l, r]``;
-    one batched ``αᵀ`` product over the tile's modules."""
+def add_clipped(S: Tensor, alpha: Tensor, X: Tensor, fresh: bool) -> None:
+    """``S += Σ_i α_i X_i`` (``S = …`` if ``fresh``) for one tile of either side: ``X`` ``[c, k, …]``, ``S`` its
+    ``[c, …]`` slice of the sums; one batched ``αᵀ`` product over the tile's modules, straight into ``S`` when it is
+    contiguous (always for ``g_A``), else through one temporary (a span of a module's ``g_Bᵀ`` columns)."""
     c, k = X.shape[:2]
-    S.view(c, 1, -1).baddbmm_(alpha.expand(c, 1, k), X.reshape(c, k, -1), beta=0.0 if fresh else 1.0)
-
-
-def add_clipped_b(S: Tensor, alpha: Tensor, Y: Tensor, fresh: bool) -> None:
-    """``S += Σ_i α_i Y_i`` (``S = …`` if ``fresh``): ``S`` ``[c, r, l]``, ``Y`` ``[c, k, r, l]``; a span of a
-    module's columns (``S`` not contiguous) goes through one ``r×l`` temporary."""
-    c, k = Y.shape[:2]
     if S.is_contiguous():
-        S.view(c, 1, -1).baddbmm_(alpha.expand(c, 1, k), Y.reshape(c, k, -1), beta=0.0 if fresh else 1.0)
+        S.view(c, 1, -1).baddbmm_(alpha.expand(c, 1, k), X.reshape(c, k, -1), beta=0.0 if fresh else 1.0)
         return
-    total = torch.bmm(alpha.expand(c, 1, k), Y.reshape(c, k, -1)).view(S.shape)
+    total = torch.bmm(alpha.expand(c, 1, k), X.reshape(c, k, -1)).view(S.shape)
     S.copy_(total) if fresh else S.add_(total)

@@ -38,10 +38,10 @@ def clip_coefficients(norms: Tensor, clip_norm: float) -> Tensor:
 
 def add_clipped_per_tensor(accs: list[Tensor], grads: list[Tensor], coef: Tensor) -> None:
     """``acc += Σ_i c_i g_i`` for every accumulator: one ``k``-term product per tensor (``grads``
-    ``[k, *shape]``), which reads each gradient once (the CPU's path)."""
+    ``[k, *shape]`` in the accumulators' dtypes), which reads each gradient once (the CPU's path)."""
     k = coef.numel()
     for acc, g in zip(accs, grads):
-        acc.view(1, -1).addmm_(coef[None].to(acc.dtype), g.reshape(k, -1).to(acc.dtype))
+        acc.view(1, -1).addmm_(coef[None].to(acc.dtype), g.reshape(k, -1))
 
 
 def add_clipped_fused(accs: list[Tensor], per_example: list[tuple[Tensor, ...]], coef: Tensor) -> None:
@@ -118,12 +118,13 @@ class FactorDPMethod(Method):
         for n, p in self.params.items():
             if grads[n].shape != (k, *p.shape):
                 raise ValueError(f"{n}: per-example gradient has shape {tuple(grads[n].shape)}, expected {(k, *p.shape)}")
-        per_example = [grads[n].to(acc.dtype).unbind(0) for n, acc in self.summed.items()]  # [tensor][example]
+        converted = [grads[n].to(acc.dtype) for n, acc in self.summed.items()]
+        per_example = [g.unbind(0) for g in converted]  # [tensor][example]
         sq = torch.stack(torch._foreach_norm([g for slices in per_example for g in slices])).view(len(accs), k)
         norms = torch.linalg.vector_norm(sq, dim=0)
         coef = clip_coefficients(norms, self.privacy.clip_norm)
         if kept_on(accs[0].device):
-            add_clipped_per_tensor(accs, [grads[n] for n in self.summed], coef)
+            add_clipped_per_tensor(accs, converted, coef)
         else:
             add_clipped_fused(accs, per_example, coef)
         self.examples += k

@@ -304,10 +304,9 @@ class PrismMethod(Method):
             for side, tile, buffer, shared in reversed(plan):
                 if shared:  # the shared tile buffer holds another tile by now
                     buffer = self._load(g, side, tile, buffer, grads)
-                if side == "A":
-                    clipping.add_clipped_a(clipping.select(SA, tile.modules, tile.span), alpha, buffer, self._fresh)
-                else:
-                    clipping.add_clipped_b(clipping.select(SBt, tile.modules, tile.span, 2), alpha, buffer, self._fresh)
+                S = clipping.select(SA, tile.modules, tile.span) if side == "A" else clipping.select(
+                    SBt, tile.modules, tile.span, 2)
+                clipping.add_clipped(S, alpha, buffer, self._fresh)
         self._fresh = False
 
     def _plans(self, k: int) -> list[list[tuple[str, clipping.Tile, Tensor, bool]]]:
@@ -322,12 +321,12 @@ class PrismMethod(Method):
         grads are read twice, as by the factor-space methods, and their float64 copy stays in cache)."""
         device = self.groups[0].frame.A.device
         budget = self.tile_bytes if self.tile_bytes is not None else tile_budget(device)
-        width = torch.finfo(self.work_dtype).bits // 8
+        width = self.work_dtype.itemsize
         sides = []
         for g in self.groups:
             (G, m, r), n = g.frame.A.shape, g.frame.B.shape[-2]
             sides.append([(side, clipping.plan(G, lines, k * r * width, budget)) for side, lines in (("A", m), ("B", n))])
-        own = sum(len(g.pairs) * k * tiles[0].span.stop * g.frame.A.shape[-1]
+        own = sum(_numel(tiles[0], k, g.frame.A.shape[-1])
                   for g, group in zip(self.groups, sides) for _, tiles in group if len(tiles) == 1)
         shared = max([_numel(t, k, g.frame.A.shape[-1]) for g, group in zip(self.groups, sides) for _, tiles in group
                       if len(tiles) > 1 for t in tiles], default=0)
