@@ -63,6 +63,8 @@ def _privacy(p: DictConfig) -> None:
     _require(0 < delta < 1, f"privacy.delta={delta} must lie in (0, 1), e.g. 1e-5")
     _require(0 < clip < math.inf, f"privacy.clip_norm={clip} must be a finite number > 0, e.g. 1.0")
     _require(p.calibration in ("exact", "epochs"), f"privacy.calibration={p.calibration!r} must be exact or epochs")
+    _require(p.get("noise_source", "seeded") in ("seeded", "os"),
+             f"privacy.noise_source={p.get('noise_source')!r} must be seeded or os (the OS CSPRNG)")
     named = PRIVACY_NAME.fullmatch(str(p.name))
     if p.name == "nondp":
         _require(eps == math.inf, f"privacy.epsilon={eps} contradicts privacy=nondp (ε = inf), "

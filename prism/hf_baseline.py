@@ -26,9 +26,10 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from prism.data.prompts import collate
-from prism.methods.base import Method
+from prism.methods.base import Method, Release
 from prism.methods.factor import FactorDPMethod
 from prism.prefix import PrefixCache
+from prism.privacy.noise import NoiseSource
 from prism.privacy.per_example import IGNORE_INDEX, per_example_loss
 
 TRAINERS = ("shared", "hf")
@@ -131,6 +132,15 @@ class HFTrainerBaseline(Method):
 
     def accumulate(self, grads: Mapping[str, Tensor]) -> None:
         self.inner.accumulate(grads)
+
+    def add_noise(self, denominator: float, noise: NoiseSource, diagnostics: bool = True) -> Release:
+        return self.inner.add_noise(denominator, noise, diagnostics)
+
+    def update(self, release: Release, diagnostics: bool = True) -> dict[str, Tensor]:
+        return self.inner.update(release, diagnostics)
+
+    def clip_stats(self) -> dict[str, Tensor]:
+        return {}
 
     def step(self, denominator: float, generator: torch.Generator | None,
              diagnostics: bool = True) -> dict[str, Tensor]:

@@ -6,20 +6,20 @@ only in the :class:`~prism.methods.base.Method` that clips, noises and updates.
 
 Two privacy switches (``conf/privacy/*.yaml``, README "What a run guarantees"):
 
-* ``privacy.secure_noise``: the Poisson sampler and the noise generator are seeded from the OS
-  entropy source instead of the public ``seed``; the seeds and the generators' states are recorded
-  nowhere (not in checkpoints), so a resumed run continues with fresh entropy and no run is
-  bitwise reproducible. Off, anyone who knows the config can regenerate the noise and the batches.
+* ``privacy.noise_source``: ``seeded`` (the sampler and the noise from ``seed + 1``, ``seed + 2``:
+  anyone who knows the config can regenerate the noise and the batches) or ``os`` (both from the OS
+  CSPRNG, :mod:`prism.privacy.noise`; nothing to record, so a resumed run continues with fresh entropy).
+  With ``os`` every step is checkpointed before it is logged, so a killed run never replays a step
+  whose release was already logged (a replay with fresh noise would be a release ε does not count).
 * ``privacy.log_private_stats``: off, the per-step statistics computed from un-noised data
-  (:data:`PRIVATE_STATS`) are dropped from ``metrics.jsonl`` and W&B, and ``empty_batches`` from
-  ``final.json``.
+  (:data:`PRIVATE_STATS`) are dropped from ``metrics.jsonl`` and W&B, and from ``final.json`` the
+  fields that grow with the realised batch sizes (:data:`PRIVATE_FINAL`).
 """
 from __future__ import annotations
 
 import logging
 import math
 import random
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +54,7 @@ from prism.privacy import (
     calibrate_for_run,
     summed_gradients,
 )
+from prism.privacy.noise import NoiseSource, SecureNoise, SeededNoise
 from prism.privacy.per_example import enable_activation_checkpointing, supervised_positions, token_loss_fn
 from prism.privacy.sampling import noise_denominator
 from prism.protocol import dp_caveats, protocol_record
@@ -65,6 +66,8 @@ narrate = logging.getLogger("prism.train").info  # one line per phase (pipelines
 # share of clipped examples and their mean norm, the norm of the drawn noise (with the released
 # update it pins the clipped sum), the realised Poisson batch size and the step time (grows with it).
 PRIVATE_STATS = ("loss", "clip_fraction", "grad_norm_mean", "noise_norm", "batch_size", "step_time_s")
+# final.json fields that grow with the realised batch sizes (times, memory) or count empty batches.
+PRIVATE_FINAL = ("empty_batches", "train_time_s", "wall_time_s", "peak_memory_mb", "prefix_build_s", "step_time_s")
 log = logging.getLogger(__name__)
 
 
@@ -84,12 +87,12 @@ class Setup:
     method: Method
     sampler: PoissonSampler
     accountant: Accountant
-    noise: torch.Generator
+    noise: NoiseSource
     gradients: Callable[[dict[str, Any]], tuple[Tensor, dict[str, Tensor]]]
     sigma: float
     device: torch.device
     prefix: PrefixCache | None  # exact cache of the frozen lower layers' hidden states (None: full forward)
-    secure: bool = False  # privacy.secure_noise: sampler/noise RNG states never reach a checkpoint
+    secure: bool = False  # privacy.noise_source=os: no RNG state to checkpoint; every step checkpointed
 
 
 def resolve_device(name: str) -> torch.device:
@@ -107,12 +110,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def mechanism_seeds(cfg: DictConfig) -> tuple[int, int]:
-    """Seeds of the Poisson sampler and the noise generator: ``seed + 1``, ``seed + 2`` (reproducible,
-    public), or 63 bits each from the OS entropy source with ``privacy.secure_noise``."""
-    if cfg.privacy.get("secure_noise", False):
-        return secrets.randbits(63), secrets.randbits(63)
-    return cfg.seed + 1, cfg.seed + 2
+def secure_noise(cfg: DictConfig) -> bool:
+    """Whether the sampler and the noise draw from the OS CSPRNG (``privacy.noise_source: os``)."""
+    return cfg.privacy.get("noise_source", "seeded") == "os"
 
 
 def public_record(record: dict[str, Any], log_private_stats: bool) -> dict[str, Any]:
@@ -149,8 +149,8 @@ def build(cfg: DictConfig, suite: Suite | None = None) -> Setup:
     model = attach_lora(model, cfg.lora, cfg.backbone, init=cfg.method.init, generator=init_generator,
                         init_svd=cfg.method.get("init_svd", "auto"))
     features = tokenize_train_set(tokenizer, suite.train, suite.cutoff_len, suite.train_on_inputs, cfg.backbone.name)
-    sampler_seed, noise_seed = mechanism_seeds(cfg)
-    sampler = PoissonSampler(n_train, cfg.train.batch_size, generator_seed=sampler_seed)
+    secure = secure_noise(cfg)
+    sampler = PoissonSampler(n_train, cfg.train.batch_size, generator_seed=cfg.seed + 1, secure=secure)
     dp = math.isfinite(float(cfg.privacy.epsilon))
     sigma = 0.0
     if dp:
@@ -170,7 +170,7 @@ def build(cfg: DictConfig, suite: Suite | None = None) -> Setup:
         held_prefix = prefix_cache(model, held, cfg.train.get("prefix_cache", "auto"), name=cfg.backbone.name)
         method = HFTrainerBaseline(method, recipe, lambda: holdout_loss(
             model, held, tokenizer.pad_token_id, cfg.train.eval_batch_size, device, held_prefix))
-    noise = torch.Generator(device=device).manual_seed(noise_seed)
+    noise = SecureNoise() if secure else SeededNoise(torch.Generator(device=device).manual_seed(cfg.seed + 2))
     if cfg.train.get("activation_checkpointing", False):
         enable_activation_checkpointing(model)
     if dp:
@@ -180,7 +180,7 @@ def build(cfg: DictConfig, suite: Suite | None = None) -> Setup:
     else:
         gradients = lambda batch: summed_gradients(model, **batch)  # noqa: E731
     return Setup(model, tokenizer, suite, features, params, method, sampler, Accountant(), noise,
-                 gradients, sigma, device, prefix, secure=bool(cfg.privacy.get("secure_noise", False)))
+                 gradients, sigma, device, prefix, secure=secure)
 
 
 def _micro_batch(s: Setup, indices: list[int], padding_side: str = "right") -> dict[str, Any]:
@@ -223,7 +223,7 @@ def _to_host(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _state(s: Setup, step: int) -> dict[str, Any]:
-    """Checkpoint contents; with ``secure_noise`` without the sampler's and the noise's RNG states."""
+    """Checkpoint contents (with ``noise_source: os`` there is no sampler or noise RNG state)."""
     state = {
         "step": step,
         "params": {name: p.detach().cpu().clone() for name, p in s.params.items()},
@@ -232,7 +232,7 @@ def _state(s: Setup, step: int) -> dict[str, Any]:
         **rng_states(),
     }
     if not s.secure:
-        state.update(sampler=s.sampler.state_dict(), noise_rng=s.noise.get_state())
+        state.update(sampler=s.sampler.state_dict(), noise_rng=s.noise.generator.get_state())
     return state
 
 
@@ -241,9 +241,9 @@ def _restore(s: Setup, state: dict[str, Any]) -> int:
         for name, p in s.params.items():
             p.copy_(state["params"][name].to(p.device))
     s.method.load_state_dict(state["method"])
-    if not s.secure:  # secure_noise: the fresh entropy drawn by build() continues the run
+    if not s.secure:  # noise_source=os: fresh entropy continues the run
         s.sampler.load_state_dict(state["sampler"])
-        s.noise.set_state(state["noise_rng"])
+        s.noise.generator.set_state(state["noise_rng"])
     s.accountant.load_state_dict(state["accountant"])
     restore_rng_states(state)
     return int(state["step"])
@@ -305,15 +305,18 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
         step_times.append(record["step_time_s"])
         if step == start and record["batch_size"] > 0:
             _assert_moved(s.params, initial)
-        log(public_record(record, log_private))
-        if not benchmark and ((step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == steps):
-            save_checkpoint(ckpt_dir, _state(s, step + 1))
+        if not s.secure:  # seeded: a replayed step is bitwise the same, so log first and lose no line
+            log(public_record(record, log_private))
+        if not benchmark and (s.secure or (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == steps):
+            save_checkpoint(ckpt_dir, _state(s, step + 1))  # os noise: every step, before its line is logged
+        if s.secure:
+            log(public_record(record, log_private))
     train_time = time.time() - started
     final: dict[str, Any] = {
         "sigma": s.sigma,
         "sample_rate": s.sampler.sample_rate,
         "steps": steps,
-        **({"empty_batches": empty} if log_private else {}),
+        "empty_batches": empty,
         "n_train": len(s.suite.train),
         "epsilon_spent": s.accountant.epsilon(cfg.privacy.delta) if s.method.dp else math.inf,
         "peak_memory_mb": peak_memory_mb(s.device),
@@ -333,7 +336,7 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
         final.update(evaluate_suite(s.model, s.tokenizer, s.suite, cfg.suite.decoding, cfg.train.eval_batch_size))
         export_adapter(s.model, Path(run_dir) / "adapter")
     final["wall_time_s"] = time.time() - started
-    return final
+    return final if log_private else {k: v for k, v in final.items() if k not in PRIVATE_FINAL}
 
 
 def _assert_moved(params: dict[str, nn.Parameter], initial: dict[str, Tensor]) -> None:

@@ -1,4 +1,4 @@
-"""The interface every method implements: a privatiser plus an update rule (docs/DECISIONS.md D2, D23).
+"""The interface every method implements: Opacus' three verbs (docs/DECISIONS.md D2, D23, D71).
 
 The training loop (:mod:`prism.train`) drives one logical step as::
 
@@ -6,15 +6,17 @@ The training loop (:mod:`prism.train`) drives one logical step as::
     for micro_batch in logical_batch:          # physical micro-batches only bound memory
         grads = <per-example grads of the per-example losses>   # DP:     name -> [k, *shape]
               | <sum over the micro-batch of those grads>       # non-DP: name -> [*shape]
-        method.accumulate(grads)
-    stats = method.step(denominator, generator, diagnostics)   # 0-dim device tensors
+        method.accumulate(grads)                              # 1. clip and accumulate
+    release = method.add_noise(denominator, noise)            # 2. the privatised quantity
+    stats = method.update(release)                            # 3. the update, from the release alone
 
-* DP (``privacy`` given): ``accumulate`` clips each example (flat factor norm for the baselines,
-  global intrinsic norm for PRISM) and sums; ``step`` adds the Gaussian noise once, with standard
-  deviation ``σ·C`` on the *sum* (i.e. ``σC/B`` after dividing by the expected batch size
-  ``denominator = B``), then applies the update.
-* Non-DP (``privacy is None``): ``accumulate`` sums, ``step`` divides by the realised batch size
-  and applies the update. No clipping, no noise.
+(:meth:`Method.step` is the three in a row.) Under DP (``privacy`` given) ``accumulate`` clips each
+example (flat factor norm for the baselines, global intrinsic norm for PRISM) and sums;
+``add_noise`` adds the Gaussian noise once, with standard deviation ``σ·C`` on the *sum* (``σC/B``
+after dividing by the expected batch size ``denominator = B``), and returns a :class:`Release`; the
+privacy boundary is that object: ``update`` reads it and public state only (the current factors,
+the optimizer's moments of earlier releases). Non-DP (``privacy is None``): ``accumulate`` sums,
+``add_noise`` divides by the realised batch size (no clipping, no noise).
 
 Keys are the trainable parameter names of the peft model (``...lora_A.default.weight``).
 """
@@ -28,6 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from prism.privacy.noise import NoiseSource, as_noise_source
+
 
 @dataclass(frozen=True)
 class PrivacySpec:
@@ -35,6 +39,22 @@ class PrivacySpec:
 
     sigma: float
     clip_norm: float
+
+
+@dataclass
+class Release:
+    """What one step releases: the only input of :meth:`Method.update`.
+
+    ``tensors``: per trainable parameter name, the privatised quantity in that parameter's layout (the
+    baselines: the noised averaged gradient, eq. 3; PRISM: the noised, horizontalised lift of eq. 17,
+    ``ΔA`` for peft ``lora_B`` and ``ΔBᵀ`` for ``lora_A``). ``scale``: the noise standard deviation ``σC/B``
+    in it (public; 0 without DP). ``noise_sq``: the squared norm of the noise it holds, a diagnostic
+    (not covered by ε: with the release it pins the clipped sum), or ``None``.
+    """
+
+    tensors: dict[str, Tensor]
+    scale: float
+    noise_sq: Tensor | None = None
 
 
 class Method(abc.ABC):
@@ -57,19 +77,36 @@ class Method(abc.ABC):
         """Add one micro-batch: per-example grads ``[k, *shape]`` (DP) or their sum ``[*shape]``."""
 
     @abc.abstractmethod
-    def step(
-        self, denominator: float, generator: torch.Generator | None, diagnostics: bool = True
-    ) -> dict[str, Tensor]:
-        """Noise (DP), normalise by ``denominator``, update the parameters; return step statistics.
+    def add_noise(self, denominator: float, noise: NoiseSource, diagnostics: bool = True) -> Release:
+        """Divide the sum by ``denominator`` and add the noise (DP): the :class:`Release` of this step."""
 
-        Statistics are 0-dim tensors on the parameters' device, never read on the host inside
-        ``accumulate``/``step`` (the loop converts them once per logged step). Keys where they apply:
-        ``clip_fraction`` (share of examples whose norm exceeded C), ``grad_norm_mean`` (mean
-        per-example norm before clipping) and, only with ``diagnostics``, ``noise_norm`` (Frobenius
-        norm of the intrinsic noise added to ΔZ, summed over modules in quadrature, after division
-        by ``denominator``) and ``update_norm``. A non-finite gradient is not raised here: it
-        propagates into the parameters, which the loop checks.
+    @abc.abstractmethod
+    def update(self, release: Release, diagnostics: bool = True) -> dict[str, Tensor]:
+        """Apply the update from ``release`` and public state alone; return ``update_norm`` with ``diagnostics``."""
+
+    @abc.abstractmethod
+    def clip_stats(self) -> dict[str, Tensor]:
+        """``clip_fraction`` (share of examples whose norm exceeded C) and ``grad_norm_mean`` (their mean
+        norm before clipping) of this step's examples, under DP; not covered by ε."""
+
+    def step(
+        self, denominator: float, noise: NoiseSource | torch.Generator | None, diagnostics: bool = True
+    ) -> dict[str, Tensor]:
+        """The three verbs' last two (:meth:`add_noise`, :meth:`update`); returns the step statistics.
+
+        Statistics are 0-dim tensors on the parameters' device, never read on the host inside the
+        step (the loop converts them once per logged step): :meth:`clip_stats` and, with
+        ``diagnostics``, ``noise_norm`` (Frobenius norm of the intrinsic noise added to ΔZ, summed over
+        modules in quadrature, after division by ``denominator``) and ``update_norm``. A non-finite
+        gradient is not raised here: it propagates into the parameters, which the loop checks.
         """
+        if not denominator > 0:
+            raise ValueError(f"denominator={denominator} must be positive (skip empty non-DP batches)")
+        release = self.add_noise(float(denominator), as_noise_source(noise), diagnostics)
+        stats = {**self.clip_stats(), **self.update(release, diagnostics)}
+        if diagnostics and self.dp and release.noise_sq is not None:
+            stats["noise_norm"] = release.noise_sq.sqrt()
+        return stats
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Each step includes every example independently with probability ``q = B/N``, so the realised
 batch size is Binomial(N, q) with mean B and may be zero. The sampler owns its ``torch.Generator``
 (never the global RNG), and its state dict captures that generator so a resumed run draws the
-same batches bit for bit.
+same batches bit for bit. With ``privacy.noise_source: os`` the inclusion coins come from the OS CSPRNG
+(:func:`prism.privacy.noise.os_uniform`) instead: no seed, no state, nothing to checkpoint.
 """
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from prism.privacy.noise import os_uniform
+
 
 class PoissonSampler:
     """Draws logical batches: example ``i`` is in a batch with probability ``batch_size / num_examples``."""
 
-    def __init__(self, num_examples: int, batch_size: int, generator_seed: int) -> None:
+    def __init__(self, num_examples: int, batch_size: int, generator_seed: int | None, secure: bool = False) -> None:
         if num_examples < 1:
             raise ValueError(f"num_examples={num_examples}: the training set is empty; check the suite config")
         if batch_size < 1:
@@ -29,7 +32,8 @@ class PoissonSampler:
             )
         self.num_examples = num_examples
         self.batch_size = batch_size
-        self.generator = torch.Generator().manual_seed(generator_seed)
+        self.secure = secure
+        self.generator = None if secure else torch.Generator().manual_seed(generator_seed)
 
     @property
     def sample_rate(self) -> float:
@@ -38,14 +42,16 @@ class PoissonSampler:
 
     def sample(self) -> Tensor:
         """Sorted int64 indices of one logical batch; possibly empty (the step still counts for ε)."""
-        include = torch.rand(self.num_examples, generator=self.generator, dtype=torch.float64) < self.sample_rate
+        coins = os_uniform(self.num_examples) if self.secure else torch.rand(
+            self.num_examples, generator=self.generator, dtype=torch.float64)
+        include = coins < self.sample_rate
         return torch.nonzero(include).flatten()
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "num_examples": self.num_examples,
             "batch_size": self.batch_size,
-            "generator": self.generator.get_state(),
+            **({} if self.secure else {"generator": self.generator.get_state()}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -55,7 +61,8 @@ class PoissonSampler:
                 f"checkpoint sampler has (num_examples, batch_size)={saved}, this run "
                 f"{(self.num_examples, self.batch_size)}; resume with the same data and train.batch_size"
             )
-        self.generator.set_state(state["generator"])
+        if not self.secure:
+            self.generator.set_state(state["generator"])
 
 
 DENOMINATORS = ("expected", "realised")
