@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from prism.geometry import frame, tangent_noise, tangent_project
+from prism.diagnostics import sample_tangent_noise
+from prism.geometry import frame, tangent_project
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
@@ -50,8 +51,8 @@ def main() -> None:
         A = torch.randn(size, r, generator=gen)
         B = torch.randn(size, r, generator=gen)
         fr = frame(A, B)
-        t_sampler = median_seconds(lambda A=A, B=B, fr=fr: tangent_noise(A, B, generator=gen, frame=fr), args.repeats)
-        t_with_frame = median_seconds(lambda A=A, B=B: tangent_noise(A, B, generator=gen), args.repeats)
+        t_sampler = median_seconds(lambda A=A, B=B, fr=fr: sample_tangent_noise(A, B, generator=gen, frame=fr), args.repeats)
+        t_with_frame = median_seconds(lambda A=A, B=B: sample_tangent_noise(A, B, generator=gen), args.repeats)
         t_dense = median_seconds(
             lambda A=A, B=B, size=size: tangent_project(A, B, torch.randn(size, size, generator=gen)), args.repeats
         )

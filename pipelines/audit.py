@@ -10,7 +10,11 @@ direction:
   r×r vertical (gauge) block of the factor pair;
 * ``gauge``    — factor gradients ``(AΩ, −BΩᵀ)`` along a gauge direction (no ``G`` gives them);
 * ``near_rank_deficient`` — factors with condition number 2,500 (inside the float32 rank check)
-  and ``G`` along their weakest singular directions, scaled to 1e12.
+  and ``G`` along their weakest singular directions, scaled to 1e12;
+* ``balanced_gauge`` — balanced factors (``AᵀA = BᵀB``, as the retraction returns them, κ = 2,890) and
+  a commuting gauge pair ``(AΩ, −BΩᵀ)`` (``MΩ = ΩN``): its lift's image is exactly zero;
+* ``balanced_gauge_outside`` — the same plus a ``10⁻⁶``-relative part outside span(A): the image is
+  that part alone, which a norm taken as a difference of squares loses (docs/DECISIONS.md D70).
 
 Statistics of each release: the projection of the update ``Z⁺ − Z`` on the canary's image, of the
 privatised direction (the noised lift for PRISM, the noised factor gradient for the baselines) on
@@ -45,7 +49,7 @@ from prism import geometry
 from prism.methods import METHODS, Method, PrivacySpec, build_method
 from prism.privacy.audit import ThresholdAudit, gdp_epsilon, snr, threshold_audit
 
-CASES = ("random", "vertical", "gauge", "near_rank_deficient")
+CASES = ("random", "vertical", "gauge", "near_rank_deficient", "balanced_gauge", "balanced_gauge_outside")
 CONF = Path(__file__).resolve().parents[1] / "conf" / "method"
 M, N, R = 8, 6, 2
 CLIP, DENOMINATOR, DELTA = 1.0, 4.0, 1e-5
@@ -64,6 +68,7 @@ class Case:
     B: Tensor
     base: tuple[Tensor, Tensor]
     canary: tuple[Tensor, Tensor]
+    imaged: tuple[Tensor, Tensor] | None = None  # the canary's non-gauge part (its whole image), when known
 
 
 def method_config(name: str) -> DictConfig:
@@ -84,6 +89,15 @@ def _factor_grads(A: Tensor, B: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
     return G @ B, G.mT @ A
 
 
+def balanced_factors(kappa: float, g: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """``A = Q_A S W``, ``B = Q_B S W`` (so ``AᵀA = BᵀB = WᵀS²W``, singular values 1 … 1/κ) and ``W``."""
+    QA, _ = torch.linalg.qr(torch.randn(M, R, generator=g, dtype=torch.float64))
+    QB, _ = torch.linalg.qr(torch.randn(N, R, generator=g, dtype=torch.float64))
+    W, _ = torch.linalg.qr(torch.randn(R, R, generator=g, dtype=torch.float64))
+    S = torch.logspace(0.0, -math.log10(kappa), R, dtype=torch.float64)
+    return QA @ torch.diag(S) @ W, QB @ torch.diag(S) @ W, W
+
+
 def make_case(name: str, seed: int = 0) -> Case:
     """The start point, the batch ``D`` and the canary of one audit case (see the module docstring)."""
     g = torch.Generator().manual_seed(seed)
@@ -102,6 +116,18 @@ def make_case(name: str, seed: int = 0) -> Case:
         canary = ((A @ Omega)[None], (-B @ Omega.T)[None])
     elif name == "near_rank_deficient":
         canary = _factor_grads(A, B, 1e12 * torch.outer(UA[:, R - 1], UB[:, R - 1])[None])
+    elif name.startswith("balanced_gauge"):
+        A, B, W = balanced_factors(2890.0, g)
+        base = _factor_grads(A, B, 0.3 * torch.randn(3, M, N, generator=g, dtype=torch.float64))
+        Omega = 1e6 * W.T @ torch.diag(torch.randn(R, generator=g, dtype=torch.float64)) @ W  # commutes with M = N
+        gauge = ((A @ Omega)[None], (-B @ Omega.T)[None])
+        if name == "balanced_gauge":
+            return Case(A=A, B=B, base=base, canary=gauge)
+        QA = torch.linalg.qr(A).Q
+        Y = torch.randn(M, R, generator=g, dtype=torch.float64)
+        outside = (Y - QA @ (QA.T @ Y)) * (1e-6 * float((A @ Omega).norm()) / float(Y.norm()))
+        imaged = (outside[None], torch.zeros_like(gauge[1]))
+        return Case(A=A, B=B, base=base, canary=(gauge[0] + imaged[0], gauge[1]), imaged=imaged)
     else:
         raise ValueError(f"unknown audit case {name!r}; choose from {', '.join(CASES)}")
     return Case(A=A, B=B, base=base, canary=canary)
@@ -116,33 +142,19 @@ def _peft_grads(gA: Tensor, gB: Tensor) -> dict[str, Tensor]:
 
 
 def _capture(method: Method, sink: list) -> None:
-    """Record the privatised direction the method's step computes (PRISM: the noised, horizontalised
-    lift per module; baselines: the noised factor gradients) without changing the step."""
-    if hasattr(method, "privatized_group"):  # PRISM: called once per shape group of modules
-        inner_group = method.privatized_group
-
-        def recorded_group(group, *args, **kwargs):
-            out = inner_group(group, *args, **kwargs)
-            sink.append({module: (dA, dB) for module, dA, dB in zip(group.modules, out[0], out[1])})
-            return out
-
-        method.privatized_group = recorded_group
-        return
-    inner = method.privatize
+    """Record each step's :class:`~prism.methods.base.Release` (PRISM: the noised, horizontalised lift per
+    module; baselines: the noised factor gradients), the one object the update reads, without changing it."""
+    inner = method.add_noise
 
     def recorded(*args, **kwargs):
         out = inner(*args, **kwargs)
-        sink.append(out[0])
+        sink.append(out.tensors)
         return out
+    method.add_noise = recorded
 
-    method.privatize = recorded
 
-
-def _flat_direction(method_name: str, privatised: dict, case: Case) -> tuple[Tensor, Tensor]:
-    """The privatised direction as paper factors ``(Δ_A, Δ_B)`` (zeros for a factor it lacks)."""
-    if method_name.startswith("prism"):
-        dA, dB = privatised["x"]
-        return dA.double(), dB.double()
+def _flat_direction(privatised: dict, case: Case) -> tuple[Tensor, Tensor]:
+    """The released direction as paper factors ``(Δ_A, Δ_B)`` (zeros for a factor it lacks)."""
     dA = privatised[A_NAME].double()
     dB = privatised[B_NAME].double().T if B_NAME in privatised else torch.zeros_like(case.B)
     return dA, dB
@@ -169,7 +181,12 @@ def release(
     cA, cB = _canary_direction(method_name, case)
     c_norm = math.sqrt(float(cA.square().sum() + cB.square().sum()))
     image = cA @ case.B.T + case.A @ cB.T
-    image = image / image.norm() if image.norm() > 1e-9 * c_norm else None
+    if prism and case.imaged is not None:  # the gauge part's image is exactly zero: take the rest's
+        iA, iB = geometry.lift(case.A, case.B, *(x[0] for x in case.imaged))
+        image = iA @ case.B.T + case.A @ iB.T
+        image = image / image.norm()
+    else:
+        image = image / image.norm() if image.norm() > 1e-9 * c_norm else None
     QA = torch.linalg.qr(case.A).Q
     span_c = QA @ (QA.T @ cA)
     span_c = span_c / span_c.norm() if span_c.norm() > 1e-9 * c_norm else None
@@ -191,7 +208,7 @@ def release(
         method.zero_accumulators()
         method.accumulate(grads)
         method.step(DENOMINATOR, noise)
-        dA, dB = _flat_direction(method_name, captured[0], case)
+        dA, dB = _flat_direction(captured[0], case)
         if prism and image is not None:  # intrinsic projection: the tangent noise is isotropic there (eq. 19)
             out["privatised"].append(float(((dA @ case.B.T + case.A @ dB.T) * image).sum()))
         elif not prism:  # the factor noise is isotropic in factor space (eq. 3)
@@ -244,7 +261,7 @@ def run_audit(
     mu, per_step_eps = 1.0 / sigma, gdp_epsilon(1.0 / sigma, DELTA)
     report(f"σ = {sigma}, μ = 1/σ = {mu:.3f}, per-step ε(δ={DELTA:g}) = {per_step_eps:.3f}; {draws} draws per side; "
            f"Clopper–Pearson {100 * confidence:.2f} % per pair (95 % over {len(pairs)} pairs)")
-    report(f"{'method':<12}{'case':<21}{'SNR':>7}{'1/σ':>7}  {'statistic':<11}{'TPR':>7}{'FPR':>7}"
+    report(f"{'method':<12}{'case':<24}{'SNR':>7}{'1/σ':>7}  {'statistic':<11}{'TPR':>7}{'FPR':>7}"
            f"{'μ_lb':>7}{'μ':>7}{'ε_lb':>7}{'ε_step':>8}  verdict")
     rows = []
     args = [(m, c, draws, sigma, confidence) for m, c in pairs]
@@ -254,7 +271,7 @@ def run_audit(
             rows.append(row)
             r = row.result
             verdict = "FAIL" if r.mu_lower > mu else "ok"
-            report(f"{row.method:<12}{row.case:<21}{row.snr:>7.3f}{mu:>7.3f}  {row.statistic:<11}{r.tpr:>7.3f}"
+            report(f"{row.method:<12}{row.case:<24}{row.snr:>7.3f}{mu:>7.3f}  {row.statistic:<11}{r.tpr:>7.3f}"
                    f"{r.fpr:>7.3f}{r.mu_lower:>7.3f}{mu:>7.3f}{r.epsilon_lower:>7.3f}{per_step_eps:>8.3f}  {verdict}")
     return rows
 

@@ -67,10 +67,22 @@ def factor_noise_draws(
     return factor_noise_energies(A, B, xi_A, xi_B)
 
 
+def sample_tangent_noise(
+    A: Tensor, B: Tensor, generator: torch.Generator | None = None, frame: geometry.Frame | None = None,
+    sample_shape: tuple[int, ...] = (), damping: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`geometry.tangent_noise` of fresh unit draws ``Ω_A``, ``Ω_B`` (``torch.randn`` from ``generator``,
+    ``sample_shape`` independent draws in front), for measurements of the sampler's law."""
+    fr = geometry.frame(A, B) if frame is None else frame
+    opts = {"generator": generator, "dtype": A.dtype, "device": A.device}
+    omega = (torch.randn(*sample_shape, *A.shape, **opts), torch.randn(*sample_shape, *B.shape, **opts))
+    return geometry.tangent_noise(fr, *omega, damping=damping)
+
+
 def prism_noise_draws(A: Tensor, B: Tensor, tau: float, draws: int, generator: torch.Generator | None = None) -> Tensor:
     """``draws`` samples of ``‖τ(Ξ_A Bᵀ + A Ξ_Bᵀ)‖²_F`` with the mechanism's own sampler (eq. 19);
     expectation ``τ² r(m+n−r)`` (eq. 20)."""
-    XiA, XiB = geometry.tangent_noise(A, B, generator=generator, sample_shape=(draws,))
+    XiA, XiB = sample_tangent_noise(A, B, generator=generator, sample_shape=(draws,))
     return tau**2 * geometry.intrinsic_sqnorm(A, B, XiA, XiB)
 
 
@@ -185,7 +197,7 @@ def prism_amplification(
         A, B = factors[module]
         fr = geometry.frame(A, B)
         sigma_A, sigma_B = noise_second_moments(fr)
-        XiA, XiB = geometry.tangent_noise(A, B, generator=generator, frame=fr)
+        XiA, XiB = sample_tangent_noise(A, B, generator=generator, frame=fr)
         for Xi, state, sig in ((XiA, ad.A, sigma_A), (XiB, ad.B, sigma_B)):
             if plain:
                 P = torch.eye(Xi.shape[-1], dtype=Xi.dtype, device=Xi.device)

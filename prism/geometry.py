@@ -269,20 +269,28 @@ def tangent_noise_sqnorm(fr: Frame, omega_A: Tensor, omega_B: Tensor) -> Tensor:
 ROUNDING_MARGIN = 8.0  # constant of lifted_norm_terms' error bound (docs/DECISIONS.md D70)
 
 
-def lifted_norm_terms(fr: Frame, gA: Tensor, gB: Tensor) -> tuple[Tensor, Tensor]:
-    """Eqs. 14–16 from factor gradients: the squared norm of the lift's image and a bound on its rounding.
+def lifted_norm_terms(fr: Frame, gA: Tensor, gB: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Eqs. 14–16 from factor gradients: the squared norm of the lift's image, a bound on its rounding, and
+    the squared whitened factor norm.
 
     With ``X_A = g_A R_B⁻¹``, ``X_B = g_B R_A⁻¹``, ``c_A = Q_AᵀX_A``, ``c_B = Q_BᵀX_B`` the image of the lift
     (eq. 14) of ``(g_A, g_B)`` has the orthogonal blocks ``Q_A ½(c_A + c_Bᵀ) Q_Bᵀ``, ``(I − Π_A) X_A Q_Bᵀ`` and
     ``Q_A X_Bᵀ (I − Π_B)`` (``= P(G)`` of eq. 13 when ``g_A = GB``, ``g_B = GᵀA``). Each block is formed
     explicitly, so its norm carries the rounding of one product, never a difference of squares (which
-    loses everything on a pair that is mostly a gauge direction ``(AΩ, −BΩᵀ)``). Returns ``(sq, err)``,
+    loses everything on a pair that is mostly a gauge direction ``(AΩ, −BΩᵀ)``). Returns ``(sq, err, fsq)``,
     ``[...]`` each (``gA`` ``[..., m, r]``, ``gB`` ``[..., n, r]`` broadcasting against the frame):
-    ``sq`` the computed ``‖image‖²`` and ``err ≥ ‖computed blocks − exact blocks‖`` for the frame's
-    ``(Q, R⁻¹)``, ``err = c·eps·(√r(κ_A + κ_B) + (m + n)(r + 1))·(‖X_A‖ + ‖X_B‖)``: the products with
-    ``R⁻¹`` round at ``γ_r √r κ`` of ``‖X‖`` (``‖g‖ ≤ ‖X‖‖R‖``), the projections and the sums of squares at
-    ``γ_m``, ``γ_{mr}`` (docs/DECISIONS.md D70). So ``√Σsq + √Σerr²`` over modules is an upper bound of the
-    exact norm for every factor pair.
+
+    * ``sq``: the computed ``‖image‖²``;
+    * ``err ≥ ‖computed blocks − exact blocks‖`` for the frame's ``(Q, R⁻¹)``,
+      ``err = c·eps·(√r(κ_A + κ_B) + (m + n)(r + 1))·(‖X_A‖ + ‖X_B‖)``: the products with ``R⁻¹`` round at
+      ``γ_r √r κ`` of ``‖X‖`` (``‖g‖ ≤ ‖X‖‖R‖``), the projections and the sums of squares at ``γ_m``, ``γ_{mr}``;
+    * ``fsq = ‖X_A‖² + ‖X_B‖²``, at most ``2‖P(G)‖²`` for gradients ``(GB, GᵀA)`` (``X_A = GQ_B``, ``X_B = GᵀQ_A``).
+
+    The clip norm (eq. 16, :meth:`prism.methods.prism.PrismMethod.accumulate`) is
+    ``max(√Σsq + √Σerr², √(Σfsq/2))`` over modules: an upper bound of the exact norm for every factor pair,
+    equal to the image norm for every gradient of the form ``(GB, GᵀA)``, and it bounds a gauge-dominated
+    pair's factor size, whose lift and horizontalisation would otherwise round into the image at
+    ``eps·κ²`` of that size (docs/DECISIONS.md D70).
     """
     XA, XB = gA @ fr.RBi, gB @ fr.RAi
     cA, cB = fr.QA.mT @ XA, fr.QB.mT @ XB
@@ -291,8 +299,8 @@ def lifted_norm_terms(fr: Frame, gA: Tensor, gB: Tensor) -> tuple[Tensor, Tensor
     (m, r), n = fr.A.shape[-2:], fr.B.shape[-2]
     kappa = fr.SA[..., 0] / fr.SA[..., -1] + fr.SB[..., 0] / fr.SB[..., -1]
     eta = ROUNDING_MARGIN * torch.finfo(XA.dtype).eps * (math.sqrt(r) * kappa + (m + n) * (r + 1))
-    err = eta * (torch.linalg.vector_norm(XA, dim=(-2, -1)) + torch.linalg.vector_norm(XB, dim=(-2, -1)))
-    return sq, err
+    nA, nB = torch.linalg.vector_norm(XA, dim=(-2, -1)), torch.linalg.vector_norm(XB, dim=(-2, -1))
+    return sq, eta * (nA + nB), nA.square() + nB.square()
 
 
 class Retraction(NamedTuple):
@@ -382,9 +390,14 @@ def block_product(blocks: tuple[Tensor, ...], M: Tensor) -> Tensor:
     return out
 
 
-def default_rcond(dtype: torch.dtype) -> float:
-    """Default relative singular-value cutoff: ``√eps`` (float32 ≈ 3.5e-4, float64 ≈ 1.5e-8)."""
-    return math.sqrt(torch.finfo(dtype).eps)
+DP_RCOND = 1e-4  # under DP no factor with κ > 1e4 is admitted, whatever compute_dtype (docs/DECISIONS.md D70)
+
+
+def default_rcond(dtype: torch.dtype, dp: bool = False) -> float:
+    """Relative singular-value cutoff: ``√eps`` (float32 ≈ 3.5e-4, float64 ≈ 1.5e-8); under DP at least
+    :data:`DP_RCOND`, where the float64 lift and horizontalisation round at ``eps64·κ² ≤ 1.1e-8``."""
+    cutoff = math.sqrt(torch.finfo(dtype).eps)
+    return max(cutoff, DP_RCOND) if dp else cutoff
 
 
 def full_rank_mask(X: Tensor, s: Tensor, rcond: float) -> Tensor:

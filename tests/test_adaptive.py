@@ -6,6 +6,7 @@ import pytest
 import scipy.linalg
 import torch
 
+from prism.diagnostics import sample_tangent_noise
 from prism import geometry
 from prism.adaptive import (
     AdaptiveConfig,
@@ -150,7 +151,7 @@ def test_debias_removes_the_known_noise_moment(bias_correction: bool) -> None:
     states = [FactorMoments(torch.zeros(S, M, R, dtype=F64), torch.zeros(S, R, R, dtype=F64)),
               FactorMoments(torch.zeros(S, N, R, dtype=F64), torch.zeros(S, R, R, dtype=F64))]
     for _ in range(T):
-        XiA, XiB = geometry.tangent_noise(A, B, generator=g, frame=fr, sample_shape=(S,))
+        XiA, XiB = sample_tangent_noise(A, B, generator=g, frame=fr, sample_shape=(S,))
         update_moments(cfg, states[0], tau * XiA)
         update_moments(cfg, states[1], tau * XiB)
     for state, sigma in zip(states, sigmas):

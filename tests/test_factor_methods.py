@@ -7,10 +7,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from prism.geometry import standard_normal
 from prism.lora import lora_pairs, read_pair
 from prism.methods import PrivacySpec, build_method
-from prism.methods.factor import add_clipped_fused, add_clipped_per_tensor, clip_coefficients
 from prism.methods.optimizers import build_optimizer
 
 # The explicit hyper-parameters each conf/method/*.yaml carries (Table 8 GLUE learning rates).
@@ -103,21 +101,6 @@ def test_clipped_sum_bounds_each_example_and_matches_eq3() -> None:
     assert contribution > 0.999 * C
 
 
-def test_both_clipped_sum_paths_equal_the_sum_by_hand() -> None:
-    """The CPU's per-tensor products and the multi-tensor kernels (the path off the CPU) give eq. 3's sum."""
-    params = make_params()
-    grads = per_example_grads(params, k=5, seed=2, huge=2)
-    names = list(params)
-    norms = torch.linalg.vector_norm(torch.stack([grads[n].flatten(1).norm(dim=1) for n in names]), dim=0)
-    coef = clip_coefficients(norms, 1.0)
-    expected = clipped_sum_by_hand(grads, 1.0)
-    for add in (add_clipped_per_tensor, lambda a, g, c: add_clipped_fused(a, [x.unbind(0) for x in g], c)):
-        accs = [torch.ones_like(params[n], dtype=torch.float32) for n in names]
-        add(accs, [grads[n] for n in names], coef)
-        for n, acc in zip(names, accs):
-            torch.testing.assert_close(acc - 1.0, expected[n].float(), rtol=1e-5, atol=1e-6)
-
-
 def test_step_hands_the_clipped_mean_to_the_optimizer_and_reports_stats() -> None:
     params = make_params()
     C, B = 0.5, 8
@@ -150,7 +133,7 @@ def test_nondp_divides_the_sum_by_the_realised_batch() -> None:
     stats = method.step(3, None)
     for n in params:
         assert torch.allclose(seen[n], (batches[0][n] + batches[1][n]) / 3)
-    assert stats["noise_norm"] == 0.0 and "clip_fraction" not in stats
+    assert "noise_norm" not in stats and "clip_fraction" not in stats
 
 
 def test_noise_has_std_sigma_C_over_B_per_coordinate() -> None:
@@ -161,7 +144,7 @@ def test_noise_has_std_sigma_C_over_B_per_coordinate() -> None:
     method.accumulate({n: torch.zeros(3, *p.shape) for n, p in params.items()})
     privatized, noise = method.privatize(B, torch.Generator().manual_seed(5))
     flat = torch.cat([privatized[n].reshape(-1) for n in params])  # 4·8·(32+24) = 1792 coordinates
-    assert torch.equal(flat, torch.cat([noise[n].reshape(-1) for n in params]))
+    assert torch.equal(flat, torch.cat([noise[n].reshape(-1) for n in params]).float())
     assert flat.std().item() == pytest.approx(sigma * C / B, rel=0.06)
     assert abs(flat.mean().item()) < 4 * sigma * C / B / flat.numel() ** 0.5
     again, _ = method.privatize(B, torch.Generator().manual_seed(5))
@@ -169,25 +152,40 @@ def test_noise_has_std_sigma_C_over_B_per_coordinate() -> None:
 
 
 @pytest.mark.parametrize("name", ["adamw", "ffa"])
-def test_noise_is_drawn_in_float64_then_rounded(name: str) -> None:
-    """The factor-space noise is σC/B times float64 standard normals of the step's generator (the law of
-    PRISM's noise, tails past float32's ≈ 5.77 cut), rounded to the float32 accumulators after scaling;
-    not torch's float32 draws."""
+def test_noise_is_drawn_in_float64_and_the_sum_rounded_once(name: str) -> None:
+    """The factor-space noise is σC/B times torch's float64 standard normals of the step's generator (the law
+    of PRISM's noise, tails past float32's ≈ 5.77 cut); the noised average is rounded to float32 once."""
     params = make_params(modules=3, m=20, n=16, r=4)
     sigma, C, B = 0.7, 2.0, 8
     method = build_method(cfg(name), params, PrivacySpec(sigma=sigma, clip_norm=C))
     method.zero_accumulators()
     method.accumulate({n: torch.zeros(2, *p.shape) for n, p in params.items() if n in method.params})
-    _, noise = method.privatize(B, torch.Generator().manual_seed(11))
+    privatized, noise = method.privatize(B, torch.Generator().manual_seed(11))
     trained = [n for n in params if n in method.params]
     total = sum(params[n].numel() for n in trained)
-    draws = standard_normal((total,), torch.Generator().manual_seed(11), torch.float64, torch.device("cpu"))
-    expected = (draws * (sigma * C / B)).to(torch.float32).split([params[n].numel() for n in trained])
+    draws = torch.randn(total, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    expected = (draws * (sigma * C / B)).split([params[n].numel() for n in trained])
     for n, e in zip(trained, expected):
-        assert noise[n].dtype == torch.float32
+        assert noise[n].dtype == torch.float64 and privatized[n].dtype == torch.float32
         assert torch.equal(noise[n].reshape(-1), e)
-    float32 = torch.randn(total, generator=torch.Generator().manual_seed(11)) * (sigma * C / B)
-    assert not torch.equal(torch.cat([noise[n].reshape(-1) for n in trained]), float32)
+        assert torch.equal(privatized[n].reshape(-1), e.to(torch.float32))
+
+
+def test_clipped_sum_is_float64_so_neighbours_differ_by_at_most_C() -> None:
+    """256 aligned examples of norm 10 clipped to C = 1, plus one more: the sums differ by exactly C in
+    float64 (a float32 sum of 256 terms rounds at ≈ 256·6e-8 of its size, 1.5e-5 relative, ≈ 4e-3 C here)."""
+    params = make_params(modules=1, m=8, n=6, r=2)
+    direction = {n: torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) for n, p in params.items()}
+    norm = torch.sqrt(sum(d.double().square().sum() for d in direction.values()))
+    sums = []
+    for k in (256, 257):
+        method = build_method(cfg("adamw"), params, PrivacySpec(sigma=0.0, clip_norm=1.0))
+        method.zero_accumulators()
+        method.accumulate({n: (10.0 * d / norm.float()).expand(k, *d.shape).contiguous() for n, d in direction.items()})
+        sums.append({n: a.clone() for n, a in method.summed.items()})
+    diff = torch.sqrt(sum((sums[1][n] - sums[0][n]).square().sum() for n in params))
+    assert all(a.dtype == torch.float64 for a in sums[0].values())
+    assert abs(diff.item() - 1.0) < 1e-6
 
 
 def test_returned_noise_survives_the_next_draw_with_float64_accumulators() -> None:
@@ -220,7 +218,7 @@ def test_noise_norm_is_the_first_order_intrinsic_noise_and_matches_eq8() -> None
         for pair in pairs:
             A, Bf = read_pair(params, pair)
             xi_A, xi_B = read_pair(noise, pair)
-            dense += (xi_A @ Bf.detach().mT + A.detach() @ xi_B.mT).pow(2).sum()
+            dense += (xi_A @ Bf.detach().double().mT + A.detach().double() @ xi_B.mT).pow(2).sum()
         reported = method.noise_norm(noise)
         if draw < 3:
             assert reported == pytest.approx(float(dense.sqrt()), rel=1e-5)
@@ -271,7 +269,7 @@ def test_ffa_never_changes_lora_A() -> None:
     # the diagnostic counts noise on paper A only: ‖ξ_A Bᵀ‖ with the frozen B
     _, noise = method.privatize(4, torch.Generator().manual_seed(8))
     dense = sum(
-        (read_pair(noise | {p.b_name: torch.zeros_like(params[p.b_name])}, p)[0] @ read_pair(params, p)[1].mT)
+        (read_pair(noise | {p.b_name: torch.zeros_like(params[p.b_name])}, p)[0] @ read_pair(params, p)[1].double().mT)
         .pow(2).sum() for p in lora_pairs(params)
     )
     assert method.noise_norm(noise) == pytest.approx(float(dense.sqrt()), rel=1e-5)

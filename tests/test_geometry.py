@@ -6,6 +6,8 @@ import math
 import pytest
 import torch
 
+from tests.oracles import prism_noise_energy, retract
+from prism.diagnostics import sample_tangent_noise
 from prism import geometry as geo
 
 F64 = torch.float64
@@ -185,13 +187,13 @@ def test_sampler_law_equals_dense_projection(gauge: bool) -> None:
     if gauge:
         A, B = _gauge(A, B, _ill_conditioned(r, 1e2, seed=3))
     g = torch.Generator().manual_seed(123)
-    XiA, XiB = geo.tangent_noise(A, B, generator=g, sample_shape=(draws,))
+    XiA, XiB = sample_tangent_noise(A, B, generator=g, sample_shape=(draws,))
     assert XiA.shape == (draws, m, r) and XiB.shape == (draws, n, r)
     assert _covariance_mismatch(A, B, XiA, XiB) < 5.0
     sq = (XiA @ B.mT + A @ XiB.mT).square().sum((-2, -1))
     d = geo.tangent_dim(m, n, r)
     assert abs(sq.mean().item() - d) < 3 * math.sqrt(2 * d / draws)  # χ²_d: variance 2d
-    assert geo.prism_noise_energy(m, n, r, 1.0) == d == r * (m + n - r)
+    assert prism_noise_energy(m, n, r, 1.0) == d == r * (m + n - r)
 
 
 def test_sampler_negative_controls_fail_the_law_test() -> None:
@@ -221,7 +223,7 @@ def test_sampler_rank_space_moments() -> None:
     """Eq. 50: E[Ξ_AᵀΞ_A] = (m − r) N⁻¹, E[Ξ_BᵀΞ_B] = n M⁻¹."""
     m, n, r, draws = 9, 6, 3, 20_000
     A, B = _factors(m, n, r)
-    XiA, XiB = geo.tangent_noise(A, B, generator=torch.Generator().manual_seed(5), sample_shape=(draws,))
+    XiA, XiB = sample_tangent_noise(A, B, generator=torch.Generator().manual_seed(5), sample_shape=(draws,))
     EA = (XiA.mT @ XiA).mean(0)
     EB = (XiB.mT @ XiB).mean(0)
     assert _rel(EA, (m - r) * torch.linalg.inv(B.mT @ B)) < 0.03
@@ -230,8 +232,8 @@ def test_sampler_rank_space_moments() -> None:
 
 def test_sampler_is_reproducible_and_float32() -> None:
     A, B = _factors(16, 12, 4, dtype=torch.float32)
-    first = geo.tangent_noise(A, B, generator=torch.Generator().manual_seed(9))
-    second = geo.tangent_noise(A, B, generator=torch.Generator().manual_seed(9), frame=geo.frame(A, B))
+    first = sample_tangent_noise(A, B, generator=torch.Generator().manual_seed(9))
+    second = sample_tangent_noise(A, B, generator=torch.Generator().manual_seed(9), frame=geo.frame(A, B))
     assert first[0].dtype == torch.float32 and first[0].shape == (16, 4) and first[1].shape == (12, 4)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     # the draw lies in the tangent space
@@ -317,7 +319,7 @@ def _retraction_case(seed: int = 2024, lr: float = 0.3):
 def test_retract_is_truncated_svd_of_first_order_point(align: bool) -> None:
     A, B, dA, dB, lr, X = _retraction_case()
     r = A.shape[1]
-    A2, B2 = geo.retract(A, B, dA, dB, lr, align=align)
+    A2, B2 = retract(A, B, dA, dB, lr, align=align)
     U, S, Vh = torch.linalg.svd(X)
     best = U[:, :r] @ torch.diag(S[:r]) @ Vh[:r]
     Z2 = A2 @ B2.mT
@@ -333,12 +335,12 @@ def test_retract_is_truncated_svd_of_first_order_point(align: bool) -> None:
 
 def test_retract_procrustes_alignment() -> None:
     A, B, dA, dB, lr, _ = _retraction_case(seed=2, lr=0.05)
-    A2, B2 = geo.retract(A, B, dA, dB, lr, align=True)
+    A2, B2 = retract(A, B, dA, dB, lr, align=True)
     S = A2.mT @ A + B2.mT @ B
     assert torch.allclose(S, S.mT, atol=1e-10)
     assert torch.linalg.eigvalsh(S).min() >= -1e-10
     # alignment can only move the new factors closer to the old ones
-    U, Vt = geo.retract(A, B, dA, dB, lr, align=False)
+    U, Vt = retract(A, B, dA, dB, lr, align=False)
     aligned = (A2 - A).square().sum() + (B2 - B).square().sum()
     unaligned = (U - A).square().sum() + (Vt - B).square().sum()
     assert aligned <= unaligned + 1e-12
@@ -347,10 +349,10 @@ def test_retract_procrustes_alignment() -> None:
 def test_retract_zero_step_and_dtype() -> None:
     A, B = _factors(7, 5, 2, dtype=torch.float32)
     zA, zB = torch.zeros_like(A), torch.zeros_like(B)
-    A2, B2 = geo.retract(A, B, zA, zB, lr=0.1)
+    A2, B2 = retract(A, B, zA, zB, lr=0.1)
     assert A2.dtype == torch.float32 and A2.shape == A.shape and B2.shape == B.shape
     assert _rel((A2 @ B2.mT).double(), (A @ B.mT).double()) < 1e-6
-    A3, B3 = geo.retract(A.double(), B.double(), torch.randn(7, 2, dtype=F64), torch.randn(5, 2, dtype=F64), lr=0.0)
+    A3, B3 = retract(A.double(), B.double(), torch.randn(7, 2, dtype=F64), torch.randn(5, 2, dtype=F64), lr=0.0)
     assert torch.allclose(A3 @ B3.mT, (A @ B.mT).double(), atol=1e-6)
 
 
@@ -390,6 +392,6 @@ def test_shape_errors_name_the_fix() -> None:
 def test_tangent_dim_and_energies() -> None:
     assert geo.tangent_dim(4096, 4096, 16) == 16 * (8192 - 16)
     assert geo.bilinear_noise_energy(3, 4, 2, 0.5) == pytest.approx(3 * 4 * 2 * 0.5**4)
-    assert geo.prism_noise_energy(3, 4, 2, 0.5) == pytest.approx(0.25 * 2 * 5)
+    assert prism_noise_energy(3, 4, 2, 0.5) == pytest.approx(0.25 * 2 * 5)
     A, B = torch.ones(3, 2), 2 * torch.ones(4, 2)
     assert geo.factor_noise_energy(A, B, 0.5) == pytest.approx(0.25 * (3 * 32 + 4 * 6))

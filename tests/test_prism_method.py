@@ -9,6 +9,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from tests.oracles import example_norms, release_lifts
 from prism import geometry
 from prism.lora import lora_pairs, read_pair
 from prism.methods import build_method
@@ -82,13 +83,13 @@ def test_one_huge_example_moves_the_sum_by_exactly_C() -> None:
         meth = method(PLAIN, params, PrivacySpec(sigma=0.0, clip_norm=C))
         meth.zero_accumulators()
         meth.accumulate(per_example_grads(params, [G[:k] for G in Gs]))
-        sums.append(meth.privatized_lifts(1.0, None)[0])
+        sums.append(release_lifts(meth, 1.0)[0])
     diff_sq = sum(
         (image(A, B, *sums[1][p.module]) - image(A, B, *sums[0][p.module])).square().sum()
         for p, (A, B) in zip(lora_pairs(params), factors(params))
     )
     assert diff_sq.sqrt().item() == pytest.approx(C, rel=1e-9)
-    assert meth.example_norms[:2].max() < C < meth.example_norms[2]
+    assert example_norms(meth)[:2].max() < C < example_norms(meth)[2]
 
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
@@ -136,7 +137,8 @@ def test_noise_energy_per_module_matches_eq21() -> None:
     for s in range(S):
         meth.zero_accumulators()
         meth.accumulate(per_example_grads(params, [torch.zeros(2, m, n, dtype=F64) for m, n in SHAPES]))
-        lifts, noise_norm = meth.privatized_lifts(denom, g)
+        lifts, release = release_lifts(meth, denom, g)
+        noise_norm = release.noise_sq.sqrt()
         for j, (p, (A, B)) in enumerate(zip(lora_pairs(params), factors(params))):
             energies[s, j] = image(A, B, *lifts[p.module]).square().sum()
         assert noise_norm**2 == pytest.approx(energies[s].sum().item(), rel=1e-9)
@@ -161,9 +163,9 @@ def test_clip_coefficients_are_gauge_invariant() -> None:
         meth = method(PLAIN, ps, PrivacySpec(sigma=0.0, clip_norm=1.0))
         meth.zero_accumulators()
         meth.accumulate(per_example_grads(ps, Gs))
-        lifts = meth.privatized_lifts(1.0, None)[0]
+        lifts = release_lifts(meth, 1.0)[0]
         images = [image(A, B, *lifts[p.module]) for p, (A, B) in zip(lora_pairs(ps), factors(ps))]
-        results.append((meth.example_norms, images))
+        results.append((example_norms(meth), images))
     assert (results[0][0] > 1.0).any()
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-9, atol=0)
     for a, b in zip(results[0][1], results[1][1]):

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipelines.grid import compose_config, job_config, resolve
+from prism.diagnostics import sample_tangent_noise
 from prism import geometry
 from prism import train as T
 from prism.data.prompts import collate
@@ -182,10 +183,10 @@ def test_noise_damping_shrinks_the_covariance_by_the_damping() -> None:
     draws = {}
     for damping in (None, 0.0, 1e-8):
         g = torch.Generator().manual_seed(11)
-        draws[damping] = geometry.tangent_noise(A, B, generator=g, damping=damping)
+        draws[damping] = sample_tangent_noise(A, B, generator=g, damping=damping)
     g = torch.Generator().manual_seed(11)
-    geometry.standard_normal((9, 3), g, torch.float64, A.device)
-    OmegaB = geometry.standard_normal((7, 3), g, torch.float64, A.device)
+    torch.randn((9, 3), generator=g, dtype=torch.float64)
+    OmegaB = torch.randn((7, 3), generator=g, dtype=torch.float64)
     cov = {d: (lambda W: W.mT @ W)(_whitening(draws[d][1], OmegaB)) for d in draws}
     eye = torch.eye(3, dtype=torch.float64)
     torch.testing.assert_close(cov[None], torch.linalg.inv(M), rtol=1e-10, atol=1e-12)  # exact law

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from prism.lora import lora_pairs, read_pair
 from prism.methods.base import Method, PrivacySpec, Release
 from prism.methods.optimizers import build_optimizer
-from prism.privacy.noise import NoiseSource
+from prism.privacy.noise import NoiseSource, as_noise_source
 
 OPACUS_NORM_EPS = 1e-6  # opacus.optimizers.optimizer.DPOptimizer.clip_and_accumulate
 
@@ -108,23 +108,33 @@ class FactorDPMethod(Method):
         self.norms.append(norms)
 
     @torch.no_grad()
-    def add_noise(self, denominator: float, noise: NoiseSource, diagnostics: bool = True) -> Release:
-        """DP (eq. 3): ``(Σ_i clip(g_i) + σC ξ)/B``, ``ξ ~ N(0, I)`` in float64 from ``noise`` once per logical
-        step (one flat draw split over the tensors in parameter order), rounded to each parameter's dtype once.
-        Non-DP: ``Σ_i g_i / b``. ``noise_sq``: eq. 8's first-order noise energy (diagnostic)."""
-        tensors, noise_parts = {}, {}
-        scale = 0.0
+    def privatize(
+        self, denominator: float, noise: NoiseSource | torch.Generator | None
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """The gradient handed to the optimizer and the noise inside it (float64), both divided by ``denominator``.
+
+        DP (eq. 3): ``(Σ_i clip(g_i) + σC ξ)/B``, ``ξ ~ N(0, I)`` in float64 from ``noise`` once per logical step
+        (one flat draw split over the tensors in parameter order), rounded to each parameter's dtype once.
+        Non-DP: ``Σ_i g_i / b`` and zero noise.
+        """
+        if denominator <= 0:
+            raise ValueError(f"denominator must be positive (got {denominator}); skip empty non-DP batches")
+        noise = as_noise_source(noise)
+        sums = self.summed
         if self.dp:
             scale = self.privacy.sigma * self.privacy.clip_norm / denominator
-            flat = noise.normal((sum(a.numel() for a in self.summed.values()),), next(iter(self.summed.values())).device)
-            sizes = [a.numel() for a in self.summed.values()]
-            for (n, acc), xi in zip(self.summed.items(), flat.split(sizes)):
-                noise_parts[n] = xi.view(acc.shape).mul_(scale)
-                tensors[n] = (acc / denominator + noise_parts[n]).to(self.params[n].dtype)
+            flat = noise.normal((sum(a.numel() for a in sums.values()),), next(iter(sums.values())).device)
+            parts = flat.mul_(scale).split([a.numel() for a in sums.values()])
+            xi = {n: x.view(a.shape) for (n, a), x in zip(sums.items(), parts)}
         else:
-            tensors = {n: (acc / denominator).to(self.params[n].dtype) for n, acc in self.summed.items()}
-        noise_sq = self.noise_norm(noise_parts).square() if diagnostics and self.dp else None
-        self.summed = {n: torch.zeros_like(a) for n, a in self.summed.items()}  # the sums never outlive the release
+            xi = {n: torch.zeros_like(a) for n, a in sums.items()}
+        return {n: (a / denominator + xi[n]).to(self.params[n].dtype) for n, a in sums.items()}, xi
+
+    def add_noise(self, denominator: float, noise: NoiseSource, diagnostics: bool = True) -> Release:
+        """The :class:`~prism.methods.base.Release` of :meth:`privatize`; ``noise_sq`` is eq. 8's noise energy."""
+        tensors, xi = self.privatize(denominator, noise)
+        scale = self.privacy.sigma * self.privacy.clip_norm / denominator if self.dp else 0.0
+        noise_sq = self.noise_norm(xi).square() if diagnostics and self.dp else None
         return Release(tensors=tensors, scale=scale, noise_sq=noise_sq)
 
     def noise_norm(self, noise: Mapping[str, Tensor]) -> Tensor:

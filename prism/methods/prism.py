@@ -204,21 +204,21 @@ class PrismMethod(Method):
         """Clip and accumulate one micro-batch (DP: per-example ``[k, *shape]`` grads, eq. 16; else their sum).
 
         The clip norm ``s_i`` bounds the norm of example ``i``'s lift from above (eq. 15 summed over all
-        modules, eq. 16; :func:`geometry.lifted_norm_terms`): ``√Σ‖image‖² + √Σerr²``. The sums are
+        modules, eq. 16; :func:`geometry.lifted_norm_terms`): ``max(√Σ‖image‖² + √Σerr², √(Σfsq/2))``. The sums are
         ``Σ α_i (g_A, g_B)_i``; their lift (eq. 14, linear) is taken once per step.
         """
-        if self.groups[0].sums is None:
+        if self.groups[0].frame is None:
             raise RuntimeError("call zero_accumulators() before accumulate()")
         stacked = [self._stack_grads(g, grads) for g in self.groups]
         if not self.dp:
             for g, (gA, gB) in zip(self.groups, stacked):
                 g.sums[0].add_(gA), g.sums[1].add_(gB)
             return
-        sq, err = 0.0, 0.0
+        sq, err, fsq = 0.0, 0.0, 0.0
         for g, (gA, gB) in zip(self.groups, stacked):
-            s, e = geometry.lifted_norm_terms(g.frame, gA, gB)  # [k, G]
-            sq, err = sq + s.sum(-1), err + e.square().sum(-1)
-        norms = sq.sqrt() + err.sqrt()  # NaN stays NaN: it reaches the update and the loop's finite check
+            s, e, f = geometry.lifted_norm_terms(g.frame, gA, gB)  # [k, G]
+            sq, err, fsq = sq + s.sum(-1), err + e.square().sum(-1), fsq + f.sum(-1)
+        norms = torch.maximum(sq.sqrt() + err.sqrt(), (fsq / 2).sqrt())  # NaN stays NaN: the loop's finite check
         alpha = (self.privacy.clip_norm / norms).clamp(max=1.0)
         self._norms.append(norms)
         for g, (gA, gB) in zip(self.groups, stacked):
@@ -248,6 +248,8 @@ class PrismMethod(Method):
         with ``noise_damping``). The released tensors are ``ΔA`` (peft ``lora_B`` layout) and ``ΔBᵀ``
         (``lora_A``); ``noise_sq`` is eq. 21's ``Σ‖N_Z‖²_F`` (with ``diagnostics``).
         """
+        if self.groups[0].frame is None:
+            raise RuntimeError("call zero_accumulators() before add_noise()")
         tau = self.tau(denominator)
         tensors: dict[str, Tensor] = {}
         noise_sq = []
@@ -263,9 +265,8 @@ class PrismMethod(Method):
                 dA, dB = dA + tau * XiA, dB + tau * XiB
             if self.horizontal_lift:
                 dA, dB = geometry.horizontalize(fr.A, fr.B, dA, dB, frame=fr)
-            for pair, a, b in zip(g.pairs, dA, dB):
-                tensors[pair.a_name], tensors[pair.b_name] = a, b.mT
-            g.sums = None  # the clipped sums never outlive the release
+            for pair, a, bt in zip(g.pairs, dA.unbind(0), dB.mT.unbind(0)):  # views: one op each, any depth
+                tensors[pair.a_name], tensors[pair.b_name] = a, bt
         total = torch.stack(noise_sq).sum() if noise_sq else None
         return Release(tensors=tensors, scale=tau, noise_sq=total)
 
@@ -302,7 +303,7 @@ class PrismMethod(Method):
             if diagnostics:
                 update_sq.append(_product_sqdist(g.frame.A, g.frame.B, A_new, B_new).sum())
             self._write(g, A_new, B_new)
-            g.frame = None
+            g.frame, g.sums = None, None
         return {"update_norm": torch.stack(update_sq).sum().sqrt()} if diagnostics else {}
 
     def clip_stats(self) -> dict[str, Tensor]:
@@ -345,9 +346,9 @@ class PrismMethod(Method):
 
     # ---------------------------------------------------------------- helpers
     def _check_rank(self) -> None:
-        """:func:`geometry.check_frames` with the cutoff of ``compute_dtype`` (the frames may be float64)."""
+        """:func:`geometry.check_frames` with the cutoff of ``compute_dtype`` (under DP at most κ = 1e4)."""
         geometry.check_frames([g.frame for g in self.groups], [g.modules for g in self.groups],
-                              geometry.default_rcond(self.dtype))
+                              geometry.default_rcond(self.dtype, self.dp))
 
     @torch.no_grad()
     def _write(self, g: ShapeGroup, A: Tensor, B: Tensor) -> None:
@@ -357,11 +358,11 @@ class PrismMethod(Method):
 
     def _floor_rank_deficient(self) -> None:
         """The logged ``rank_fallback: floor`` repair of every rank-deficient module, then re-check."""
-        rcond = 10.0 * geometry.default_rcond(self.dtype)
+        rcond = 10.0 * geometry.default_rcond(self.dtype, self.dp)
         for g in self.groups:
             for pair, A, B in zip(g.pairs, g.frame.A, g.frame.B):
                 try:
-                    geometry.check_full_rank(A, B, pair.module, geometry.default_rcond(self.dtype))
+                    geometry.check_full_rank(A, B, pair.module, geometry.default_rcond(self.dtype, self.dp))
                     continue
                 except geometry.RankDeficientError:
                     pass

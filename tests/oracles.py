@@ -1,0 +1,86 @@
+"""Reference implementations that production does not run, kept as oracles for the tests.
+
+* :func:`retract`: eq. 22 composed from :mod:`prism.geometry`'s pieces for one batch (the method fuses
+  each SVD over all shape groups instead).
+* :func:`lifted_sqnorm_by_differences`: the difference-of-squares form of eq. 15 from factor gradients
+  (exact for gradients ``(GB, GᵀA)``, loses everything on gauge-dominated pairs; docs/DECISIONS.md D70).
+* :func:`prism_noise_energy`, :func:`min_gauge_noise_energy`: eqs. 20–21 and 35 in closed form.
+* :class:`PerModulePrism`: PRISM with one shape group per module (one decomposition call per module).
+* :func:`release_lifts`, :func:`example_norms`: read a method's release and clip norms in tests.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from prism import geometry
+from prism.adaptive import RankSpaceAdaptive
+from prism.lora import lora_pairs, read_pair
+from prism.methods.prism import PrismMethod, ShapeGroup
+from prism.privacy.noise import as_noise_source
+
+
+def retract(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float, align: bool = True,
+            frame: geometry.Frame | None = None, horizontal: bool = False) -> tuple[Tensor, Tensor]:
+    """Eq. 22 with the balanced refactorisation and (``align``) the Procrustes rotation (App. A.22, A.24)."""
+    fr = geometry.frame(A, B) if frame is None else frame
+    rt = geometry.retraction_core(A, B, dA, dB, lr, frame=fr, horizontal=horizontal)
+    MA, MB = geometry.balanced_coefficients(torch.linalg.svd(rt.core), A.shape[-1])
+    if align:
+        Q = geometry.procrustes_rotation(torch.linalg.svd(geometry.procrustes_target(rt, MA, MB)))
+        MA, MB = MA @ Q, MB @ Q
+    return geometry.block_product(rt.Qu, MA).to(A.dtype), geometry.block_product(rt.Qv, MB).to(B.dtype)
+
+
+def lifted_sqnorm_by_differences(A: Tensor, B: Tensor, gA: Tensor, gB: Tensor) -> Tensor:
+    """``¼‖c_A + c_Bᵀ‖² + (‖X_A‖² − ‖c_A‖²) + (‖X_B‖² − ‖c_B‖²)``, clamped at 0 (the form before D70)."""
+    fr = geometry.frame(A, B)
+    XA, XB = gA @ fr.RBi, gB @ fr.RAi
+    cA, cB = fr.QA.mT @ XA, fr.QB.mT @ XB
+
+    def sq(X: Tensor) -> Tensor:
+        return X.square().sum((-2, -1))
+
+    return 0.25 * sq(cA + cB.mT) + (sq(XA) - sq(cA)).clamp_min(0.0) + (sq(XB) - sq(cB)).clamp_min(0.0)
+
+
+def prism_noise_energy(m: int, n: int, r: int, tau: float) -> float:
+    """Eqs. 20–21: ``E‖τ P_{A,B}(Ξ)‖²_F = τ² r(m + n − r)``, independent of ``A``, ``B``."""
+    return tau**2 * geometry.tangent_dim(m, n, r)
+
+
+def min_gauge_noise_energy(A: Tensor, B: Tensor, tau: float) -> float:
+    """Eq. 35: ``min_c`` of the gauge noise energy, ``2τ² √(mn) ‖A‖_F ‖B‖_F``."""
+    m, n = A.shape[0], B.shape[0]
+    return 2.0 * tau**2 * math.sqrt(m * n) * A.norm().item() * B.norm().item()
+
+
+class PerModulePrism(PrismMethod):
+    """:class:`PrismMethod` with every module its own shape group (the per-module reference path)."""
+
+    def __init__(self, cfg: Any, params: Any, privacy: Any) -> None:
+        super().__init__(cfg, params, privacy)
+        groups = []
+        for pair in [p for g in self.groups for p in g.pairs]:
+            A, B = read_pair(self.params, pair)
+            adaptive = RankSpaceAdaptive(self.config.adaptive, A.shape[0], B.shape[0], A.shape[1], self.dtype,
+                                         A.device, batch=(1,))
+            groups.append(ShapeGroup(pairs=[pair], adaptive=adaptive))
+        self.groups = groups
+
+
+def release_lifts(method: PrismMethod, denominator: float, noise: Any = None
+                  ) -> tuple[dict[str, tuple[Tensor, Tensor]], Any]:
+    """Per module the released ``(ΔA, ΔB)`` of :meth:`PrismMethod.add_noise`, and the release itself."""
+    release = method.add_noise(denominator, as_noise_source(noise))
+    pairs = lora_pairs(method.params)
+    return {p.module: (release.tensors[p.a_name], release.tensors[p.b_name].mT) for p in pairs}, release
+
+
+def example_norms(method: Any) -> Tensor:
+    """The clip norms of this logical step's examples (PRISM: eq. 16 with its rounding bound)."""
+    norms = method._norms if isinstance(method, PrismMethod) else method.norms
+    return torch.cat(norms) if norms else torch.zeros(0, dtype=torch.float64)
