@@ -42,8 +42,9 @@ test-slurm: setup  ## SLURM integration (installs slurm-wlm + munge, needs root)
 lint: setup  ## ruff
 	$(PY) -m ruff check prism pipelines tests benchmarks
 
-bench: setup  ## side-by-side benchmarks (sampler, mechanism at Gemma-3-4B shapes, step time/memory); fails if a target is MISSED
+bench: setup  ## side-by-side benchmarks (noise sources, sampler, mechanism at Gemma-3-4B shapes, step time/memory): prints ratios; fails only on a correctness check
 	@status=0; \
+	$(PY) benchmarks/bench_noise.py || status=1; \
 	$(PY) benchmarks/bench_sampler.py || status=1; \
 	$(PY) benchmarks/bench_mechanism.py || status=1; \
 	$(PY) benchmarks/bench_step.py --quick || status=1; \

@@ -94,6 +94,18 @@ def _finite(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
+def summary_text(final: dict[str, Any]) -> dict[str, Any]:
+    """The strings of ``final.json`` a reader of the W&B summary must see: the DP status (``protocol/dp_guarantee``,
+    e.g. "not a valid DP guarantee as stated") and its caveats, which :func:`_finite` would drop."""
+    protocol = final.get("protocol") if isinstance(final.get("protocol"), dict) else {}
+    out: dict[str, Any] = {}
+    if "dp_guarantee" in protocol:
+        out["protocol/dp_guarantee"] = str(protocol["dp_guarantee"])
+    if protocol.get("dp_caveats"):
+        out["protocol/dp_caveats"] = "; ".join(map(str, protocol["dp_caveats"]))
+    return out
+
+
 class WandbRun:
     """A W&B run bound to one run folder; every method is a no-op when ``mode == disabled``."""
 
@@ -135,6 +147,6 @@ class WandbRun:
         if self.run is None:
             return
         if final:
-            self.run.summary.update(_finite({k: v for k, v in final.items() if k != "run"}))
+            self.run.summary.update({**_finite({k: v for k, v in final.items() if k != "run"}), **summary_text(final)})
         self.run.finish(exit_code=exit_code)
         self.run = None

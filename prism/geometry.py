@@ -255,17 +255,6 @@ def _sylvester_gauge(fr: Frame, C: Tensor) -> Tensor:
     return U @ ((U.mT @ C @ V) / (mu[..., :, None] + nu[..., None, :])) @ V.mT
 
 
-def tangent_noise_sqnorm(fr: Frame, omega_A: Tensor, omega_B: Tensor) -> Tensor:
-    """Eq. 21's ``‖Ξ_A Bᵀ + A Ξ_Bᵀ‖²_F`` of :func:`tangent_noise`'s draw from its unit draws ``(Ω_A, Ω_B)``.
-
-    The image ``(I − Π_A)Ω_A Q_Bᵀ + Q_A Ω_Bᵀ`` has orthogonal blocks, so the norm is
-    ``‖Ω_A‖² − ‖Q_AᵀΩ_A‖² + ‖Ω_B‖²`` (no ``R⁻¹``; the difference is about ``(m − r)/m`` of ``‖Ω_A‖²``).
-    """
-    def sq(X: Tensor) -> Tensor:
-        return torch.linalg.vector_norm(X, dim=(-2, -1)).square()
-    return sq(omega_A) - sq(fr.QA.mT @ omega_A) + sq(omega_B)
-
-
 ROUNDING_MARGIN = 8.0  # constant of lifted_norm_terms' error bound (docs/DECISIONS.md D70)
 
 

@@ -6,7 +6,6 @@ import pytest
 import scipy.linalg
 import torch
 
-from prism.diagnostics import sample_tangent_noise
 from prism import geometry
 from prism.adaptive import (
     AdaptiveConfig,
@@ -17,6 +16,7 @@ from prism.adaptive import (
     preconditioner,
     update_moments,
 )
+from prism.diagnostics import sample_tangent_noise
 
 F64 = torch.float64
 M, N, R = 9, 7, 3

@@ -11,7 +11,6 @@ import pytest
 import torch
 from scipy import integrate, stats
 
-from tests.oracles import release_lifts
 from pipelines import audit as AU
 from prism.methods import METHODS, build_method
 from prism.methods.base import PrivacySpec
@@ -23,6 +22,7 @@ from prism.privacy.audit import (
     gdp_mu_lower_bound,
     threshold_audit,
 )
+from tests.oracles import release_lifts
 
 F64 = torch.float64
 

@@ -7,17 +7,15 @@ Also: no host synchronisation inside ``accumulate``/``step`` and an op count ind
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from omegaconf import OmegaConf
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from prism.diagnostics import sample_tangent_noise
 from prism import geometry as geo
 from prism.adaptive import AdaptiveConfig, RankSpaceAdaptive, noise_second_moments
+from prism.diagnostics import sample_tangent_noise
 from prism.lora import lora_pairs, read_pair
 from prism.methods import build_method
 from prism.methods.base import PrivacySpec

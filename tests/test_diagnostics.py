@@ -13,10 +13,10 @@ from omegaconf import DictConfig
 from pipelines import diagnostics as D
 from pipelines import store
 from pipelines.grid import compose_config, resolve
-from tests.oracles import min_gauge_noise_energy
 from prism import diagnostics as dg
 from prism import geometry
 from prism.adaptive import AdaptiveConfig, RankSpaceAdaptive, noise_second_moments
+from tests.oracles import min_gauge_noise_energy
 
 
 def factors(m: int, n: int, r: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

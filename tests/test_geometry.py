@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from tests.oracles import prism_noise_energy, retract
-from prism.diagnostics import sample_tangent_noise
 from prism import geometry as geo
+from prism.diagnostics import sample_tangent_noise
+from tests.oracles import prism_noise_energy, retract
 
 F64 = torch.float64
 

@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.oracles import retract
-from prism.diagnostics import sample_tangent_noise
 from prism import geometry as geo
+from prism.diagnostics import sample_tangent_noise
+from tests.oracles import retract
 
 F64 = torch.float64
 SETTINGS = settings(max_examples=25, deadline=None)

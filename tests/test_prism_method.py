@@ -9,12 +9,12 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from tests.oracles import example_norms, release_lifts
 from prism import geometry
 from prism.lora import lora_pairs, read_pair
 from prism.methods import build_method
 from prism.methods.base import PrivacySpec
 from prism.methods.prism import PrismMethod
+from tests.oracles import example_norms, release_lifts
 
 F64 = torch.float64
 R = 3

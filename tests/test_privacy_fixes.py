@@ -20,15 +20,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from prism.diagnostics import sample_tangent_noise
-from prism.privacy.noise import SecureNoise, SeededNoise
-from tests.oracles import release_lifts
 from prism import geometry
 from prism import train as T
+from prism.diagnostics import sample_tangent_noise
 from prism.lora import lora_pairs, read_pair
 from prism.methods import METHODS, build_method
 from prism.methods.base import PrivacySpec
 from prism.privacy import Accountant
+from prism.privacy.noise import SecureNoise, SeededNoise
+from tests.oracles import release_lifts
 
 F64 = torch.float64
 M, N, R = 7, 6, 3

@@ -27,7 +27,16 @@ from prism.privacy import PoissonSampler
 from prism.privacy import noise as noise_mod
 from tests.oracles import release_lifts
 from tests.test_privacy_fixes import (
-    M, N, R, _fake_setup, _tiny_params, conditioned, exact_sqnorm, grads_of, method_cfg, pair_params,
+    M,
+    N,
+    R,
+    _fake_setup,
+    _tiny_params,
+    conditioned,
+    exact_sqnorm,
+    grads_of,
+    method_cfg,
+    pair_params,
 )
 
 F64 = torch.float64

@@ -18,10 +18,10 @@ from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipelines.grid import compose_config, job_config, resolve
-from prism.diagnostics import sample_tangent_noise
 from prism import geometry
 from prism import train as T
 from prism.data.prompts import collate
+from prism.diagnostics import sample_tangent_noise
 from prism.hf_baseline import HFRecipe, HFTrainerBaseline, holdout_split, linear_warmup_factor
 from prism.methods.base import PrivacySpec
 from prism.methods.factor import FactorDPMethod
