@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipelines import store
 from pipelines.grid import CONF_DIR, resolve
 from pipelines.run import ConfigError, execute
+from prism.privacy.accounting import is_private
 
 log = logging.getLogger("pipelines.diagnostics")
 LogFn = Callable[[dict[str, Any]], None]
@@ -83,7 +84,7 @@ def validate_diagnostics(cfg: DictConfig) -> None:
     d = cfg.train.get("diagnostics")
     if d is None:
         raise ConfigError("train.diagnostics is missing; run with experiment=diagnostics")
-    if not math.isfinite(float(cfg.privacy.epsilon)):
+    if not is_private(cfg):
         raise ConfigError("privacy.epsilon must be finite for the diagnostics (they measure DP noise); use privacy=eps6")
     checks = [
         (len(d.gauges) >= 2 and all(float(c) > 0 for c in d.gauges), "train.diagnostics.gauges needs ≥ 2 positive c"),

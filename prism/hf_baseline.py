@@ -29,6 +29,7 @@ from prism.data.prompts import collate
 from prism.methods.base import Method, Release
 from prism.methods.factor import FactorDPMethod
 from prism.prefix import PrefixCache
+from prism.privacy.accounting import is_private
 from prism.privacy.noise import NoiseSource
 from prism.privacy.per_example import IGNORE_INDEX, per_example_loss
 
@@ -53,7 +54,7 @@ class HFRecipe:
         trainer = cfg.train.get("nondp_trainer", "shared")
         if trainer not in TRAINERS:
             raise ValueError(f"train.nondp_trainer={trainer!r}; choose one of {TRAINERS}")
-        private = math.isfinite(float(cfg.privacy.epsilon))
+        private = is_private(cfg)
         if trainer == "shared" or private or str(cfg.method.name).startswith("prism"):
             return None
         hf, steps = cfg.train.hf_trainer, int(cfg.train.steps)

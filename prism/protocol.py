@@ -7,10 +7,11 @@ status they imply, into ``final.json``. docs/DECISIONS.md lists every item with 
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from prism.privacy.accounting import is_private
 
 # item → its config key (docs/DECISIONS.md D1–D12)
 ITEMS: dict[str, str] = {
@@ -38,7 +39,7 @@ def item_values(cfg: DictConfig) -> dict[str, Any]:
 
 def dp_caveats(cfg: DictConfig) -> list[str]:
     """Why the accounted (ε, δ) does not hold for this run's mechanism as run (empty: it holds)."""
-    if not math.isfinite(float(cfg.privacy.epsilon)):
+    if not is_private(cfg):
         return []
     caveats = []
     if OmegaConf.select(cfg, "privacy.per_example_scale", default="record") == "released":
@@ -55,7 +56,7 @@ def dp_caveats(cfg: DictConfig) -> list[str]:
 
 def dp_guarantee(cfg: DictConfig) -> str:
     """``non-private``, ``(ε, δ)-DP as accounted`` or :data:`NOT_DP_AS_STATED` (see :func:`dp_caveats`)."""
-    if not math.isfinite(float(cfg.privacy.epsilon)):
+    if not is_private(cfg):
         return "non-private"
     return NOT_DP_AS_STATED if dp_caveats(cfg) else "(ε, δ)-DP as accounted"
 

@@ -54,6 +54,7 @@ from prism.privacy import (
     calibrate_for_run,
     summed_gradients,
 )
+from prism.privacy.accounting import is_private
 from prism.privacy.noise import NoiseSource, SecureNoise, SeededNoise
 from prism.privacy.per_example import enable_activation_checkpointing, supervised_positions, token_loss_fn
 from prism.privacy.sampling import noise_denominator
@@ -151,7 +152,7 @@ def build(cfg: DictConfig, suite: Suite | None = None) -> Setup:
     features = tokenize_train_set(tokenizer, suite.train, suite.cutoff_len, suite.train_on_inputs, cfg.backbone.name)
     secure = secure_noise(cfg)
     sampler = PoissonSampler(n_train, cfg.train.batch_size, generator_seed=cfg.seed + 1, secure=secure)
-    dp = math.isfinite(float(cfg.privacy.epsilon))
+    dp = is_private(cfg)
     sigma = 0.0
     if dp:
         sigma = calibrate_for_run(cfg.privacy.epsilon, cfg.privacy.delta, sampler.sample_rate, total_steps(cfg),

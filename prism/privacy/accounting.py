@@ -308,3 +308,8 @@ class Accountant:
             )
         self._accountant.history = [(float(s), float(q), int(t)) for s, q, t in state["history"]]
         self._cache = None
+
+
+def is_private(cfg: Any) -> bool:
+    """Whether a run is differentially private: a finite ``privacy.epsilon`` (``cfg`` is the run config)."""
+    return math.isfinite(float(cfg.privacy.epsilon))
