@@ -99,6 +99,13 @@ def _gaussian_trial(rng, m, sigma, k):
     return audit(scores, included, k, k)
 
 
+def _top_k_precision(sigma: float, share: float) -> float:
+    """P(in | score > t) for m → ∞, with ``t`` exceeded by ``share`` of the ½-½ mixture of N(1, σ²), N(0, σ²)."""
+    above = lambda t: 0.5 * (stats.norm.sf((t - 1) / sigma) + stats.norm.sf(t / sigma)) - share  # noqa: E731
+    t = optimize.brentq(above, -10, 10)
+    return stats.norm.sf((t - 1) / sigma) / (stats.norm.sf((t - 1) / sigma) + stats.norm.sf(t / sigma))
+
+
 def test_idealised_gaussian_mechanisms_never_exceed_true_epsilon():
     """The idealised setting of Steinke, Nasr & Jagielski (2023, §7): m independent Gaussian mechanisms,
     each canary in with probability ½, guesses on the k⁺ = k⁻ = k extreme scores. The mechanism is
@@ -112,12 +119,7 @@ def test_idealised_gaussian_mechanisms_never_exceed_true_epsilon():
         eps_true = gdp_epsilon(1 / sigma, 1e-5)
         results = [_gaussian_trial(rng, m, sigma, k) for _ in range(trials)]
         assert np.mean([r.epsilon_lower > eps_true for r in results]) <= 0.05
-        # expected accuracy of the top/bottom-k guesses for m → ∞: threshold t with P(score > t) = k/m
-        # under the ½-½ mixture, precision P(in | score > t)
-        mu = 1.0
-        t = optimize.brentq(lambda x: 0.5 * (stats.norm.sf((x - mu) / sigma) + stats.norm.sf(x / sigma)) - k / m,
-                            -10, 10)
-        precision = stats.norm.sf((t - mu) / sigma) / (stats.norm.sf((t - mu) / sigma) + stats.norm.sf(t / sigma))
+        precision = _top_k_precision(sigma, k / m)
         expected = epsilon_lower_bound(m, 2 * k, round(2 * k * precision))
         assert np.mean([r.correct for r in results]) == pytest.approx(2 * k * precision, rel=0.05)
         assert np.mean([r.epsilon_lower for r in results]) == pytest.approx(expected, abs=0.35)
