@@ -5,17 +5,23 @@ For each method × privacy level, the normal training loop (:func:`prism.train.b
 gradient canaries (:mod:`prism.privacy.canaries`): a secret fair coin includes each, included ones are
 Poisson-sampled at the run's rate and clipped and noised by the method's own step. Each canary's score is
 the sum over steps of the released privatised quantity projected on its direction. The auditor guesses
-"in" for the ``k`` highest scores and "out" for the ``k`` lowest (``k`` fixed here, before any score is
-seen) and :func:`prism.privacy.one_run.epsilon_lower_bound` turns the correct guesses into an ε lower
-bound at 95 % (δ of the run). Alongside: the bound an ideal run with the same ``(σ, q, T, m, k)`` gives
+"in" for the ``k⁺`` highest scores and "out" for the ``k⁻`` lowest, with ``(k⁺, k⁻)`` fixed before any
+score is seen (``--split``: chosen on one half of the canaries, the other half audited), and
+:func:`prism.privacy.one_run.epsilon_lower_bound` turns the correct guesses into an ε lower bound at
+95 % (δ of the run). Alongside: the bound an ideal run with the same ``(σ, q, T, m, k⁺, k⁻)`` gives
 (:func:`prism.privacy.one_run.expected_epsilon_lower`, mean ± sd over 20 simulated runs).
+
+Default ``k⁻ = 0``: when ``qT`` is about 1 (embedded: q = 0.032, T = 30) a third of the included canaries
+is never sampled, so its scores look like the excluded ones' and "out" guesses are at best about 70 %
+right even without noise, while "in" guesses on the highest scores can all be right.
 
 A lower bound above the claimed ε is a privacy defect (exit 1). Rows: every method at every ε, plus a
 non-private control per method (no clipping, no noise: the bound should be the largest ``m`` and ``k``
 allow). Output: ``results/tables/audit_run.<scale>.md`` and ``.csv``, printed at the end.
 
     python -m pipelines.audit_run [--scale embedded] [--methods prism,adamw] [--epsilons 6,3]
-                                  [--canaries 1000] [--guesses 100] [--seed 0] [--no-control]
+                                  [--canaries 1000] [--k-pos 100] [--k-neg 0] [--split] [--seed 0]
+                                  [--no-control]
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from prism.privacy.canaries import RELEASE_HOOK, CanaryMethod, Space, draw_directions
-from prism.privacy.one_run import audit, expected_epsilon_lower
+from prism.privacy.one_run import OneRunAudit, audit, expected_epsilon_lower, split_audit
 
 PRINT = functools.partial(print, flush=True)
 SCALES = ("embedded", "smoke")
@@ -69,11 +75,18 @@ class AuditRow:
     config_hash: str
 
 
-def audit_method(method, space: Space, canaries: int, k: int, sample_rate: float, steps: int,
-                 step_fn: Callable[[CanaryMethod], None], delta: float, seed: int,
-                 report: Callable[[str], None] = PRINT):
+def split_candidates(half: int) -> list[tuple[int, int]]:
+    """``(k⁺, k⁻)`` pairs :func:`split_audit` chooses from on a half of ``half`` canaries."""
+    ks = sorted({k for k in (half // 100, half // 40, half // 20, half // 10, half // 5, half // 2) if k >= 1})
+    return [(k, 0) for k in ks] + [(k, k) for k in ks if 2 * k <= half]
+
+
+def audit_method(method, space: Space, canaries: int, k_pos: int, k_neg: int, sample_rate: float, steps: int,
+                 step_fn: Callable[[CanaryMethod], None], delta: float, seed: int, split: bool = False,
+                 report: Callable[[str], None] = PRINT) -> tuple[OneRunAudit, CanaryMethod]:
     """Train ``steps`` logical steps of ``method`` with canaries (``step_fn`` runs one step of the loop on
-    the wrapped method) and audit them with ``k⁺ = k⁻ = k``. Returns the audit and the wrapped method."""
+    the wrapped method) and audit them with fixed ``(k⁺, k⁻)``, or with ``split`` by :func:`split_audit`.
+    Returns the audit and the wrapped method."""
     rng = np.random.default_rng(seed)
     included = rng.random(canaries) < 0.5  # the secret coins
     directions = draw_directions(space, method.params, canaries, seed + 1)
@@ -83,7 +96,10 @@ def audit_method(method, space: Space, canaries: int, k: int, sample_rate: float
         step_fn(wrapped)
         if (t + 1) % max(1, steps // 10) == 0 or t + 1 == steps:
             report(f"  step {t + 1}/{steps} ({time.perf_counter() - tic:.0f} s)")
-    return audit(wrapped.scores.numpy(), included, k, k, delta), wrapped
+    scores = wrapped.scores.numpy()
+    if split:
+        return split_audit(scores, included, split_candidates(canaries // 2), delta), wrapped
+    return audit(scores, included, k_pos, k_neg, delta), wrapped
 
 
 def _privacy_overrides(epsilon: float) -> list[str]:
@@ -94,8 +110,8 @@ def _privacy_overrides(epsilon: float) -> list[str]:
     return ["privacy=eps6", f"privacy.name=eps{epsilon:g}", f"privacy.epsilon={epsilon:g}"]
 
 
-def audit_training_run(method_name: str, epsilon: float, scale: str, canaries: int, k: int, seed: int,
-                       report: Callable[[str], None] = PRINT) -> AuditRow:
+def audit_training_run(method_name: str, epsilon: float, scale: str, canaries: int, k_pos: int, k_neg: int,
+                       split: bool, seed: int, report: Callable[[str], None] = PRINT) -> AuditRow:
     """Build the run of ``method × ε`` at ``scale`` with the normal config and train it with canaries."""
     from pipelines.store import run_hash
     from pipelines.validate import load_job
@@ -109,13 +125,14 @@ def audit_training_run(method_name: str, epsilon: float, scale: str, canaries: i
         s.method = wrapped
         train_step(s, cfg)
 
-    result, _ = audit_method(s.method, space_of(method_name), canaries, k, s.sampler.sample_rate, steps, step_fn,
-                             float(cfg.privacy.delta), seed, report)
+    result, _ = audit_method(s.method, space_of(method_name), canaries, k_pos, k_neg, s.sampler.sample_rate, steps,
+                             step_fn, float(cfg.privacy.delta), seed, split, report)
     ideal = ""
     if s.method.dp:
-        mean, sd = expected_epsilon_lower(canaries, k, s.sigma, s.sampler.sample_rate, steps, seed=seed)
+        mean, sd = expected_epsilon_lower(result.canaries, result.k_pos, result.k_neg, s.sigma, s.sampler.sample_rate,
+                                          steps, seed=seed)
         ideal = f"{mean:.2f} ± {sd:.2f}"
-    return AuditRow(method_name, epsilon, canaries, result.guesses, result.correct, result.epsilon_lower, ideal,
+    return AuditRow(method_name, epsilon, result.canaries, result.guesses, result.correct, result.epsilon_lower, ideal,
                     run_hash(cfg))
 
 
@@ -167,7 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--methods", default="prism,adamw")
     parser.add_argument("--epsilons", default="6,3")
     parser.add_argument("--canaries", type=int, default=1000, help="m (default 1000)")
-    parser.add_argument("--guesses", type=int, default=100, help="k⁺ = k⁻ (default 100, fixed before training)")
+    parser.add_argument("--k-pos", type=int, default=100, help="k⁺ 'in' guesses on the highest scores (default 100)")
+    parser.add_argument("--k-neg", type=int, default=0, help="k⁻ 'out' guesses on the lowest scores (default 0)")
+    parser.add_argument("--split", action="store_true",
+                        help="choose (k⁺, k⁻) on one half of the canaries and audit the other half")
     parser.add_argument("--seed", type=int, default=0, help="seed of the secret coins, directions and canary sampling")
     parser.add_argument("--no-control", action="store_true", help="skip the non-private control rows")
     parser.add_argument("--out", default="results/tables")
@@ -179,8 +199,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         epsilons = _epsilons(args.epsilons)
         if args.canaries < 2:
             raise ValueError(f"--canaries={args.canaries} must be ≥ 2 (1000 for the audit)")
-        if not 1 <= args.guesses <= args.canaries // 2:
-            raise ValueError(f"--guesses={args.guesses} must lie in [1, canaries/2 = {args.canaries // 2}]")
+        if min(args.k_pos, args.k_neg) < 0 or not 1 <= args.k_pos + args.k_neg <= args.canaries:
+            raise ValueError(f"--k-pos={args.k_pos} --k-neg={args.k_neg}: each must be ≥ 0, their sum in "
+                             f"[1, canaries = {args.canaries}]")
+        if 2 * args.canaries * 1e-5 > 1:
+            raise ValueError(f"--canaries={args.canaries}: at most 50000 (the bound needs 2·m·δ ≤ 1 at δ = 1e-5)")
         lacking = [m for m in methods if not callable(getattr(method_class(m), RELEASE_HOOK, None))]
         if lacking:
             raise ValueError(f"method {lacking[0]} does not expose Method.{RELEASE_HOOK}() (the released privatised "
@@ -193,7 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for i, (method_name, epsilon) in enumerate(plan, 1):
         PRINT(f"[{i}/{len(plan)}] {method_name} at ε = {epsilon:g}: training with {args.canaries} canaries")
-        rows.append(audit_training_run(method_name, epsilon, args.scale, args.canaries, args.guesses, args.seed))
+        rows.append(audit_training_run(method_name, epsilon, args.scale, args.canaries, args.k_pos, args.k_neg,
+                                       args.split, args.seed))
         r = rows[-1]
         PRINT(f"  {r.correct}/{r.guesses} correct guesses: ε ≥ {r.epsilon_lower_95:.2f} (95 %); ideal run {r.ideal_epsilon_lower or '–'}")
     md, csv_path = write_table(rows, args.scale, Path(args.out))

@@ -179,14 +179,15 @@ def dpsgd_canary_scores(included: np.ndarray, sample_rate: float, steps: int, si
     return hits + sigma * math.sqrt(steps) * rng.standard_normal(included.shape)
 
 
-def expected_epsilon_lower(canaries: int, k: int, sigma: float, sample_rate: float, steps: int, trials: int = 20,
-                           delta: float = 1e-5, confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
+def expected_epsilon_lower(canaries: int, k_pos: int, k_neg: int, sigma: float, sample_rate: float, steps: int,
+                           trials: int = 20, delta: float = 1e-5, confidence: float = 0.95,
+                           seed: int = 0) -> tuple[float, float]:
     """Mean and standard deviation over ``trials`` of the bound a correct DP-SGD run at ``(σ, q, T)`` gives
-    with ``canaries`` ideal white-box canaries (:func:`dpsgd_canary_scores`) and ``k⁺ = k⁻ = k``."""
+    with ``canaries`` ideal white-box canaries (:func:`dpsgd_canary_scores`) and guesses ``k⁺``, ``k⁻``."""
     rng = np.random.default_rng(seed)
     bounds = []
     for _ in range(trials):
         included = rng.random(canaries) < 0.5
         scores = dpsgd_canary_scores(included, sample_rate, steps, sigma, rng)
-        bounds.append(audit(scores, included, k, k, delta, confidence).epsilon_lower)
+        bounds.append(audit(scores, included, k_pos, k_neg, delta, confidence).epsilon_lower)
     return float(np.mean(bounds)), float(np.std(bounds))
