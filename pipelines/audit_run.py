@@ -43,8 +43,8 @@ from prism.privacy.one_run import OneRunAudit, audit, expected_epsilon_lower, sp
 PRINT = functools.partial(print, flush=True)
 SCALES = ("embedded", "smoke")
 TANGENT_METHODS = ("prism", "prism_paper")
-COLUMNS = ("method", "claimed_epsilon", "canaries", "guesses", "correct", "epsilon_lower_95",
-           "ideal_epsilon_lower", "config_hash")
+COLUMNS = ("method", "claimed_epsilon", "canaries", "guesses", "correct", "epsilon_lower_95", "mu_gdp_lower_95",
+           "epsilon_gdp_lower_95", "ideal_epsilon_lower", "config_hash")
 
 
 def space_of(method_name: str) -> Space:
@@ -71,6 +71,8 @@ class AuditRow:
     guesses: int
     correct: int
     epsilon_lower_95: float
+    mu_gdp_lower_95: float  # NaN unless k⁻ = 0
+    epsilon_gdp_lower_95: float  # the ε at δ of the rejected μ-GDP curve
     ideal_epsilon_lower: str  # "mean ± sd" of ideal runs; "" for a non-private control
     config_hash: str
 
@@ -132,8 +134,15 @@ def audit_training_run(method_name: str, epsilon: float, scale: str, canaries: i
         mean, sd = expected_epsilon_lower(result.canaries, result.k_pos, result.k_neg, s.sigma, s.sampler.sample_rate,
                                           steps, seed=seed)
         ideal = f"{mean:.2f} ± {sd:.2f}"
-    return AuditRow(method_name, epsilon, result.canaries, result.guesses, result.correct, result.epsilon_lower, ideal,
-                    run_hash(cfg))
+    return AuditRow(method_name, epsilon, result.canaries, result.guesses, result.correct, result.epsilon_lower,
+                    result.mu_lower, gdp_equivalent(result.mu_lower, float(cfg.privacy.delta)), ideal, run_hash(cfg))
+
+
+def gdp_equivalent(mu: float, delta: float) -> float:
+    """The ε at δ of the μ-GDP curve (0 for μ = 0, NaN for NaN)."""
+    from prism.privacy.audit import gdp_epsilon
+
+    return mu if math.isnan(mu) or mu == 0 else gdp_epsilon(mu, delta)
 
 
 def write_table(rows: Sequence[AuditRow], scale: str, out_dir: Path) -> tuple[Path, Path]:
@@ -144,18 +153,26 @@ def write_table(rows: Sequence[AuditRow], scale: str, out_dir: Path) -> tuple[Pa
         writer = csv.DictWriter(fh, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(asdict(r) for r in rows)
-    header = ("| method | claimed ε | m | guesses | correct | ε lower bound (95 %) | ideal run's bound | config |\n"
-              "|---|---:|---:|---:|---:|---:|---:|---|\n")
+    header = ("| method | claimed ε | m | guesses | correct | ε lower bound (95 %) | μ-GDP lower bound (ε at δ) "
+              "| ideal run's ε bound | config |\n|---|---:|---:|---:|---:|---:|---:|---:|---|\n")
     body = "".join(
         f"| {r.method} | {'∞ (non-private)' if math.isinf(r.claimed_epsilon) else f'{r.claimed_epsilon:g}'} | "
-        f"{r.canaries} | {r.guesses} | {r.correct} | {r.epsilon_lower_95:.2f} | {r.ideal_epsilon_lower or '–'} | "
+        f"{r.canaries} | {r.guesses} | {r.correct} | {r.epsilon_lower_95:.2f} | {_gdp_cell(r)} | {r.ideal_epsilon_lower or '–'} | "
         f"`{r.config_hash}` |\n" for r in rows)
     note = ("\nOne-run audit (Steinke, Nasr & Jagielski 2023) with white-box gradient canaries: a lower bound on ε "
             "at 95 % confidence, loose by design; 'ideal run's bound' is what a correct mechanism with the same "
             "σ, q, T, m and guesses gives when canaries do not interfere (mean ± sd of 20 simulated runs). "
-            "A bound above the claimed ε is a privacy defect.\n")
+            "A bound above the claimed ε is a privacy defect. The μ-GDP column (Mahloujifar, Melis & Chaudhuri 2025, "
+            "'in' guesses only) rejects Gaussian-shaped trade-off curves: it speaks of the μ-GDP hypothesis, "
+            "not of (ε, δ)-DP.\n")
     md.write_text(f"# One-run privacy audit ({scale} scale)\n\n" + header + body + note)
     return md, csv_path
+
+
+def _gdp_cell(r: AuditRow) -> str:
+    if math.isnan(r.mu_gdp_lower_95):
+        return "–"
+    return f"{r.mu_gdp_lower_95:.2f} ({r.epsilon_gdp_lower_95:.2f})"
 
 
 def _names(text: str, allowed: Sequence[str], flag: str) -> list[str]:

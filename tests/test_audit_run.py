@@ -193,14 +193,15 @@ def test_method_without_the_hook_is_refused():
 
 
 def test_table_round_trips(tmp_path):
-    rows = [AuditRow("prism", 6.0, 1000, 200, 120, 0.31, "0.20 ± 0.10", "abc123"),
-            AuditRow("adamw", math.inf, 1000, 200, 200, 3.1, "", "def456")]
+    rows = [AuditRow("prism", 6.0, 1000, 200, 120, 0.31, 0.12, 0.5, "0.20 ± 0.10", "abc123"),
+            AuditRow("adamw", math.inf, 1000, 200, 200, 3.1, math.nan, math.nan, "", "def456")]
     md, csv_path = write_table(rows, "embedded", tmp_path)
     with csv_path.open() as fh:
         read = list(csv.DictReader(fh))
     assert [r["method"] for r in read] == ["prism", "adamw"] and float(read[1]["claimed_epsilon"]) == math.inf
     text = md.read_text()
-    assert "| prism | 6 | 1000 | 200 | 120 | 0.31 | 0.20 ± 0.10 | `abc123` |" in text
+    assert "| prism | 6 | 1000 | 200 | 120 | 0.31 | 0.12 (0.50) | 0.20 ± 0.10 | `abc123` |" in text
+    assert "| adamw | ∞ (non-private) | 1000 | 200 | 200 | 3.10 | – | – | `def456` |" in text
     assert "∞ (non-private)" in text
 
 

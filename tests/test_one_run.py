@@ -21,7 +21,11 @@ from prism.privacy.one_run import (
     binomial_upper_tail,
     dpsgd_canary_scores,
     epsilon_lower_bound,
+    fdp_lower_bound,
+    fdp_rejects,
+    gaussian_curve,
     p_value,
+    pure_dp_curve,
     split_audit,
     top_bottom_guesses,
 )
@@ -162,3 +166,42 @@ def test_dpsgd_scores_moments():
     assert s[included].var() == pytest.approx(q * T * (1 - q) + sigma**2 * T, rel=0.02)
     assert s[~included].mean() == pytest.approx(0.0, abs=0.03)
     assert s[~included].var() == pytest.approx(sigma**2 * T, rel=0.02)
+
+
+def test_fdp_recursion_with_the_pure_dp_curve_is_the_binomial_bound():
+    """Mahloujifar, Melis & Chaudhuri (2025) generalise Steinke, Nasr & Jagielski (2023): with the ε-DP
+    trade-off curve their recursion must give (up to its discretisation) the δ = 0 binomial bound."""
+    for m, k, v in [(1000, 100, 100), (1000, 100, 90), (1000, 1000, 700), (200, 50, 45), (1000, 300, 230)]:
+        fdp = fdp_lower_bound(m, k, v, pure_dp_curve, tol=1e-5)
+        binomial = epsilon_lower_bound(m, k, v, delta=0.0)
+        assert fdp == pytest.approx(binomial, abs=0.03) and fdp <= binomial + 1e-4
+
+
+def test_fdp_coverage_on_randomised_response():
+    """The pure-DP curve on its worst case (randomised response, W ~ Bin(k, p_ε)): rejection of the true ε
+    at most β = 5 % of the time, and close to it."""
+    rng = np.random.default_rng(6)
+    m, eps, trials = 1000, 1.0, 400
+    p = math.exp(eps) / (1 + math.exp(eps))
+    values, counts = np.unique(rng.binomial(m, p, size=trials), return_counts=True)
+    over = sum(c for v, c in zip(values, counts) if fdp_lower_bound(m, m, int(v), pure_dp_curve, tol=1e-4) > eps)
+    assert 0.015 < over / trials <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / trials)
+
+
+def test_gdp_bound_on_gaussian_mechanisms():
+    """Idealised Gaussian mechanisms (μ = 1/σ exactly, their trade-off curve is f_μ): the μ bound never
+    exceeds μ more often than β, is monotone in μ, and its ε (GDP curve at δ) is above the binomial
+    bound on the same guesses on average (the tighter bound Mahloujifar et al. report)."""
+    rng = np.random.default_rng(7)
+    m, k = 1000, 100
+    for sigma in (0.5, 1.0):
+        results = []
+        for _ in range(20):
+            included = rng.random(m) < 0.5
+            results.append(audit(included + sigma * rng.standard_normal(m), included, k, 0))
+        mus = np.array([r.mu_lower for r in results])
+        assert np.mean(mus > 1 / sigma) <= 0.05
+        gdp_eps = np.mean([gdp_epsilon(mu, 1e-5) if mu > 0 else 0.0 for mu in mus])
+        assert gdp_eps > np.mean([r.epsilon_lower for r in results])
+    rejected = [fdp_rejects(m, k, 80, gaussian_curve(mu), 0.05) for mu in np.linspace(0.01, 3, 300)]
+    assert rejected == sorted(rejected, reverse=True)  # True up to the bound, then False

@@ -19,6 +19,14 @@ right-hand side has derivative ``≥ r P[Y = v − 1] (1 − 2mδ/i*) ≥ 0`` wh
 non-decreasing in ε and {ε : p-value ≤ β} is an interval ``[0, ε_lb]``. :func:`epsilon_lower_bound` requires
 ``2mδ ≤ 1`` (at δ = 1e-5 up to 50,000 canaries).
 
+The f-DP refinement of Mahloujifar, Melis & Chaudhuri (2025, "Auditing f-differential privacy in one run")
+tests a whole trade-off curve instead of one (ε, δ) pair: :func:`fdp_lower_bound` with
+:func:`gaussian_curve` rejects "the run is μ-GDP" (Dong, Roth & Su 2022: trade-off
+``f_μ(α) = Φ(Φ⁻¹(1 − α) − μ)``, the curve of one Gaussian mechanism with sensitivity/σ = μ) from ``k`` "in"
+guesses (``k⁻ = 0``) of which ``v`` are right, and returns the largest μ rejected at level β; :func:`prism.privacy.audit.gdp_epsilon` turns it into the ε of that Gaussian curve at δ.
+It bounds the run's GDP parameter, not its (ε, δ): a run that is (ε, δ)-DP need not be μ-GDP at the μ
+whose curve passes through (ε, δ), so this column speaks about the Gaussian-shaped hypothesis only.
+
 Guesses must not be chosen by looking at the coins: :func:`top_bottom_guesses` takes ``k⁺``, ``k⁻`` fixed
 before the scores are seen; :func:`split_audit` picks them on one half of the canaries and measures the
 other half only (the theorem applies to the second half conditionally on the first, whose coins are
@@ -27,7 +35,7 @@ independent of it).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,6 +112,53 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float = 1e-5, confidence:
     return lo
 
 
+def gaussian_curve(mu: float) -> Callable[[float], float]:
+    """``t ↦ f_μ(1 − t) = Φ(Φ⁻¹(t) − μ)``: the μ-GDP trade-off curve read from the right (Dong, Roth & Su 2022)."""
+    return lambda t: float(special.ndtr(special.ndtri(t) - mu))
+
+
+def pure_dp_curve(epsilon: float) -> Callable[[float], float]:
+    """``t ↦ f_ε(1 − t)`` for the ε-DP trade-off curve ``f_ε(α) = max(0, 1 − e^ε α, e^{−ε}(1 − α))``."""
+    return lambda t: max(0.0, 1.0 - math.exp(epsilon) * (1.0 - t), math.exp(-epsilon) * t)
+
+
+def fdp_rejects(m: int, k: int, v: int, curve: Callable[[float], float], beta: float) -> bool:
+    """Whether ``v`` right of ``k`` "in" guesses about ``m`` canaries reject "f-DP" at level β (Mahloujifar et al.).
+
+    ``curve(t) = f(1 − t)``. Their recursion on the shares of right and wrong guesses (scaled by β/m): from
+    ``t = βv/m``, ``w = β(k − v)/m``, for ``i = v − 1, …, 0`` the trade-off curve forces ``w ≥ f(1 − t)``, and
+    each unit added to ``w`` lifts ``t`` by ``i/(k − i)`` (capped at 1); the claim is rejected when the final
+    ``t + w`` exceeds ``k/m``.
+    """
+    _check_counts(m, k, v)
+    right, wrong = beta * v / m, beta * (k - v) / m
+    for i in range(v - 1, -1, -1):
+        forced = max(wrong, curve(right))
+        if forced == wrong:  # nothing moves any more
+            break
+        right, wrong = min(1.0, right + i / (k - i) * (forced - wrong)), forced
+    return right + wrong > k / m
+
+
+def fdp_lower_bound(m: int, k: int, v: int, family: Callable[[float], Callable[[float], float]],
+                    confidence: float = 0.95, tol: float = 1e-6) -> float:
+    """Largest parameter of ``family`` (μ for :func:`gaussian_curve`, ε for :func:`pure_dp_curve`) whose curve
+    :func:`fdp_rejects` rejects, 0 if none; by bisection (a larger parameter lowers the curve, so rejection
+    is monotone in it)."""
+    beta = 1.0 - confidence
+    if k == 0 or not fdp_rejects(m, k, v, family(tol), beta):
+        return 0.0
+    lo, hi = tol, 1.0
+    while fdp_rejects(m, k, v, family(hi), beta):
+        lo, hi = hi, 2.0 * hi
+        if hi > 1e3:
+            raise ValueError(f"{v} right of {k} guesses rejects every curve parameter ≤ 1000: not a DP algorithm")
+    while hi - lo > tol:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if fdp_rejects(m, k, v, family(mid), beta) else (lo, mid)
+    return lo
+
+
 def _check_counts(m: int, r: int, v: int) -> None:
     if not 0 <= v <= r <= m:
         raise ValueError(f"need 0 ≤ correct={v} ≤ guesses={r} ≤ canaries={m}")
@@ -127,7 +182,8 @@ def top_bottom_guesses(scores: np.ndarray, k_pos: int, k_neg: int) -> np.ndarray
 
 @dataclass(frozen=True)
 class OneRunAudit:
-    """The outcome of one audit: canaries audited, guesses made, correct guesses, the ε lower bound."""
+    """The outcome of one audit: canaries audited, guesses made, correct guesses, the ε lower bound and,
+    for "in" guesses only (``k⁻ = 0``), the μ-GDP lower bound (NaN otherwise)."""
 
     canaries: int
     guesses: int
@@ -135,6 +191,7 @@ class OneRunAudit:
     epsilon_lower: float
     k_pos: int
     k_neg: int
+    mu_lower: float = math.nan
 
 
 def audit(scores: np.ndarray, included: np.ndarray, k_pos: int, k_neg: int, delta: float = 1e-5,
@@ -147,7 +204,8 @@ def audit(scores: np.ndarray, included: np.ndarray, k_pos: int, k_neg: int, delt
     truth = np.where(included, 1, -1)
     r = int(np.count_nonzero(guesses))
     v = int(np.count_nonzero(guesses == truth))
-    return OneRunAudit(len(scores), r, v, epsilon_lower_bound(len(scores), r, v, delta, confidence), k_pos, k_neg)
+    mu = fdp_lower_bound(len(scores), r, v, gaussian_curve, confidence, tol=1e-4) if k_neg == 0 else math.nan
+    return OneRunAudit(len(scores), r, v, epsilon_lower_bound(len(scores), r, v, delta, confidence), k_pos, k_neg, mu)
 
 
 def split_audit(scores: np.ndarray, included: np.ndarray, candidates: Sequence[tuple[int, int]],
