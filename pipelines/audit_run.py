@@ -112,14 +112,20 @@ def _privacy_overrides(epsilon: float) -> list[str]:
     return ["privacy=eps6", f"privacy.name=eps{epsilon:g}", f"privacy.epsilon={epsilon:g}"]
 
 
-def audit_training_run(method_name: str, epsilon: float, scale: str, canaries: int, k_pos: int, k_neg: int,
-                       split: bool, seed: int, report: Callable[[str], None] = PRINT) -> AuditRow:
-    """Build the run of ``method × ε`` at ``scale`` with the normal config and train it with canaries."""
-    from pipelines.store import run_hash
+def job_config(method_name: str, epsilon: float, scale: str):
+    """The validated job config of ``method × ε`` at ``scale`` (what ``pipelines.run`` would train)."""
     from pipelines.validate import load_job
+
+    return load_job([f"method={method_name}", f"scale={scale}", *_privacy_overrides(epsilon)])
+
+
+def audit_training_run(cfg, canaries: int, k_pos: int, k_neg: int, split: bool, seed: int,
+                       report: Callable[[str], None] = PRINT) -> AuditRow:
+    """Build the run of ``cfg`` (:func:`job_config`) and train it with canaries."""
+    from pipelines.store import run_hash
     from prism.train import build, total_steps, train_step
 
-    cfg = load_job([f"method={method_name}", f"scale={scale}", *_privacy_overrides(epsilon)])
+    method_name, epsilon = str(cfg.method.name), float(cfg.privacy.epsilon)
     s = build(cfg)
     steps = total_steps(cfg)
 
@@ -225,16 +231,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if lacking:
             raise ValueError(f"method {lacking[0]} does not expose Method.{RELEASE_HOOK}() (the released privatised "
                              "quantity of each step), which the one-run audit scores; it cannot be audited yet")
+        plan = [(m, e) for m in methods for e in epsilons] + ([] if args.no_control else [(m, math.inf) for m in methods])
+        configs = [job_config(m, e, args.scale) for m, e in plan]  # every config checked before any model load
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    plan = [(m, e) for m in methods for e in epsilons] + ([] if args.no_control else [(m, math.inf) for m in methods])
+    from pipelines.run import quiet_third_party_warnings, setup_logging
+
+    quiet_third_party_warnings()
+    setup_logging()
     tic = time.perf_counter()
     rows = []
-    for i, (method_name, epsilon) in enumerate(plan, 1):
+    for i, ((method_name, epsilon), cfg) in enumerate(zip(plan, configs), 1):
         PRINT(f"[{i}/{len(plan)}] {method_name} at ε = {epsilon:g}: training with {args.canaries} canaries")
-        rows.append(audit_training_run(method_name, epsilon, args.scale, args.canaries, args.k_pos, args.k_neg,
-                                       args.split, args.seed))
+        rows.append(audit_training_run(cfg, args.canaries, args.k_pos, args.k_neg, args.split, args.seed))
         r = rows[-1]
         PRINT(f"  {r.correct}/{r.guesses} correct guesses: ε ≥ {r.epsilon_lower_95:.2f} (95 %); ideal run {r.ideal_epsilon_lower or '–'}")
     md, csv_path = write_table(rows, args.scale, Path(args.out))

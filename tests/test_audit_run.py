@@ -251,3 +251,30 @@ def test_harness_matches_the_ideal_run():
         ideal.append(int((guesses == np.where(included, 1, -1)).sum()))
     harness = [_run(FlatGaussian, "factor", seed=s)[0].correct for s in range(3)]
     assert abs(np.mean(harness) - np.mean(ideal)) < 3 * np.std(ideal)
+
+
+@pytest.mark.slow  # builds the tiny backbone and calibrates σ (about 20 s on a shared 2-core machine)
+def test_canaries_ride_the_real_training_loop():
+    """The real loop (prism.train.build/train_step: Poisson sampler, tiny backbone, Opacus per-example
+    gradients) with the test mechanism on the run's own LoRA parameters: the canaries are sampled at the
+    run's rate alongside real examples, enter the same accumulate, and every canary is scored each step."""
+    from prism import train as T
+    from tests.test_train import tiny_cfg
+
+    cfg = tiny_cfg("method=adamw", "privacy=eps6")
+    s = T.build(cfg)
+    method = FlatGaussian(s.method.params, s.method.privacy)
+    seen = []
+    inner_accumulate = method.accumulate
+    method.accumulate = lambda grads: (seen.append(next(iter(grads.values())).shape[0]), inner_accumulate(grads))
+
+    def step_fn(wrapped):
+        s.method = wrapped
+        T.train_step(s, cfg)
+
+    result, wrapped = audit_method(method, "factor", 60, 5, 0, s.sampler.sample_rate, cfg.train.steps, step_fn,
+                                   1e-5, 0, report=lambda _: None)
+    assert s.sampler.sample_rate == pytest.approx(8 / 32)
+    assert method.examples == sum(seen) and int(wrapped.sampled.sum()) > 0
+    assert int(wrapped.sampled[~np.isin(np.arange(60), wrapped.included.numpy())].sum()) == 0  # excluded never enter
+    assert torch.isfinite(wrapped.scores).all() and result.guesses == 5
