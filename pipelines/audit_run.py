@@ -9,7 +9,8 @@ the sum over steps of the released privatised quantity projected on its directio
 score is seen (``--split``: chosen on one half of the canaries, the other half audited), and
 :func:`prism.privacy.one_run.epsilon_lower_bound` turns the correct guesses into an ε lower bound at
 95 % (δ of the run). Alongside: the bound an ideal run with the same ``(σ, q, T, m, k⁺, k⁻)`` gives
-(:func:`prism.privacy.one_run.expected_epsilon_lower`, mean ± sd over 20 simulated runs).
+(:func:`prism.privacy.one_run.expected_bounds`, mean ± sd over 20 simulated runs). ``--expected-only``
+prints those expectations for the planned runs without training (σ calibrated as the runs would be).
 
 Default ``k⁻ = 0``: when ``qT`` is about 1 (embedded: q = 0.032, T = 30) a third of the included canaries
 is never sampled, so its scores look like the excluded ones' and "out" guesses are at best about 70 %
@@ -21,7 +22,7 @@ allow). Output: ``results/tables/audit_run.<scale>.md`` and ``.csv``, printed at
 
     python -m pipelines.audit_run [--scale embedded] [--methods prism,adamw] [--epsilons 6,3]
                                   [--canaries 1000] [--k-pos 100] [--k-neg 0] [--split] [--seed 0]
-                                  [--no-control]
+                                  [--no-control] [--expected-only]
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from prism.privacy.canaries import RELEASE_HOOK, CanaryMethod, Space, draw_directions
-from prism.privacy.one_run import OneRunAudit, audit, expected_epsilon_lower, split_audit
+from prism.privacy.one_run import OneRunAudit, audit, expected_bounds, split_audit
 
 PRINT = functools.partial(print, flush=True)
 SCALES = ("embedded", "smoke")
@@ -137,8 +138,8 @@ def audit_training_run(cfg, canaries: int, k_pos: int, k_neg: int, split: bool, 
                              step_fn, float(cfg.privacy.delta), seed, split, report)
     ideal = ""
     if s.method.dp:
-        mean, sd = expected_epsilon_lower(result.canaries, result.k_pos, result.k_neg, s.sigma, s.sampler.sample_rate,
-                                          steps, seed=seed)
+        mean, sd, _ = expected_bounds(result.canaries, result.k_pos, result.k_neg, s.sigma, s.sampler.sample_rate,
+                                      steps, seed=seed)
         ideal = f"{mean:.2f} ± {sd:.2f}"
     return AuditRow(method_name, epsilon, result.canaries, result.guesses, result.correct, result.epsilon_lower,
                     result.mu_lower, gdp_equivalent(result.mu_lower, float(cfg.privacy.delta)), ideal, run_hash(cfg))
@@ -149,6 +150,35 @@ def gdp_equivalent(mu: float, delta: float) -> float:
     from prism.privacy.audit import gdp_epsilon
 
     return mu if math.isnan(mu) or mu == 0 else gdp_epsilon(mu, delta)
+
+
+def training_rows(cfg) -> int:
+    """Training-set size of an embedded/smoke suite from its config (``train_per_task``: per task or one count)."""
+    per_task = cfg.suite.get("embedded", {}).get("train_per_task") if "embedded" in cfg.suite else None
+    if per_task is None:
+        raise ValueError(f"suite {cfg.suite.name} at scale {cfg.suite.scale} has no suite.embedded.train_per_task; "
+                         "--expected-only needs an embedded or smoke suite")
+    return int(sum(per_task.values())) if hasattr(per_task, "values") else int(per_task) * len(cfg.suite.embedded.tasks)
+
+
+def expected_lines(configs, canaries: int, k_pos: int, k_neg: int, seed: int) -> list[str]:
+    """One line per DP config: σ, q, T and what a correct run's audit gives (:func:`expected_bounds`)."""
+    from prism.privacy.accounting import calibrate_for_run
+    from prism.train import total_steps
+
+    lines = ["| method | claimed ε | σ | q | T | m | k⁺ | k⁻ | ε bound of a correct run | μ-GDP bound |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for cfg in configs:
+        epsilon = float(cfg.privacy.epsilon)
+        if math.isinf(epsilon):
+            continue
+        q, steps = cfg.train.batch_size / training_rows(cfg), total_steps(cfg)
+        sigma = calibrate_for_run(epsilon, float(cfg.privacy.delta), q, steps, cfg.privacy.calibration)
+        mean, sd, mu = expected_bounds(canaries, k_pos, k_neg, sigma, q, steps, delta=float(cfg.privacy.delta),
+                                       seed=seed)
+        lines.append(f"| {cfg.method.name} | {epsilon:g} | {sigma:.4f} | {q:.4g} | {steps} | {canaries} | {k_pos} | "
+                     f"{k_neg} | {mean:.2f} ± {sd:.2f} | {'–' if math.isnan(mu) else f'{mu:.2f}'} |")
+    return lines
 
 
 def write_table(rows: Sequence[AuditRow], scale: str, out_dir: Path) -> tuple[Path, Path]:
@@ -214,6 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the secret coins, directions and canary sampling")
     parser.add_argument("--no-control", action="store_true", help="skip the non-private control rows")
     parser.add_argument("--out", default="results/tables")
+    parser.add_argument("--expected-only", action="store_true",
+                        help="print what correct runs' audits give (simulated, no training) and exit")
     args = parser.parse_args(argv)
     try:
         if args.scale not in SCALES:
@@ -228,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if 2 * args.canaries * 1e-5 > 1:
             raise ValueError(f"--canaries={args.canaries}: at most 50000 (the bound needs 2·m·δ ≤ 1 at δ = 1e-5)")
         lacking = [m for m in methods if not callable(getattr(method_class(m), RELEASE_HOOK, None))]
-        if lacking:
+        if lacking and not args.expected_only:
             raise ValueError(f"method {lacking[0]} does not expose Method.{RELEASE_HOOK}() (the released privatised "
                              "quantity of each step), which the one-run audit scores; it cannot be audited yet")
         plan = [(m, e) for m in methods for e in epsilons] + ([] if args.no_control else [(m, math.inf) for m in methods])
@@ -236,6 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    if args.expected_only:
+        PRINT("\n".join(expected_lines(configs, args.canaries, args.k_pos, args.k_neg, args.seed)))
+        return 0
     from pipelines.run import quiet_third_party_warnings, setup_logging
 
     quiet_third_party_warnings()

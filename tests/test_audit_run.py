@@ -239,7 +239,7 @@ def test_split_rule_audits_the_unseen_half():
 
 def test_harness_matches_the_ideal_run():
     """The correct flat mechanism with every canary in every step (q = 1) against the simulated ideal run
-    of :func:`prism.privacy.one_run.expected_epsilon_lower` at the same σ, T, m, k: the number of correct
+    of :func:`prism.privacy.one_run.expected_bounds` at the same σ, T, m, k: the number of correct
     guesses agrees (the real examples and the other canaries interfere little)."""
     from prism.privacy.one_run import dpsgd_canary_scores, top_bottom_guesses
 

@@ -237,15 +237,17 @@ def dpsgd_canary_scores(included: np.ndarray, sample_rate: float, steps: int, si
     return hits + sigma * math.sqrt(steps) * rng.standard_normal(included.shape)
 
 
-def expected_epsilon_lower(canaries: int, k_pos: int, k_neg: int, sigma: float, sample_rate: float, steps: int,
-                           trials: int = 20, delta: float = 1e-5, confidence: float = 0.95,
-                           seed: int = 0) -> tuple[float, float]:
-    """Mean and standard deviation over ``trials`` of the bound a correct DP-SGD run at ``(σ, q, T)`` gives
-    with ``canaries`` ideal white-box canaries (:func:`dpsgd_canary_scores`) and guesses ``k⁺``, ``k⁻``."""
+def expected_bounds(canaries: int, k_pos: int, k_neg: int, sigma: float, sample_rate: float, steps: int,
+                    trials: int = 20, delta: float = 1e-5, confidence: float = 0.95,
+                    seed: int = 0) -> tuple[float, float, float]:
+    """What a correct DP-SGD run at ``(σ, q, T)`` gives with ``canaries`` ideal white-box canaries
+    (:func:`dpsgd_canary_scores`) and guesses ``k⁺``, ``k⁻``: the mean and standard deviation of the ε bound
+    and the mean μ-GDP bound (NaN unless ``k⁻ = 0``) over ``trials`` simulated runs."""
     rng = np.random.default_rng(seed)
-    bounds = []
+    results = []
     for _ in range(trials):
         included = rng.random(canaries) < 0.5
-        scores = dpsgd_canary_scores(included, sample_rate, steps, sigma, rng)
-        bounds.append(audit(scores, included, k_pos, k_neg, delta, confidence).epsilon_lower)
-    return float(np.mean(bounds)), float(np.std(bounds))
+        results.append(audit(dpsgd_canary_scores(included, sample_rate, steps, sigma, rng), included, k_pos, k_neg,
+                             delta, confidence))
+    eps = [r.epsilon_lower for r in results]
+    return float(np.mean(eps)), float(np.std(eps)), float(np.mean([r.mu_lower for r in results]))
