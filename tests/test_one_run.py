@@ -1,7 +1,7 @@
 """One-run ε lower bound (prism.privacy.one_run) against scipy, exact arithmetic and simulated mechanisms.
 
 Independent expectations: scipy's binomial law and exact rational sums for the tails; the theorem's
-bound written out term by term from its statement (Steinke, Nasr & Jagielski 2023, Theorem 3.1:
+bound written out term by term from its statement (Steinke, Nasr & Jagielski 2023, main theorem:
 max over i = 1..m) for the δ term; the closed form of the perfect-guess bound (δ = 0, v = r:
 ``p_ε^r = β``); and simulations of mechanisms whose privacy is known exactly (ε-DP randomised response,
 where the bound is nearly tight, and the Gaussian mechanism, ε from its GDP curve).
@@ -46,7 +46,7 @@ def test_upper_tail_matches_exact_rationals():
 
 
 def _theorem_bound(m: int, r: int, v: int, eps: float, delta: float) -> float:
-    """Theorem 3.1's right-hand side from its statement, with scipy: f(v) + 2mδ max_{1≤i≤m} (f(v−i) − f(v))/i."""
+    """The main theorem's right-hand side from its statement, with scipy: f(v) + 2mδ max_{1≤i≤m} (f(v−i) − f(v))/i."""
     p = math.exp(eps) / (1 + math.exp(eps))
     f = lambda x: float(stats.binom.sf(x - 1, r, p))  # noqa: E731  P[Bin(r, p) ≥ x]
     return min(1.0, f(v) + 2 * m * delta * max((f(v - i) - f(v)) / i for i in range(1, m + 1)))

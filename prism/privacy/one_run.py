@@ -8,23 +8,25 @@ training algorithm is (ε, δ)-DP with respect to each canary, then for every ``
     P[W ≥ v] ≤ f_ε(v) + 2mδ · max_{1 ≤ i ≤ v} (f_ε(v − i) − f_ε(v)) / i,
     f_ε(v) = P[Binomial(r, p_ε) ≥ v],  p_ε = e^ε / (1 + e^ε)
 
-(for δ = 0: ``W`` is stochastically dominated by ``Binomial(r, p_ε)``, the correct guesses of ε-DP
-randomised response). The right-hand side is a p-value for the hypothesis "(ε, δ)-DP" given the observed
+(the theorem takes the max over ``1 ≤ i ≤ m``; for ``i ≥ v`` the term is ``(1 − f_ε(v))/i``, largest at
+``i = v``). For δ = 0: ``W`` is stochastically dominated by ``Binomial(r, p_ε)``, the correct guesses of
+ε-DP randomised response. The right-hand side is a p-value for the hypothesis "(ε, δ)-DP" given the observed
 ``v``; :func:`epsilon_lower_bound` returns the largest ε it rejects at level β. If the algorithm is (ε, δ)-DP
 the returned bound exceeds ε with probability at most β.
 
 Monotonicity, which makes the bisection exact: with ``X ~ Bin(r, p)``, ``Y ~ Bin(r − 1, p)``,
 ``d/dp P[X ≥ v] = r P[Y = v − 1]`` and ``d/dp P[v − i ≤ X < v] = r (P[Y = v − i − 1] − P[Y = v − 1])``, so the
 right-hand side has derivative ``≥ r P[Y = v − 1] (1 − 2mδ/i*) ≥ 0`` whenever ``2mδ ≤ 1``: the p-value is
-non-decreasing in ε and {ε : p-value ≤ β} is an interval ``[0, ε_lb]``. :func:`epsilon_lower_bound` requires
+non-decreasing in ε (the max of the window terms has, almost everywhere, the derivative of one of them)
+and {ε : p-value ≤ β} is an interval ``[0, ε_lb]``. :func:`epsilon_lower_bound` requires
 ``2mδ ≤ 1`` (at δ = 1e-5 up to 50,000 canaries).
 
 The f-DP refinement of Mahloujifar, Melis & Chaudhuri (2025, "Auditing f-differential privacy in one run")
 tests a whole trade-off curve instead of one (ε, δ) pair: :func:`fdp_lower_bound` with
 :func:`gaussian_curve` rejects "the run is μ-GDP" (Dong, Roth & Su 2022: trade-off
 ``f_μ(α) = Φ(Φ⁻¹(1 − α) − μ)``, the curve of one Gaussian mechanism with sensitivity/σ = μ) from ``k`` "in"
-guesses (``k⁻ = 0``) of which ``v`` are right, and returns the largest μ rejected at level β; :func:`prism.privacy.audit.gdp_epsilon` turns it into the ε of that Gaussian curve at δ.
-It bounds the run's GDP parameter, not its (ε, δ): a run that is (ε, δ)-DP need not be μ-GDP at the μ
+guesses (``k⁻ = 0``) of which ``v`` are right, and returns the largest μ rejected at level β;
+:func:`prism.privacy.audit.gdp_epsilon` turns it into the ε of that Gaussian curve at δ. It bounds the run's GDP parameter, not its (ε, δ): a run that is (ε, δ)-DP need not be μ-GDP at the μ
 whose curve passes through (ε, δ), so this column speaks about the Gaussian-shaped hypothesis only.
 
 Guesses must not be chosen by looking at the coins: :func:`top_bottom_guesses` takes ``k⁺``, ``k⁻`` fixed
