@@ -13,7 +13,7 @@ export MKL_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: help setup setup-gemma3 test audit reproduce-table2 reproduce-table3 reproduce-table4 reproduce-table5 reproduce-diagnostics test-all test-slurm lint bench gpu-check data wandb-sync lock clean
+.PHONY: help setup setup-gemma3 test audit audit-run reproduce-table2 reproduce-table3 reproduce-table4 reproduce-table5 reproduce-diagnostics test-all test-slurm lint bench gpu-check data wandb-sync lock clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -32,6 +32,9 @@ test: setup  ## fast test suite (CPU, tiny models)
 
 audit: setup  ## step-level empirical privacy audit of every method; exit 1 if a μ lower bound exceeds 1/σ
 	$(PY) -m pipelines.audit $(ARGS)
+
+audit-run: setup  ## one-run audit of trained runs with canaries (PRISM, DP-AdamW at eps 6, 3 + non-private); exit 1 if a bound exceeds eps
+	$(PY) -m pipelines.audit_run --scale $(SCALE) $(ARGS)
 
 test-all: setup  ## every test, including real checkpoints and end-to-end runs
 	$(PY) -m pytest -q -m ""
