@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,9 +20,10 @@ from pipelines import audit_run
 from pipelines.audit_run import AuditRow, audit_method, write_table
 from prism import geometry
 from prism.lora import lora_pairs, read_pair
-from prism.methods.base import Method, PrivacySpec
+from prism.methods.base import Method, PrivacySpec, Release
 from prism.privacy.audit import gdp_epsilon
-from prism.privacy.canaries import CanaryMethod, draw_directions, gradients, project, sqnorms
+from prism.privacy.canaries import draw_directions, gradients, project, sqnorms
+from prism.privacy.noise import SeededNoise
 
 M, N, R = 512, 384, 8
 A_NAME, B_NAME = "x.lora_B.default.weight", "x.lora_A.default.weight"
@@ -52,17 +54,19 @@ class FlatGaussian(Method):
             self.sum[n] += torch.einsum("k,k...->...", coef, grads[n])
         self.examples += k
 
-    def step(self, denominator, generator, diagnostics=True):
+    def add_noise(self, denominator, noise, diagnostics=True):
         sd = self.noise_scale * self.privacy.sigma * self.privacy.clip_norm
-        self.release = {n: (s + sd * torch.randn(s.shape, generator=generator, dtype=s.dtype)) / denominator
-                        for n, s in self.sum.items()}
+        return Release({n: (s + sd * noise.normal(tuple(s.shape), s.device)) / denominator for n, s in self.sum.items()},
+                       sd / denominator)
+
+    def update(self, release, diagnostics=True):
         with torch.no_grad():
             for n, p in self.params.items():
-                p -= self.lr * self.release[n]
+                p -= self.lr * release.tensors[n]
         return {}
 
-    def last_release(self):
-        return self.release
+    def clip_stats(self):
+        return {}
 
     def state_dict(self):
         return {}
@@ -85,24 +89,21 @@ class TangentGaussian(FlatGaussian):
         pair = lora_pairs(self.params)[0]
         A, B = (x.detach() for x in read_pair(self.params, pair))
         gA, gB = read_pair(grads, pair)
-        norms = geometry.lifted_sqnorm(A, B, gA, gB).sqrt()
+        norms = geometry.lifted_norm_terms(geometry.frame(A, B), gA, gB)[0].sqrt()
         coef = (self.privacy.clip_norm / norms).clamp(max=1.0)
         dA, dB = geometry.lift(A, B, torch.einsum("k,k...->...", coef, gA), torch.einsum("k,k...->...", coef, gB))
         self.sum[pair.a_name] += dA
         self.sum[pair.b_name] += dB.mT
         self.examples += len(coef)
 
-    def step(self, denominator, generator, diagnostics=True):
+    def add_noise(self, denominator, noise, diagnostics=True):
         pair = lora_pairs(self.params)[0]
         A, B = (x.detach() for x in read_pair(self.params, pair))
-        XiA, XiB = geometry.tangent_noise(A, B, generator=generator)
+        XiA, XiB = geometry.tangent_noise(geometry.frame(A, B), noise.normal(tuple(A.shape), A.device),
+                                          noise.normal(tuple(B.shape), B.device))
         tau = self.noise_scale * self.privacy.sigma * self.privacy.clip_norm
-        self.release = {pair.a_name: (self.sum[pair.a_name] + tau * XiA) / denominator,
-                        pair.b_name: (self.sum[pair.b_name] + tau * XiB.mT) / denominator}
-        with torch.no_grad():
-            for n, p in self.params.items():
-                p -= self.lr * self.release[n]
-        return {}
+        return Release({pair.a_name: (self.sum[pair.a_name] + tau * XiA) / denominator,
+                        pair.b_name: (self.sum[pair.b_name] + tau * XiB.mT) / denominator}, tau / denominator)
 
 
 def _real_examples(method: Method, g: torch.Generator, k: int = 6) -> None:
@@ -135,7 +136,7 @@ def test_canary_gradients_have_the_stated_norm_and_pass_through_accumulate():
         else:
             A, B = read_pair(params, lora_pairs(params)[0])
             gA, gB = read_pair(grads, lora_pairs(params)[0])
-            norms = geometry.lifted_sqnorm(A.detach(), B.detach(), gA, gB).sqrt()
+            norms = geometry.lifted_norm_terms(geometry.frame(A.detach(), B.detach()), gA, gB)[0].sqrt()
         torch.testing.assert_close(norms, torch.full((3,), 2.0, dtype=torch.float64))
     _, wrapped, method = _run(FlatGaussian, "factor", steps=2, canaries=20, k=5)
     assert method.examples == 2 * 6 + int(wrapped.sampled.sum())  # the canaries went through accumulate
@@ -183,15 +184,6 @@ def test_tangent_noise_divided_by_ten_is_caught():
     assert result.epsilon_lower > gdp_epsilon(math.sqrt(16) / 10.0, 1e-5)
 
 
-def test_method_without_the_hook_is_refused():
-    class Plain(FlatGaussian):
-        last_release = None
-
-    with pytest.raises(TypeError, match="last_release"):
-        CanaryMethod(Plain(_params(), PrivacySpec(1.0, 1.0)), draw_directions("factor", _params(), 4, 0),
-                     np.ones(4, bool), 1.0, 0)
-
-
 def test_table_round_trips(tmp_path):
     rows = [AuditRow("prism", 6.0, 1000, 200, 120, 0.31, 0.12, 0.5, "0.20 ± 0.10", "abc123"),
             AuditRow("adamw", math.inf, 1000, 200, 200, 3.1, math.nan, math.nan, "", "def456")]
@@ -213,14 +205,39 @@ def test_cli_rejects_bad_input_in_one_line(argv, field, capsys, tmp_path):
     assert err.count("\n") == 1 and field in err and not (tmp_path / "t").exists()
 
 
-def test_cli_names_the_missing_hook(capsys, tmp_path):
-    """Until the methods expose the hook the audit refuses them before any model load."""
-    from prism.methods.factor import FactorDPMethod
+class ScaledNoise:
+    """Test-only: a noise source whose draws are ``scale`` times unit normals (a broken mechanism)."""
 
-    if callable(getattr(FactorDPMethod, "last_release", None)):
-        pytest.skip("the methods expose the release hook")
-    assert audit_run.main(["--methods", "adamw", "--out", str(tmp_path / "t")]) == 2
-    assert "last_release" in capsys.readouterr().err and not (tmp_path / "t").exists()
+    def __init__(self, generator: torch.Generator, scale: float) -> None:
+        self.inner, self.scale = SeededNoise(generator), scale
+
+    def normal(self, shape, device):
+        return self.scale * self.inner.normal(shape, device)
+
+
+@pytest.mark.parametrize("name,space", [("adamw", "factor"), ("prism", "tangent")])
+@pytest.mark.parametrize("scale", [1.0, 0.1], ids=["correct", "noise÷10"])
+def test_real_methods_pass_and_their_noise_divided_by_ten_is_caught(name, space, scale):
+    """The production methods (their own accumulate, add_noise and update) with canaries in every step:
+    with their noise the bound stays below the true ε of 16 steps of σ = 10 (the GDP curve, 1.55); with the
+    same draws ÷ 10 through a test-only noise source the bound exceeds it."""
+    from omegaconf import OmegaConf
+
+    from prism.methods import build_method
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "method" / f"{name}.yaml")
+    cfg.lr = 1e-3
+    g = torch.Generator().manual_seed(5)
+    method = build_method(cfg, _params(0), PrivacySpec(sigma=10.0, clip_norm=1.0))
+    noise = ScaledNoise(torch.Generator().manual_seed(6), scale)
+
+    def step_fn(wrapped):
+        wrapped.zero_accumulators()
+        _real_examples(wrapped, g)
+        wrapped.step(64.0, noise)
+
+    result, _ = audit_method(method, space, 400, 40, 40, 1.0, 16, step_fn, 1e-5, 0, report=lambda _: None)
+    eps_true = gdp_epsilon(math.sqrt(16) / 10.0, 1e-5)
+    assert (result.epsilon_lower <= eps_true) if scale == 1.0 else (result.epsilon_lower > eps_true)
 
 
 def test_split_rule_audits_the_unseen_half():

@@ -24,8 +24,8 @@ the step started from (public), ``⟨ΔZ, P(G)⟩ = ⟨ΔZ, u vᵀ⟩ = (uᵀΔA
 mechanism a score is ``(C/B)·(number of times sampled) + N(0, T(σC/B)²)`` plus the (small) projections of
 the other canaries and the real examples.
 
-The released quantity is read through one hook on the method, :data:`RELEASE_HOOK`: after ``step``,
-``method.last_release()`` returns the step's privatised quantity (see :class:`CanaryMethod`).
+The released quantity is the :class:`~prism.methods.base.Release` of the method's ``add_noise`` (the
+DP boundary, docs/DECISIONS.md D71): its tensors are keyed and shaped like the parameters.
 """
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ import torch
 from torch import Tensor
 
 from prism.lora import lora_pairs, read_pair
-from prism.methods.base import Method
+from prism.methods.base import Method, Release
+from prism.privacy.noise import NoiseSource
 
 Space = Literal["factor", "tangent"]
-RELEASE_HOOK = "last_release"
 CANARY_NORM = 2.0  # canary norm in units of C: ≥ 1, so clipping always scales it to exactly C
 
 
@@ -162,23 +162,15 @@ def project(d: CanaryDirections, release: Mapping[str, Tensor], params_before: M
 
 
 class CanaryMethod(Method):
-    """``inner`` with canaries: ``step`` first accumulates the canaries sampled this step through
-    ``inner.accumulate`` (the real examples' path), steps ``inner``, then scores every canary on the
-    release ``inner.last_release()``.
-
-    The hook (not part of :class:`~prism.methods.base.Method` yet; the audit refuses a method without it):
-    ``last_release() -> dict[str, Tensor]``, the quantity the last ``step`` privatised and released, after
-    division by the step's denominator, keyed and shaped like ``params``: the factor methods' noised flat
-    factor gradient ``(Σ clip(g_i) + σCξ)/B`` (what reaches the optimizer); PRISM's noised, horizontalised
-    lift ``(Δ̄A, Δ̄B) + τ(Ξ_A, Ξ_B)`` of eq. 17 at the factors the step started from (``ΔA`` under peft
-    ``lora_B``, ``ΔBᵀ`` under ``lora_A``). Non-DP: the same quantities without noise.
+    """``inner`` with canaries: ``add_noise`` first accumulates the canaries sampled this step through
+    ``inner.accumulate`` (the real examples' path) and releases ``inner``'s step; ``update`` scores every
+    canary on that :class:`~prism.methods.base.Release` (the factor methods' noised flat factor gradient
+    ``(Σ clip(g_i) + σCξ)/B``; PRISM's noised, horizontalised lift of eq. 17 at the factors the step started
+    from, ``ΔA`` under peft ``lora_B``, ``ΔBᵀ`` under ``lora_A``), then applies ``inner``'s update from it.
     """
 
     def __init__(self, inner: Method, directions: CanaryDirections, included: np.ndarray, sample_rate: float,
                  seed: int) -> None:
-        if not callable(getattr(inner, RELEASE_HOOK, None)):
-            raise TypeError(f"{type(inner).__name__} has no {RELEASE_HOOK}() hook; a one-run audit needs the released "
-                            "privatised quantity of each step")
         super().__init__(inner.params, inner.privacy)
         self.inner, self.directions = inner, directions
         self.included = torch.as_tensor(np.flatnonzero(included), dtype=torch.long)
@@ -186,6 +178,7 @@ class CanaryMethod(Method):
         self.generator = torch.Generator().manual_seed(seed)  # the canaries' own Poisson draws
         self.scores = torch.zeros(directions.count, dtype=torch.float64)
         self.sampled = torch.zeros(directions.count, dtype=torch.long)
+        self._before: Mapping[str, Tensor] = self.params
 
     def zero_accumulators(self) -> None:
         self.inner.zero_accumulators()
@@ -193,17 +186,23 @@ class CanaryMethod(Method):
     def accumulate(self, grads: Mapping[str, Tensor]) -> None:
         self.inner.accumulate(grads)
 
-    def step(self, denominator: float, generator: torch.Generator | None, diagnostics: bool = True) -> dict[str, Tensor]:
-        before = {n: p.detach().clone() for n, p in self.params.items()} if self.directions.space == "tangent" else self.params
+    def add_noise(self, denominator: float, noise: NoiseSource, diagnostics: bool = True) -> Release:
         hit = torch.rand(len(self.included), generator=self.generator, dtype=torch.float64) < self.sample_rate
         ids = self.included[hit]
         if len(ids):
             clip = self.privacy.clip_norm if self.dp else 1.0
             self.inner.accumulate(gradients(self.directions, self.params, ids, clip, per_example=self.dp))
             self.sampled[ids] += 1
-        stats = self.inner.step(denominator, generator, diagnostics)
-        self.scores += project(self.directions, getattr(self.inner, RELEASE_HOOK)(), before)
-        return stats
+        tangent = self.directions.space == "tangent"
+        self._before = {n: p.detach().clone() for n, p in self.params.items()} if tangent else self.params
+        return self.inner.add_noise(denominator, noise, diagnostics)
+
+    def update(self, release: Release, diagnostics: bool = True) -> dict[str, Tensor]:
+        self.scores += project(self.directions, release.tensors, self._before)
+        return self.inner.update(release, diagnostics)
+
+    def clip_stats(self) -> dict[str, Tensor]:
+        return self.inner.clip_stats()
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
