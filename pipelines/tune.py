@@ -22,7 +22,7 @@ chosen one marked), ``tune.<scale>.png`` (score vs rate, a panel per suite × pr
 per method) and, when every cell has a score, ``conf/tuned/<scale>.yaml``: the chosen rates with the
 commit and command that produced them, read by every grid of that budget
 (:mod:`pipelines.tuned_rates`). Choosing a rate on private validation data spends privacy that ε
-does not cover (README, "Tuned learning rates").
+does not cover (docs/comparison.md, "What tuning costs in privacy").
 """
 from __future__ import annotations
 
