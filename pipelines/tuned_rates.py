@@ -6,8 +6,10 @@ Every method yaml sets ``lr: ${method_lr:<Table 8's rate of the suite family × 
 1. in a tuning run (the config has ``tune.lr_factor``, ``conf/experiment/tune.yaml``): the default
    rate × that factor — a sweep never reads earlier tuned rates, so rerunning it gives the same grid;
 2. the tuned rate of the run's cell, when a file ``conf/tuned/<scale>.yaml`` written by
-   ``make tune`` has an entry whose fields (:data:`MATCH`: method, suite, ε, backbone, LoRA rank and
-   layers, steps, batch) all equal the run's — a rate tuned for one budget is never applied to another;
+   ``make tune`` has an entry whose fields (:data:`MATCH`: method, suite, ε, backbone, LoRA layers,
+   steps, batch) all equal the run's — a rate tuned for one budget is never applied to another. The
+   LoRA rank is not matched: the rates tuned at Table 2's r = 16 serve Table 4's ranks too, as Table 8
+   gives one rate per method, so its rows differ in the rank only;
 3. else the default rate (Table 8 × ``train.lr_multiplier``; docs/embedded-scale.md).
 
 No tuned file is committed by hand: each is written whole by ``make tune`` and records the commit
@@ -28,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 TUNED_DIR = Path(__file__).resolve().parents[1] / "conf" / "tuned"
 MATCH = {  # entry field -> config field it must equal
     "method": "method.name", "suite": "suite.name", "scale": "suite.scale", "epsilon": "privacy.epsilon",
-    "backbone": "backbone.name", "lora_r": "lora.r", "lora_layers": "backbone.lora_layers",
+    "backbone": "backbone.name", "lora_layers": "backbone.lora_layers",
     "steps": "train.steps", "batch_size": "train.batch_size",
 }
 

@@ -49,6 +49,7 @@ def test_the_grid_reads_the_tuned_file_only_for_its_budget(tmp_path: Path, monke
     assert job_config([*job[:-1], "suite=math10k"]).method.lr == pytest.approx(3e-4 * 10)  # other cell
     assert job_config([*job, "train.steps=3"]).method.lr == default  # other budget
     assert job_config([*job, "method.lr=0.5"]).method.lr == 0.5  # an explicit rate wins
+    assert job_config(["experiment=table4", *job[1:], "lora=r8"]).method.lr == 0.0123  # every rank: one rate
     assert job_config(["experiment=tune", *job[1:], "tune.lr_factor=3"]).method.lr == pytest.approx(3 * default)
     (tmp_path / "other.yaml").write_text(yaml.safe_dump({"rates": [_entry(lr=0.2)]}))
     with pytest.raises(ValueError, match="tuned rates for the same cell"):
