@@ -69,8 +69,13 @@ def test_paired_difference_is_the_bootstrap_of_the_row_by_row_difference() -> No
 def test_draws_are_a_function_of_what_is_resampled() -> None:
     assert np.array_equal(iv.seed_draws([42, 43, 44], 50), iv.seed_draws([42, 43, 44], 50))
     assert not np.array_equal(iv.seed_draws([42, 43, 44], 50), iv.seed_draws([1, 2, 3], 50))
-    assert np.array_equal(iv.row_draws("abc", 10, 50), iv.row_draws("abc", 10, 50))
-    assert not np.array_equal(iv.row_draws("abc", 10, 50), iv.row_draws("abd", 10, 50))
+    def rows(name: str, n: int, b: int) -> np.ndarray:
+        return np.concatenate(list(iv.row_draws(name, n, b)))
+
+    assert np.array_equal(rows("abc", 10, 50), rows("abc", 10, 50))
+    assert not np.array_equal(rows("abc", 10, 50), rows("abd", 10, 50))
+    big = list(iv.row_draws("qqp", 40_000, 300))  # chunked: never 300 × 40k indices at once
+    assert len(big) > 1 and max(c.size for c in big) <= iv.CHUNK and sum(len(c) for c in big) == 300
 
 
 def test_statistic_columns_are_recomputed_on_each_draw() -> None:
@@ -78,7 +83,7 @@ def test_statistic_columns_are_recomputed_on_each_draw() -> None:
     rng = np.random.default_rng(5)
     gold = rng.integers(0, 2, 120)
     pred = np.where(rng.random(120) < 0.75, gold, 1 - gold)
-    draws = iv.row_draws("cola", 120, 200)
+    draws = np.concatenate(list(iv.row_draws("cola", 120, 200)))
     reps = iv.task_replicates("CoLA", {"pred": pred.tolist(), "gold": gold.tolist()}, draws)
     ref = [matthews_corrcoef(gold[d], pred[d]) for d in draws]
     assert reps == pytest.approx(ref)

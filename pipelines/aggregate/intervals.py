@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +30,7 @@ import numpy as np
 from prism.metrics import COLUMN_RULES, glue_score
 
 B = 2000  # bootstrap replicates per cell
+CHUNK = 4_000_000  # row indices drawn at once
 LEVEL = 0.95
 METHOD_TEXT = (f"95 % intervals: percentile bootstrap ({B} replicates) over evaluation rows and seeds together "
                "(each replicate redraws the cell's seeds and every task's evaluation rows with replacement); "
@@ -59,9 +60,13 @@ def seed_draws(seeds: Sequence[int], b: int = B) -> np.ndarray:
     return _rng("seeds", tuple(seeds), b).integers(0, len(seeds), size=(b, len(seeds)))
 
 
-def row_draws(rows: str, n: int, b: int = B) -> np.ndarray:
-    """``[b, n]`` row indices, a function of the rows' hash and count (equal rows draw alike)."""
-    return _rng("rows", rows, n, b).integers(0, n, size=(b, n))
+def row_draws(rows: str, n: int, b: int = B) -> Iterator[np.ndarray]:
+    """``b`` draws of ``n`` row indices in ``[m, n]`` chunks of at most :data:`CHUNK` indices (a
+    paper-scale task has 40k rows), a function of the rows' hash and count (equal rows draw alike)."""
+    rng = _rng("rows", rows, n, b)
+    per = max(1, CHUNK // max(n, 1))
+    for start in range(0, b, per):
+        yield rng.integers(0, n, size=(min(per, b - start), n))
 
 
 def task_replicates(column: str, outcome: Mapping, draws: np.ndarray) -> np.ndarray:
@@ -90,7 +95,8 @@ def column_replicates(finals: Sequence[Mapping], seeds: Sequence[int], column: s
         reps = []
         for outcome in (o for o in final["per_example"].values() if o.get("column") == column):
             n = len(outcome.get("correct", outcome.get("pred", ())))
-            reps.append(task_replicates(column, outcome, row_draws(str(outcome.get("rows")), n, b)))
+            reps.append(np.concatenate([task_replicates(column, outcome, draws)
+                                        for draws in row_draws(str(outcome.get("rows")), n, b)]))
         per_run.append(np.mean(reps, axis=0))
     scores = np.stack(per_run)  # [S, b]
     return scores[seed_draws(seeds, b), np.arange(b)[:, None]].mean(axis=1)
