@@ -129,3 +129,10 @@ def test_sweep_runs_through_the_store_extends_edges_resumes_and_writes_the_rates
 def test_a_seed_sweep_is_refused() -> None:
     with pytest.raises(ValueError, match="one seed"):
         tune.parse_args(["seed=42,43"])
+
+
+def test_a_bad_validation_size_is_a_config_error_before_any_model_load() -> None:
+    from pipelines.validate import ConfigError
+
+    with pytest.raises(ConfigError, match="suite.validation_per_task=0 must be an integer >= 1"):
+        load_job(["experiment=tune", "scale=smoke", "suite.validation_per_task=0"])
