@@ -39,11 +39,17 @@ def shown_columns(result: TableResult) -> list[str]:
 
 def not_shown_line(result: TableResult) -> str:
     """The footnote naming the columns left out of the grid ('' when none is)."""
+    from prism.data.embedded import EMBEDDED_TASKS
+
+    averages = result.spec.averages or {}
+    stand_ins = {col for tasks in EMBEDDED_TASKS.values() for col, _ in tasks.values()}
     gone = [c for c in result.spec.columns if c not in shown_columns(result)]
-    if not gone:
-        return ""
-    why = "no embedded stand-in" if result.scale == "embedded" else "no finished run"
-    return f"Columns not in the grid ({why}): {', '.join(column_label(result, c) for c in gone)}."
+    none = [c for c in gone if c not in averages and result.scale == "embedded" and c not in stand_ins]
+    unrun = [c for c in gone if c not in averages and c not in none]
+    means = [c for c in gone if c in averages]
+    parts = [(none, "Columns without an embedded stand-in"), (unrun, "Columns without a finished run"),
+             (means, "Averages without a row that has finished runs of every suite they average")]
+    return " ".join(f"{what}: {', '.join(column_label(result, c) for c in cols)}." for cols, what in parts if cols)
 
 
 def _interval_text(value: float, lo: float, hi: float, d: int, signed: bool = False) -> str:
