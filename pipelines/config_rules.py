@@ -180,6 +180,11 @@ def _suite(cfg: DictConfig) -> None:
                  f"{', '.join(MATH_EVAL_TEMPLATES)}")
     from prism.data import SCALES
 
+    split = suite.get("eval_split", "test")  # experiment/tune.yaml: score validation rows (prism.data.validation_split)
+    _require(split in ("test", "validation"), f"suite.eval_split={split!r} must be test or validation")
+    if split == "validation":
+        _require(suite.scale == "embedded", "suite.eval_split=validation is built at embedded scale only, use scale=embedded")
+        _positive_int(suite.get("validation_per_task"), "suite.validation_per_task")
     _require(suite.scale in SCALES, f"suite.scale={suite.scale!r} is not a data scale, choose scale=<one of "
                                     f"{', '.join(SCALES)}>")
     node = suite.get(suite.scale)

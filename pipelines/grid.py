@@ -27,6 +27,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pipelines.tuned_rates import method_lr
+
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 CONFIG_NAME = "config"
 
@@ -54,6 +56,8 @@ def register_resolvers() -> None:
     """Register the custom OmegaConf resolvers the yaml files use (idempotent)."""
     if not OmegaConf.has_resolver("by_family"):
         OmegaConf.register_new_resolver("by_family", by_family)
+    if not OmegaConf.has_resolver("method_lr"):  # tuned rates when `make tune` wrote them (pipelines/tuned_rates.py)
+        OmegaConf.register_new_resolver("method_lr", method_lr)
 
 
 register_resolvers()

@@ -17,6 +17,7 @@ per-head copy of the KV cache (:mod:`prism.grouped_attention`). ``decoding.share
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from prism.metrics import (
     gold_is_valid,
     math_correct,
     parse_glue_label,
+    row_outcomes,
     score_outputs,
 )
 from prism.prompt_cache import FrozenPrompts
@@ -160,12 +162,14 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
     ``average`` (mean over the suite's columns), ``parse_failure`` (task → fraction of responses the
     rules could not parse; they are still scored), ``n`` (task → examples scored), ``skipped`` (task →
     rows with an invalid gold answer), ``samples`` (task → first responses), ``seconds`` (task → time),
-    ``eval_rows`` (task → evaluation rows of the suite, scored or skipped: what a table header reports).
+    ``eval_rows`` (task → evaluation rows of the suite, scored or skipped: what a table header reports),
+    ``per_example`` (task → its ``column``, :func:`prism.metrics.row_outcomes` of the scored rows in order, and ``rows``:
+    the sha256 of their prompts, so the aggregator's bootstrap can resample rows and pair runs on them).
     """
     was_training = model.training
     model.eval()
     result: dict[str, dict] = {k: {} for k in ("scores", "parse_failure", "n", "skipped", "samples", "seconds",
-                                                  "eval_rows")}
+                                                  "eval_rows", "per_example")}
     try:
         for task, examples in suite.eval.items():
             column = suite.task_columns[task]
@@ -184,6 +188,10 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
             result["skipped"][task] = len(examples) - len(rows)
             result["eval_rows"][task] = len(examples)
             result["samples"][task] = texts[:N_SAMPLES]
+            outcomes = row_outcomes(column, texts, [ex.answer for ex in rows],
+                                    choice_rule=cfg_decoding.get("choice_regex", "lookaround"))
+            keys = "\x1e".join(f"{ex.instruction}\x1f{ex.input}" for ex in rows)
+            result["per_example"][task] = {"column": column, **outcomes, "rows": hashlib.sha256(keys.encode()).hexdigest()[:16]}
             result["seconds"][task] = time.perf_counter() - started
     finally:
         model.train(was_training)

@@ -151,6 +151,24 @@ def score_outputs(column: str, texts: Sequence[str], golds: Sequence, choice_rul
     return sum(correct) / len(correct), sum(p is None for p in preds)
 
 
+ACCURACY_RULES = frozenset({"sst2", "mnli", "qnli", "rte", "number", "choice"})  # score = mean of per-row correctness
+
+
+def row_outcomes(column: str, texts: Sequence[str], golds: Sequence, choice_rule: str = "lookaround") -> dict:
+    """Per evaluation row, what :func:`score_outputs` scored: ``correct`` (0/1) for a column whose score is
+    the accuracy, else the parsed ``pred`` and the ``gold`` (CoLA, MRPC, QQP, STS-B: the score is a
+    statistic of all rows, recomputed by :func:`glue_score` on any resample of them)."""
+    rule = COLUMN_RULES[column]
+    if rule == "number":
+        return {"correct": [int(math_correct(extract_number(t), g)) for t, g in zip(texts, golds)]}
+    if rule == "choice":
+        return {"correct": [int(extract_choice(t, choice_rule) == g) for t, g in zip(texts, golds)]}
+    preds = [parse_glue_label(rule, t)[0] for t in texts]
+    if rule in ACCURACY_RULES:
+        return {"correct": [int(p == g) for p, g in zip(preds, golds)]}
+    return {"pred": preds, "gold": list(golds)}
+
+
 def gold_is_valid(column: str, answer) -> bool:
     """Whether an evaluation row's gold answer fits its column's rule (bad rows are skipped)."""
     rule = COLUMN_RULES[column]

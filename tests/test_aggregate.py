@@ -10,10 +10,12 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
 from filelock import FileLock
+from scipy import stats
 
 from pipelines import aggregate as agg
 from pipelines import store
@@ -86,8 +88,12 @@ def test_table2_values_means_and_deltas(table2_runs: Path) -> None:
     assert prism6["GSM8K"] == pytest.approx(0.3)  # mean of the two seeds
     assert prism6["Avg"] == pytest.approx((0.8 + 0.3 + 0.3) / 3)  # every available task of both suites
     assert math.isnan(prism6["MRPC"])  # no stand-in at embedded scale
-    assert prism6["SST-2_paper"] == 0.919 and prism6["SST-2_delta"] == pytest.approx(0.8 - 0.919)
-    assert prism6["Avg_delta"] == pytest.approx(1.4 / 3 - 0.690)
+    assert prism6["SST-2_paper"] == 0.919 and prism6["Avg_paper"] == 0.690
+    # runs without per-row outcomes: Student's t over the two GSM8K seeds (scipy), none for one seed
+    half = stats.t.ppf(0.975, 1) * np.std([0.2, 0.4], ddof=1) / math.sqrt(2)
+    assert (prism6["GSM8K_lo"], prism6["GSM8K_hi"]) == (pytest.approx(0.3 - half), pytest.approx(0.3 + half))
+    assert prism6["GSM8K_ci"] == "t over seeds" and prism6["GSM8K_n"] == 2
+    assert math.isnan(prism6["SST-2_lo"]) and prism6["SST-2_ci"] == "none" and prism6["SST-2_n"] == 1
     assert prism6["eps_spent_glue8"] == pytest.approx(5.99) and prism6["n_runs"] == 3
     adamw6 = _row(f, "ε=6", "AdamW")
     assert adamw6["Avg"] == pytest.approx(0.5)
@@ -95,15 +101,47 @@ def test_table2_values_means_and_deltas(table2_runs: Path) -> None:
     assert math.isnan(_row(f, "Non-DP", "PRISM")["SST-2"]) and _row(f, "Non-DP", "PRISM")["GSM8K"] == 0.6
 
 
-def test_table2_best_marks_within_setting_block(table2_runs: Path) -> None:
+def test_table2_best_without_intervals_is_a_tie_within_its_block(table2_runs: Path) -> None:
     f = agg.build_table(agg.SPECS["table2"], agg.read_run_folders(table2_runs, "table2"), "embedded").frame
-    best = {(s, m): row for (s, m), row in zip(f[["Setting", "Method"]].itertuples(index=False, name=None),
-                                                f.to_dict("records"))}
-    assert [k for k, r in best.items() if r["SST-2_best"]] == [("ε=6", "AdamW")]
-    assert [k for k, r in best.items() if r["CoLA_best"]] == [("ε=6", "PRISM")]
-    # GSM8K: 0.6 is best in the Non-DP block and does not hide 0.5, the best of the ε=6 block
-    assert [k for k, r in best.items() if r["GSM8K_best"]] == [("Non-DP", "PRISM"), ("ε=6", "AdamW")]
-    assert [k for k, r in best.items() if r["Avg_best"]] == [("ε=6", "AdamW")]
+    marks = {(s, m): row for (s, m), row in zip(f[["Setting", "Method"]].itertuples(index=False, name=None),
+                                                 f.to_dict("records"))}
+    # one seed and no per-row outcomes: no interval, so the best value is never "best beyond noise"
+    assert [(k, r["SST-2_mark"]) for k, r in marks.items() if r["SST-2_mark"]] == [(("ε=6", "AdamW"), "tie")]
+    assert [(k, r["CoLA_mark"]) for k, r in marks.items() if r["CoLA_mark"]] == [(("ε=6", "PRISM"), "tie")]
+    # GSM8K: the Non-DP block has one value (nothing to beat); ε=6's best is AdamW's 0.5
+    assert [k for k, r in marks.items() if r["GSM8K_mark"]] == [("ε=6", "AdamW")]
+
+
+def _correct(p: float, n: int, rng: np.random.Generator) -> list[int]:
+    """Exactly round(p·n) correct rows, at random positions."""
+    return rng.permutation(np.arange(n) < round(p * n)).astype(int).tolist()
+
+
+def test_best_is_marked_only_where_its_paired_interval_clears_the_runner_up(tmp_path: Path) -> None:
+    """Per-row outcomes on the same 400 rows, 3 seeds: SST-2 PRISM 0.8 vs AdamW 0.5 clears; RTE 0.52 vs 0.50
+    does not (a tie); the PRISM − best baseline row is PRISM minus the best baseline, paired."""
+    rng = np.random.default_rng(3)
+    root = tmp_path / "runs"
+    for method, sst, rte in (("prism", 0.8, 0.51), ("adamw", 0.5, 0.5), ("lamb", 0.45, 0.4)):
+        for seed in (42, 43, 44):
+            per = {"tweet_sentiment": {"column": "SST-2", "correct": _correct(sst, 400, rng), "rows": "s"},
+                   "syllogism": {"column": "RTE", "correct": _correct(rte, 400, rng), "rows": "r"}}
+            cols = {v["column"]: float(np.mean(v["correct"])) for v in per.values()}
+            make_run(root, f"{method}{seed}", method=method, privacy="eps6", suite="glue8", columns=cols, seed=seed,
+                     experiment="table2", per_example=per)
+    res = agg.build_table(agg.SPECS["table2"], agg.read_run_folders(root, "table2"), "embedded")
+    prism, adamw = _row(res.frame, "ε=6", "PRISM"), _row(res.frame, "ε=6", "AdamW")
+    assert prism["SST-2_mark"] == "best" and prism["SST-2_ci"] == "bootstrap" and prism["SST-2_n"] == 3
+    assert prism["SST-2_lo"] < prism["SST-2"] < prism["SST-2_hi"]
+    assert prism["RTE"] == pytest.approx(0.51) and adamw["RTE"] == pytest.approx(0.5)
+    assert prism["RTE_mark"] == "tie" and not adamw["RTE_mark"]  # 0.51 vs 0.50 on 3 × 400 rows: noise
+    diff = res.differences.iloc[0]
+    assert diff["Method"] == "PRISM − best baseline" and diff["SST-2_vs"] == "AdamW"
+    assert diff["SST-2"] == pytest.approx(prism["SST-2"] - adamw["SST-2"])
+    assert diff["SST-2_lo"] > 0 and diff["RTE_vs"] == "AdamW" and diff["RTE_lo"] < 0 < diff["RTE_hi"]
+    md = agg.to_markdown(res)
+    assert f"**{prism['SST-2']:.3f}** [{prism['SST-2_lo']:.3f}, {prism['SST-2_hi']:.3f}]" in md
+    assert "(tie)" in md and "| ε=6 | (best baseline) |" in md and "percentile bootstrap" in md
 
 
 def test_table2_missing_list_reports_failed_corrupt_running_and_absent(table2_runs: Path) -> None:
@@ -125,16 +163,24 @@ def test_outputs_written_with_marks_paper_and_scale(table2_runs: Path, tmp_path:
     assert agg.main(["experiment=table2", f"runs_dir={table2_runs}", f"out_dir={out}", "scale=embedded"]) == 0
     md = (out / "table2.embedded.md").read_text()
     assert "NOT comparable" in md and "Scale: embedded" in md
-    assert "**0.900** (paper 0.915, -0.015)" in md  # AdamW ε=6 SST-2, best of its block
-    assert "0.800 (paper 0.919, -0.119)" in md
-    assert "— (paper 0.798)" in md  # PRISM ε=6 MRPC: no stand-in
-    assert md.index("## Missing") > md.index("| ε=3 | PRISM |")
+    assert "| ε=6 | AdamW | 1 | 0.100 | 0.900 (tie) | 0.500 (tie) | 0.500 (tie) |" in md  # one number per cell; no paper number inside
+    assert "(paper" not in md
+    assert ("Columns without an embedded stand-in: MRPC, STS-B, QQP, MNLI, QNLI. "
+            "Columns without a finished run: RTE, AQuA, MAWPS, SVAMP.") in md
+    assert "| ε=6 | PRISM | 1/2 | 0.300 (tie) | 0.800 | 0.300 [" in md  # GSM8K: two seeds, t interval
+    assert md.index("## The paper's numbers") > md.index("| ε=3 | PRISM |")
+    assert "| ε=6 | PRISM | 0.444 | 0.919 | 0.469 | 0.690 |" in md  # the paper's own table, the shown columns
+    assert "| ε=6 | PRISM − best baseline | 1 | +0.100 | -0.100 | -0.200 | -0.033 |" in md  # CoLA vs LoRA+, …
+    assert "| ε=6 | (best baseline) |  | LoRA+ | AdamW | AdamW | AdamW |" in md
+    assert md.index("## Missing") > md.index("## The paper's numbers")
     csv = pd.read_csv(out / "table2.embedded.csv")
-    assert {"scale", "SST-2_paper", "SST-2_delta", "SST-2_best", "eps_spent_glue8", "eps_spent_math10k"} <= set(
-        csv.columns)
-    assert csv["SST-2_best"].sum() == 1
+    assert {"scale", "row", "SST-2", "SST-2_lo", "SST-2_hi", "SST-2_n", "SST-2_ci", "SST-2_mark", "SST-2_vs"} <= set(
+        csv.columns) and "MRPC" not in csv.columns
+    assert set(csv["row"]) == {"cell", "paper", "PRISM − best baseline"}
+    assert (csv["SST-2_mark"] == "tie").sum() == 1
+    assert csv[csv["row"] == "paper"].set_index("Method").loc["PRISM", "SST-2"].tolist() == [0.921, 0.919, 0.884]
     tex = (out / "table2.embedded.tex").read_text()
-    assert r"\textbf{0.900}" in tex and r"$\varepsilon$=6" in tex
+    assert "0.900 (tie)" in tex and r"$\varepsilon$=6" in tex and "percentile bootstrap" in tex
     png = out / "table2.embedded_privacy_utility.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(pd.read_csv(out / "table2.embedded_missing.csv")) == 32
@@ -150,16 +196,16 @@ def test_table4_and_table5_layouts(tmp_path: Path) -> None:
     row = _row(t4, 8, "AdamW")
     assert (row["GLUE8_Avg"], row["Math_Avg"]) == (pytest.approx(0.4), pytest.approx(0.3))
     assert row["Avg_12"] == pytest.approx((0.6 + 0.2 + 0.3) / 3) and row["Avg_12_paper"] == 0.614
-    assert _row(t4, 8, "PRISM")["GLUE8_Avg_best"] and not row["GLUE8_Avg_best"]
+    assert _row(t4, 8, "PRISM")["GLUE8_Avg_mark"] == "tie" and not row["GLUE8_Avg_mark"]
     assert math.isnan(_row(t4, 8, "PRISM")["Avg_12"])
 
     for name, method, step, mem in (("x", "adamw", 1.5, 900.0), ("y", "prism", 2.5, 800.0)):
         make_run(root / "table5", name, method=method, privacy="eps6", suite="math10k", columns={"GSM8K": 0.1},
                  step_time_s=step, peak_memory_mb=mem)
     t5 = agg.build_table(agg.SPECS["table5"], agg.read_run_folders(root, "table5"), "embedded").frame
-    assert _row(t5, "AdamW")["Step_time_s_best"] and not _row(t5, "PRISM")["Step_time_s_best"]  # lower wins
-    assert _row(t5, "PRISM")["Peak_memory_MB_best"]
-    assert _row(t5, "PRISM")["Step_time_s_delta"] == pytest.approx(2.5 - 18.64)
+    assert _row(t5, "AdamW")["Step_time_s_mark"] == "tie" and not _row(t5, "PRISM")["Step_time_s_mark"]  # lower wins
+    assert _row(t5, "PRISM")["Peak_memory_MB_mark"] == "tie"
+    assert _row(t5, "PRISM")["Step_time_s_paper"] == pytest.approx(18.64)
     assert math.isnan(_row(t5, "LoRA+")["Step_time_s"])
 
 
@@ -174,8 +220,8 @@ def test_table3_backbones_paper_and_embedded(tmp_path: Path) -> None:
     records = agg.read_run_folders(root, "table3")
     paper = agg.build_table(agg.SPECS["table3"], records, "paper").frame
     row = _row(paper, "Gemma-2-9B", "PRISM")
-    assert row["Avg"] == pytest.approx(0.665) and row["Avg_paper"] == 0.7019 and row["Avg_best"]
-    assert len(paper) == 9 and "(paper 0.6603" in agg.to_markdown(agg.build_table(agg.SPECS["table3"], records, "paper"))
+    assert row["Avg"] == pytest.approx(0.665) and row["Avg_paper"] == 0.7019 and not row["Avg_mark"]  # alone
+    assert len(paper) == 9 and "| 0.6603 |" in agg.to_markdown(agg.build_table(agg.SPECS["table3"], records, "paper"))
     embedded = agg.build_table(agg.SPECS["table3"], records, "embedded")
     # the stand-in run fills the paper's Gemma-2-9B row; a non-paper backbone becomes an extra row
     assert _row(embedded.frame, "Gemma-2-9B", "PRISM")["GSM8K"] == 0.1 and len(embedded.frame) == 10

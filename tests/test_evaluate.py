@@ -14,7 +14,7 @@ from prism.models import attach_lora, load_backbone
 from prism.prefix import prefix_depth
 
 KEYS = {"scores", "columns", "average", "parse_failure", "n", "skipped", "samples", "seconds", "eval_rows", "suite",
-        "scale"}
+        "scale", "per_example"}
 
 
 def _glue_suite() -> Suite:
@@ -101,6 +101,10 @@ def test_scripted_math_template_and_extraction() -> None:
     assert res["scores"] == {"gsm_symbolic": pytest.approx(4 / 5), "arith_choice": 0.5}
     assert res["parse_failure"] == {"gsm_symbolic": pytest.approx(1 / 5), "arith_choice": 0.0}
     assert res["columns"] == {"GSM8K": pytest.approx(0.8), "AQuA": 0.5}
+    per = res["per_example"]  # the per-row outcomes the aggregator's bootstrap resamples
+    assert {t: (p["column"], sum(p["correct"]) / len(p["correct"])) for t, p in per.items()} == {
+        "gsm_symbolic": ("GSM8K", pytest.approx(0.8)), "arith_choice": ("AQuA", 0.5)}
+    assert len(per["gsm_symbolic"]["rows"]) == 16 and per["gsm_symbolic"]["rows"] != per["arith_choice"]["rows"]
 
 
 def test_tiny_llama_end_to_end() -> None:

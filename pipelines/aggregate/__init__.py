@@ -13,14 +13,21 @@ protocol other than ``corrected`` adds its name to the stem (``table2.embedded.r
 when two protocols have runs ``<experiment>.<scale>.protocols.md`` sets them side by side.
 
 Each cell is the mean over the seeds of that cell: runs agreeing on every result-changing field
-but the seed; a cell whose runs differ otherwise is refused and listed. The header gives the runs'
-backbone, steps, batch, N, eval rows, protocol and counts per suite; an average over stand-in
-columns says so. The best value per column is marked within each block, the paper's number and
-the difference stand beside every cell, and runs that are missing, running, stale (killed),
-failed or corrupt are listed at the bottom instead of failing.
+but the seed; a cell whose runs differ otherwise is refused and listed. A cell shows one number and
+its 95 % interval, a percentile bootstrap over evaluation rows and seeds together
+(:mod:`.intervals`; the header states it), and each row its number of seeds n. "Best" is marked
+within each block only where the paired interval of its difference from the runner-up excludes 0,
+else the best value is marked as a tie; each block ends with a "PRISM − best baseline" row (paired
+interval) and the baseline it compares with. Columns without any run go in a footnote; the paper's
+numbers are a table of their own below the grid. The header gives the runs' backbone, steps, batch,
+N, eval rows, protocol and counts per suite; an average over stand-in columns says so. Runs that are
+missing, running, stale (killed), failed or corrupt are listed at the bottom instead of failing.
+The ``.csv`` holds the same rows (``row`` = cell | PRISM − best baseline | paper) with, per column,
+``<col>``, ``_lo``, ``_hi``, ``_n``, ``_ci`` (interval method), ``_mark`` and ``_vs``.
 
 Modules: :mod:`.records` (runs from the store), :mod:`.wandb_source` (runs from W&B),
-:mod:`.specs` (the tables), :mod:`.build` (cells), :mod:`.render` (files), :mod:`.cli`.
+:mod:`.specs` (the tables), :mod:`.build` (cells), :mod:`.intervals` (95 % intervals),
+:mod:`.render` (files), :mod:`.cli`.
 """
 from pipelines.aggregate.build import PAPER_DIR, TableResult, build_table, load_paper
 from pipelines.aggregate.cli import main, parse_args

@@ -1,10 +1,12 @@
-"""Cells of a table from run records: grouping, refusals, paper numbers, best marks, header facts.
+"""Cells of a table from run records: grouping, refusals, intervals, paper numbers, best marks, the
+"PRISM − best baseline" row, header facts.
 
 A cell averages *seeds only*: its finished runs must agree on every result-changing field but the
 seed (:func:`pipelines.store.result_fields`). A cell whose runs differ in anything else (backbone,
 steps, learning rate, …) is refused — left empty and listed with the differing fields — never
 averaged. A run whose realised ε (``final.json``'s ``epsilon_spent``) does not fit its row's ε is
-left out and listed too.
+left out and listed too. Each cell carries its 95 % interval (:mod:`pipelines.aggregate.intervals`);
+"best" is marked only where the best value's paired difference from the runner-up excludes 0.
 """
 from __future__ import annotations
 
@@ -15,9 +17,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from pipelines import store
+from pipelines.aggregate.intervals import (
+    Interval,
+    clears,
+    column_replicates,
+    difference,
+    from_replicates,
+    from_seeds,
+    has_rows,
+)
 from pipelines.aggregate.records import AggregateError, RunRecord
 from pipelines.aggregate.specs import SUITE_TASKS, TableSpec, as_float, norm_name
 from prism.protocol import NOT_DP_AS_STATED
@@ -26,13 +38,17 @@ PAPER_DIR = Path(__file__).resolve().parents[1] / "paper_tables"
 SCALES = ("embedded", "paper")
 PROTOCOLS = ("corrected", "released")  # conf/protocol/*.yaml; a run without the key ran `corrected`
 EPS_RTOL = 1e-3  # the accountant's calibration tolerance is far tighter
+CELL_PARTS = ("", "_lo", "_hi", "_n", "_ci", "_paper")  # per value column: value, 95 % interval, seeds, method, paper
 
 
 @dataclass
 class TableResult:
-    """A built table: ``frame`` holds keys, value columns, ``<col>_paper``, ``<col>_delta``,
-    ``<col>_best``, ``eps_spent_<suite>`` and ``n_runs``; ``header`` the per-suite facts of the runs
-    behind it (``{suite: {fact: text}}``); ``warnings`` what a reader must know before trusting it."""
+    """A built table: ``frame`` holds keys, per value column the cell value, its 95 % interval
+    (``<col>_lo``, ``<col>_hi``), seeds (``<col>_n``), interval method (``<col>_ci``), the paper's
+    number (``<col>_paper``) and mark (``<col>_mark``: best | tie | ''), then ``eps_spent_<suite>``
+    and ``n_runs``; ``differences`` the "PRISM − best baseline" row per block (same parts, and
+    ``<col>_vs``: the baseline); ``header`` the per-suite facts of the runs behind it
+    (``{suite: {fact: text}}``); ``warnings`` what a reader must know before trusting it."""
 
     spec: TableSpec
     scale: str
@@ -46,6 +62,7 @@ class TableResult:
     columns_seen: dict[str, list[str]] = field(default_factory=dict)
     n_finished: int = 0
     not_dp: int = 0  # private runs whose final.json says their ε is not a valid DP guarantee as stated
+    differences: pd.DataFrame = field(default_factory=pd.DataFrame)  # the "PRISM − best baseline" rows
 
 
 def load_paper(name: str) -> pd.DataFrame:
@@ -223,16 +240,16 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str | None
                 del by_suite[suite]
     rows = expected_rows(paper, spec.keys, [*cells, *(spec.cell_key(r, paper) for r in problems if r.config)])
     paper_idx = paper.set_index(list(spec.keys)).to_dict("index")
-    table = []
+    table, intervals = [], {}
     for key in rows:
         by_suite = cells.get(key, {})
         values = spec.cell_values(spec, by_suite)
         row: dict[str, Any] = dict(zip(spec.keys, key))
         for col in spec.columns:
             ref = as_float(paper_idx.get(key[0] if len(key) == 1 else key, {}).get(col))
-            row[col] = values[col]
-            row[f"{col}_paper"] = math.nan if ref is None else ref
-            row[f"{col}_delta"] = values[col] - ref if ref is not None else math.nan
+            ci = intervals[key, col] = cell_interval(spec, by_suite, col, values[col])
+            row.update({col: values[col], f"{col}_lo": ci.lo, f"{col}_hi": ci.hi, f"{col}_n": ci.n,
+                        f"{col}_ci": ci.method, f"{col}_paper": math.nan if ref is None else ref})
         row.update(cell_epsilon(by_suite))
         row["n_runs"] = sum(len(v) for v in by_suite.values())
         table.append(row)
@@ -245,16 +262,18 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str | None
     missing += [f"{fmt_key(spec, k)} / {r.get('suite.name')}: {r.problem} ({r.run_id}); the cell has a finished run"
                 for r in problems if r.config and cells.get(k := spec.cell_key(r, paper), {}).get(r.get("suite.name"))]
     missing += [f"{r.problem} ({r.run_id})" for r in problems if not r.config]
-    columns = [*spec.keys, *(c for col in spec.columns for c in (col, f"{col}_paper", f"{col}_delta")),
+    columns = [*spec.keys, *(f"{col}{part}" for col in spec.columns for part in CELL_PARTS),
                *(f"eps_spent_{s}" for s in spec.suites), "n_runs"]
-    frame = pd.DataFrame(table, columns=columns)
+    frame = mark_best(pd.DataFrame(table, columns=columns), spec, intervals)
     used = {s: [r for by_suite in cells.values() for r in by_suite.get(s, [])] for s in spec.suites}
     header, fact_warnings = header_facts(spec, {s: rs for s, rs in used.items() if rs})
     seen = {s: sorted({c for r in rs for c in r.final.get("columns", {})}) for s, rs in used.items()}
     not_dp = sum(isinstance(p := r.final.get("protocol"), Mapping) and p.get("dp_guarantee") == NOT_DP_AS_STATED
                  for rs in used.values() for r in rs)
-    return TableResult(spec, scale, mark_best(frame, spec), missing, ignored, protocol, stand_ins(records),
-                       header, fact_warnings + warnings, seen, sum(len(rs) for rs in used.values()), not_dp)
+    result = TableResult(spec, scale, frame, missing, ignored, protocol, stand_ins(records),
+                         header, fact_warnings + warnings, seen, sum(len(rs) for rs in used.values()), not_dp)
+    result.differences = prism_minus_best(spec, frame, intervals)
+    return result
 
 
 def cell_epsilon(by_suite: Mapping[str, Sequence[RunRecord]]) -> dict[str, float]:
@@ -266,19 +285,91 @@ def cell_epsilon(by_suite: Mapping[str, Sequence[RunRecord]]) -> dict[str, float
     return out
 
 
-def mark_best(frame: pd.DataFrame, spec: TableSpec) -> pd.DataFrame:
-    """Add ``<col>_best`` flags: the best value per column within each block (ties all marked)."""
+def _seed_of(record: RunRecord) -> int:
+    return int(record.get("seed", 0))
+
+
+def component_columns(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord]], col: str) -> list[tuple[str, str]]:
+    """The (suite, paper column) scores a value column is the unweighted mean of: the column itself
+    in the suite that has it, or for an average every paper column its suites' runs scored."""
+    if spec.averages and col in spec.averages:
+        return [(s, c) for s in spec.averages[col] for c in sorted({c for r in by_suite.get(s, [])
+                                                                     for c in r.final.get("columns", {})})]
+    return [(s, col) for s in spec.suites if col in SUITE_TASKS.get(s, ())]
+
+
+def cell_interval(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord]], col: str, value: float) -> Interval:
+    """The 95 % interval of one cell (:mod:`pipelines.aggregate.intervals`): the bootstrap over rows and
+    seeds when every run behind it has per-row outcomes, else t over the per-seed values of the cell."""
+    if value is None or math.isnan(value):
+        return Interval(math.nan, math.nan, math.nan, 0, "none")
+    parts = component_columns(spec, by_suite, col)
+    runs = {s: sorted(by_suite.get(s, []), key=_seed_of) for s, _ in parts}
+    if parts and all(runs[s] and all(has_rows(r.final, c) for r in runs[s]) for s, c in parts):
+        reps = np.mean([column_replicates([r.final for r in runs[s]], [_seed_of(r) for r in runs[s]], c)
+                        for s, c in parts], axis=0)
+        return from_replicates(value, reps, max(len(v) for v in runs.values()))
+    seeds = sorted({_seed_of(r) for rs in by_suite.values() for r in rs})
+    per_seed = [spec.cell_values(spec, {s: [r for r in rs if _seed_of(r) == seed] for s, rs in by_suite.items()})[col]
+                for seed in seeds]
+    fallback = from_seeds(per_seed)
+    return Interval(value, fallback.lo, fallback.hi, fallback.n, fallback.method)
+
+
+def mark_best(frame: pd.DataFrame, spec: TableSpec, intervals: Mapping[tuple, Interval]) -> pd.DataFrame:
+    """Add ``<col>_mark`` per cell: ``best`` where the column's best value within its block is better
+    than the runner-up beyond noise (the 95 % interval of their paired difference excludes 0,
+    :func:`pipelines.aggregate.intervals.clears`), ``tie`` on the best value where it is not; '' else."""
     frame = frame.copy()
     blocks = frame.groupby(spec.block, sort=False) if spec.block else [(None, frame)]
     for col in spec.columns:
-        flags = pd.Series(False, index=frame.index)
+        marks = pd.Series("", index=frame.index, dtype=object)
         for _, part in blocks:
-            vals = pd.to_numeric(part[col], errors="coerce")
-            if vals.notna().any():
-                best = vals.min() if spec.lower_is_better else vals.max()
-                flags.loc[part.index] = (vals - best).abs() < 1e-12
-        frame[f"{col}_best"] = flags
+            vals = pd.to_numeric(part[col], errors="coerce").dropna()
+            if len(vals) < 2:
+                continue
+            order = vals.sort_values(ascending=spec.lower_is_better, kind="stable").index
+            key = {i: tuple(frame.loc[i, k] for k in spec.keys) for i in order[:2]}
+            best, runner = (intervals[key[i], col] for i in order[:2])
+            marks.loc[order[0]] = "best" if clears(best, runner, spec.lower_is_better) else "tie"
+        frame[f"{col}_mark"] = marks
     return frame
+
+
+PRISM = "PRISM"
+NOT_BASELINES = {PRISM, "PRISM (eq. 25–26)"}
+DIFF_LABEL = "PRISM − best baseline"
+
+
+def prism_minus_best(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tuple, Interval]) -> pd.DataFrame:
+    """Per block and column, PRISM's cell minus the baseline with the best value there (chosen on the
+    point estimates), with the paired bootstrap interval of the difference; ``<col>_vs`` names that
+    baseline. Empty for tables without a Method key or without a PRISM row."""
+    if "Method" not in spec.keys:
+        return pd.DataFrame()
+    out = []
+    blocks = frame.groupby(spec.block, sort=False) if spec.block else [(None, frame)]
+    for block, part in blocks:
+        prism = part[part["Method"] == PRISM]
+        baselines = part[~part["Method"].isin(NOT_BASELINES)]
+        if prism.empty or baselines.empty:
+            continue
+        row: dict[str, Any] = {k: (block if k == spec.block else DIFF_LABEL) for k in spec.keys}
+        pkey = tuple(prism.iloc[0][k] for k in spec.keys)
+        for col in spec.columns:
+            vals = pd.to_numeric(baselines[col], errors="coerce").dropna()
+            if vals.empty or math.isnan(intervals[pkey, col].value):
+                row.update({col: math.nan, f"{col}_lo": math.nan, f"{col}_hi": math.nan, f"{col}_n": 0,
+                            f"{col}_ci": "none", f"{col}_vs": ""})
+                continue
+            i = vals.idxmin() if spec.lower_is_better else vals.idxmax()
+            bkey = tuple(frame.loc[i, k] for k in spec.keys)
+            diff = difference(intervals[pkey, col], intervals[bkey, col])
+            row.update({col: diff.value, f"{col}_lo": diff.lo, f"{col}_hi": diff.hi, f"{col}_n": diff.n,
+                        f"{col}_ci": diff.method, f"{col}_vs": frame.loc[i, "Method"]})
+        if any(not math.isnan(row[col]) for col in spec.columns):
+            out.append(row)
+    return pd.DataFrame(out)
 
 
 def average_label(result: TableResult, col: str, label: str) -> str:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from pipelines.aggregate.build import FACTS, TableResult, average_label
+from pipelines.aggregate.build import DIFF_LABEL, FACTS, TableResult, average_label
+from pipelines.aggregate.intervals import METHOD_TEXT
 from prism.protocol import NOT_DP_AS_STATED
 
 DASH = "—"
@@ -31,17 +32,89 @@ def column_label(result: TableResult, col: str) -> str:
     return average_label(result, col, LABELS.get(col, col))
 
 
-def _cell_text(result: TableResult, row: pd.Series, col: str, bold: tuple[str, str]) -> str:
-    d = _digits(result, col)
-    value, ref, delta = row[col], row[f"{col}_paper"], row[f"{col}_delta"]
-    text = DASH if pd.isna(value) else f"{value:.{d}f}"
-    if not pd.isna(value) and row[f"{col}_best"]:
-        text = f"{bold[0]}{text}{bold[1]}"
-    if not pd.isna(ref):
-        ref_digits = next((i for i in range(d, 6) if abs(ref - round(ref, i)) < 1e-9), 6)
-        text += f" (paper {ref:.{ref_digits}f}"
-        text += f", {delta:+.{d}f})" if not pd.isna(delta) else ")"
+def shown_columns(result: TableResult) -> list[str]:
+    """The value columns with at least one cell; the others go in a footnote, not the grid."""
+    return [c for c in result.spec.columns if result.frame[c].notna().any()]
+
+
+def not_shown_line(result: TableResult) -> str:
+    """The footnote naming the columns left out of the grid ('' when none is)."""
+    from prism.data.embedded import EMBEDDED_TASKS
+
+    averages = result.spec.averages or {}
+    stand_ins = {col for tasks in EMBEDDED_TASKS.values() for col, _ in tasks.values()}
+    gone = [c for c in result.spec.columns if c not in shown_columns(result)]
+    none = [c for c in gone if c not in averages and result.scale == "embedded" and c not in stand_ins]
+    unrun = [c for c in gone if c not in averages and c not in none]
+    means = [c for c in gone if c in averages]
+    parts = [(none, "Columns without an embedded stand-in"), (unrun, "Columns without a finished run"),
+             (means, "Averages without a row that has finished runs of every suite they average")]
+    return " ".join(f"{what}: {', '.join(column_label(result, c) for c in cols)}." for cols, what in parts if cols)
+
+
+def _interval_text(value: float, lo: float, hi: float, d: int, signed: bool = False) -> str:
+    if pd.isna(value):
+        return DASH
+    fmt = f"{{:{'+' if signed else ''}.{d}f}}"
+    text = fmt.format(value)
+    if not (pd.isna(lo) or pd.isna(hi)):
+        text += f" [{fmt.format(lo)}, {fmt.format(hi)}]"
     return text
+
+
+def _cell_text(result: TableResult, row: pd.Series, col: str, bold: tuple[str, str]) -> str:
+    """``value [lo, hi]``; the value in bold when it is best beyond noise, ``(tie)`` after it when it is
+    the best value but not separated from the runner-up."""
+    d = _digits(result, col)
+    value = row[col]
+    text = _interval_text(value, row[f"{col}_lo"], row[f"{col}_hi"], d)
+    mark = row.get(f"{col}_mark", "")
+    if mark == "best":
+        head, _, tail = text.partition(" ")
+        text = f"{bold[0]}{head}{bold[1]}" + (f" {tail}" if tail else "")
+    elif mark == "tie":
+        text += " (tie)"
+    return text
+
+
+def _n_text(row: pd.Series, cols: Sequence[str]) -> str:
+    seen = sorted({int(row[f"{c}_n"]) for c in cols if not pd.isna(row[c]) and not pd.isna(row[f"{c}_n"])})
+    return "/".join(str(n) for n in seen) or DASH
+
+
+def interval_line(result: TableResult) -> str:
+    """How the intervals were made (stated in every table's header)."""
+    methods = {str(m) for c in shown_columns(result) for m in result.frame[f"{c}_ci"].dropna()} - {"none"}
+    line = METHOD_TEXT + ". n = seeds per cell (eval rows per task: see the run facts)."
+    if methods - {"bootstrap"}:
+        line += (" Cells whose runs carry no per-row outcomes use Student's t over their seeds' values "
+                 "(csv column <col>_ci names each cell's method); with one such seed they have no interval.")
+    return line
+
+
+def rows_for_display(result: TableResult) -> list[tuple[str, pd.Series]]:
+    """(kind, row) in display order: each block's method rows, then its ``PRISM − best baseline`` row
+    and the row naming that baseline per column."""
+    spec, frame, diffs = result.spec, result.frame, result.differences
+    out: list[tuple[str, pd.Series]] = []
+    blocks = frame.groupby(spec.block, sort=False) if spec.block else [(None, frame)]
+    for block, part in blocks:
+        out += [("cell", row) for _, row in part.iterrows()]
+        if not diffs.empty:
+            mine = diffs[diffs[spec.block] == block] if spec.block else diffs
+            out += [("diff", row) for _, row in mine.iterrows()]
+    return out
+
+
+def _row_cells(result: TableResult, kind: str, row: pd.Series, bold: tuple[str, str]) -> list[list[str]]:
+    spec, cols = result.spec, shown_columns(result)
+    keys = [str(row[k]) for k in spec.keys]
+    if kind == "cell":
+        return [keys + [_n_text(row, cols)] + [_cell_text(result, row, c, bold) for c in cols]]
+    diff = keys + [_n_text(row, cols)] + [_interval_text(row[c], row[f"{c}_lo"], row[f"{c}_hi"], _digits(result, c),
+                                                         signed=True) for c in cols]
+    vs = [*keys[:-1], "(best baseline)", ""] + [str(row.get(f"{c}_vs") or DASH) for c in cols]
+    return [diff, vs]
 
 
 def scale_line(result: TableResult) -> str:
@@ -85,21 +158,65 @@ def header_lines(result: TableResult) -> list[str]:
     return lines + ([""] if result.warnings else [])
 
 
+def _marks_line(result: TableResult) -> str:
+    spec = result.spec
+    within = f" within each {spec.block} block" if spec.block else ""
+    line = (f"Best per column{within} in **bold** only where the 95 % interval of its paired difference from "
+            "the runner-up excludes 0; otherwise the best value is marked (tie).")
+    if not result.differences.empty:
+        line += (f" Row \"{DIFF_LABEL}\": PRISM's cell minus the cell of the baseline with the best value in "
+                 "that column (named in the row below it), with the paired interval.")
+    return line
+
+
+def paper_rows(result: TableResult) -> pd.DataFrame:
+    """The paper's numbers of the rows in the table, for the columns the grid shows."""
+    cols = shown_columns(result)
+    frame = result.frame[[*result.spec.keys, *(f"{c}_paper" for c in cols)]]
+    present = frame[[f"{c}_paper" for c in cols]].notna().any(axis=1)
+    return frame[present].rename(columns={f"{c}_paper": c for c in cols})
+
+
+def _paper_text(value: float) -> str:
+    """A paper number with its own digits (at least 3: 0.870, 0.6603)."""
+    if pd.isna(value):
+        return DASH
+    digits = next((i for i in range(3, 6) if abs(value - round(value, i)) < 1e-9), 6)
+    return f"{value:.{digits}f}"
+
+
+def _paper_md(result: TableResult) -> list[str]:
+    paper = paper_rows(result)
+    if paper.empty:
+        return []
+    spec, cols = result.spec, shown_columns(result)
+    note = ("the paper's backbone and full tasks; not comparable with the stand-in cells above"
+            if result.scale == "embedded" else "for comparison with the cells above")
+    lines = [f"## The paper's numbers ({note})", "",
+             "| " + " | ".join([*spec.keys, *(LABELS.get(c, c) for c in cols)]) + " |",
+             "|" + "---|" * (len(spec.keys) + len(cols))]
+    for _, row in paper.iterrows():
+        lines.append("| " + " | ".join([*(str(row[k]) for k in spec.keys), *(_paper_text(row[c]) for c in cols)]) + " |")
+    return [*lines, ""]
+
+
 def to_markdown(result: TableResult) -> str:
-    """The table as Markdown: title, scale, run facts, rows, then the missing runs."""
-    spec, frame = result.spec, result.frame
+    """The table as Markdown: title, scale, run facts, interval method, rows (one number and its
+    interval per cell), the PRISM − best baseline rows, the left-out columns, the paper's numbers in
+    their own table, then the missing runs."""
+    spec = result.spec
     head = [f"# Table {spec.name[-1]}: {spec.title}", "", scale_line(result), "", protocol_line(result), ""]
     head += header_lines(result)
     if result.stand_ins:
         head += ["Backbones run in place of the paper's: " + ", ".join(result.stand_ins) + ".", ""]
-    head += ["Best per column " + (f"within each {spec.block} block " if spec.block else "")
-             + "in **bold**; beside each cell: the paper's number and our difference.", ""]
-    header = [*spec.keys, *(column_label(result, c) for c in spec.columns)]
+    head += [interval_line(result), "", _marks_line(result), ""]
+    cols = shown_columns(result)
+    header = [*spec.keys, "n", *(column_label(result, c) for c in cols)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for _, row in frame.iterrows():
-        cells = [str(row[k]) for k in spec.keys] + [_cell_text(result, row, c, ("**", "**")) for c in spec.columns]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(head + lines + ["", *_missing_md(result)]) + "\n"
+    for kind, row in rows_for_display(result):
+        lines += ["| " + " | ".join(cells) + " |" for cells in _row_cells(result, kind, row, ("**", "**"))]
+    foot = [line for line in (not_shown_line(result),) if line]
+    return "\n".join(head + lines + ["", *foot, *([""] if foot else []), *_paper_md(result), *_missing_md(result)]) + "\n"
 
 
 def _missing_md(result: TableResult) -> list[str]:
@@ -117,26 +234,56 @@ def _tex_escape(text: str) -> str:
 
 
 def to_latex(result: TableResult) -> str:
-    """The table as a booktabs ``tabular`` (scale, run facts and missing runs as comments)."""
-    spec, frame = result.spec, result.frame
-    cols = "l" * len(spec.keys) + "r" * len(spec.columns)
+    """The table as a booktabs ``tabular`` with the same rows as the Markdown, the paper's numbers as a
+    second ``tabular``; scale, run facts, interval method, footnote and missing runs as comments."""
+    spec, cols = result.spec, shown_columns(result)
+    align = "l" * (len(spec.keys) + 1) + "r" * len(cols)
     lines = [f"% {scale_line(result)}", f"% {protocol_line(result)}",
              *(f"% {line}" for line in header_lines(result) if line),
-             r"\begin{tabular}{" + cols + "}", r"\toprule",
-             " & ".join(_tex_escape(h) for h in (*spec.keys, *(column_label(result, c) for c in spec.columns)))
+             f"% {_tex_escape(interval_line(result))}", f"% {_tex_escape(_marks_line(result))}",
+             r"\begin{tabular}{" + align + "}", r"\toprule",
+             " & ".join(_tex_escape(h) for h in (*spec.keys, "n", *(column_label(result, c) for c in cols)))
              + r" \\", r"\midrule"]
     previous = None
-    for _, row in frame.iterrows():
-        if spec.block and previous is not None and row[spec.block] != previous:
+    for kind, row in rows_for_display(result):
+        if spec.block and previous is not None and row[spec.block] != previous and kind == "cell":
             lines.append(r"\midrule")
         previous = row[spec.block] if spec.block else None
-        cells = [_tex_escape(str(row[k])) for k in spec.keys]
-        cells += [_tex_escape(_cell_text(result, row, c, ("\x00", "\x01"))).replace("\x00", r"\textbf{")
-                  .replace("\x01", "}") for c in spec.columns]
-        lines.append(" & ".join(cells) + r" \\")
+        for cells in _row_cells(result, kind, row, ("\x00", "\x01")):
+            lines.append(" & ".join(_tex_escape(c).replace("\x00", r"\textbf{").replace("\x01", "}") for c in cells)
+                         + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}"]
+    if foot := not_shown_line(result):
+        lines.append(f"% {_tex_escape(foot)}")
+    paper = paper_rows(result)
+    if not paper.empty:
+        lines += ["", "% The paper's numbers (its backbone and full tasks)",
+                  r"\begin{tabular}{" + "l" * len(spec.keys) + "r" * len(cols) + "}", r"\toprule",
+                  " & ".join(_tex_escape(h) for h in (*spec.keys, *(LABELS.get(c, c) for c in cols))) + r" \\",
+                  r"\midrule"]
+        lines += [" & ".join([*(_tex_escape(str(row[k])) for k in spec.keys),
+                              *(_tex_escape(_paper_text(row[c])) for c in cols)]) + r" \\"
+                  for _, row in paper.iterrows()]
+        lines += [r"\bottomrule", r"\end{tabular}"]
     lines += [f"% missing: {_tex_escape(m)}" for m in result.missing]
     return "\n".join(lines) + "\n"
+
+
+def to_csv_frame(result: TableResult) -> pd.DataFrame:
+    """The CSV: the Markdown's rows (``row`` = cell | PRISM − best baseline | paper) with, per shown
+    column, the value, ``_lo``, ``_hi``, ``_n``, ``_ci`` (interval method), ``_mark`` and ``_vs``."""
+    spec, cols = result.spec, shown_columns(result)
+    parts = ("", "_lo", "_hi", "_n", "_ci", "_mark", "_vs")
+    out = []
+    for kind, row in rows_for_display(result):
+        rec = {"scale": result.scale, "row": "cell" if kind == "cell" else DIFF_LABEL,
+               **{k: row[k] for k in spec.keys}}
+        rec.update({f"{c}{p}": row.get(f"{c}{p}", "") for c in cols for p in parts})
+        out.append(rec)
+    for _, row in paper_rows(result).iterrows():
+        out.append({"scale": result.scale, "row": "paper", **{k: row[k] for k in spec.keys},
+                    **{c: row[c] for c in cols}})
+    return pd.DataFrame(out, columns=["scale", "row", *spec.keys, *(f"{c}{p}" for c in cols for p in parts)])
 
 
 def plot_panels(result: TableResult) -> list[str]:
@@ -170,7 +317,9 @@ def plot_privacy_utility(result: TableResult, path: Path) -> Path:
             color = f"C{i % 10}"
             ours = part.dropna(subset=[col])
             if not ours.empty:
-                ax.plot(ours["x"], ours[col], "o-", color=color, label=method)
+                low = (ours[col] - ours[f"{col}_lo"]).fillna(0).clip(lower=0)
+                high = (ours[f"{col}_hi"] - ours[col]).fillna(0).clip(lower=0)
+                ax.errorbar(ours["x"], ours[col], yerr=[low, high], fmt="o-", color=color, capsize=2, label=method)
             ref = part.dropna(subset=[f"{col}_paper"])
             if not ref.empty:
                 ax.plot(ref["x"], ref[f"{col}_paper"], "x--", color=color, alpha=0.4,
@@ -183,7 +332,7 @@ def plot_privacy_utility(result: TableResult, path: Path) -> Path:
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     fig.suptitle(f"Privacy–utility, {result.scale} scale, {result.protocol} protocol: accuracy vs ε "
-                 "(δ = 1e-5; ∞ = non-DP); solid = these runs, dashed = paper", fontsize=9)
+                 "(δ = 1e-5; ∞ = non-DP); solid = these runs with 95 % intervals, dashed = paper", fontsize=9)
     fig.tight_layout(rect=(0, 0.06, 1, 0.95))
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -242,9 +391,7 @@ def write_outputs(result: TableResult, out_dir: Path) -> list[Path]:
     stem = output_stem(result)
     paths = [out_dir / f"{stem}.{ext}" for ext in ("md", "csv", "tex")]
     paths[0].write_text(to_markdown(result))
-    csv = result.frame.copy()
-    csv.insert(0, "scale", result.scale)
-    csv.to_csv(paths[1], index=False, float_format="%.6g")
+    to_csv_frame(result).to_csv(paths[1], index=False, float_format="%.6g")
     paths[2].write_text(to_latex(result))
     missing = out_dir / f"{stem}_missing.csv"
     pd.DataFrame({"missing": result.missing}).to_csv(missing, index=False)

@@ -5,7 +5,10 @@ Table 2 column it scores (``task_columns``). Paper and embedded suites share the
 decoding and metric code: only where the rows come from differs.
 
 ``build_suite(cfg_suite, seed)`` reads ``name``, ``scale``, ``family``, ``train_on_inputs``,
-``cutoff_len``, ``eval_limit`` and the scale's own node ``cfg_suite[scale]`` (see
+``cutoff_len``, ``eval_limit``, ``eval_split`` (``test``, the default: score the fixed evaluation
+rows; ``validation``: score ``validation_per_task`` rows per task drawn from the training pool,
+disjoint from the run's training rows and from the evaluation rows, :func:`validation_split`; the
+learning-rate sweep of ``pipelines/tune.py`` scores these) and the scale's own node ``cfg_suite[scale]`` (see
 :mod:`prism.data.embedded`, :mod:`prism.data.glue`, :mod:`prism.data.math10k` for its fields).
 """
 from __future__ import annotations
@@ -73,6 +76,33 @@ def seeded_subset(rows: list, n: int | None, seed: int, *parts: str) -> list:
     return [rows[i] for i in keep]
 
 
+def row_key(example: Example) -> tuple[str, str]:
+    """What makes two rows the same question: instruction and input (the target is not compared)."""
+    return example.instruction, example.input
+
+
+def validation_split(candidates: list[Example], used: list[Example], n: int, balance: bool = False) -> list[Example]:
+    """`n` validation rows drawn from the training pool: the first `candidates` (a draw of the pool in
+    its own seeded order) whose question is in no row of `used` (the run's training rows and the fixed
+    evaluation rows) and not repeated. ``balance``: as evenly as possible across labels (``answer``),
+    in the candidates' order. Fewer than `n` when the pool runs out (the caller names the fix)."""
+    taken = {row_key(ex) for ex in used}
+    fresh = []
+    for ex in candidates:
+        if row_key(ex) not in taken:
+            taken.add(row_key(ex))
+            fresh.append(ex)
+    if not balance:
+        return fresh[:n]
+    by_label: dict[Any, list[Example]] = {}
+    for ex in fresh:
+        by_label.setdefault(ex.answer, []).append(ex)
+    labels = sorted(by_label, key=str)
+    quota = {label: n // len(labels) + (k < n % len(labels)) for k, label in enumerate(labels)} if labels else {}
+    keep = {id(ex) for label in labels for ex in by_label[label][: quota[label]]}
+    return [ex for ex in fresh if id(ex) in keep]
+
+
 def build_suite(cfg_suite: Any, seed: int) -> Suite:
     """Build the suite named by ``cfg_suite.name`` at ``cfg_suite.scale`` (deterministic in `seed`)."""
     from prism.data import embedded, glue, math10k
@@ -86,8 +116,14 @@ def build_suite(cfg_suite: Any, seed: int) -> Suite:
     if family != SUITE_FAMILIES[name]:
         raise ValueError(f"suite {name!r} has family {SUITE_FAMILIES[name]!r}, config says {family!r}")
     node = cfg_suite.get(scale) or {}
+    split = cfg_suite.get("eval_split", "test")
+    if split not in ("test", "validation"):
+        raise ValueError(f"suite.eval_split={split!r}: use test (the fixed evaluation rows) or validation")
+    if split == "validation" and scale != "embedded":
+        raise ValueError("suite.eval_split=validation is built for embedded-scale suites only; tune at scale=embedded")
+    n_validation = int(cfg_suite.get("validation_per_task", 0)) if split == "validation" else 0
     if scale == "embedded":
-        parts = embedded.build(name, node, seed)
+        parts = embedded.build(name, node, seed, n_validation)
     elif name == "glue8":
         parts = glue.build_paper(node, seed)
     else:

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prism.data import DataUnavailableError, Example, sub_seed
+from prism.data import DataUnavailableError, Example, sub_seed, validation_split
 from prism.data.glue import glue_example
 from prism.data.math10k import parse_gold_number
 
@@ -268,8 +268,13 @@ def train_size(sizes: Any, task: str) -> int:
     raise ValueError(f"suite.embedded.train_per_task={sizes!r}: give a count or a mapping task -> count")
 
 
-def build(suite: str, node: Any, seed: int):
-    """Embedded suite: (train, eval per task, task → column, skipped rows); deterministic in `seed`."""
+def build(suite: str, node: Any, seed: int, n_validation: int = 0):
+    """Embedded suite: (train, eval per task, task → column, skipped rows); deterministic in `seed`.
+
+    ``n_validation`` > 0: each task's evaluation rows are replaced by that many validation rows from the
+    task's training pool (a second draw of the pool with its own seed, rows of the run's training set
+    and of the fixed evaluation set removed, :func:`prism.data.validation_split`); the training rows
+    are the same as without it."""
     available = EMBEDDED_TASKS[suite]
     tasks = list(node.get("tasks") or available)
     unknown = [t for t in tasks if t not in available]
@@ -290,6 +295,12 @@ def build(suite: str, node: Any, seed: int):
                 f"embedded task {task} yields {len(task_train)} train / {len(task_eval)} eval rows, fewer than "
                 f"requested ({n_train} / {n_eval}): lower suite.embedded.train_per_task or eval_per_task"
             )
+        if n_validation:
+            pool, _, _ = make(n_train + n_validation, n_eval, sub_seed(seed, task, "validation"), node)
+            task_eval = validation_split(pool, [*task_train, *task_eval], n_validation, balance=suite == "glue8")
+            if len(task_eval) < n_validation:
+                raise ValueError(f"embedded task {task} has {len(task_eval)} validation rows outside its training "
+                                 f"and evaluation rows, fewer than suite.validation_per_task={n_validation}: lower it")
         train.extend(task_train)
         evals[task] = task_eval
         columns[task] = column

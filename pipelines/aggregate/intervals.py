@@ -1,0 +1,153 @@
+"""95 % intervals of table cells: a bootstrap over evaluation rows and seeds together.
+
+A cell's value is the mean over its seeds of a column score, and each seed's score is a statistic
+of the fixed evaluation rows (``final.json`` ``per_example``, written by :func:`prism.evaluate.evaluate_suite`).
+Both are samples: the seeds of the runs that could have been trained, the rows of the task that
+could have been drawn. One bootstrap replicate resamples both at once: S seeds with replacement
+from the cell's S seeds, and n rows with replacement from each task's n rows; the replicate's value
+is the mean over the drawn seeds of the score recomputed on the drawn rows (accuracy: the mean of
+per-row correctness; CoLA/MRPC/QQP/STS-B: :func:`prism.metrics.glue_score` of the drawn rows). The
+interval is the 2.5 % and 97.5 % percentiles of ``B`` replicates. For an accuracy cell the
+replicates' variance is, in closed form, ``mean(α²)/S + mean(β²)/n + mean(γ²)/(S·n)`` with α, β, γ
+the seed, row and interaction effects of the S×n correctness matrix (``tests/test_intervals.py``).
+
+Resampling indices are a function of what is resampled: the seed indices of the seed list, the row
+indices of the rows' hash. Two cells with the same seeds and the same evaluation rows therefore get
+the *same* draws, so the replicates of their difference are a paired bootstrap (seed 42 of one
+method against seed 42 of the other, row i against row i). A cell whose runs carry no per-row data
+(runs written before it was recorded, W&B summaries without it) falls back to Student's t over its
+seeds (n ≥ 2) or has no interval (n = 1); its method says so.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from prism.metrics import COLUMN_RULES, glue_score
+
+B = 2000  # bootstrap replicates per cell
+CHUNK = 4_000_000  # row indices drawn at once
+LEVEL = 0.95
+METHOD_TEXT = (f"95 % intervals: percentile bootstrap ({B} replicates) over evaluation rows and seeds together "
+               "(each replicate redraws the cell's seeds and every task's evaluation rows with replacement); "
+               "differences are paired (the same seed and row draws for both cells)")
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A cell's point estimate, its interval (NaN when there is none), the seeds behind it, how the
+    interval was made (``bootstrap`` | ``t over seeds`` | ``none``) and its bootstrap replicates."""
+
+    value: float
+    lo: float
+    hi: float
+    n: int
+    method: str
+    replicates: np.ndarray | None = None
+
+
+def _rng(*parts: object) -> np.random.Generator:
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return np.random.default_rng(int.from_bytes(digest[:8], "little"))
+
+
+def seed_draws(seeds: Sequence[int], b: int = B) -> np.ndarray:
+    """``[b, S]`` indices into ``seeds``, a function of the seed list (so equal lists draw alike)."""
+    return _rng("seeds", tuple(seeds), b).integers(0, len(seeds), size=(b, len(seeds)))
+
+
+def row_draws(rows: str, n: int, b: int = B) -> Iterator[np.ndarray]:
+    """``b`` draws of ``n`` row indices in ``[m, n]`` chunks of at most :data:`CHUNK` indices (a
+    paper-scale task has 40k rows), a function of the rows' hash and count (equal rows draw alike)."""
+    rng = _rng("rows", rows, n, b)
+    per = max(1, CHUNK // max(n, 1))
+    for start in range(0, b, per):
+        yield rng.integers(0, n, size=(min(per, b - start), n))
+
+
+def task_replicates(column: str, outcome: Mapping, draws: np.ndarray) -> np.ndarray:
+    """The task score of one run on each of ``draws`` (``[b, n]`` row indices) → ``[b]``."""
+    if "correct" in outcome:
+        return np.asarray(outcome["correct"], dtype=float)[draws].mean(axis=1)
+    rule = COLUMN_RULES[column]
+    pred, gold = np.asarray(outcome["pred"]), np.asarray(outcome["gold"])
+    return np.array([glue_score(rule, pred[idx], gold[idx]) for idx in draws])
+
+
+def has_rows(final: Mapping, column: str) -> bool:
+    """Whether a run's ``final.json`` has the per-row outcomes of every task it scores in ``column``."""
+    per = final.get("per_example")
+    if not isinstance(per, Mapping) or column not in (final.get("columns") or {}):
+        return False
+    return any(isinstance(o, Mapping) and o.get("column") == column for o in per.values())
+
+
+def column_replicates(finals: Sequence[Mapping], seeds: Sequence[int], column: str, b: int = B) -> np.ndarray:
+    """Replicates of the seed-mean score of ``column`` over runs ``finals`` (one per seed, in ``seeds``
+    order): per run and task, the score on the task's row draws; per run, the mean of its tasks (MNLI:
+    matched and mismatched); then the mean over each replicate's drawn seeds → ``[b]``."""
+    per_run = []
+    for final in finals:
+        reps = []
+        for outcome in (o for o in final["per_example"].values() if o.get("column") == column):
+            n = len(outcome.get("correct", outcome.get("pred", ())))
+            reps.append(np.concatenate([task_replicates(column, outcome, draws)
+                                        for draws in row_draws(str(outcome.get("rows")), n, b)]))
+        per_run.append(np.mean(reps, axis=0))
+    scores = np.stack(per_run)  # [S, b]
+    return scores[seed_draws(seeds, b), np.arange(b)[:, None]].mean(axis=1)
+
+
+def percentile(replicates: np.ndarray) -> tuple[float, float]:
+    """The central ``LEVEL`` percentile interval of bootstrap replicates."""
+    lo, hi = np.quantile(replicates, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
+    return float(lo), float(hi)
+
+
+def t_interval(values: Sequence[float]) -> tuple[float, float]:
+    """Student's t interval of the mean of ``values`` (NaN bounds for fewer than two)."""
+    from scipy import stats
+
+    x = np.asarray(values, dtype=float)
+    if len(x) < 2:
+        return math.nan, math.nan
+    half = stats.t.ppf((1 + LEVEL) / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
+    return float(x.mean() - half), float(x.mean() + half)
+
+
+def from_replicates(value: float, replicates: np.ndarray, n: int) -> Interval:
+    """An :class:`Interval` of a bootstrapped cell."""
+    lo, hi = percentile(replicates)
+    return Interval(value, lo, hi, n, "bootstrap", replicates)
+
+
+def from_seeds(values: Sequence[float]) -> Interval:
+    """The fallback :class:`Interval` of a cell without per-row data: t over its seeds' values."""
+    x = [v for v in values if v is not None and not math.isnan(v)]
+    value = float(np.mean(x)) if x else math.nan
+    lo, hi = t_interval(x)
+    return Interval(value, lo, hi, len(x), "t over seeds" if len(x) >= 2 else "none")
+
+
+def difference(a: Interval, b: Interval) -> Interval:
+    """``a − b``: the bootstrap replicates subtracted (paired where both cells drew alike); for cells
+    without replicates the two intervals are combined as independent normals (half-width
+    ``hypot(ha, hb)``, method ``normal from cell intervals``), and none when either has no interval."""
+    value = a.value - b.value
+    if a.replicates is not None and b.replicates is not None:
+        return from_replicates(value, a.replicates - b.replicates, min(a.n, b.n))
+    if any(math.isnan(x) for x in (a.lo, a.hi, b.lo, b.hi)):
+        return Interval(value, math.nan, math.nan, min(a.n, b.n), "none")
+    half = math.hypot((a.hi - a.lo) / 2, (b.hi - b.lo) / 2)
+    return Interval(value, value - half, value + half, min(a.n, b.n), "normal from cell intervals")
+
+
+def clears(best: Interval, runner_up: Interval, lower_is_better: bool = False) -> bool:
+    """Whether ``best`` is better than ``runner_up`` beyond noise: the 95 % interval of their
+    difference excludes 0 on the better side (a tie otherwise, and always when it has no interval)."""
+    diff = difference(runner_up, best) if lower_is_better else difference(best, runner_up)
+    return not math.isnan(diff.lo) and diff.lo > 0

@@ -1,0 +1,351 @@
+"""Learning-rate selection as an experiment: sweep the Table 2 grid over a log grid of rates.
+
+    python -m pipelines.tune [scale=embedded|smoke] [launcher=local|slurm|submitit_local] [jobs=K] [overrides]
+    make tune SCALE=embedded JOBS=2
+
+Every cell of the Table 2 grid (method × privacy level × suite) runs at ``tune.lr_factor`` × its
+default rate (Table 8 × ``train.lr_multiplier``) for each factor of ``conf/experiment/tune.yaml``
+(5 half-decades, 0.1–10: a 100× span around the default), with one seed, and is scored on the
+suite's **validation** rows (``suite.eval_split=validation``: drawn from the training pool, disjoint
+from the run's training rows and from the fixed evaluation rows, :func:`prism.data.validation_split`;
+the evaluation rows are never scored). The rule is the same for every method, PRISM included
+(:func:`choose`): the rate with the highest validation score (the suite average), ties to the rate
+nearest the default. Where the chosen rate is at an edge of the cell's grid, one more rate one grid
+step past that edge is run (:func:`extension`), at most :data:`MAX_EXTEND` times per side.
+
+Each tuning run is an ordinary job of :mod:`pipelines.run` in the shared store (experiment view
+``tune``), launched like a table's (:func:`pipelines.reproduce.launch`: local pool, SLURM or
+submitit, W&B as configured); rerunning the command skips finished runs and resumes killed ones.
+
+Outputs: ``<results_dir>/tables/tune.<scale>.{md,csv}`` (validation score per rate per cell, the
+chosen one marked), ``tune.<scale>.png`` (score vs rate, a panel per suite × privacy level, a line
+per method) and, when every cell has a score, ``conf/tuned/<scale>.yaml``: the chosen rates with the
+commit and command that produced them, read by every grid of that budget
+(:mod:`pipelines.tuned_rates`). Choosing a rate on private validation data spends privacy that ε
+does not cover (docs/comparison.md, "What tuning costs in privacy").
+"""
+from __future__ import annotations
+
+import math
+import shlex
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from pipelines import reproduce, store
+from pipelines.grid import COMPOSE_ERRORS, error_line, job_config
+from pipelines.tuned_rates import cell_fields, tuned_dir
+from prism.fileio import write_text_atomic
+
+EXPERIMENT = "tune"
+MAX_EXTEND = 2  # extra rates past an edge, per side
+CELL_KEYS = ("method", "privacy", "suite")  # group choices that name a cell
+RULE = ("per cell, the rate with the highest validation score (the suite's average over its columns); "
+        "equal scores go to the rate nearest the default (in log-rate), then to the lower rate")
+
+
+@dataclass(frozen=True, order=True)
+class Cell:
+    """One cell of the Table 2 grid: its group choices."""
+
+    suite: str
+    privacy: str
+    method: str
+
+    def overrides(self) -> list[str]:
+        return [f"method={self.method}", f"privacy={self.privacy}", f"suite={self.suite}"]
+
+
+@dataclass
+class Point:
+    """One tuning run: its cell, rate factor and rate, store job, score (NaN until finished)."""
+
+    cell: Cell
+    factor: float
+    lr: float
+    default_lr: float
+    job: reproduce.Job
+    fields: dict
+    score: float = math.nan
+
+
+def choose(scores: Mapping[float, float]) -> float | None:
+    """The factor of :data:`RULE` among ``scores`` (factor → validation score); None if none is finite."""
+    finite = {f: s for f, s in scores.items() if s is not None and not math.isnan(s)}
+    if not finite:
+        return None
+    best = max(finite.values())
+    return min((f for f, s in finite.items() if s == best), key=lambda f: (abs(math.log(f)), f))
+
+
+def extension(scores: Mapping[float, float], base: Sequence[float]) -> float | None:
+    """The factor to run next for a cell whose chosen factor sits at an edge of its grid: one step
+    of the base grid past that edge (the outermost step of ``base``), at most :data:`MAX_EXTEND`
+    past either end of ``base``; None when the choice is interior or the limit is reached."""
+    chosen = choose(scores)
+    grid = sorted(scores)
+    if chosen is None or len(grid) < 2 or grid[0] < chosen < grid[-1]:
+        return None
+    base = sorted(base)
+    if chosen == grid[-1]:
+        step = base[-1] / base[-2]
+        nxt, beyond = chosen * step, sum(f > base[-1] for f in grid)
+    else:
+        step = base[1] / base[0]
+        nxt, beyond = chosen / step, sum(f < base[0] for f in grid)
+    return None if beyond >= MAX_EXTEND else float(f"{nxt:.6g}")
+
+
+def parse_args(argv: Sequence[str]) -> tuple[int, list[str]]:
+    """``[jobs=K] [overrides]`` → (K, overrides); ``ValueError`` naming the bad argument."""
+    jobs, overrides = 1, []
+    parser = OverridesParser.create()
+    for arg in argv:
+        if arg.startswith("jobs="):
+            value = arg.split("=", 1)[1]
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"jobs={value} must be an integer >= 1, e.g. jobs=2")
+            jobs = int(value)
+            continue
+        override = parser.parse_override(arg)
+        if override.get_key_element() == "seed" and override.is_sweep_override():
+            raise ValueError(f"{arg}: the sweep uses one seed; give seed=N (the tables' SEEDS axis does not apply)")
+        if override.get_key_element() == "experiment":
+            raise ValueError(f"{arg}: the sweep is experiment=tune (conf/experiment/tune.yaml); leave experiment= out")
+        if override.get_key_element() == "tune.lr_factor":  # floats, as the runner's validation makes them,
+            values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [  # so the
+                override.get_value_element_as_str()]  # planned run hash is the trained one
+            arg = f"tune.lr_factor={','.join(_float_text(v) for v in values)}"
+        overrides.append(arg)
+    return jobs, overrides
+
+
+def _float_text(value: str | float) -> str:
+    """A factor as a float literal (``1`` → ``1.0``); ``ValueError`` names a non-number."""
+    try:
+        return repr(float(value))
+    except ValueError:
+        raise ValueError(f"tune.lr_factor={value}: give positive numbers, e.g. tune.lr_factor=0.1,1,10") from None
+
+
+def _fixed(overrides: Sequence[str]) -> list[str]:
+    """The user's overrides without the cell and factor axes (they are set per extension job)."""
+    parser = OverridesParser.create()
+    return [o for o in overrides if parser.parse_override(o).get_key_element() not in (*CELL_KEYS, "tune.lr_factor")]
+
+
+def plan_points(overrides: Sequence[str]) -> tuple[list[Point], list[Point]]:
+    """(pending, finished) points of the sweep ``overrides`` describe (finished runs tagged into the view)."""
+    pending_jobs, finished_jobs = reproduce.plan(EXPERIMENT, overrides)
+    out: tuple[list[Point], list[Point]] = ([], [])
+    for i, jobs in enumerate((pending_jobs, finished_jobs)):
+        for job in jobs:
+            cfg = job_config(job.overrides)
+            factor = float(cfg.tune.lr_factor)
+            cell = Cell(str(cfg.suite.name), str(cfg.privacy.name), str(cfg.method.name))
+            out[i].append(Point(cell, factor, float(cfg.method.lr), float(cfg.method.lr) / factor, job,
+                                cell_fields(cfg)))
+    return out
+
+
+def launch_round(launcher: str, groups: Sequence[tuple[list[str], list[Point]]], workers: int,
+                 log_dir: Path) -> list[str]:
+    """Train the pending points of each (overrides, points) group; returns the failure lines."""
+    failures = []
+    if launcher == "local":
+        pending = [p.job for _, points in groups for p in points]
+        if pending:
+            _, failure = reproduce.launch(EXPERIMENT, "local", pending, workers, [], log_dir)
+            failures += [failure] if failure else []
+        return failures
+    for overrides, points in groups:
+        if points:
+            _, failure = reproduce.launch(EXPERIMENT, launcher, [p.job for p in points], workers, overrides, log_dir)
+            failures += [failure] if failure else []
+    return failures
+
+
+def read_score(point: Point) -> float:
+    """The validation score of a finished point's run (its suite average), NaN otherwise."""
+    folder = point.job.folder
+    if store.inspect_run(folder).state != "finished":
+        return math.nan
+    value = store.read_json(folder / "final.json").get("average")
+    return float(value) if isinstance(value, (int, float)) else math.nan
+
+
+def sweep(overrides: Sequence[str], launcher: str, workers: int, log_dir: Path) -> tuple[list[Point], list[str]]:
+    """Run the base grid, then the edge extensions round by round; every point with its score."""
+    points: dict[tuple[Cell, float], Point] = {}
+    groups = [list(overrides)]
+    base: list[float] = []
+    failures: list[str] = []
+    for round_ in range(1 + MAX_EXTEND):
+        planned = [(g, plan_points(g)) for g in groups]
+        todo = [(g, pending) for g, (pending, _) in planned]
+        new = [p for _, (pending, finished) in planned for p in (*pending, *finished)]
+        n_pending = sum(len(p) for _, p in todo)
+        label = "base grid" if round_ == 0 else f"edge extension {round_}"
+        print(f"tune, {label}: {len(new)} runs, {len(new) - n_pending} finished, {n_pending} to run", flush=True)
+        failures += launch_round(launcher, todo, workers, log_dir)
+        for p in new:
+            p.score = read_score(p)
+            points[p.cell, p.factor] = p
+        if round_ == 0:
+            base = sorted({p.factor for p in new})
+        by_cell = scores_by_cell(points.values())
+        groups = [[*_fixed(overrides), *cell.overrides(), f"tune.lr_factor={_float_text(nxt)}"]
+                  for cell, scores in sorted(by_cell.items()) if (nxt := extension(scores, base)) is not None
+                  and (cell, nxt) not in points]
+        if not groups:
+            break
+    return sorted(points.values(), key=lambda p: (p.cell, p.factor)), failures
+
+
+def scores_by_cell(points: Iterable[Point]) -> dict[Cell, dict[float, float]]:
+    """Cell → {factor: validation score}."""
+    out: dict[Cell, dict[float, float]] = {}
+    for p in points:
+        out.setdefault(p.cell, {})[p.factor] = p.score
+    return out
+
+
+# ------------------------------------------------------------------------------------------- outputs
+
+def frame(points: Sequence[Point]) -> pd.DataFrame:
+    """One row per tuning run: cell, ε, factor, rate, default rate, score, chosen, run hash."""
+    chosen = {cell: choose(s) for cell, s in scores_by_cell(points).items()}
+    return pd.DataFrame([{"suite": p.cell.suite, "privacy": p.cell.privacy, "epsilon": p.fields["epsilon"],
+                          "method": p.cell.method, "factor": p.factor, "lr": p.lr, "default_lr": p.default_lr,
+                          "validation_score": p.score, "chosen": chosen[p.cell] == p.factor,
+                          "run_hash": p.job.run_hash} for p in points])
+
+
+def to_markdown(df: pd.DataFrame, scale: str, header: Mapping[str, object]) -> str:
+    """The tuning table: a row per cell, a column per rate factor (the score; the chosen one in bold)."""
+    factors = sorted(df["factor"].unique())
+    lines = [f"# Learning-rate sweep, {scale} scale (validation split)", "",
+             f"Rule (the same for every method): {RULE}. One seed ({header['seed']}); validation rows: "
+             f"{header['validation_per_task']} per task from the training pool, disjoint from the training and "
+             "evaluation rows. Columns: the rate as a multiple of the default rate (Table 8 × train.lr_multiplier); "
+             "cells: validation score, the chosen rate's in **bold**; an edge optimum adds a rate past the edge.",
+             "", "Choosing a rate on private validation data is not covered by ε.", "",
+             "| suite | privacy | method | default lr | " + " | ".join(f"×{f:g}" for f in factors)
+             + " | chosen lr | validation score |", "|" + "---|" * (6 + len(factors))]
+    for (suite, privacy, method), part in df.groupby(["suite", "privacy", "method"], sort=False):
+        by_factor = part.set_index("factor")
+        cells = []
+        for f in factors:
+            if f not in by_factor.index:
+                cells.append("")
+                continue
+            score = by_factor.loc[f, "validation_score"]
+            text = "—" if pd.isna(score) else f"{score:.3f}"
+            cells.append(f"**{text}**" if by_factor.loc[f, "chosen"] else text)
+        pick = part[part["chosen"]]
+        chosen = "—" if pick.empty else f"{pick['lr'].iloc[0]:.3g}"
+        score = "—" if pick.empty else f"{pick['validation_score'].iloc[0]:.3f}"
+        lines.append(f"| {suite} | {privacy} | {method} | {part['default_lr'].iloc[0]:.3g} | " + " | ".join(cells)
+                     + f" | {chosen} | {score} |")
+    missing = df[df["validation_score"].isna()]
+    lines += ["", "Runs without a score: " + (", ".join(f"{r.suite}/{r.privacy}/{r.method} ×{r.factor:g} ({r.run_hash})"
+                                                       for r in missing.itertuples()) or "none")]
+    return "\n".join(lines) + "\n"
+
+
+def plot(df: pd.DataFrame, path: Path, scale: str) -> Path:
+    """Validation score vs rate: a panel per suite × privacy level, a line per method, chosen rates starred."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    suites, privacies = list(dict.fromkeys(df["suite"])), list(dict.fromkeys(df["privacy"]))
+    methods = list(dict.fromkeys(df["method"]))
+    fig, axes = plt.subplots(len(suites), len(privacies), figsize=(3.8 * len(privacies), 3.0 * len(suites)),
+                             squeeze=False)
+    for r, suite in enumerate(suites):
+        for c, privacy in enumerate(privacies):
+            ax = axes[r][c]
+            for i, method in enumerate(methods):
+                part = df[(df["suite"] == suite) & (df["privacy"] == privacy) & (df["method"] == method)]
+                part = part.sort_values("lr")
+                if part.empty:
+                    continue
+                ax.plot(part["lr"], part["validation_score"], "o-", color=f"C{i % 10}", label=method, ms=3)
+                pick = part[part["chosen"]]
+                ax.plot(pick["lr"], pick["validation_score"], "*", color=f"C{i % 10}", ms=11)
+            ax.set_xscale("log")
+            ax.set_title(f"{suite}, {privacy}", fontsize=9)
+            ax.tick_params(labelsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.suptitle(f"Learning-rate sweep, {scale} scale: validation score vs rate (★ chosen)", fontsize=9)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def tuned_yaml(points: Sequence[Point], header: Mapping[str, object]) -> str:
+    """``conf/tuned/<scale>.yaml``: the header and one entry per cell (its match fields and chosen rate)."""
+    by_cell = scores_by_cell(points)
+    rates = [{**p.fields, "lr": p.lr, "factor": p.factor, "default_lr": p.default_lr,
+              "validation_score": round(p.score, 6), "at_edge": p.factor in (min(by_cell[p.cell]), max(by_cell[p.cell]))}
+             for p in points if choose(by_cell[p.cell]) == p.factor]
+    note = ("# Generated by pipelines/tune.py (`make tune`); do not edit: rerun the command in `generated` to\n"
+            "# regenerate. Read by pipelines/tuned_rates.py for runs whose fields match an entry.\n")
+    return note + yaml.safe_dump({"generated": dict(header), "rates": rates}, sort_keys=False, width=120)
+
+
+def main(argv: Sequence[str]) -> int:
+    try:
+        workers, overrides = parse_args(argv)
+        cfg0 = job_config([f"experiment={EXPERIMENT}", *(o for o in overrides if "," not in o)])
+    except COMPOSE_ERRORS as err:
+        print(f"error: {error_line(err)}", file=sys.stderr)
+        return 2
+    launcher = next((o.split("=", 1)[1] for o in overrides if o.startswith("launcher=")), "local")
+    scale = next((o.split("=", 1)[1] for o in overrides if o.startswith("scale=")), "embedded")
+    results = Path(str(cfg0.results_dir))
+    try:
+        points, failures = sweep(overrides, launcher, workers, results / "logs" / EXPERIMENT)
+    except COMPOSE_ERRORS as err:
+        print(f"error: {error_line(err)}", file=sys.stderr)
+        return 2
+    from pipelines.run import git_state
+
+    commit, dirty = git_state()
+    header = {"command": shlex.join(["python", "-m", "pipelines.tune", *argv]), "commit": commit, "dirty": dirty,
+              "date": store.utc_stamp(), "seed": int(cfg0.seed), "validation_per_task": int(cfg0.suite.validation_per_task),
+              "rule": RULE, "grid": sorted({p.factor for p in points})}
+    df = frame(points)
+    out = results / "tables"
+    out.mkdir(parents=True, exist_ok=True)
+    md = to_markdown(df, scale, header)
+    write_text_atomic(out / f"tune.{scale}.md", md)
+    df.to_csv(out / f"tune.{scale}.csv", index=False, float_format="%.6g")
+    plot(df, out / f"tune.{scale}.png", scale)
+    print(md)
+    print(f"wrote {out / f'tune.{scale}.md'}, {out / f'tune.{scale}.csv'}, {out / f'tune.{scale}.png'}")
+    for failure in failures:
+        print(failure, file=sys.stderr)
+    unscored = {p.cell for p in points if math.isnan(p.score)}
+    if unscored or not points:
+        print(f"{len(unscored)} cell(s) lack a score; conf/tuned/{scale}.yaml not written (rerun the same "
+              "command: finished runs are kept)", file=sys.stderr)
+        return 1
+    target = tuned_dir() / f"{scale}.yaml"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(target, tuned_yaml(points, header))
+    print(f"wrote {target}: the chosen rate of {len({p.cell for p in points})} cells (read by every grid of this budget)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

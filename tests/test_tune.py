@@ -1,0 +1,138 @@
+"""pipelines.tune (rule, edge extension, store/resume, outputs), pipelines.tuned_rates (what the grid reads)
+and the validation split of prism.data (disjoint from training and evaluation rows)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from pipelines import reproduce, tune, tuned_rates
+from pipelines.grid import experiment_jobs, job_config
+from pipelines.run import execute
+from pipelines.validate import load_job
+
+
+def test_rule_picks_the_best_and_breaks_ties_towards_the_default() -> None:
+    assert tune.choose({0.1: 0.5, 1.0: 0.7, 10.0: 0.6}) == 1.0
+    assert tune.choose({0.1: 0.6, 1.0: 0.6, 10.0: 0.6}) == 1.0  # flat: the default rate
+    assert tune.choose({0.1: 0.6, 10.0: 0.6}) == 0.1  # same distance: the lower rate
+    assert tune.choose({0.1: math.nan, 1.0: math.nan}) is None
+
+
+def test_an_edge_optimum_extends_the_grid_by_one_step_at_most_twice() -> None:
+    base = [0.1, 0.316, 1.0, 3.16, 10.0]
+    rising = {f: f for f in base}
+    assert tune.extension(rising, base) == pytest.approx(10 * 10 / 3.16, rel=1e-5)
+    assert tune.extension({**rising, 31.6: 31.6}, base) == pytest.approx(31.6 * 10 / 3.16, rel=1e-5)
+    assert tune.extension({**rising, 31.6: 31.6, 100.0: 100.0}, base) is None  # limit reached
+    falling = {f: -f for f in base}
+    assert tune.extension(falling, base) == pytest.approx(0.1 / (0.316 / 0.1), rel=1e-5)
+    assert tune.extension({0.1: 0.1, 1.0: 0.9, 10.0: 0.2}, [0.1, 1.0, 10.0]) is None  # interior
+    assert tune.extension({**rising, 31.6: 0.0}, base) is None  # the extension found the peak
+
+
+def _entry(**changes) -> dict:
+    cfg = job_config(["experiment=table2", "scale=smoke", "method=adamw", "privacy=eps6", "suite=glue8"])
+    return {**tuned_rates.cell_fields(cfg), "lr": 0.0123, **changes}
+
+
+def test_the_grid_reads_the_tuned_file_only_for_its_budget(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PRISM_TUNED_DIR", str(tmp_path))
+    job = ["experiment=table2", "scale=smoke", "method=adamw", "privacy=eps6", "suite=glue8"]
+    default = job_config(job).method.lr
+    assert default == pytest.approx(2e-4 * 10)  # no file: Table 8 × lr_multiplier
+    (tmp_path / "smoke.yaml").write_text(yaml.safe_dump({"rates": [_entry()]}))
+    assert job_config(job).method.lr == 0.0123
+    assert job_config([*job[:-1], "suite=math10k"]).method.lr == pytest.approx(3e-4 * 10)  # other cell
+    assert job_config([*job, "train.steps=3"]).method.lr == default  # other budget
+    assert job_config([*job, "method.lr=0.5"]).method.lr == 0.5  # an explicit rate wins
+    assert job_config(["experiment=table4", *job[1:], "lora=r8"]).method.lr == 0.0123  # every rank: one rate
+    assert job_config(["experiment=tune", *job[1:], "tune.lr_factor=3"]).method.lr == pytest.approx(3 * default)
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump({"rates": [_entry(lr=0.2)]}))
+    with pytest.raises(ValueError, match="tuned rates for the same cell"):
+        job_config(job)
+
+
+def test_validation_rows_are_disjoint_from_training_and_evaluation_rows() -> None:
+    from prism.data import build_suite, row_key
+
+    for suite in ("glue8", "math10k"):
+        node = OmegaConf.to_container(job_config(["scale=smoke", f"suite={suite}"]).suite)
+        test = build_suite(node, 42)
+        val = build_suite({**node, "eval_split": "validation", "validation_per_task": 8}, 42)
+        assert [row_key(e) for e in val.train] == [row_key(e) for e in test.train]  # same training rows
+        train = {row_key(e) for e in val.train}
+        for task, rows in val.eval.items():
+            keys = [row_key(e) for e in rows]
+            held_out = {row_key(e) for e in test.eval[task]}
+            assert len(keys) == 8 == len(set(keys)) and not set(keys) & train and not set(keys) & held_out
+            if suite == "glue8":
+                assert sorted(e.answer for e in rows) == [0] * 4 + [1] * 4  # label-balanced
+
+
+class ScoreByRate:
+    """A trainer whose validation score rises with the rate up to ×50, then stays (an edge optimum at ×10)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, cfg, folder, log_fn) -> dict:
+        assert cfg.suite.eval_split == "validation"  # tuning runs never score the evaluation rows
+        self.calls += 1
+        factor = float(cfg.tune.lr_factor)
+        score = min(factor, 50.0) / 100
+        log_fn({"step": 1, "loss": 1.0})
+        return {"columns": {"SST-2": score}, "average": score, "n_train": 32}
+
+
+def test_sweep_runs_through_the_store_extends_edges_resumes_and_writes_the_rates(tmp_path: Path, monkeypatch,
+                                                                                 capsys) -> None:
+    monkeypatch.setenv("PRISM_TUNED_DIR", str(tmp_path / "tuned"))
+    trainer = ScoreByRate()
+
+    def in_process(experiment, launcher, pending, workers, overrides, log_dir):
+        for job in pending:
+            execute(load_job(job.overrides), trainer)
+        return True, ""
+
+    monkeypatch.setattr(reproduce, "launch", in_process)
+    args = ["scale=smoke", f"results_dir={tmp_path}", "logging=disabled", "method=adamw", "privacy=eps6",
+            "suite=glue8", "tune.lr_factor=0.1,1,10"]
+    assert tune.main(args) == 0
+    assert trainer.calls == 3 + 2  # base grid, then past the right edge twice (×100, ×1000)
+    out = capsys.readouterr().out
+    assert "edge extension 2: 1 runs" in out and "wrote" in out
+    table = (tmp_path / "tables" / "tune.smoke.md").read_text()
+    assert "| glue8 | eps6 | adamw | 0.002 | 0.001 | 0.010 | 0.100 | **0.500** | 0.500 | 0.2 | 0.500 |" in table
+    assert (tmp_path / "tables" / "tune.smoke.png").read_bytes()[:4] == b"\x89PNG"
+    conf = yaml.safe_load((tmp_path / "tuned" / "smoke.yaml").read_text())
+    assert conf["generated"]["command"].startswith("python -m pipelines.tune scale=smoke")
+    assert "commit" in conf["generated"] and conf["generated"]["validation_per_task"] == 100
+    by_method = {e["method"]: e for e in conf["rates"]}
+    assert list(by_method) == ["adamw"] and by_method["adamw"]["factor"] == 100.0
+    assert by_method["adamw"]["at_edge"] is False  # ×1000 scored lower than ×100 (the score saturates at 0.5)
+    # the Table 2 grid of that budget now reads the chosen rates, and only for the tuned cells
+    jobs = {tuple(j[1:4]): job_config(j) for j in experiment_jobs("table2", ["scale=smoke", "privacy=eps6,eps3",
+                                                                            "suite=glue8", "method=prism,adamw"])}
+    assert jobs["method=adamw", "privacy=eps6", "suite=glue8"].method.lr == pytest.approx(by_method["adamw"]["lr"])
+    assert by_method["adamw"]["lr"] == pytest.approx(100 * 2e-3)
+    assert jobs["method=prism", "privacy=eps6", "suite=glue8"].method.lr == pytest.approx(2e-3)  # not tuned
+    assert jobs["method=adamw", "privacy=eps3", "suite=glue8"].method.lr == pytest.approx(2e-3)  # not tuned
+    # rerunning resumes from the store: nothing is trained again, the same file comes back
+    assert tune.main(args) == 0 and trainer.calls == 5
+    assert yaml.safe_load((tmp_path / "tuned" / "smoke.yaml").read_text())["rates"] == conf["rates"]
+
+
+def test_a_seed_sweep_is_refused() -> None:
+    with pytest.raises(ValueError, match="one seed"):
+        tune.parse_args(["seed=42,43"])
+
+
+def test_a_bad_validation_size_is_a_config_error_before_any_model_load() -> None:
+    from pipelines.validate import ConfigError
+
+    with pytest.raises(ConfigError, match="suite.validation_per_task=0 must be an integer >= 1"):
+        load_job(["experiment=tune", "scale=smoke", "suite.validation_per_task=0"])
