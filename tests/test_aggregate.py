@@ -19,6 +19,7 @@ from scipy import stats
 
 from pipelines import aggregate as agg
 from pipelines import store
+from pipelines.aggregate.render import plot_privacy_utility, to_csv_frame
 
 PAPER = agg.PAPER_DIR
 REPO = Path(__file__).resolve().parents[1]
@@ -431,6 +432,18 @@ def test_protocols_get_their_own_tables_and_a_side_by_side_one(tmp_path: Path, c
     assert rel.not_dp == 1 and corrected.not_dp == 0
     assert "NOT a valid" not in agg.to_markdown(corrected)
     assert "1 private run(s) here are not a valid DP guarantee as stated" in agg.to_markdown(rel)
+    csv_rel, csv_cor = to_csv_frame(rel), to_csv_frame(corrected)  # the CSV carries the flag per row
+    assert set(csv_rel.loc[(csv_rel["Setting"] == "ε=6") & (csv_rel["row"] == "cell"), "dp_guarantee"]) == {"not a valid DP guarantee as stated"}
+    assert set(csv_cor.loc[(csv_cor["Setting"] == "ε=6") & (csv_cor["row"] == "cell"), "dp_guarantee"]) == {"(ε, δ)-DP as accounted"}
+    assert set(csv_rel.loc[(csv_rel["Setting"] == "Non-DP") & (csv_rel["row"] == "cell"), "dp_guarantee"]) == {"non-private"}
+    titles = []
+    import matplotlib.figure
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(matplotlib.figure.Figure, "suptitle", lambda self, t, **kw: titles.append(t))
+    plot_privacy_utility(rel, tmp_path / "rel.png")
+    plot_privacy_utility(corrected, tmp_path / "cor.png")
+    monkeypatch.undo()
+    assert "NOT A VALID DP GUARANTEE AS STATED" in titles[0] and "NOT A VALID" not in titles[1]
     with pytest.raises(agg.AggregateError, match="protocol=paper is not known"):
         agg.build_table(agg.SPECS["table2"], records, "embedded", protocol="paper")
 

@@ -205,3 +205,21 @@ def test_os_noise_checkpoints_every_step_before_logging_it(tmp_path: Path, monke
         assert events == [e for t in range(1, 5) for e in (("ckpt", t), ("log", t))]
     else:
         assert events == [("log", 1), ("log", 2), ("log", 3), ("ckpt", 3), ("log", 4), ("ckpt", 4)]
+
+
+# ------------------------------------------------------------------------------ defect 6
+def test_wandb_summary_keeps_the_not_dp_flag() -> None:
+    """The W&B summary gets the DP status strings of final.json (numbers-only summaries dropped them)."""
+    from types import SimpleNamespace
+
+    from pipelines.wandb_log import WandbRun
+
+    final = {"columns": {"SST-2": 0.5}, "epsilon_spent": 6.0,
+             "protocol": {"name": "released", "dp_guarantee": "not a valid DP guarantee as stated",
+                          "dp_caveats": ["denominator=realised: …", "noise_damping=1e-08: …"]}}
+    written: dict = {}
+    run = WandbRun.__new__(WandbRun)
+    run.run = SimpleNamespace(summary=SimpleNamespace(update=written.update), finish=lambda exit_code: None)
+    run.finish(final)
+    assert written["protocol/dp_guarantee"] == "not a valid DP guarantee as stated"
+    assert "denominator=realised" in written["protocol/dp_caveats"] and written["epsilon_spent"] == 6.0

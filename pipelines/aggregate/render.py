@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -277,13 +278,22 @@ def to_csv_frame(result: TableResult) -> pd.DataFrame:
     out = []
     for kind, row in rows_for_display(result):
         rec = {"scale": result.scale, "row": "cell" if kind == "cell" else DIFF_LABEL,
-               **{k: row[k] for k in spec.keys}}
+               **{k: row[k] for k in spec.keys}, "dp_guarantee": dp_status(result, row.get("Setting"))}
         rec.update({f"{c}{p}": row.get(f"{c}{p}", "") for c in cols for p in parts})
         out.append(rec)
     for _, row in paper_rows(result).iterrows():
         out.append({"scale": result.scale, "row": "paper", **{k: row[k] for k in spec.keys},
                     **{c: row[c] for c in cols}})
-    return pd.DataFrame(out, columns=["scale", "row", *spec.keys, *(f"{c}{p}" for c in cols for p in parts)])
+    return pd.DataFrame(out, columns=["scale", "row", *spec.keys, "dp_guarantee",
+                                      *(f"{c}{p}" for c in cols for p in parts)])
+
+
+def dp_status(result: TableResult, setting: Any) -> str:
+    """A CSV row's DP status: ``non-private``, or for a private setting ``(ε, δ)-DP as accounted`` unless the
+    table holds runs whose ``final.json`` says :data:`NOT_DP_AS_STATED` (then that)."""
+    if setting is None or str(setting) == "Non-DP":
+        return "non-private"
+    return NOT_DP_AS_STATED if result.not_dp else "(ε, δ)-DP as accounted"
 
 
 def plot_panels(result: TableResult) -> list[str]:
@@ -331,8 +341,10 @@ def plot_privacy_utility(result: TableResult, path: Path) -> Path:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    warning = f"\n{result.not_dp} private run(s) are {NOT_DP_AS_STATED.upper()}" if result.not_dp else ""
     fig.suptitle(f"Privacy–utility, {result.scale} scale, {result.protocol} protocol: accuracy vs ε "
-                 "(δ = 1e-5; ∞ = non-DP); solid = these runs with 95 % intervals, dashed = paper", fontsize=9)
+                 f"(δ = 1e-5; ∞ = non-DP); solid = these runs with 95 % intervals, dashed = paper{warning}",
+                 fontsize=9, color="red" if result.not_dp else "black")
     fig.tight_layout(rect=(0, 0.06, 1, 0.95))
     fig.savefig(path, dpi=120)
     plt.close(fig)
