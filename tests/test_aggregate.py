@@ -470,3 +470,29 @@ def test_plot_panels_show_each_stand_in_column_at_embedded_scale(table2_runs: Pa
     assert plot_panels(res) == ["Avg", "CoLA", "SST-2", "GSM8K"]  # the columns the runs have, in table order
     paper = agg.build_table(agg.SPECS["table2"], agg.read_run_folders(table2_runs, "table2"), "paper")
     assert plot_panels(paper) == ["Avg", "SST-2"]
+
+
+def test_header_names_the_code_and_flags_cells_of_mixed_mechanisms(tmp_path: Path) -> None:
+    """Runs record their commit; the header lists them; a cell whose seeds come from commits whose prism/
+    differs (here ada5f82 → HEAD of this repository: the mechanism changed) is flagged, one whose
+    commits differ only outside prism/ (c6511f1 → 50fbf60: docs) is not."""
+    import subprocess
+
+    from pipelines.aggregate.build import mechanism_differs
+
+    repo = Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    known = subprocess.run(["git", "cat-file", "-e", "ada5f82^{commit}"], cwd=repo).returncode == 0
+    if not head or not known:
+        pytest.skip("needs this repository's git history")
+    assert mechanism_differs("ada5f82", head) and not mechanism_differs("c6511f1", "50fbf60")
+    root = tmp_path / "runs"
+    for name, seed, commit, method in (("a1", 42, "ada5f82", "prism"), ("a2", 43, head, "prism"),
+                                       ("b1", 42, "c6511f1", "adamw"), ("b2", 43, "50fbf60", "adamw")):
+        make_run(root, name, method=method, privacy="eps6", suite="glue8", columns={"SST-2": 0.6}, seed=seed,
+                 experiment="table2", git_commit=commit, git_dirty=False)
+    result = agg.build_table(agg.SPECS["table2"], agg.read_run_folders(root, "table2"), "embedded")
+    flagged = [w for w in result.warnings if "MIXED CODE" in w]
+    assert len(flagged) == 1 and "PRISM" in flagged[0] and "ada5f82" in flagged[0]
+    assert "ada5f82" in result.header["glue8"]["code"] and "50fbf60" in result.header["glue8"]["code"]
+    assert "MIXED CODE" in agg.to_markdown(result)

@@ -10,7 +10,9 @@ left out and listed too. Each cell carries its 95 % interval (:mod:`pipelines.ag
 """
 from __future__ import annotations
 
+import functools
 import math
+import subprocess
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -164,6 +166,43 @@ def _backbone(record: RunRecord) -> str:
     return f"{name} (for {paper})" if paper and norm_name(paper) != norm_name(name) else str(name)
 
 
+def _code(record: RunRecord) -> str | None:
+    """The commit that trained a run (``final.json`` ``git_commit``, 10 digits; ``+dirty`` with local changes)."""
+    commit = record.final.get("git_commit")
+    if not commit:
+        return None
+    return str(commit)[:10] + ("+dirty" if record.final.get("git_dirty") else "")
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@functools.lru_cache(maxsize=256)
+def mechanism_differs(first: str, second: str) -> bool:
+    """Whether ``prism/`` differs between two commits (``git diff``); True when git cannot tell (a commit
+    unknown to this checkout, no git): a cell whose runs may come from different mechanisms is flagged."""
+    try:
+        done = subprocess.run(["git", "diff", "--quiet", first, second, "--", "prism/"], cwd=REPO,
+                              capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return True
+    return done.returncode != 0
+
+
+def mixed_code(spec: TableSpec, cells: Mapping[tuple, Mapping[str, Sequence[RunRecord]]]) -> list[str]:
+    """A warning for each cell averaging runs of different commits (or a dirty tree) whose ``prism/`` differs."""
+    out = []
+    for key, by_suite in cells.items():
+        for suite, rs in by_suite.items():
+            codes = sorted({c for c in (_code(r) for r in rs) if c})
+            commits = sorted({c.split("+")[0] for c in codes})
+            dirty = any(c.endswith("+dirty") for c in codes)
+            if len(codes) > 1 and (dirty or any(mechanism_differs(a, b) for a, b in zip(commits, commits[1:]))):
+                out.append(f"{fmt_key(spec, key)} / {suite}: MIXED CODE, its {len(rs)} runs come from commits "
+                           f"{', '.join(codes)} whose prism/ differs; rerun the cell with force=true")
+    return out
+
+
 FACTS = (  # (header column, config field it comes from or None, value of one run)
     ("backbone", "backbone", _backbone),
     ("steps", "train", _steps),
@@ -171,6 +210,7 @@ FACTS = (  # (header column, config field it comes from or None, value of one ru
     ("N (train)", "suite", lambda r: None if r.final.get("n_train") is None else str(r.final["n_train"])),
     ("eval rows", "suite", lambda r: _eval_rows(r.final)),
     ("protocol", "protocol", lambda r: None if r.get("protocol.name") is None else str(r.get("protocol.name"))),
+    ("code", "code", _code),
 )
 
 
@@ -267,6 +307,7 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str | None
     frame = mark_best(pd.DataFrame(table, columns=columns), spec, intervals)
     used = {s: [r for by_suite in cells.values() for r in by_suite.get(s, [])] for s in spec.suites}
     header, fact_warnings = header_facts(spec, {s: rs for s, rs in used.items() if rs})
+    fact_warnings = [w for w in fact_warnings if " differ in code " not in w] + mixed_code(spec, cells)
     seen = {s: sorted({c for r in rs for c in r.final.get("columns", {})}) for s, rs in used.items()}
     not_dp = sum(isinstance(p := r.final.get("protocol"), Mapping) and p.get("dp_guarantee") == NOT_DP_AS_STATED
                  for rs in used.values() for r in rs)
