@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from prism.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from prism.data import Suite, build_suite
+from prism.data.custom import check_task
 from prism.data.prompts import collate, tokenize_example, tokenize_train_set
 from prism.evaluate import evaluate_suite
 from prism.hf_baseline import HFRecipe, HFTrainerBaseline, holdout_loss, holdout_split
@@ -46,6 +47,7 @@ from prism.models import (
     peak_memory_mb,
     trainable_parameters,
 )
+from prism.models.local import describe, speed_paths
 from prism.prefix import PrefixCache, prefix_cache
 from prism.privacy import (
     Accountant,
@@ -145,9 +147,13 @@ def build(cfg: DictConfig, suite: Suite | None = None) -> Setup:
     narrate("loading backbone %s on %s (an embedded one is converted from its GGUF on first use, ~1 min)",
             cfg.backbone.name, device)
     model, tokenizer = load_backbone(cfg.backbone, device)
+    if suite.source:  # suite=custom: every training row's length again, with the loaded tokenizer
+        check_task(cfg.suite.custom, cfg.train.batch_size, suite.cutoff_len,
+                   lambda text: len(tokenizer(text)["input_ids"]), cfg.backbone.name)
     init_generator = torch.Generator().manual_seed(cfg.seed)
     model = attach_lora(model, cfg.lora, cfg.backbone, init=cfg.method.init, generator=init_generator,
                         init_svd=cfg.method.get("init_svd", "auto"))
+    narrate("%s; %s", describe(model), speed_paths(model, cfg.train.get("prefix_cache", "auto")))
     features = tokenize_train_set(tokenizer, suite.train, suite.cutoff_len, suite.train_on_inputs, cfg.backbone.name)
     sampler_seed, noise_seed = mechanism_seeds(cfg)
     sampler = PoissonSampler(n_train, cfg.train.batch_size, generator_seed=sampler_seed)

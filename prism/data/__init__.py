@@ -6,7 +6,8 @@ decoding and metric code: only where the rows come from differs.
 
 ``build_suite(cfg_suite, seed)`` reads ``name``, ``scale``, ``family``, ``train_on_inputs``,
 ``cutoff_len``, ``eval_limit`` and the scale's own node ``cfg_suite[scale]`` (see
-:mod:`prism.data.embedded`, :mod:`prism.data.glue`, :mod:`prism.data.math10k` for its fields).
+:mod:`prism.data.embedded`, :mod:`prism.data.glue`, :mod:`prism.data.math10k` for its fields);
+``suite=custom`` reads the user's file from ``cfg_suite.custom`` at every scale (:mod:`prism.data.custom`).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Any
 
 # Table 2 column names, in the paper's order.
 PAPER_COLUMNS = ("CoLA", "SST-2", "MRPC", "STS-B", "QQP", "MNLI", "QNLI", "RTE", "GSM8K", "AQuA", "MAWPS", "SVAMP")
-SUITE_FAMILIES = {"glue8": "glue", "math10k": "math"}
+SUITE_FAMILIES = {"glue8": "glue", "math10k": "math", "custom": "glue"}  # custom: GLUE's template and rates
 SCALES = ("embedded", "paper")
 
 
@@ -52,6 +53,8 @@ class Suite:
     cutoff_len: int
     task_columns: dict[str, str]
     skipped: dict[str, int] = field(default_factory=dict)  # source → malformed rows dropped
+    rules: dict[str, Any] = field(default_factory=dict)  # task → prism.metrics.TaskRule (suite=custom)
+    source: dict[str, Any] = field(default_factory=dict)  # suite=custom: files, digests, row counts
 
 
 def cache_dir() -> Path:
@@ -86,7 +89,14 @@ def build_suite(cfg_suite: Any, seed: int) -> Suite:
     if family != SUITE_FAMILIES[name]:
         raise ValueError(f"suite {name!r} has family {SUITE_FAMILIES[name]!r}, config says {family!r}")
     node = cfg_suite.get(scale) or {}
-    if scale == "embedded":
+    rules: dict[str, Any] = {}
+    source: dict[str, Any] = {}
+    if name == "custom":
+        from prism.data import custom
+
+        train, evals, columns, rule, source = custom.build(cfg_suite)
+        parts, rules = (train, evals, columns, {}), {task: rule for task in evals}
+    elif scale == "embedded":
         parts = embedded.build(name, node, seed)
     elif name == "glue8":
         parts = glue.build_paper(node, seed)
@@ -105,4 +115,6 @@ def build_suite(cfg_suite: Any, seed: int) -> Suite:
         cutoff_len=int(cfg_suite.get("cutoff_len", 384 if family == "glue" else 256)),
         task_columns=columns,
         skipped=skipped,
+        rules=rules,
+        source=source,
     )
