@@ -200,8 +200,9 @@ def example(row: Row, answer: int | float | str) -> Example:
 
 
 def check_lengths(path: Path, rows: Sequence[Row], cutoff_len: int, count_tokens: TokenCounter, backbone: str) -> None:
-    """Every training row's prompt, target and EOS fit in ``suite.cutoff_len`` tokens (else training
-    would cut off its target: tokenisation truncates the whole text at ``cutoff_len``)."""
+    """Every row's prompt, target and EOS fit in ``suite.cutoff_len`` tokens (else training would cut
+    off its target: tokenisation truncates the whole text at ``cutoff_len``). All rows of the training
+    file are checked, held out or not, so the answer does not depend on the draw."""
     for row in rows:
         n = count_tokens(train_prompt(example(row, 0))) + 1  # + EOS
         if n > cutoff_len:
@@ -230,12 +231,12 @@ class CustomTask:
 
 def load_task(node: Mapping[str, Any]) -> tuple[CustomTask, list[Row], Path]:
     """Read and check the files of ``suite.custom`` (all checks but lengths and batch size); returns
-    the task, the training rows and the training file."""
-    rule = task_rule(node)
+    the task, every row of the training file (held-out ones included) and the training file."""
     if not node.get("train"):
         raise TaskFileError("suite.custom.train is not set; give suite.custom.train=PATH (a .jsonl or .csv file)")
+    rule = task_rule(node)
     train_path = Path(str(node["train"])).expanduser()
-    train_rows = read_rows(train_path)
+    train_rows = file_rows = read_rows(train_path)
     source: dict[str, Any] = {"train": str(node["train"]), "train_sha256": _verified(train_path, node.get("train_sha256"),
                                                                                      "train_sha256")}
     files = [(train_path, train_rows)]
@@ -262,21 +263,21 @@ def load_task(node: Mapping[str, Any]) -> tuple[CustomTask, list[Row], Path]:
     eval_path = files[-1][0]
     evals = [example(row, gold(rule, row, eval_path)) for row in eval_rows]
     source.update(type=rule.kind, n_train=len(train), n_eval=len(evals))
-    return CustomTask(train, evals, rule, source), train_rows, train_path
+    return CustomTask(train, evals, rule, source), file_rows, train_path
 
 
 def check_task(node: Mapping[str, Any], batch_size: int, cutoff_len: int, count_tokens: TokenCounter | None,
                backbone: str) -> CustomTask:
-    """Every check of a custom task that needs no model: the files (:func:`load_task`), enough training
-    rows for ``train.batch_size``, and, when the backbone's tokenizer is readable without a model
-    (``count_tokens``), every training row within ``suite.cutoff_len``."""
+    """Every check of a custom task that needs no model: the files (:func:`load_task`), then, when the
+    backbone's tokenizer is readable without a model (``count_tokens``), every training row within
+    ``suite.cutoff_len``, then enough training rows for ``train.batch_size``."""
     task, train_rows, train_path = load_task(node)
+    if count_tokens is not None:
+        check_lengths(train_path, train_rows, cutoff_len, count_tokens, backbone)
     if len(task.train) < batch_size:
         held = "" if node.get("eval") else f" after holding out {len(task.eval)} for evaluation"
         raise TaskFileError(f"{train_path}: {len(task.train)} training rows{held}, fewer than train.batch_size="
                             f"{batch_size}; add rows or lower train.batch_size to at most {len(task.train)}")
-    if count_tokens is not None:
-        check_lengths(train_path, train_rows, cutoff_len, count_tokens, backbone)
     return task
 
 
