@@ -1,6 +1,7 @@
 """Reproduce one paper table: expand its grid, run what is not finished, aggregate.
 
     python -m pipelines.reproduce N [scale=embedded|paper] [launcher=local|slurm] [jobs=K] [overrides...]
+    python -m pipelines.reproduce custom TASK.jsonl [model=DIR] ...   # your own task: pipelines.compare
 
 ``launcher=local``: at most K worker processes (``OMP_NUM_THREADS=1`` each), each
 ``python -m pipelines.run <job>`` with its output in ``<results_dir>/logs/tableN/<hash>.log``; a
@@ -223,6 +224,10 @@ def launch(experiment: str, launcher: str, pending: list[Job], workers: int, ove
 
 
 def main(argv: Sequence[str]) -> int:
+    if argv and argv[0] == "custom":  # your own task: methods x privacy settings (pipelines/compare.py)
+        from pipelines.compare import main as compare
+
+        return compare(argv[1:])
     try:
         experiment, workers, overrides = parse_args(argv)
         cfg0 = job_config([f"experiment={experiment}", *[o for o in overrides if "," not in o]])
