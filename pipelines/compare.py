@@ -122,6 +122,8 @@ def plan(argv: Sequence[str]) -> Plan:
     if "labels" in keys:
         fixed.append(f"suite.custom.labels=[{','.join(_list(keys['labels'], 'labels'))}]")
     if keys.get("model"):
+        if any(o.startswith("backbone=") for o in overrides):
+            raise ValueError("model= and backbone= both choose the model, give one of them")
         fixed += ["backbone=local", f"backbone.path={Path(keys['model']).expanduser().resolve()}"]
     fixed += overrides
     methods = _list(keys["methods"], "methods") if "methods" in keys else list(METHODS)
