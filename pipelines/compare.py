@@ -215,7 +215,8 @@ def render(p: Plan) -> list[Path]:
                                    *body]) + "\n")
     primary = spec.columns[0]
     frame = result.frame.assign(Avg=result.frame[primary], Avg_paper=math.nan)
-    figure = dataclasses.replace(result, spec=dataclasses.replace(spec, columns=("Avg",)), frame=frame)
+    panels = ("Avg", *spec.columns[1:])  # the aggregator's figure draws "Avg" first: here the task's score
+    figure = dataclasses.replace(result, spec=dataclasses.replace(spec, columns=panels), frame=frame)
     paths.append(plot_privacy_utility(figure, paths[0].with_name(paths[0].name.replace(".md", "_privacy_utility.png"))))
     return paths
 
