@@ -140,11 +140,12 @@ def plan(argv: Sequence[str]) -> Plan:
     for setting in settings:
         for method in methods:
             for seed in seeds or [None]:
-                overrides_ = [*fixed, *setting, f"method={method}", *([f"seed={seed}"] if seed is not None else [])]
+                own = [*setting, f"method={method}", *([f"seed={seed}"] if seed is not None else [])]
+                overrides_ = [fixed[0], *own, *fixed[1:]]  # what tells the jobs apart first (progress lines)
                 try:
                     cfg = load_job(overrides_)
                 except ConfigError as err:
-                    raise ConfigError(f"in the job {' '.join(overrides_[len(fixed):])}: {err}") from None
+                    raise ConfigError(f"in the job {' '.join(own)}: {err}") from None
                 bench = cfg.train.benchmark
                 jobs.append(Job(overrides_, store.runs_root(cfg), store.run_hash(cfg),
                                 bench.warmup + bench.measure if bench else cfg.train.steps))
@@ -244,9 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for setting in p.settings:
                 sweep = [*p.fixed[1:], *setting, f"method={','.join(p.methods)}",
                          *([f"seed={','.join(map(str, p.seeds))}"] if p.seeds else [])]
-                at = len(p.fixed)
-                todo = [j for j in pending if j.overrides[at:at + len(setting) + 1] == [*setting, j.overrides[at + len(setting)]]
-                        and j.overrides[at + len(setting)].startswith("method=")]
+                todo = [j for j in pending if j.overrides[1:len(setting) + 2] == [*setting, j.overrides[len(setting) + 1]]
+                        and j.overrides[len(setting) + 1].startswith("method=")]
                 if todo:
                     submitted, failure = launch(EXPERIMENT, p.launcher, todo, p.workers, sweep, log_dir)
                     if failure and not submitted:

@@ -70,6 +70,8 @@ def test_loads_the_saved_weights_and_wires_the_checked_targets(llama: tuple[Path
     assert tokenizer.pad_token is not None and not any(p.requires_grad for p in model.parameters())
     saved = load_file(str(folder / "model.safetensors"))
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    half, _ = load_backbone({"name": "local", "path": str(folder), "dtype": "bfloat16"}, "cpu")
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}  # backbone.dtype rules, not the file's
     lora = {"r": 4, "alpha": 4, "dropout": 0.0, "targets": TARGETS}
     targeted = validate_lora(model, lora_config(model, lora, {"lora_layers": 1}))
     expected = {n for n in local_linear_shapes(folder) if n.startswith("model.layers.1.") and n.rsplit(".", 1)[-1] in TARGETS}
