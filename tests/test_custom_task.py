@@ -146,3 +146,13 @@ def test_unset_file_and_labels_are_one_line(tmp_path: Path, capsys: pytest.Captu
     path = _write(tmp_path / "t.jsonl", _rows(80))
     assert "suite.custom.labels" in _cli(tmp_path, capsys, f"suite.custom.train={path}")
     assert "suite.custom.type" in _cli(tmp_path, capsys, f"suite.custom.train={path}", "suite.custom.type=regression")
+
+
+def test_answer_room_warns_when_the_generation_cap_cuts_targets() -> None:
+    from prism.data import Example
+    from prism.data.custom import answer_room
+
+    train = [Example("custom", "p", "", "abc", 0), Example("custom", "p", "", "a", 0)]
+    count = lambda text: len(text.encode())  # noqa: E731
+    assert answer_room(train, count, 4) is None  # "abc" + EOS = 4 tokens
+    assert "up to 4 tokens" in answer_room(train, count, 3)

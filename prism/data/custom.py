@@ -211,6 +211,16 @@ def check_lengths(path: Path, rows: Sequence[Row], cutoff_len: int, count_tokens
                                 f"target would be cut off; shorten the row or raise suite.cutoff_len to {n}")
 
 
+def answer_room(train: Sequence[Example], count_tokens: TokenCounter, max_new_tokens: int) -> str | None:
+    """A warning when the longest training target (plus EOS) is longer than the generation cap: the
+    evaluation would cut such answers off and score them wrong."""
+    longest = max((count_tokens(ex.output) + 1 for ex in train), default=0)
+    if longest <= max_new_tokens:
+        return None
+    return (f"training targets are up to {longest} tokens (EOS included) but suite.decoding.max_new_tokens="
+            f"{max_new_tokens}: longer answers are cut off in evaluation; raise suite.decoding.max_new_tokens")
+
+
 def _verified(path: Path, expected: Any, key: str) -> str:
     digest = sha256_file(path)
     if expected and str(expected) != digest:
