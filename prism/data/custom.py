@@ -151,7 +151,7 @@ def task_rule(node: Mapping[str, Any]) -> TaskRule:
     if kind == "classification":
         if not labels or isinstance(labels, str) or not all(isinstance(x, str) and x.strip() for x in labels):
             raise TaskFileError(f"suite.custom.labels={labels!r}: a classification task needs its label set, "
-                                "e.g. suite.custom.labels=[positive,negative]")
+                                "e.g. suite.custom.labels=[positive,negative] (make compare: LABELS=positive,negative)")
         if len({normalize_exact(x) for x in labels}) != len(labels):
             raise TaskFileError(f"suite.custom.labels={list(labels)} repeats a label (compared lower-cased); "
                                 "list each label once")
