@@ -14,7 +14,7 @@ export MKL_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: help setup setup-gemma3 test audit audit-run tune reproduce-table2 reproduce-table3 reproduce-table4 reproduce-table5 reproduce-diagnostics test-all test-slurm lint bench gpu-check data wandb-sync lock clean
+.PHONY: help setup setup-gemma3 test audit audit-run tune compare reproduce-table2 reproduce-table3 reproduce-table4 reproduce-table5 reproduce-diagnostics test-all test-slurm lint bench gpu-check data wandb-sync lock clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -82,6 +82,12 @@ reproduce-table4: setup  ## Table 4 (ranks 8/16/32)
 
 reproduce-table5: setup  ## Table 5 (step time and peak memory)
 	$(call REPRODUCE,5)
+
+compare: setup  ## your task: methods x {non-DP, eps 6, 3} (TASK=file.jsonl [MODEL=dir] [SEEDS=1,2] [EPS=inf,6,3] [METHODS=prism,adamw] [TYPE=..] [LABELS=a,b])
+	@test -n "$(TASK)" || { echo "error: TASK is not set, e.g. make compare TASK=examples/sentiment/train.jsonl LABELS=positive,negative" >&2; exit 2; }
+	$(PY) -m pipelines.compare $(TASK) $(if $(MODEL),model=$(MODEL)) $(if $(SEEDS),seeds=$(SEEDS)) $(if $(EPS),eps=$(EPS)) \
+	  $(if $(METHODS),methods=$(METHODS)) $(if $(TYPE),type=$(TYPE)) $(if $(LABELS),labels=$(LABELS)) $(if $(EVAL),eval=$(EVAL)) \
+	  scale=$(SCALE) launcher=$(LAUNCHER) jobs=$(JOBS) $(ARGS)
 
 reproduce-diagnostics: setup  ## Table 1 and the mechanism figures (Figs. 1-4, 8-15) -> results/figures, results/tables/diagnostics.md
 	$(PY) -m pipelines.diagnostics experiment=diagnostics scale=$(SCALE) $(if $(filter paper,$(SCALE)),suite=math10k) $(ARGS)

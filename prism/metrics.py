@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -78,9 +79,9 @@ def extract_number(text: str) -> float | None:
     return float(found[-1]) if found else None
 
 
-def math_correct(pred: float | None, gold: float) -> bool:
-    """Exact-answer accuracy: |gold − pred| ≤ 1e-3; a missing number is wrong."""
-    return pred is not None and math.isfinite(pred) and abs(float(gold) - pred) <= MATH_TOLERANCE
+def math_correct(pred: float | None, gold: float, tolerance: float = MATH_TOLERANCE) -> bool:
+    """Exact-answer accuracy: |gold − pred| ≤ `tolerance` (Math: 1e-3); a missing number is wrong."""
+    return pred is not None and math.isfinite(pred) and abs(float(gold) - pred) <= tolerance
 
 
 def extract_choice(text: str, rule: str = "lookaround") -> str | None:
@@ -178,3 +179,72 @@ def gold_is_valid(column: str, answer) -> bool:
         return isinstance(answer, int | float) and not isinstance(answer, bool) and math.isfinite(answer)
     labels = {label for _, label in GLUE_LABEL_RULES[rule]}
     return isinstance(answer, int) and not isinstance(answer, bool) and answer in labels
+
+
+# ------------------------------------------------------------------ user tasks (suite=custom)
+TASK_KINDS = ("classification", "number", "exact")
+_EDGE_PUNCT = "\"'`.,;:!?()[]{}"
+
+
+@dataclass(frozen=True)
+class TaskRule:
+    """How a user task (``suite=custom``, :mod:`prism.data.custom`) is scored: ``kind`` one of
+    :data:`TASK_KINDS`, the label set of a classification, the tolerance of a number task."""
+
+    kind: str
+    labels: tuple[str, ...] = ()
+    tolerance: float = MATH_TOLERANCE
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The metrics it reports, first the task's score: accuracy (and a classification's macro-F1)."""
+        return ("Accuracy", "Macro-F1") if self.kind == "classification" else ("Accuracy",)
+
+
+def normalize_exact(text: str) -> str:
+    """Exact-match normal form: the first non-empty line, :func:`normalize_response` (lower case,
+    whitespace collapsed, a leading ``answer:`` dropped), then quotes and punctuation stripped from
+    both ends ("The cat." ≡ "the cat")."""
+    line = next((part for part in text.splitlines() if part.strip()), "")
+    return normalize_response(line).strip(_EDGE_PUNCT + " ")
+
+
+def _label_pattern(label: str) -> re.Pattern[str]:
+    return re.compile(rf"(?<![a-z0-9]){re.escape(normalize_response(label))}(?![a-z0-9])")
+
+
+def parse_label(text: str, labels: Sequence[str]) -> int | None:
+    """The label a response names: of the labels found in the normalised response as whole words,
+    the one that starts first, the longest at the same start ("not_entailment" before "entailment");
+    None when it names none (scored wrong and counted)."""
+    text = normalize_response(text)
+    found = [(m.start(), -len(label), i) for i, label in enumerate(labels)
+             if (m := _label_pattern(label).search(text)) is not None]
+    return min(found)[2] if found else None
+
+
+def score_task(rule: TaskRule, texts: Sequence[str], golds: Sequence) -> tuple[dict[str, float], int]:
+    """Score the responses of a user task: ``{Accuracy[, Macro-F1]}`` and the number of responses that
+    parse to no label / hold no number (scored wrong). Macro-F1 is scikit-learn's over the label set
+    (an unparseable response is a miss of its gold class)."""
+    if not texts:
+        return dict.fromkeys(rule.columns, 0.0), 0
+    if rule.kind == "classification":
+        preds = [parse_label(t, rule.labels) for t in texts]
+        correct = [p == g for p, g in zip(preds, golds)]
+    elif rule.kind == "number":
+        preds = [extract_number(t) for t in texts]
+        correct = [math_correct(p, g, rule.tolerance) for p, g in zip(preds, golds)]
+    elif rule.kind == "exact":
+        preds = [normalize_exact(t) for t in texts]
+        correct = [p == g for p, g in zip(preds, golds)]
+        preds = [p or None for p in preds]
+    else:
+        raise ValueError(f"unknown task type {rule.kind!r}; valid: {', '.join(TASK_KINDS)}")
+    metrics = {"Accuracy": sum(correct) / len(correct)}
+    if rule.kind == "classification":
+        from sklearn.metrics import f1_score
+
+        metrics["Macro-F1"] = float(f1_score(list(golds), [-1 if p is None else p for p in preds],
+                                             labels=list(range(len(rule.labels))), average="macro", zero_division=0.0))
+    return metrics, sum(p is None for p in preds)

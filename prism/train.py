@@ -33,8 +33,9 @@ from torch import Tensor, nn
 
 from prism.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from prism.data import Suite, build_suite
+from prism.data.custom import TASK, answer_room, check_task
 from prism.data.prompts import collate, tokenize_example, tokenize_train_set
-from prism.evaluate import evaluate_suite
+from prism.evaluate import evaluate_suite, new_tokens
 from prism.hf_baseline import HFRecipe, HFTrainerBaseline, holdout_loss, holdout_split
 from prism.methods import PrivacySpec, build_method
 from prism.methods.base import Method
@@ -46,6 +47,7 @@ from prism.models import (
     peak_memory_mb,
     trainable_parameters,
 )
+from prism.models.local import describe, speed_paths
 from prism.prefix import PrefixCache, prefix_cache
 from prism.privacy import (
     Accountant,
@@ -146,9 +148,15 @@ def build(cfg: DictConfig, suite: Suite | None = None) -> Setup:
     narrate("loading backbone %s on %s (an embedded one is converted from its GGUF on first use, ~1 min)",
             cfg.backbone.name, device)
     model, tokenizer = load_backbone(cfg.backbone, device)
+    if suite.source:  # suite=custom: every training row's length again, with the loaded tokenizer
+        count = lambda text: len(tokenizer(text)["input_ids"])  # noqa: E731
+        check_task(cfg.suite.custom, cfg.train.batch_size, suite.cutoff_len, count, cfg.backbone.name)
+        if warning := answer_room(suite.train, count, new_tokens(cfg.suite.decoding, TASK)):
+            log.warning(warning)
     init_generator = torch.Generator().manual_seed(cfg.seed)
     model = attach_lora(model, cfg.lora, cfg.backbone, init=cfg.method.init, generator=init_generator,
                         init_svd=cfg.method.get("init_svd", "auto"))
+    narrate("%s; %s", describe(model), speed_paths(model, cfg.train.get("prefix_cache", "auto")))
     features = tokenize_train_set(tokenizer, suite.train, suite.cutoff_len, suite.train_on_inputs, cfg.backbone.name)
     secure = secure_noise(cfg)
     sampler = PoissonSampler(n_train, cfg.train.batch_size, generator_seed=cfg.seed + 1, secure=secure)

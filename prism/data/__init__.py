@@ -9,7 +9,8 @@ decoding and metric code: only where the rows come from differs.
 rows; ``validation``: score ``validation_per_task`` rows per task drawn from the training pool,
 disjoint from the run's training rows and from the evaluation rows, :func:`validation_split`; the
 learning-rate sweep of ``pipelines/tune.py`` scores these) and the scale's own node ``cfg_suite[scale]`` (see
-:mod:`prism.data.embedded`, :mod:`prism.data.glue`, :mod:`prism.data.math10k` for its fields).
+:mod:`prism.data.embedded`, :mod:`prism.data.glue`, :mod:`prism.data.math10k` for its fields);
+``suite=custom`` reads the user's file from ``cfg_suite.custom`` at every scale (:mod:`prism.data.custom`).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from typing import Any
 
 # Table 2 column names, in the paper's order.
 PAPER_COLUMNS = ("CoLA", "SST-2", "MRPC", "STS-B", "QQP", "MNLI", "QNLI", "RTE", "GSM8K", "AQuA", "MAWPS", "SVAMP")
-SUITE_FAMILIES = {"glue8": "glue", "math10k": "math"}
+SUITE_FAMILIES = {"glue8": "glue", "math10k": "math", "custom": "glue"}  # custom: GLUE's template and rates
 SCALES = ("embedded", "paper")
 
 
@@ -55,6 +56,8 @@ class Suite:
     cutoff_len: int
     task_columns: dict[str, str]
     skipped: dict[str, int] = field(default_factory=dict)  # source → malformed rows dropped
+    rules: dict[str, Any] = field(default_factory=dict)  # task → prism.metrics.TaskRule (suite=custom)
+    source: dict[str, Any] = field(default_factory=dict)  # suite=custom: files, digests, row counts
 
 
 def cache_dir() -> Path:
@@ -122,7 +125,18 @@ def build_suite(cfg_suite: Any, seed: int) -> Suite:
     if split == "validation" and scale != "embedded":
         raise ValueError("suite.eval_split=validation is built for embedded-scale suites only; tune at scale=embedded")
     n_validation = int(cfg_suite.get("validation_per_task", 0)) if split == "validation" else 0
-    if scale == "embedded":
+    rules: dict[str, Any] = {}
+    source: dict[str, Any] = {}
+    if name == "custom":
+        from prism.data import custom
+
+        if n_validation:
+            raise ValueError("suite.eval_split=validation is not built for suite=custom; tune on a validation file of "
+                             "your own: suite.custom.eval=VALIDATION.jsonl (never the rows you report)")
+
+        train, evals, columns, rule, source = custom.build(cfg_suite)
+        parts, rules = (train, evals, columns, {}), {task: rule for task in evals}
+    elif scale == "embedded":
         parts = embedded.build(name, node, seed, n_validation)
     elif name == "glue8":
         parts = glue.build_paper(node, seed)
@@ -141,4 +155,6 @@ def build_suite(cfg_suite: Any, seed: int) -> Suite:
         cutoff_len=int(cfg_suite.get("cutoff_len", 384 if family == "glue" else 256)),
         task_columns=columns,
         skipped=skipped,
+        rules=rules,
+        source=source,
     )

@@ -59,7 +59,8 @@ def _load_hub(spec: BackboneSpec, dtype: torch.dtype,
 
 
 def load_backbone(cfg_backbone: Any, device: str | torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """Build the frozen base model and its tokenizer for ``cfg_backbone`` (fields ``name``, ``dtype``).
+    """Build the frozen base model and its tokenizer for ``cfg_backbone`` (fields ``name``, ``dtype``;
+    ``path`` for ``backbone=local``, :mod:`prism.models.local`).
 
     The model is on ``device`` in ``dtype``, eager attention, ``use_cache=False``, all parameters
     frozen, a multimodal checkpoint's vision side dropped (:func:`drop_non_language_modules`); the
@@ -77,6 +78,10 @@ def load_backbone(cfg_backbone: Any, device: str | torch.device) -> tuple[PreTra
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     elif spec.kind == "random":
         model, tokenizer = random_model(spec.source, dtype, device), byte_tokenizer()
+    elif spec.kind == "local":
+        from prism.models.local import load_local
+
+        model, tokenizer = load_local(_field(cfg_backbone, "path"), dtype)
     else:
         model, tokenizer = _load_hub(spec, dtype, device)
     drop_non_language_modules(model)

@@ -1,0 +1,266 @@
+"""Compare PRISM and the baselines on your own task (and model) in one command.
+
+    python -m pipelines.compare TASK.jsonl [model=DIR] [eval=EVAL.jsonl] [type=classification|number|exact]
+                                [labels=a,b,...] [methods=prism,adamw,...] [eps=inf,6,3] [seeds=42,43]
+                                [launcher=local|slurm] [jobs=K] [overrides...]
+    python -m pipelines.reproduce custom TASK.jsonl ...          # the same
+    make compare TASK=TASK.jsonl [MODEL=DIR] [SEEDS=..] [EPS=..] [METHODS=..] [TYPE=..] [LABELS=..]
+
+The grid is methods × privacy settings (non-DP, ε = 6, ε = 3 by default; ``eps=`` gives the list,
+``inf`` for non-DP) × seeds, every job ``suite=custom`` on the task file (its sha256 pinned in the
+config, so an edited file is a new run) and ``backbone=local`` when ``model=`` is given. Every job is
+validated before anything runs (a bad file is one line, exit code 2). The runs are ordinary
+:mod:`pipelines.run` jobs in the shared run store (tagged into the ``compare`` view): finished ones
+are skipped, interrupted ones resume, ``launcher=slurm`` submits them through Hydra's submitit
+launcher, ``logging=`` sends them to W&B as any run. Budgets and rates come from the scale
+(``scale=embedded`` by default: its steps, batch and 10× Table 8 learning rates); any override
+(``train.steps=60``, ``method.lr=...``, ``lora=r8``) applies to every job.
+
+The table is built by :mod:`pipelines.aggregate` (Table 2's layout: Setting × Method, one column per
+metric of the task, the privacy–utility figure), under a header naming the file and its sha256, the
+model, N, the steps and the rates; it goes to ``<results_dir>/tables/compare-<file>-<sha8>.<scale>.*``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from pipelines import store
+from pipelines.aggregate.build import TableResult, build_table
+from pipelines.aggregate.records import RunRecord, read_run_folder
+from pipelines.aggregate.render import plot_privacy_utility, to_markdown, write_outputs
+from pipelines.aggregate.specs import TableSpec, method_label, setting_label, suite_columns
+from pipelines.reproduce import Job, launch
+from pipelines.validate import ConfigError, load_job
+from prism.fileio import sha256_file
+
+EXPERIMENT = "compare"
+METHODS = ("prism", "adamw", "loraplus", "lamb", "ffa", "lora_rite")
+EPSILONS = (math.inf, 6.0, 3.0)
+PRIVACY_GROUPS = {math.inf: "nondp", 6.0: "eps6", 3.0: "eps3"}
+KEYS = ("model", "eval", "type", "labels", "methods", "eps", "seeds", "jobs")
+
+
+@dataclasses.dataclass
+class Plan:
+    """The comparison: its fixed overrides, its jobs (one per method × setting × seed) and their configs."""
+
+    task: Path
+    sha256: str
+    fixed: list[str]
+    settings: list[list[str]]
+    methods: list[str]
+    seeds: list[int]
+    jobs: list[Job]
+    configs: list[Any]
+    launcher: str
+    workers: int
+
+
+def privacy_overrides(epsilon: float) -> list[str]:
+    """The overrides of one privacy setting: the shipped group for ∞/6/3, else ε=6's group at this ε."""
+    if epsilon in PRIVACY_GROUPS:
+        return [f"privacy={PRIVACY_GROUPS[epsilon]}"]
+    return ["privacy=eps6", f"privacy.epsilon={epsilon:g}", f"privacy.name=eps{epsilon:g}"]
+
+
+def _list(value: str, key: str) -> list[str]:
+    items = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+    if not items:
+        raise ValueError(f"{key}= is empty, give a comma-separated list, e.g. {key}=a,b")
+    return items
+
+
+def _epsilon(text: str) -> float:
+    try:
+        value = math.inf if text.lower() in ("inf", "nondp", "non-dp") else float(text)
+    except ValueError:
+        raise ValueError(f"eps={text} is not a number, list privacy budgets like eps=inf,6,3") from None
+    if not value > 0:
+        raise ValueError(f"eps={text} must be > 0 (or inf for non-DP)")
+    return value
+
+
+def parse_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """``TASK [key=value ...] [overrides]`` → (this command's keys, the overrides every job gets)."""
+    if not argv or "=" in argv[0]:
+        raise ValueError("the first argument is the task file, usage: python -m pipelines.compare TASK.jsonl "
+                         "[model=DIR] [methods=..] [eps=inf,6,3] [seeds=..] [overrides]")
+    keys, overrides = {"task": argv[0]}, []
+    for arg in argv[1:]:
+        key, sep, value = arg.partition("=")
+        if sep and key in KEYS:
+            keys[key] = value
+        elif sep:
+            overrides.append(arg)
+        else:
+            raise ValueError(f"{arg!r} is not key=value, e.g. methods=prism,adamw or train.steps=60")
+    return keys, overrides
+
+
+def plan(argv: Sequence[str]) -> Plan:
+    """Every job of the comparison, validated; ``ValueError`` / :class:`ConfigError` on one line."""
+    keys, overrides = parse_args(argv)
+    task = Path(keys["task"]).expanduser().resolve()
+    if not task.is_file():
+        raise ValueError(f"{keys['task']}: no such task file; give a .jsonl or .csv file of prompt/target rows")
+    sha = sha256_file(task)
+    fixed = [f"experiment={EXPERIMENT}", "suite=custom", f"suite.custom.train={task}", f"suite.custom.train_sha256={sha}"]
+    if "eval" in keys:
+        eval_file = Path(keys["eval"]).expanduser().resolve()
+        if not eval_file.is_file():
+            raise ValueError(f"eval={keys['eval']}: no such file")
+        fixed += [f"suite.custom.eval={eval_file}", f"suite.custom.eval_sha256={sha256_file(eval_file)}"]
+    if "type" in keys:
+        fixed.append(f"suite.custom.type={keys['type']}")
+    if "labels" in keys:
+        fixed.append(f"suite.custom.labels=[{','.join(_list(keys['labels'], 'labels'))}]")
+    if keys.get("model"):
+        if any(o.startswith("backbone=") for o in overrides):
+            raise ValueError("model= and backbone= both choose the model, give one of them")
+        fixed += ["backbone=local", f"backbone.path={Path(keys['model']).expanduser().resolve()}"]
+    fixed += overrides
+    methods = _list(keys["methods"], "methods") if "methods" in keys else list(METHODS)
+    epsilons = [_epsilon(e) for e in _list(keys["eps"], "eps")] if "eps" in keys else list(EPSILONS)
+    seeds_text = _list(keys["seeds"], "seeds") if "seeds" in keys else []
+    if not all(s.isdigit() for s in seeds_text):
+        raise ValueError(f"seeds={keys['seeds']} must list integers, e.g. seeds=1,2,3")
+    workers = keys.get("jobs", "1")
+    if not workers.isdigit() or int(workers) < 1:
+        raise ValueError(f"jobs={workers} must be an integer >= 1, e.g. jobs=2")
+    settings = [privacy_overrides(e) for e in epsilons]
+    seeds = [int(s) for s in seeds_text]
+    jobs, configs = [], []
+    for setting in settings:
+        for method in methods:
+            for seed in seeds or [None]:
+                own = [*setting, f"method={method}", *([f"seed={seed}"] if seed is not None else [])]
+                overrides_ = [fixed[0], *own, *fixed[1:]]  # what tells the jobs apart first (progress lines)
+                try:
+                    cfg = load_job(overrides_)
+                except ConfigError as err:
+                    raise ConfigError(f"in the job {' '.join(own)}: {err}") from None
+                bench = cfg.train.benchmark
+                jobs.append(Job(overrides_, store.runs_root(cfg), store.run_hash(cfg),
+                                bench.warmup + bench.measure if bench else cfg.train.steps))
+                configs.append(cfg)
+    launcher = next((o.split("=", 1)[1] for o in overrides if o.startswith("launcher=")), "local")
+    return Plan(task, sha, fixed, settings, methods, [s for s in seeds], jobs, configs, launcher, int(workers))
+
+
+# ------------------------------------------------------------------------------------------ table
+def table_spec(p: Plan) -> TableSpec:
+    """Table 2's layout for this task: Setting × Method, one column per metric of the task."""
+    from prism.data.custom import task_rule
+
+    columns = task_rule(p.configs[0].suite.custom).columns
+
+    def values(spec: TableSpec, by_suite: dict[str, Sequence[RunRecord]]) -> dict[str, float]:
+        means = suite_columns(by_suite.get("custom", []))
+        return {c: means.get(c, math.nan) for c in spec.columns}
+
+    return TableSpec(f"{EXPERIMENT}-{p.task.stem}-{p.sha256[:8]}", f"PRISM and the baselines on {p.task.name}",
+                     ("Setting", "Method"), "Setting", ("custom",), columns,
+                     lambda record, paper: (setting_label(record), method_label(record)), values,
+                     axes=("method", "privacy", "seed"))
+
+
+def header(p: Plan, result: TableResult) -> list[str]:
+    """What the table was computed from: the file and its sha256, the model, N, steps and rates."""
+    cfg = p.configs[0]
+    custom, backbone = cfg.suite.custom, cfg.backbone
+    model = f"{backbone.path} (backbone=local)" if backbone.name == "local" else backbone.name
+    finished = [r for r in (read_run_folder(j.folder) for j in p.jobs) if r.state == "finished"]
+    n_train = next((r.final.get("n_train") for r in finished), None)
+    n_eval = next((sum(r.final.get("eval_rows", {}).values()) for r in finished), None)
+    q = next((r.final.get("sample_rate") for r in finished), None)
+    sigmas = {setting_label(r): r.final.get("sigma") for r in finished}
+    rates = {method_label(RunRecord("", "", config=dict(c))): c.method.lr for c in p.configs}
+    lines = [f"# {result.spec.title}", "",
+             f"- Task: `{p.task}` (sha256 `{p.sha256}`), type {custom.type}"
+             + (f", labels {list(custom.labels)}" if custom.type == "classification" else "")
+             + (f", tolerance {custom.tolerance:g}" if custom.type == "number" else ""),
+             f"- Evaluation rows: {custom.eval or f'{custom.eval_fraction:g} of the file held out (fixed draw)'}"
+             + (f", {n_eval} rows" if n_eval is not None else ""),
+             f"- Model: {model}, {backbone.dtype}, LoRA r={cfg.lora.r} on {list(cfg.lora.targets)}"
+             + (f", last {backbone.lora_layers} layer(s)" if backbone.lora_layers else ", every layer"),
+             f"- N (train) = {n_train if n_train is not None else '?'}, steps {cfg.train.steps}, batch B = "
+             f"{cfg.train.batch_size}" + (f", sampling rate q = {q:.4g}" if q else "")
+             + f", δ = {cfg.privacy.delta:g}, clip C = {cfg.privacy.clip_norm:g}, scale {cfg.suite.scale}",
+             "- Learning rates: " + ", ".join(f"{m} {lr:.3g}" for m, lr in rates.items()),
+             "- Noise multiplier σ: " + (", ".join(f"{s} {v:.4g}" for s, v in sigmas.items() if v) or "no private run yet"),
+             f"- Seeds: {', '.join(map(str, p.seeds)) if p.seeds else cfg.seed}; a cell is the mean over its seeds", ""]
+    return lines
+
+
+def render(p: Plan) -> list[Path]:
+    """Build the table from the plan's runs and write it (Markdown with the header, CSV, LaTeX, the
+    missing list and the privacy–utility figure); returns the paths."""
+    records = [read_run_folder(job.folder) for job in p.jobs]
+    spec = table_spec(p)
+    paper = pd.DataFrame(columns=[*spec.keys, *spec.columns])  # no reference numbers for a user task
+    result = build_table(spec, records, str(p.configs[0].suite.scale), paper=paper)
+    out_dir = Path(str(p.configs[0].results_dir)) / "tables"
+    paths = write_outputs(result, out_dir)
+    if not paths:
+        return []
+    body = to_markdown(result).splitlines()[1:]  # the aggregator's table below this task's own title
+    body = [line for line in body if not line.startswith(("Scale:", "Best per column"))]
+    paths[0].write_text("\n".join([*header(p, result), "Best per column within each Setting block in **bold**.",
+                                   *body]) + "\n")
+    primary = spec.columns[0]
+    frame = result.frame.assign(Avg=result.frame[primary], Avg_paper=math.nan)
+    panels = ("Avg", *spec.columns[1:])  # the aggregator's figure draws "Avg" first: here the task's score
+    figure = dataclasses.replace(result, spec=dataclasses.replace(spec, columns=panels), frame=frame)
+    paths.append(plot_privacy_utility(figure, paths[0].with_name(paths[0].name.replace(".md", "_privacy_utility.png"))))
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Plan (validating every job), run what is not finished, render; exit 0, 1 (a run failed) or 2 (bad input)."""
+    try:
+        p = plan(list(sys.argv[1:] if argv is None else argv))
+    except (ValueError, ConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    pending = [job for job in p.jobs if store.inspect_run(job.folder).state != "finished" or p.configs[0].force]
+    for job in p.jobs:
+        if job not in pending:
+            store.tag(job.root, EXPERIMENT, job.run_hash)
+    print(f"compare {p.task.name} (sha256 {p.sha256[:12]}): {len(p.methods)} methods x {len(p.settings)} privacy "
+          f"settings x {max(1, len(p.seeds))} seed(s) = {len(p.jobs)} runs, {len(p.jobs) - len(pending)} finished, "
+          f"{len(pending)} to run", flush=True)
+    failure = ""
+    if pending:
+        log_dir = Path(str(p.configs[0].results_dir)) / "logs" / EXPERIMENT
+        if p.launcher == "local":
+            _, failure = launch(EXPERIMENT, "local", pending, p.workers, [], log_dir)
+        else:  # one Hydra multirun per privacy setting, sweeping methods and seeds
+            for setting in p.settings:
+                sweep = [*p.fixed[1:], *setting, f"method={','.join(p.methods)}",
+                         *([f"seed={','.join(map(str, p.seeds))}"] if p.seeds else [])]
+                todo = [j for j in pending if j.overrides[1:len(setting) + 2] == [*setting, j.overrides[len(setting) + 1]]
+                        and j.overrides[len(setting) + 1].startswith("method=")]
+                if todo:
+                    submitted, failure = launch(EXPERIMENT, p.launcher, todo, p.workers, sweep, log_dir)
+                    if failure and not submitted:
+                        break
+    paths = render(p)
+    for path in paths:
+        print("wrote", path)
+    if paths:
+        print(paths[0].read_text())
+    if failure:
+        print(failure, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""A task from the user's own file (``suite=custom``), read and checked without torch.
+
+Node ``suite.custom`` fields (the key names are fixed):
+
+* ``train`` – a JSON Lines file (``.jsonl``; ``.csv`` with a header row also works) of rows
+  ``{"prompt": ..., "target": ..., "id": ...}`` (``id`` optional, unique when given);
+* ``eval`` – a second file of the same form, or null: then ``eval_fraction`` of the training rows
+  are held out, drawn with a fixed seed (the same evaluation rows for every run seed and method, as
+  a paper's fixed test set);
+* ``type`` – ``classification`` (``labels``: the label set; a target must be one of them),
+  ``number`` (``tolerance``: a response is right when its last number is within it of the target's
+  last number, the Math suites' extraction) or ``exact`` (normalised text equal);
+* ``train_sha256`` / ``eval_sha256`` – null, or the file's digest: checked when set, so a run's
+  config (and its run-store hash) pins the file's content (``make compare`` sets them).
+
+A row becomes an :class:`~prism.data.Example` whose instruction is the prompt and whose output is the
+target, so training and evaluation go through the paper suites' prompt template, tokenisation,
+masking, decoding and parsing code; scoring is :func:`prism.metrics.score_task`.
+
+Every problem with a file is one line, ``<file> line <n>: <what is wrong>; <fix>`` (a
+:class:`TaskFileError`), raised by :func:`check_task` during config validation, before any model
+is loaded.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prism.data import DataUnavailableError, Example, sub_seed
+from prism.data.prompts import train_prompt
+from prism.fileio import sha256_file
+from prism.metrics import MATH_TOLERANCE, TASK_KINDS, TaskRule, extract_number, normalize_exact
+
+TASK = "custom"
+"""The suite's one evaluation task (its table columns are the task's metrics)."""
+FIELDS = ("prompt", "target")
+SPLIT_SEED = 20260601
+"""Seed of the ``eval_fraction`` hold-out (fixed: every run is scored on the same rows)."""
+
+TokenCounter = Callable[[str], int]
+
+
+class TaskFileError(DataUnavailableError):
+    """A task file that cannot be used; the message is one line naming the file, the line and the fix."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a task file and the line it starts on."""
+
+    line: int
+    prompt: str
+    target: str
+    id: str | None
+
+
+# ------------------------------------------------------------------------------------------ reading
+def _text(value: Any) -> str | None:
+    """A field as text: strings as they are, numbers written out; None for anything else."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    return None
+
+
+def _row(path: Path, line: int, record: Mapping[str, Any]) -> Row:
+    for key in FIELDS:
+        if key not in record or record[key] is None:
+            raise TaskFileError(f"{path} line {line}: field {key!r} is missing; every row needs "
+                                f"\"prompt\" and \"target\" (and optionally \"id\")")
+        text = _text(record[key])
+        if text is None:
+            raise TaskFileError(f"{path} line {line}: field {key!r} is a {type(record[key]).__name__}, "
+                                "not text; write it as a string")
+        if not text.strip():
+            raise TaskFileError(f"{path} line {line}: field {key!r} is empty; fill it in or drop the row")
+    raw_id = record.get("id")
+    row_id = None if raw_id is None or raw_id == "" else _text(raw_id)
+    if raw_id not in (None, "") and row_id is None:
+        raise TaskFileError(f"{path} line {line}: field 'id' is a {type(raw_id).__name__}; use a string or a number")
+    return Row(line, _text(record["prompt"]), _text(record["target"]).strip(), row_id)
+
+
+def _jsonl(path: Path) -> list[Row]:
+    rows = []
+    with path.open(encoding="utf-8") as fh:
+        for line, text in enumerate(fh, 1):
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+            except ValueError as err:
+                raise TaskFileError(f"{path} line {line}: not JSON ({err.args[0].split(':')[0]}); write one "
+                                    "JSON object per line, e.g. {\"prompt\": \"...\", \"target\": \"...\"}") from None
+            if not isinstance(record, dict):
+                raise TaskFileError(f"{path} line {line}: a JSON {type(record).__name__}, not an object; write "
+                                    "one object per line with \"prompt\" and \"target\"")
+            rows.append(_row(path, line, record))
+    return rows
+
+
+def _csv(path: Path) -> list[Row]:
+    with path.open(encoding="utf-8", newline="") as fh:
+        reader = csv.DictReader(fh)
+        header = reader.fieldnames or []
+        missing = [key for key in FIELDS if key not in header]
+        if header and missing:
+            raise TaskFileError(f"{path} line 1: the header has no column {missing[0]!r} (columns: "
+                                f"{', '.join(header)}); name the columns prompt,target[,id]")
+        rows, start = [], reader.line_num + 1
+        for record in reader:
+            if None in record:
+                raise TaskFileError(f"{path} line {start}: more values than header columns; quote fields "
+                                    "that contain commas")
+            if any((v or "").strip() for v in record.values()):
+                rows.append(_row(path, start, record))
+            start = reader.line_num + 1
+    return rows
+
+
+def read_rows(path: str | Path) -> list[Row]:
+    """The rows of a ``.jsonl`` (or ``.csv``) task file; :class:`TaskFileError` for a missing, unreadable
+    or empty file, a line that is not JSON, a missing or empty field."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise TaskFileError(f"{path}: no such file; give suite.custom.train (and .eval) as paths to "
+                            ".jsonl or .csv files")
+    try:
+        rows = _csv(path) if path.suffix.lower() == ".csv" else _jsonl(path)
+    except UnicodeDecodeError as err:
+        raise TaskFileError(f"{path}: not UTF-8 text (byte {err.start}); save the file as UTF-8") from None
+    if not rows:
+        raise TaskFileError(f"{path} line 1: the file is empty (no rows); write one row per line")
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ checking
+def task_rule(node: Mapping[str, Any]) -> TaskRule:
+    """The scoring rule of ``suite.custom`` (type, labels, tolerance); :class:`TaskFileError` naming
+    the field when it is unusable."""
+    kind = node.get("type")
+    if kind not in TASK_KINDS:
+        raise TaskFileError(f"suite.custom.type={kind!r} is not a task type; use one of {', '.join(TASK_KINDS)}")
+    labels = node.get("labels")
+    if kind == "classification":
+        if not labels or isinstance(labels, str) or not all(isinstance(x, str) and x.strip() for x in labels):
+            raise TaskFileError(f"suite.custom.labels={labels!r}: a classification task needs its label set, "
+                                "e.g. suite.custom.labels=[positive,negative] (make compare: LABELS=positive,negative)")
+        if len({normalize_exact(x) for x in labels}) != len(labels):
+            raise TaskFileError(f"suite.custom.labels={list(labels)} repeats a label (compared lower-cased); "
+                                "list each label once")
+    tolerance = node.get("tolerance")
+    tolerance = MATH_TOLERANCE if tolerance is None else float(tolerance)
+    if not tolerance >= 0:
+        raise TaskFileError(f"suite.custom.tolerance={tolerance} must be >= 0, e.g. 1e-3")
+    return TaskRule(kind, tuple(str(x).strip() for x in labels or ()) if kind == "classification" else (),
+                    tolerance)
+
+
+def gold(rule: TaskRule, row: Row, path: Path) -> int | float | str:
+    """A row's gold answer under ``rule``: label index, the target's last number, or its normalised text."""
+    if rule.kind == "classification":
+        if row.target not in rule.labels:
+            raise TaskFileError(f"{path} line {row.line}: label {row.target!r} is not in suite.custom.labels "
+                                f"{list(rule.labels)}; fix the row or add the label")
+        return rule.labels.index(row.target)
+    if rule.kind == "number":
+        value = extract_number(row.target)
+        if value is None:
+            raise TaskFileError(f"{path} line {row.line}: target {row.target[:40]!r} holds no number, but "
+                                "suite.custom.type=number; fix the row or use type=exact")
+        return value
+    return normalize_exact(row.target)
+
+
+def check_ids(files: Sequence[tuple[Path, Sequence[Row]]]) -> None:
+    """No id twice, within a file or across the training and evaluation files."""
+    seen: dict[str, tuple[Path, int]] = {}
+    for path, rows in files:
+        for row in rows:
+            if row.id is None:
+                continue
+            if row.id in seen:
+                first, line = seen[row.id]
+                where = f"line {line}" if first == path else f"{first} line {line}"
+                raise TaskFileError(f"{path} line {row.line}: duplicate id {row.id!r} (first on {where}); "
+                                    "give every row its own id")
+            seen[row.id] = (path, row.line)
+
+
+def example(row: Row, answer: int | float | str) -> Example:
+    """The instruction-format example of a row: instruction = prompt, output = target, no input."""
+    return Example(TASK, row.prompt, "", row.target, answer)
+
+
+def check_lengths(path: Path, rows: Sequence[Row], cutoff_len: int, count_tokens: TokenCounter, backbone: str) -> None:
+    """Every row's prompt, target and EOS fit in ``suite.cutoff_len`` tokens (else training would cut
+    off its target: tokenisation truncates the whole text at ``cutoff_len``). All rows of the training
+    file are checked, held out or not, so the answer does not depend on the draw."""
+    for row in rows:
+        n = count_tokens(train_prompt(example(row, 0))) + 1  # + EOS
+        if n > cutoff_len:
+            raise TaskFileError(f"{path} line {row.line}: prompt and target are {n} tokens with backbone "
+                                f"{backbone}'s tokenizer (EOS included), over suite.cutoff_len={cutoff_len}, so the "
+                                f"target would be cut off; shorten the row or raise suite.cutoff_len to {n}")
+
+
+def answer_room(train: Sequence[Example], count_tokens: TokenCounter, max_new_tokens: int) -> str | None:
+    """A warning when the longest training target (plus EOS) is longer than the generation cap: the
+    evaluation would cut such answers off and score them wrong."""
+    longest = max((count_tokens(ex.output) + 1 for ex in train), default=0)
+    if longest <= max_new_tokens:
+        return None
+    return (f"training targets are up to {longest} tokens (EOS included) but suite.decoding.max_new_tokens="
+            f"{max_new_tokens}: longer answers are cut off in evaluation; raise suite.decoding.max_new_tokens")
+
+
+def _verified(path: Path, expected: Any, key: str) -> str:
+    digest = sha256_file(path)
+    if expected and str(expected) != digest:
+        raise TaskFileError(f"{path}: sha256 {digest} differs from suite.custom.{key}={expected} (the file changed "
+                            f"since the run was configured); set suite.custom.{key}={digest} or null")
+    return digest
+
+
+@dataclass
+class CustomTask:
+    """A checked task: training and evaluation examples, the scoring rule, and the file facts."""
+
+    train: list[Example]
+    eval: list[Example]
+    rule: TaskRule
+    source: dict[str, Any]
+
+
+def load_task(node: Mapping[str, Any]) -> tuple[CustomTask, list[Row], Path]:
+    """Read and check the files of ``suite.custom`` (all checks but lengths and batch size); returns
+    the task, every row of the training file (held-out ones included) and the training file."""
+    if not node.get("train"):
+        raise TaskFileError("suite.custom.train is not set; give suite.custom.train=PATH (a .jsonl or .csv file)")
+    rule = task_rule(node)
+    train_path = Path(str(node["train"])).expanduser()
+    train_rows = file_rows = read_rows(train_path)
+    source: dict[str, Any] = {"train": str(node["train"]), "train_sha256": _verified(train_path, node.get("train_sha256"),
+                                                                                     "train_sha256")}
+    files = [(train_path, train_rows)]
+    if node.get("eval"):
+        eval_path = Path(str(node["eval"])).expanduser()
+        eval_rows = read_rows(eval_path)
+        files.append((eval_path, eval_rows))
+        source.update(eval=str(node["eval"]), eval_sha256=_verified(eval_path, node.get("eval_sha256"), "eval_sha256"))
+    else:
+        fraction = node.get("eval_fraction")
+        if fraction is None or not 0 < float(fraction) < 1:
+            raise TaskFileError(f"suite.custom.eval_fraction={fraction!r}: without suite.custom.eval give a fraction "
+                                "in (0, 1) of the training rows to hold out, e.g. 0.2")
+        n_eval = max(1, round(float(fraction) * len(train_rows)))
+        if n_eval >= len(train_rows):
+            raise TaskFileError(f"{train_path}: {len(train_rows)} row(s) leave none for training after holding out "
+                                f"{n_eval}; add rows or give suite.custom.eval=PATH")
+        held = set(random.Random(sub_seed(SPLIT_SEED, TASK, source["train_sha256"])).sample(range(len(train_rows)), n_eval))
+        eval_rows = [row for i, row in enumerate(train_rows) if i in held]
+        train_rows = [row for i, row in enumerate(train_rows) if i not in held]
+        source.update(eval=f"{n_eval} rows held out of {node['train']} (eval_fraction={float(fraction):g})")
+    check_ids(files)
+    train = [example(row, gold(rule, row, train_path)) for row in train_rows]
+    eval_path = files[-1][0]
+    evals = [example(row, gold(rule, row, eval_path)) for row in eval_rows]
+    source.update(type=rule.kind, n_train=len(train), n_eval=len(evals))
+    return CustomTask(train, evals, rule, source), file_rows, train_path
+
+
+def check_task(node: Mapping[str, Any], batch_size: int, cutoff_len: int, count_tokens: TokenCounter | None,
+               backbone: str) -> CustomTask:
+    """Every check of a custom task that needs no model: the files (:func:`load_task`), then, when the
+    backbone's tokenizer is readable without a model (``count_tokens``), every training row within
+    ``suite.cutoff_len``, then enough training rows for ``train.batch_size``."""
+    task, train_rows, train_path = load_task(node)
+    if count_tokens is not None:
+        check_lengths(train_path, train_rows, cutoff_len, count_tokens, backbone)
+    if len(task.train) < batch_size:
+        held = "" if node.get("eval") else f" after holding out {len(task.eval)} for evaluation"
+        raise TaskFileError(f"{train_path}: {len(task.train)} training rows{held}, fewer than train.batch_size="
+                            f"{batch_size}; add rows or lower train.batch_size to at most {len(task.train)}")
+    return task
+
+
+def build(cfg_suite: Any) -> tuple[list[Example], dict[str, list[Example]], dict[str, str], TaskRule, dict[str, Any]]:
+    """``suite=custom`` for :func:`prism.data.build_suite`: (train, eval by task, task → column, rule, file facts)."""
+    task, _, _ = load_task(cfg_suite.get("custom") or {})
+    return task.train, {TASK: task.eval}, {TASK: task.rule.columns[0]}, task.rule, task.source

@@ -1,0 +1,108 @@
+"""make compare / pipelines.compare: the grid it plans, bad input refused before any run, and the
+table it renders from finished runs (cells = mean over seeds, computed by hand here)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from omegaconf import OmegaConf
+
+from pipelines import compare, store
+from pipelines.reproduce import main as reproduce
+
+
+def _task(path: Path, n: int = 80) -> Path:
+    rows = [{"id": i, "prompt": f"Is {i} even?", "target": "yes" if i % 2 == 0 else "no"} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _args(task: Path, results: Path, *extra: str) -> list[str]:
+    return [str(task), "labels=yes,no", "backbone=tiny-llama", "suite.cutoff_len=1024", f"results_dir={results}", *extra]
+
+
+def test_plan_is_methods_by_settings_by_seeds_and_pins_the_file(tmp_path: Path) -> None:
+    task = _task(tmp_path / "t.jsonl")
+    p = compare.plan(_args(task, tmp_path / "r", "methods=prism,adamw", "eps=inf,6,1.5", "seeds=1,2"))
+    got = sorted((c.method.name, c.privacy.epsilon, c.privacy.name, c.seed) for c in p.configs)
+    assert got == sorted((m, e, n, s) for m in ("prism", "adamw")
+                         for e, n in ((math.inf, "nondp"), (6.0, "eps6"), (1.5, "eps1.5")) for s in (1, 2))
+    assert all(c.suite.custom.train_sha256 == store_sha(task) for c in p.configs)
+    assert len({j.run_hash for j in p.jobs}) == 12
+    before = {j.run_hash for j in p.jobs}
+    _task(task, 81)  # an edited file is a new run, never the old result
+    assert not before & {j.run_hash for j in compare.plan(_args(task, tmp_path / "r", "methods=prism,adamw",
+                                                                "eps=inf,6,1.5", "seeds=1,2")).jobs}
+
+
+def store_sha(path: Path) -> str:
+    from prism.fileio import sha256_file
+
+    return sha256_file(path)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["eps=0"], "eps=0 must be > 0"),
+    (["methods=prism,sgd"], "method=sgd"),
+    (["seeds=a"], "seeds=a must list integers"),
+    (["model=/nonexistent/model"], "model= and backbone= both"),
+])
+def test_bad_input_is_one_line_before_any_run(extra: list[str], words: str, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    results = tmp_path / "results"
+    assert reproduce(["custom", *_args(_task(tmp_path / "t.jsonl"), results, *extra)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and words in err, err
+    assert not results.exists()
+
+
+def test_missing_model_folder_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    task = _task(tmp_path / "t.jsonl")
+    assert compare.main([str(task), "labels=yes,no", "model=/nonexistent/model", f"results_dir={tmp_path / 'r'}"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "backbone.path=/nonexistent/model: no such folder" in err, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_bad_file_is_one_line_before_any_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "target": "yes"}\n{"prompt": "b", "target": "maybe"}\n')
+    assert compare.main(_args(bad, tmp_path / "results")) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and f"{bad} line 2: label 'maybe'" in err, err
+    assert not (tmp_path / "results").exists()
+
+
+def _finish(job: compare.Job, cfg, accuracy: float, f1: float) -> None:
+    folder = job.folder
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    dp = math.isfinite(cfg.privacy.epsilon)
+    final = {"columns": {"Accuracy": accuracy, "Macro-F1": f1}, "n_train": 64, "eval_rows": {"custom": 16},
+             "sample_rate": 0.125, "sigma": 0.6 if dp else 0.0, "epsilon_spent": cfg.privacy.epsilon - 0.01 if dp else math.inf}
+    store.write_json_atomic(folder / "final.json", final)
+    store.write_status(folder, "finished", started="x", attempts=1)
+
+
+def test_table_cells_are_means_over_seeds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    task = _task(tmp_path / "t.jsonl")
+    argv = _args(task, tmp_path / "results", "methods=prism,adamw", "eps=inf,6", "seeds=1,2")
+    p = compare.plan(argv)
+    score = {("prism", 1): 0.5, ("prism", 2): 0.7, ("adamw", 1): 0.4, ("adamw", 2): 0.2}
+    for job, cfg in zip(p.jobs, p.configs):
+        base = score[cfg.method.name, cfg.seed] - (0.1 if math.isfinite(cfg.privacy.epsilon) else 0.0)
+        _finish(job, cfg, base, base / 2)
+    assert compare.main(argv) == 0  # everything finished: nothing runs, the table is rendered
+    out = capsys.readouterr().out
+    assert "0 to run" in out and f"sha256 `{store_sha(task)}`" in out
+    csv = pd.read_csv(tmp_path / "results" / "tables" / f"compare-t-{store_sha(task)[:8]}.embedded.csv")
+    cell = {
+        (r["Setting"], r["Method"]): (r["Accuracy"], r["Macro-F1"]) for _, r in csv.iterrows()}
+    assert cell[("Non-DP", "PRISM")] == pytest.approx((0.6, 0.3))
+    assert cell[("Non-DP", "AdamW")] == pytest.approx((0.3, 0.15))
+    assert cell[("ε=6", "PRISM")] == pytest.approx((0.5, 0.25))
+    assert cell[("ε=6", "AdamW")] == pytest.approx((0.2, 0.1))
+    assert (tmp_path / "results" / "tables" / f"compare-t-{store_sha(task)[:8]}.embedded_privacy_utility.png").is_file()
