@@ -214,11 +214,7 @@ def render(p: Plan) -> list[Path]:
     body = [line for line in body if not line.startswith(("Scale:", "Best per column"))]
     paths[0].write_text("\n".join([*header(p, result), "Best per column within each Setting block in **bold**.",
                                    *body]) + "\n")
-    primary = spec.columns[0]
-    frame = result.frame.assign(Avg=result.frame[primary], Avg_paper=math.nan)
-    panels = ("Avg", *spec.columns[1:])  # the aggregator's figure draws "Avg" first: here the task's score
-    figure = dataclasses.replace(result, spec=dataclasses.replace(spec, columns=panels), frame=frame)
-    paths.append(plot_privacy_utility(figure, paths[0].with_name(paths[0].name.replace(".md", "_privacy_utility.png"))))
+    paths.append(plot_privacy_utility(result, paths[0].with_name(paths[0].name.replace(".md", "_privacy_utility.png"))))
     return paths
 
 

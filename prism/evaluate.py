@@ -37,6 +37,7 @@ from prism.metrics import (
     row_outcomes,
     score_outputs,
     score_task,
+    task_predictions,
 )
 from prism.prompt_cache import FrozenPrompts
 
@@ -197,8 +198,12 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
             result["skipped"][task] = len(examples) - len(rows)
             result["eval_rows"][task] = len(examples)
             result["samples"][task] = texts[:N_SAMPLES]
-            outcomes = row_outcomes(column, texts, [ex.answer for ex in rows],
-                                    choice_rule=cfg_decoding.get("choice_regex", "lookaround"))
+            if rule:  # a user task: the per-row correctness of its first metric (Accuracy)
+                column = rule.columns[0]
+                outcomes = {"correct": [int(c) for c in task_predictions(rule, texts, [ex.answer for ex in rows])[1]]}
+            else:
+                outcomes = row_outcomes(column, texts, [ex.answer for ex in rows],
+                                        choice_rule=cfg_decoding.get("choice_regex", "lookaround"))
             keys = "\x1e".join(f"{ex.instruction}\x1f{ex.input}" for ex in rows)
             result["per_example"][task] = {"column": column, **outcomes, "rows": hashlib.sha256(keys.encode()).hexdigest()[:16]}
             result["seconds"][task] = time.perf_counter() - started

@@ -223,24 +223,27 @@ def parse_label(text: str, labels: Sequence[str]) -> int | None:
     return min(found)[2] if found else None
 
 
+def task_predictions(rule: TaskRule, texts: Sequence[str], golds: Sequence) -> tuple[list, list[bool]]:
+    """A user task's parsed responses (``None``: no label / no number / empty) and per-row correctness."""
+    if rule.kind == "classification":
+        preds = [parse_label(t, rule.labels) for t in texts]
+        return preds, [p == g for p, g in zip(preds, golds)]
+    if rule.kind == "number":
+        preds = [extract_number(t) for t in texts]
+        return preds, [math_correct(p, g, rule.tolerance) for p, g in zip(preds, golds)]
+    if rule.kind == "exact":
+        preds = [normalize_exact(t) for t in texts]
+        return [p or None for p in preds], [p == g for p, g in zip(preds, golds)]
+    raise ValueError(f"unknown task type {rule.kind!r}; valid: {', '.join(TASK_KINDS)}")
+
+
 def score_task(rule: TaskRule, texts: Sequence[str], golds: Sequence) -> tuple[dict[str, float], int]:
     """Score the responses of a user task: ``{Accuracy[, Macro-F1]}`` and the number of responses that
     parse to no label / hold no number (scored wrong). Macro-F1 is scikit-learn's over the label set
     (an unparseable response is a miss of its gold class)."""
     if not texts:
         return dict.fromkeys(rule.columns, 0.0), 0
-    if rule.kind == "classification":
-        preds = [parse_label(t, rule.labels) for t in texts]
-        correct = [p == g for p, g in zip(preds, golds)]
-    elif rule.kind == "number":
-        preds = [extract_number(t) for t in texts]
-        correct = [math_correct(p, g, rule.tolerance) for p, g in zip(preds, golds)]
-    elif rule.kind == "exact":
-        preds = [normalize_exact(t) for t in texts]
-        correct = [p == g for p, g in zip(preds, golds)]
-        preds = [p or None for p in preds]
-    else:
-        raise ValueError(f"unknown task type {rule.kind!r}; valid: {', '.join(TASK_KINDS)}")
+    preds, correct = task_predictions(rule, texts, golds)
     metrics = {"Accuracy": sum(correct) / len(correct)}
     if rule.kind == "classification":
         from sklearn.metrics import f1_score

@@ -300,7 +300,8 @@ def plot_panels(result: TableResult) -> list[str]:
     """The value columns Table 2's plot draws: the average, then every column with runs (at embedded
     scale an average over stand-ins hides the one column that moves)."""
     seen = {c for cols in result.columns_seen.values() for c in cols}
-    return ["Avg", *(c for c in result.spec.columns if c in seen)]
+    average = ["Avg"] if "Avg" in result.spec.columns else []
+    return [*average, *(c for c in result.spec.columns if c in seen and c != "Avg")]
 
 
 def plot_privacy_utility(result: TableResult, path: Path) -> Path:
