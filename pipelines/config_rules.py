@@ -27,11 +27,12 @@ class ConfigError(ValueError):
     """A config that cannot run; the message is one line naming the field and the fix."""
 
 
-def validate(cfg: DictConfig) -> None:
-    """Ranges and cross-field rules of a resolved job config; raises :class:`ConfigError`."""
+def validate(cfg: DictConfig, *, here: bool = True) -> None:
+    """Ranges and cross-field rules of a resolved job config; raises :class:`ConfigError`.
+    ``here=False``: the job runs on another machine, so the local device is not checked."""
     _general(cfg)
     _privacy(cfg.privacy)
-    _train(cfg.train)
+    _train(cfg.train, here)
     _method(cfg.method)
     _lora_and_backbone(cfg)
     _suite(cfg)
@@ -75,7 +76,7 @@ def _privacy(p: DictConfig) -> None:
                           "in the right row")
 
 
-def _train(t: DictConfig) -> None:
+def _train(t: DictConfig, here: bool = True) -> None:
     for key in ("steps", "batch_size", "micro_batch_size", "checkpoint_every", "eval_batch_size"):
         _positive_int(t[key], f"train.{key}")
     _require(t.micro_batch_size <= t.batch_size,
@@ -91,7 +92,7 @@ def _train(t: DictConfig) -> None:
         _positive_int(bench.measure, "train.benchmark.measure")
     device = str(t.device)
     _require(DEVICES.fullmatch(device) is not None, f"train.device={device!r} must be auto, cpu or cuda")
-    if device.startswith("cuda"):
+    if device.startswith("cuda") and here:
         import torch  # only here: a GPU check needs it
 
         _require(torch.cuda.is_available(), f"train.device={device} but no GPU is visible, use train.device=auto or cpu")
