@@ -342,6 +342,8 @@ def _conform_value(path: str, value: Any, ref: Any, root: dict) -> Any:
             raise ConfigError(f"{path} must be a section with keys {', '.join(map(str, ref))}, got {value!r}")
         _conform_node(value, ref, f"{path}.", root)
         return value
+    if isinstance(value, dict) and "dict" in shipped_types().get(path, frozenset()):  # a count or a mapping
+        return value  # (suite.embedded.train_per_task); config_rules checks the mapping's entries
     if isinstance(ref, list):
         if not isinstance(value, list):
             raise ConfigError(f"{path} must be a list like {ref}, got {value!r}; write {path}=[a,b]")
