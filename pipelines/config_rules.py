@@ -248,7 +248,7 @@ def _embedded_size(name: str, node: Mapping) -> int:
         got_train, got_eval = _pool_supply(task, n_task, n_eval, float(node.get("min_confidence") or 0.8))
         _require(got_train >= n_task and got_eval >= n_eval,
                  f"the embedded task {task} yields {got_train} train / {got_eval} eval rows, fewer than the "
-                 f"{n_task} / {n_eval} asked for: lower suite.embedded.train_per_task or eval_per_task")
+                 f"{n_task} / {n_eval} asked for: lower suite.embedded.train_per_task or suite.embedded.eval_per_task")
     if node.get("target") is not None:
         from prism.data.embedded import TARGET_STYLES
 

@@ -16,6 +16,7 @@ first bad job is one ``error:`` line on stderr naming the job and the field, exi
 from __future__ import annotations
 
 import itertools
+import os
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
@@ -69,9 +70,13 @@ def compose_config(overrides: Sequence[str], with_hydra: bool = False) -> DictCo
 
 
 def resolve(cfg: DictConfig) -> DictConfig:
-    """The resolved job config the core reads (no ``hydra`` node, no interpolations, struct mode)."""
+    """The resolved job config the core reads (no ``hydra`` node, no interpolations, struct mode;
+    a leading ``~`` in ``results_dir`` and ``logging.dir`` expanded, as a shell would unquoted)."""
     plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     plain.pop("hydra", None)
+    for node, key in ((plain, "results_dir"), (plain.get("logging"), "dir")):  # not hashed: no machine's home
+        if isinstance(node, dict) and isinstance(node.get(key), str) and node[key].startswith("~"):
+            node[key] = os.path.expanduser(node[key])  # a leading ~ is the home folder, also when quoted
     resolved = OmegaConf.create(plain)
     OmegaConf.set_struct(resolved, True)
     return resolved
