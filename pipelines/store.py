@@ -141,11 +141,16 @@ def lock_held(folder: Path) -> bool:
 
 # ------------------------------------------------------------------------------------- views
 
-def tag(root: Path, experiment: str, run_hash_: str) -> None:
-    """Add run ``run_hash_`` to the view of ``experiment`` (idempotent; safe under concurrency)."""
+def tag(root: Path, experiment: str, run_hash_: str) -> bool:
+    """Add run ``run_hash_`` to the view of ``experiment`` (idempotent; safe under concurrency);
+    False when the store is not writable (a read-only store's views stay as they are)."""
     view = Path(root) / VIEWS / experiment
-    view.mkdir(parents=True, exist_ok=True)
-    (view / run_hash_).touch(exist_ok=True)
+    try:
+        view.mkdir(parents=True, exist_ok=True)
+        (view / run_hash_).touch(exist_ok=True)
+    except OSError:
+        return False
+    return True
 
 
 def view(root: Path, experiment: str) -> list[str]:
