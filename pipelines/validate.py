@@ -13,7 +13,14 @@
    Keys that restate a group choice (``suite.scale`` for ``scale=``) may not contradict it.
 4. :func:`pipelines.config_rules.validate`: ranges and cross-field rules (privacy name vs ε, LoRA
    rank vs the narrowest targeted layer, batch vs training-set size, micro-batch ≤ batch, device
-   present, room for the label after ``suite.cutoff_len``, paper-scale data present).
+   present, room for the label after ``suite.cutoff_len``, paper-scale data present), the method
+   node against the method's own schema (:mod:`prism.methods.schema`) and whether σ can be
+   calibrated for (ε, δ, q, T) within this machine's memory (:mod:`prism.dp_limits`).
+
+:func:`load_grid` / :func:`load_experiment` run the same validation over every job of a grid
+before any is launched (``pipelines.grid``, ``pipelines.reproduce``, ``slurm/submit.sh``,
+``pipelines.run -m``); the first bad job is one line naming the job and the field. A grid composes
+each group choice once with Hydra and applies each job's value overrides to it as Hydra does.
 
 Nothing here imports torch or transformers, so a bad input is reported in about a second.
 """

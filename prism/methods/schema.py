@@ -4,7 +4,8 @@
 pre-run validator (:mod:`pipelines.config_rules`, before any model load) and the methods
 (:func:`prism.methods.build_method`) call :func:`check`, so a key's rule lives in one place.
 Keys every method node carries (``lr``, ``init``, and the protocol's ``init_svd``,
-``noise_damping``, ``pinv_rcond``, docs/DECISIONS.md D4–D6) are declared once in :data:`COMMON`.
+``noise_damping``, ``pinv_rcond``, D4–D6) are declared once in :data:`COMMON`. ``Dnn`` in a key's
+doc is the entry of docs/DECISIONS.md.
 
 No torch here: the validator reports a bad value in about a second.
 """
