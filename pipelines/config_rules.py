@@ -9,6 +9,7 @@ Only the GPU check imports torch.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -27,14 +28,16 @@ class ConfigError(ValueError):
     """A config that cannot run; the message is one line naming the field and the fix."""
 
 
-def validate(cfg: DictConfig) -> None:
-    """Ranges and cross-field rules of a resolved job config; raises :class:`ConfigError`."""
+def validate(cfg: DictConfig, *, here: bool = True) -> None:
+    """Ranges and cross-field rules of a resolved job config; raises :class:`ConfigError`.
+    ``here=False``: the job runs on another machine, so the local device is not checked."""
     _general(cfg)
     _privacy(cfg.privacy)
-    _train(cfg.train)
+    _train(cfg.train, here)
     _method(cfg.method)
     _lora_and_backbone(cfg)
-    _suite(cfg)
+    n_train = _suite(cfg)
+    _budget(cfg, n_train, here)
     _logging(cfg.logging)
 
 
@@ -77,7 +80,7 @@ def _privacy(p: DictConfig) -> None:
                           "in the right row")
 
 
-def _train(t: DictConfig) -> None:
+def _train(t: DictConfig, here: bool = True) -> None:
     for key in ("steps", "batch_size", "micro_batch_size", "checkpoint_every", "eval_batch_size"):
         _positive_int(t[key], f"train.{key}")
     _require(t.micro_batch_size <= t.batch_size,
@@ -93,7 +96,7 @@ def _train(t: DictConfig) -> None:
         _positive_int(bench.measure, "train.benchmark.measure")
     device = str(t.device)
     _require(DEVICES.fullmatch(device) is not None, f"train.device={device!r} must be auto, cpu or cuda")
-    if device.startswith("cuda"):
+    if device.startswith("cuda") and here:
         import torch  # only here: a GPU check needs it
 
         _require(torch.cuda.is_available(), f"train.device={device} but no GPU is visible, use train.device=auto or cpu")
@@ -103,19 +106,14 @@ def _train(t: DictConfig) -> None:
 
 
 def _method(m: DictConfig) -> None:
-    lr = m.lr
-    _require(isinstance(lr, float) and 0 < lr < math.inf, f"method.lr={lr!r} must be a finite number > 0")
-    _require(m.init in ("peft", "spectral"), f"method.init={m.init!r} must be spectral or peft")
-    for key in ("beta1", "beta2"):
-        if key in m:
-            _require(0 <= float(m[key]) < 1, f"method.{key}={m[key]} must lie in [0, 1)")
-    if "betas" in m:
-        _require(len(m.betas) == 2 and all(0 <= float(b) < 1 for b in m.betas),
-                 f"method.betas={list(m.betas)} must be two numbers in [0, 1)")
-    if "eps" in m:
-        _require(float(m.eps) > 0, f"method.eps={m.eps} must be > 0")
-    if "weight_decay" in m:
-        _require(float(m.weight_decay) >= 0, f"method.weight_decay={m.weight_decay} must be >= 0")
+    """Every key of the method node against the method's own schema (:mod:`prism.methods.schema`,
+    which the method reads too)."""
+    from prism.methods import schema
+
+    try:
+        schema.check(m)
+    except schema.SchemaError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _lora_and_backbone(cfg: DictConfig) -> None:
@@ -156,7 +154,8 @@ def _lora_and_backbone(cfg: DictConfig) -> None:
              f"use lora.r <= {widths[narrowest]} (e.g. lora=r16) or drop {narrowest} from lora.targets")
 
 
-def _suite(cfg: DictConfig) -> None:
+def _suite(cfg: DictConfig) -> int | None:
+    """The suite's rules; returns the training-set size (None where only the data can tell)."""
     suite = cfg.suite
     _positive_int(suite.cutoff_len, "suite.cutoff_len")
     if suite.eval_limit is not None:
@@ -212,10 +211,32 @@ def _suite(cfg: DictConfig) -> None:
                  f"train.batch_size={cfg.train.batch_size} exceeds the {n_train} training examples of "
                  f"{suite.name} at {suite.scale} scale, lower train.batch_size to at most {n_train}")
     _label_room(cfg)
+    return n_train
+
+
+def _budget(cfg: DictConfig, n_train: int | None, here: bool) -> None:
+    """σ calibration feasible for (ε, δ, q = B/N, T) and its accountant grid within this machine's
+    memory (:func:`prism.dp_limits.calibration_problem`; the memory only for a job run here)."""
+    if n_train is None or math.isinf(float(cfg.privacy.epsilon)):
+        return
+    from prism.dp_limits import calibration_problem
+
+    bench = cfg.train.benchmark
+    steps = int(bench.warmup + bench.measure) if bench else int(cfg.train.steps)
+    rate = cfg.train.batch_size / n_train
+    if cfg.privacy.calibration == "epochs":  # the released code's epoch-rounded question (docs/DECISIONS.md D1)
+        per_epoch = math.ceil(round(1.0 / rate, 9))
+        steps, rate = math.ceil(steps / per_epoch) * per_epoch, 1.0 / per_epoch
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if here else math.inf
+    problem = calibration_problem(float(cfg.privacy.epsilon), float(cfg.privacy.delta), rate, steps, memory)
+    _require(problem is None, str(problem))
 
 
 def _tasks(node: Mapping, key: str, valid: Mapping, where: str) -> list[str]:
-    tasks = list(node.get(key) or valid)
+    given = node.get(key)
+    _require(given is None or len(given) > 0, f"{where}.{key}=[] lists no task (an empty list would mean all "
+             f"of them), list at least one, e.g. {where}.{key}=[{next(iter(valid))}], or give null for all")
+    tasks = list(given or valid)
     unknown = [t for t in tasks if t not in valid]
     _require(not unknown and len(set(tasks)) == len(tasks),
              f"{where}.{key}={tasks} must list distinct names out of {', '.join(valid)}")
@@ -228,7 +249,7 @@ def _embedded_size(name: str, node: Mapping) -> int:
     tasks = _tasks(node, "tasks", EMBEDDED_TASKS[name], "suite.embedded")
     if node.get("eval_per_task") is not None:
         _positive_int(node.eval_per_task, "suite.embedded.eval_per_task")
-    from prism.data.embedded import DEFAULT_TRAIN_PER_TASK
+    from prism.data.embedded import DEFAULT_EVAL_PER_TASK, DEFAULT_TRAIN_PER_TASK
 
     sizes = node.get("train_per_task")
     sizes = DEFAULT_TRAIN_PER_TASK[name] if sizes is None else sizes
@@ -244,12 +265,31 @@ def _embedded_size(name: str, node: Mapping) -> int:
     if node.get("min_confidence") is not None:
         _require(0 <= float(node.min_confidence) <= 1,
                  f"suite.embedded.min_confidence={node.min_confidence} must lie in [0, 1]")
+    n_eval = int(node.get("eval_per_task") or DEFAULT_EVAL_PER_TASK)
+    for task in set(tasks) & set(FINITE_POOLS):
+        n_task = int(sizes) if not isinstance(sizes, Mapping) else int(sizes.get(task, 0))
+        got_train, got_eval = _pool_supply(task, n_task, n_eval, float(node.get("min_confidence") or 0.8))
+        _require(got_train >= n_task and got_eval >= n_eval,
+                 f"the embedded task {task} yields {got_train} train / {got_eval} eval rows, fewer than the "
+                 f"{n_task} / {n_eval} asked for: lower suite.embedded.train_per_task or suite.embedded.eval_per_task")
     if node.get("target") is not None:
         from prism.data.embedded import TARGET_STYLES
 
         _require(node.target in TARGET_STYLES,
                  f"suite.embedded.target={node.target!r} must be one of {', '.join(TARGET_STYLES)}")
     return total
+
+
+FINITE_POOLS = ("tweet_sentiment",)  # embedded stand-ins drawn from a fixed corpus (the others are generated)
+
+
+@functools.lru_cache(maxsize=16)
+def _pool_supply(task: str, n_train: int, n_eval: int, min_confidence: float) -> tuple[int, int]:
+    """(train, eval) rows the stand-in yields for this request (its own builder, no model)."""
+    from prism.data.embedded import tweet_sentiment
+
+    train, evals, _ = {"tweet_sentiment": tweet_sentiment}[task](n_train, n_eval, 0, {"min_confidence": min_confidence})
+    return len(train), len(evals)
 
 
 def _paper_size(name: str, node: Mapping) -> int | None:

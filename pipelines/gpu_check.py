@@ -307,16 +307,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: the profile's)")
     parser.add_argument("--methods", default="", help="comma-separated subset of adamw,loraplus,prism")
     args = parser.parse_args(argv)
+    known = list(dict.fromkeys(method for _, method, _ in TABLE5))
+    methods = [m for m in args.methods.split(",") if m] or None
+    unknown = sorted(set(methods or ()) - set(known))
+    if unknown or (args.methods and methods is None):
+        print(f"error: --methods={args.methods} names {', '.join(unknown) or 'no method'}, not a checked method; "
+              f"give a comma-separated subset of "
+              f"{','.join(known)} (or leave --methods out for all)", file=sys.stderr)
+        return 2
     profile = PROFILES[args.profile]
     device = torch.device(args.device or profile.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA device is visible, run `make gpu-check` on a GPU machine "
-              "(or `python -m pipelines.gpu_check --profile tiny` on a CPU)")
+              "(or `python -m pipelines.gpu_check --profile tiny` on a CPU)", file=sys.stderr)
         return 2
     profile = replace(profile, device=device.type)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {name}  torch {torch.__version__}  profile {args.profile} ({profile.backbone})")
-    methods = [m for m in args.methods.split(",") if m] or None
     return 1 if run_check(profile, device, methods) else 0
 
 

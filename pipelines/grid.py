@@ -7,13 +7,16 @@ the sweep; a user sweep ``key=a,b`` adds an axis), so the local dispatcher
 (:mod:`pipelines.reproduce`), Hydra multirun and the SLURM array scripts run the same jobs.
 
 Command line (for ``slurm/`` scripts): ``python -m pipelines.grid tableN [overrides...] [--pending]``
-prints one job per line (shell-quoted overrides); ``--pending`` leaves out finished runs (trained
-for any experiment: the run store is shared) and tags them into this experiment's view. A config
-that does not compose is one ``error:`` line on stderr and exit code 2.
+prints one job per line (shell-quoted overrides) after validating every job as ``pipelines.run``
+does (:func:`pipelines.validate.load_experiment`); ``--pending`` leaves out finished runs (trained
+for any experiment: the run store is shared) and tags them into this experiment's view;
+``--remote``: the jobs run on other machines (SLURM), so the local device is not checked. The
+first bad job is one ``error:`` line on stderr naming the job and the field, exit code 2.
 """
 from __future__ import annotations
 
 import itertools
+import os
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
@@ -71,9 +74,13 @@ def compose_config(overrides: Sequence[str], with_hydra: bool = False) -> DictCo
 
 
 def resolve(cfg: DictConfig) -> DictConfig:
-    """The resolved job config the core reads (no ``hydra`` node, no interpolations, struct mode)."""
+    """The resolved job config the core reads (no ``hydra`` node, no interpolations, struct mode;
+    a leading ``~`` in ``results_dir`` and ``logging.dir`` expanded, as a shell would unquoted)."""
     plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     plain.pop("hydra", None)
+    for node, key in ((plain, "results_dir"), (plain.get("logging"), "dir")):  # not hashed: no machine's home
+        if isinstance(node, dict) and isinstance(node.get(key), str) and node[key].startswith("~"):
+            node[key] = os.path.expanduser(node[key])  # a leading ~ is the home folder, also when quoted
     resolved = OmegaConf.create(plain)
     OmegaConf.set_struct(resolved, True)
     return resolved
@@ -116,25 +123,41 @@ def job_config(job: Sequence[str]) -> DictConfig:
     return resolve(compose_config(job))
 
 
+USAGE = "usage: python -m pipelines.grid tableN [overrides...] [--pending] [--remote]"
+HELP = """prints every job of the table's grid, one line of shell-quoted overrides each, after validating
+all of them as `python -m pipelines.run` does (the first bad one: one error line, exit code 2)
+  --pending  leave out the runs already finished (they are tagged into the table's view)
+  --remote   the jobs run on other machines (SLURM): do not check this machine's device
+Values with spaces or non-ASCII characters: quote them for Hydra inside one shell word,
+  e.g. 'results_dir="/tmp/my runs"'"""
+
+
 def main(argv: Sequence[str]) -> int:
     from pipelines import store
+    from pipelines.validate import ConfigError, load_experiment
 
-    if not argv or argv[0].startswith("-"):
-        print("usage: python -m pipelines.grid tableN [overrides...] [--pending]", file=sys.stderr)
+    if {"-h", "--help"} & set(argv):
+        print(f"{USAGE}\n{HELP}")
+        return 0
+    flags = [a for a in argv if a.startswith("--")]
+    if not argv or argv[0].startswith("-") or set(flags) - {"--pending", "--remote"}:
+        bad = next((f for f in flags if f not in ("--pending", "--remote")), None)
+        print(f"error: unknown option {bad}, " if bad else "", USAGE, sep="", file=sys.stderr)
         return 2
-    pending = "--pending" in argv
-    args = [a for a in argv if a != "--pending"]
+    args = [a for a in argv if a not in flags]
     experiment = args[0] if args[0].startswith("table") else f"table{args[0]}"
     lines = []
     try:
-        for job in experiment_jobs(experiment, args[1:]):
-            if pending:
-                cfg = job_config(job)
+        for job, cfg in load_experiment(experiment, args[1:], here=False if "--remote" in flags else None):
+            if "--pending" in flags:
                 root, run_hash = store.runs_root(cfg), store.run_hash(cfg)
                 if store.inspect_run(store.find_run(root, run_hash)).state == "finished" and not cfg.force:
                     store.tag(root, experiment, run_hash)
                     continue
             lines.append(shlex.join(job))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except COMPOSE_ERRORS as err:
         print(f"error: {error_line(err)}", file=sys.stderr)
         return 2

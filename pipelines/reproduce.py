@@ -33,7 +33,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from pipelines import store
-from pipelines.grid import COMPOSE_ERRORS, error_line, experiment_jobs, job_config
+from pipelines.grid import COMPOSE_ERRORS, error_line, job_config
+from pipelines.validate import ConfigError, load_experiment
 
 POLL_S = 1.0
 
@@ -66,6 +67,9 @@ def parse_args(argv: Sequence[str]) -> tuple[str, int, list[str]]:
             if not value.isdigit() or int(value) < 1:
                 raise ValueError(f"jobs={value} must be an integer >= 1, e.g. jobs=2")
             jobs = int(value)
+        elif arg.startswith("-"):
+            raise ValueError(f"unknown option {arg}, usage: python -m pipelines.reproduce N [scale=..] "
+                             "[launcher=local|slurm] [jobs=K] [key=value overrides] (--help for more)")
         else:
             overrides.append(arg)
     return experiment, jobs, overrides
@@ -75,8 +79,7 @@ def plan(experiment: str, overrides: Sequence[str]) -> tuple[list[Job], list[Job
     """(pending, finished) jobs of the grid; finished runs (trained for any experiment, in the
     store or the old layout) are tagged into ``experiment``'s view, as the runner would."""
     pending, finished = [], []
-    for overrides_ in experiment_jobs(experiment, overrides):
-        cfg = job_config(overrides_)
+    for overrides_, cfg in load_experiment(experiment, overrides):  # every job validated before any runs
         bench = cfg.train.benchmark
         job = Job(overrides_, store.runs_root(cfg), store.run_hash(cfg),
                   bench.warmup + bench.measure if bench else cfg.train.steps)
@@ -157,7 +160,10 @@ def slurm_problem(timeout_s: float = 30.0) -> str | None:
         return f"squeue did not answer within {timeout_s:.0f} s (SLURM controller down?)"
     if probe.returncode != 0:
         lines = (probe.stderr or probe.stdout).strip().splitlines()
-        return f"squeue failed: {lines[-1] if lines else f'exit code {probe.returncode}'}"
+        unconfigured = "configuration source" in (probe.stderr or "").lower()  # installed, no slurm.conf
+        fix = ("; SLURM has no configuration here: set SLURM_CONF=/path/to/slurm.conf (ask your cluster admin), "
+               "run on a login node, or use launcher=local") if unconfigured else ""
+        return f"squeue failed: {lines[-1] if lines else f'exit code {probe.returncode}'}{fix}"
     return None
 
 
@@ -225,6 +231,12 @@ def launch(experiment: str, launcher: str, pending: list[Job], workers: int, ove
 
 
 def main(argv: Sequence[str]) -> int:
+    if {"-h", "--help"} & set(argv):
+        print("usage:", __doc__.split("\n\n")[1].strip(), "\n")
+        print(__doc__.split("\n\n")[2].strip())
+        print("Quote a value with spaces or non-ASCII characters for Hydra inside one shell word, e.g.\n"
+              "  'results_dir=\"/tmp/my runs\"'  (make: ARGS=\"'results_dir=\\\"/tmp/my runs\\\"'\")")
+        return 0
     if argv and argv[0] == "tune":  # the learning-rate sweep: its own rounds and outputs (pipelines/tune.py)
         from pipelines.tune import main as tune_main
 
@@ -235,8 +247,11 @@ def main(argv: Sequence[str]) -> int:
         return compare(argv[1:])
     try:
         experiment, workers, overrides = parse_args(argv)
-        cfg0 = job_config([f"experiment={experiment}", *[o for o in overrides if "," not in o]])
         pending, finished = plan(experiment, overrides)
+        cfg0 = job_config([f"experiment={experiment}", *[o for o in overrides if "," not in o]])
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except COMPOSE_ERRORS as err:
         print(f"error: {error_line(err)}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ narrates one line per phase on stdout and ends with the scores and the ``final.j
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
 import math
@@ -101,14 +102,16 @@ def execute(cfg: DictConfig, trainer: Trainer | None = None) -> str:
     cfg = resolve(cfg)
     validate(cfg)
     run_hash, folder = store.run_hash(cfg), store.run_dir(cfg)
-    folder.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(store.lock_path(folder))
     try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
         lock.acquire(timeout=0)
     except Timeout:
         log.warning("run %s is being trained by another process (lock %s held); not starting a second copy",
                     folder, store.lock_path(folder))
         return "busy"
+    except OSError as err:  # a read-only (or full) store: a finished run is still read
+        return _unlocked(cfg, run_hash, err)
     try:
         store.adopt(folder, str(cfg.experiment))  # old-layout folder moved in; run tagged with the experiment
         info = store.inspect_run(folder)
@@ -126,10 +129,31 @@ def execute(cfg: DictConfig, trainer: Trainer | None = None) -> str:
                         ", ".join(p.name for p in moved))
         if folder.exists() and not store.config_matches(folder, cfg):
             log.warning("run folder %s holds a different config; moved it to %s", folder, store.move_aside(folder))
+        if (folder / "final.json").exists():  # a result without a "finished" status: kept, never overwritten
+            log.warning("run %s has a final.json its status.json does not confirm; kept as %s and rerunning",
+                        folder, store.set_aside(folder, "final.json", "unconfirmed"))
         attempts = 1 + int((info.status or {}).get("attempts", 0)) if folder.exists() else 1
         return _train(cfg, folder, run_hash, attempts, trainer or default_trainer)
     finally:
         lock.release()
+
+
+class StoreError(OSError):
+    """The run store cannot be written (read-only, full, no permission); one line naming ``results_dir``."""
+
+
+def _unlocked(cfg: DictConfig, run_hash: str, err: OSError) -> str:
+    """Without the lock (the store is not writable): a finished run is reported as skipped (not
+    tagged into the experiment's view); anything else is a :class:`StoreError`."""
+    folder = store.find_run(store.runs_root(cfg), run_hash)
+    if store.inspect_run(folder).state == "finished" and not cfg.force:
+        final = store.read_json(folder / "final.json")
+        log.info("run %s already finished, skipped (the store is not writable: %s; not tagged into %s): %s; "
+                 "results in %s", run_hash, err.strerror or err, cfg.experiment, scores_line(final),
+                 folder / "final.json")
+        return "skipped"
+    raise StoreError(f"results_dir={cfg.results_dir} is not writable ({err.strerror or err}: "
+                     f"{store.lock_path(folder)}), point results_dir at a writable folder") from None
 
 
 def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer: Trainer) -> str:
@@ -138,43 +162,65 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
     store.seal_metrics(folder)
     started, t0 = store.utc_stamp(), time.time()
     store.write_status(folder, "running", started=started, attempts=attempts)
-    log.info("run %s: %s on %s (%s scale), %s, %s, train.steps=%d; folder %s", run_hash, cfg.backbone.paper_name,
-             cfg.suite.name, cfg.suite.scale, cfg.method.name, cfg.privacy.name, total_updates(cfg), folder)
-    if attempts > 1:
-        log.info("run %s: attempt %d, resuming from %s", run_hash, attempts, folder / "checkpoint")
-    generation = len(list(folder.parent.glob(f"{run_hash}.old-*")))
-    if cfg.logging.mode != "disabled":
-        log.info("run %s: W&B %s run under %s", run_hash, cfg.logging.mode, cfg.logging.dir)
-    wb = WandbRun(cfg, run_hash, generation)
-    total = total_updates(cfg)
+    wb = None
+    try:  # from here on, every way out leaves status.json finished or failed, never running
+        log.info("run %s: %s on %s (%s scale), %s, %s, train.steps=%d; folder %s", run_hash, cfg.backbone.paper_name,
+                 cfg.suite.name, cfg.suite.scale, cfg.method.name, cfg.privacy.name, total_updates(cfg), folder)
+        if attempts > 1:
+            log.info("run %s: attempt %d, resuming from %s", run_hash, attempts, folder / "checkpoint")
+        generation = len(list(folder.parent.glob(f"{run_hash}.old-*")))
+        if cfg.logging.mode != "disabled":
+            log.info("run %s: W&B %s run under %s", run_hash, cfg.logging.mode, cfg.logging.dir)
+        wb = WandbRun(cfg, run_hash, generation)
+        total = total_updates(cfg)
 
-    def log_fn(record: dict[str, Any]) -> None:
-        store.append_metrics(folder, record)
-        wb.log_step(record)
-        log.info("[%s] step %s/%s %s", run_hash, record.get("step"), total, _brief(record))
+        def log_fn(record: dict[str, Any]) -> None:
+            store.append_metrics(folder, record)
+            wb.log_step(record)
+            log.info("[%s] step %s/%s %s", run_hash, record.get("step"), total, _brief(record))
 
-    try:
         record = trainer(cfg, folder, log_fn)
+        commit, dirty = git_state()
+        final = {**record, "run": {
+            "hash": run_hash, "experiment": str(cfg.experiment), "wall_time_s": time.time() - t0,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+            "started": started, "ended": store.utc_stamp(), "attempts": attempts, "versions": versions(),
+            "git_commit": commit, "git_dirty": dirty, "hostname": socket.gethostname(),
+        }}
+        store.write_json_atomic(folder / "final.json", final)
+        store.write_status(folder, "finished", started=started, attempts=attempts, ended=final["run"]["ended"])
     except BaseException as exc:
-        store.write_status(folder, "failed", started=started, attempts=attempts,
-                           error=f"{type(exc).__name__}: {exc}", ended=store.utc_stamp())
-        write_text_atomic(folder / "traceback.txt", traceback.format_exc())
-        log.error("run %s failed; its traceback is in %s", run_hash, folder / "traceback.txt")
-        wb.finish(None, exit_code=1)
+        _record_failure(folder, run_hash, exc, started, attempts)
+        if wb is not None:
+            with contextlib.suppress(Exception):
+                wb.finish(None, exit_code=1)
         raise
-    commit, dirty = git_state()
-    final = {**record, "run": {
-        "hash": run_hash, "experiment": str(cfg.experiment), "wall_time_s": time.time() - t0,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
-        "started": started, "ended": store.utc_stamp(), "attempts": attempts, "versions": versions(),
-        "git_commit": commit, "git_dirty": dirty, "hostname": socket.gethostname(),
-    }}
-    store.write_json_atomic(folder / "final.json", final)
-    store.write_status(folder, "finished", started=started, attempts=attempts, ended=final["run"]["ended"])
-    wb.finish(final)
+    with contextlib.suppress(Exception):  # the result is on disk; a W&B upload failure does not undo it
+        wb.finish(final)
     log.info("run %s finished in %.0f s: %s; results in %s", run_hash, final["run"]["wall_time_s"],
              scores_line(final), folder / "final.json")
     return "finished"
+
+
+def _record_failure(folder: Path, run_hash: str, exc: BaseException, started: str, attempts: int) -> None:
+    """Mark the run failed (interrupted, for Ctrl-C) and keep its traceback; first delete the
+    temporaries of a cut-off write, which on a full disk free the space these two files need."""
+    removed = store.remove_temporaries(folder)
+    interrupted = isinstance(exc, KeyboardInterrupt)
+    error = "interrupted (KeyboardInterrupt)" if interrupted else f"{type(exc).__name__}: {exc}"
+    try:
+        store.write_status(folder, "failed", started=started, attempts=attempts, error=error, ended=store.utc_stamp())
+        write_text_atomic(folder / "traceback.txt", "".join(traceback.format_exception(exc)))
+    except OSError as err:
+        log.error("run %s failed (%s) and its status could not be recorded: %s", run_hash, error, err)
+        return
+    if removed:
+        log.info("run %s: removed %d half-written temporary file(s) (%s)", run_hash, len(removed),
+                 ", ".join(p.name for p in removed))
+    if interrupted:
+        log.warning("run %s interrupted; the same command resumes it from its last checkpoint", run_hash)
+    else:
+        log.error("run %s failed; its traceback is in %s", run_hash, folder / "traceback.txt")
 
 
 def total_updates(cfg: DictConfig) -> int:
@@ -205,7 +251,18 @@ def _brief(record: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pipelines.run [--debug] [hydra flags] overrides...``; returns the exit code."""
+    """``python -m pipelines.run [--debug] [hydra flags] overrides...``; returns the exit code
+    (130 after Ctrl-C, without a traceback unless ``--debug``)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        if "--debug" in (sys.argv[1:] if argv is None else argv):
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("HYDRA_FULL_ERROR") == "1"
     args = [a for a in args if a != "--debug"]
@@ -232,11 +289,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     try:
         execute(cfg)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("interrupted: the run is marked failed (interrupted); rerun the same command to resume it",
+              file=sys.stderr)
+        return 130
     except Exception as err:
         if debug:
             raise
-        bad_input = isinstance(err, (ConfigError, *_core_input_errors()))
-        hint = "" if bad_input else " (traceback in the run folder's traceback.txt, or rerun with --debug)"
+        bad_input = isinstance(err, (ConfigError, StoreError, *_core_input_errors()))
+        kept = store.run_dir(cfg) / "traceback.txt"
+        hint = "" if bad_input else f" (traceback in {kept}, or rerun with --debug)" if kept.exists() \
+            else " (rerun with --debug for the traceback)"
         print(f"error: {_one_line(err)}{hint}", file=sys.stderr)
         return 2 if bad_input else 1
     return 0
@@ -272,7 +337,8 @@ def _core_input_errors() -> tuple[type[Exception], ...]:
 
 def _one_line(err: BaseException) -> str:
     text = " ".join(str(err).split()) or type(err).__name__
-    return text if isinstance(err, (ConfigError, *_core_input_errors())) else f"{type(err).__name__}: {text}"
+    plain = isinstance(err, (ConfigError, StoreError, *_core_input_errors()))
+    return text if plain else f"{type(err).__name__}: {text}"
 
 
 def quiet_third_party_warnings() -> None:

@@ -39,6 +39,9 @@ Inside a run folder:
 * ``checkpoint/`` (owned by the core), ``adapter/`` (exported LoRA adapter).
 * ``traceback.txt`` — the full traceback of a failed job (the console shows one line).
 * ``<name>.corrupt-<UTC timestamp>`` — a file found unreadable, kept aside (never deleted).
+* ``final.json.unconfirmed-<UTC timestamp>`` — a parseable ``final.json`` of a run whose
+  ``status.json`` does not say ``finished`` (unreadable, or the job died between the two writes),
+  set aside before the run trains again, so no result is ever overwritten.
 
 Files are written through :func:`prism.fileio.atomic_write` (fsync, mode 0644), readable by a group on a
 shared cluster. A run is **finished** iff ``status.json`` says ``finished`` and ``final.json``
@@ -138,11 +141,16 @@ def lock_held(folder: Path) -> bool:
 
 # ------------------------------------------------------------------------------------- views
 
-def tag(root: Path, experiment: str, run_hash_: str) -> None:
-    """Add run ``run_hash_`` to the view of ``experiment`` (idempotent; safe under concurrency)."""
+def tag(root: Path, experiment: str, run_hash_: str) -> bool:
+    """Add run ``run_hash_`` to the view of ``experiment`` (idempotent; safe under concurrency);
+    False when the store is not writable (a read-only store's views stay as they are)."""
     view = Path(root) / VIEWS / experiment
-    view.mkdir(parents=True, exist_ok=True)
-    (view / run_hash_).touch(exist_ok=True)
+    try:
+        view.mkdir(parents=True, exist_ok=True)
+        (view / run_hash_).touch(exist_ok=True)
+    except OSError:
+        return False
+    return True
 
 
 def view(root: Path, experiment: str) -> list[str]:
@@ -351,6 +359,27 @@ def quarantine(folder: Path, names: tuple[str, ...]) -> list[Path]:
             src.rename(dst)
             moved.append(dst)
     return moved
+
+
+def set_aside(folder: Path, name: str, why: str) -> Path:
+    """Rename ``folder/name`` to ``<name>.<why>-<timestamp>`` (kept, never overwritten or deleted)."""
+    stamp = utc_stamp().replace(":", "")
+    target, n = folder / f"{name}.{why}-{stamp}", 1
+    while target.exists():
+        target, n = folder / f"{name}.{why}-{stamp}-{n}", n + 1
+    (folder / name).rename(target)
+    return target
+
+
+def remove_temporaries(folder: Path) -> list[Path]:
+    """Delete the half-written temporary files of an atomic write (``.<name>.*tmp*``, e.g. a
+    checkpoint cut off by a full disk) under a run folder whose lock the caller holds."""
+    removed = []
+    for path in sorted(folder.rglob(".*tmp*")) if folder.is_dir() else []:
+        if path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 def move_aside(folder: Path) -> Path:

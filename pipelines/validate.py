@@ -13,7 +13,14 @@
    Keys that restate a group choice (``suite.scale`` for ``scale=``) may not contradict it.
 4. :func:`pipelines.config_rules.validate`: ranges and cross-field rules (privacy name vs ε, LoRA
    rank vs the narrowest targeted layer, batch vs training-set size, micro-batch ≤ batch, device
-   present, room for the label after ``suite.cutoff_len``, paper-scale data present).
+   present, room for the label after ``suite.cutoff_len``, paper-scale data present), the method
+   node against the method's own schema (:mod:`prism.methods.schema`) and whether σ can be
+   calibrated for (ε, δ, q, T) within this machine's memory (:mod:`prism.dp_limits`).
+
+:func:`load_grid` / :func:`load_experiment` run the same validation over every job of a grid
+before any is launched (``pipelines.grid``, ``pipelines.reproduce``, ``slurm/submit.sh``,
+``pipelines.run -m``); the first bad job is one line naming the job and the field. A grid composes
+each group choice once with Hydra and applies each job's value overrides to it as Hydra does.
 
 Nothing here imports torch or transformers, so a bad input is reported in about a second.
 """
@@ -25,6 +32,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
@@ -34,7 +42,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pipelines.config_rules import ConfigError, validate
 from pipelines.grid import CONF_DIR, compose_config, resolve
 
-__all__ = ["ConfigError", "conform", "load_job", "load_sweep", "validate"]
+__all__ = ["ConfigError", "conform", "load_experiment", "load_grid", "load_job", "load_sweep", "validate"]
 
 MISSING = object()
 LOCKED = {  # key -> the group whose choice sets it
@@ -44,8 +52,9 @@ LOCKED = {  # key -> the group whose choice sets it
 
 
 # --------------------------------------------------------------------------------------- composing
-def load_job(overrides: Sequence[str]) -> DictConfig:
-    """The validated, resolved job config of ``python -m pipelines.run <overrides>``."""
+def load_job(overrides: Sequence[str], *, here: bool = True) -> DictConfig:
+    """The validated, resolved job config of ``python -m pipelines.run <overrides>``. ``here=False``
+    for a job that runs on another machine (a SLURM array task): the local device is not checked."""
     parsed = _parse(overrides)
     for override in parsed:
         if override.is_sweep_override():
@@ -54,13 +63,53 @@ def load_job(overrides: Sequence[str]) -> DictConfig:
         if _is_group(override) and override.is_delete():
             raise ConfigError(f"~{override.key_or_group} removes a config group the run needs, "
                               f"choose one of its options instead ({override.key_or_group}=...)")
-    reference = _reference(tuple(o.input_line for o in parsed if _is_group(o)))
-    for override in parsed:
-        if not _is_group(override) and not override.key_or_group.startswith("hydra"):
+    groups = tuple(o.input_line for o in parsed if _is_group(o))
+    reference = _reference(groups)
+    values = [o for o in parsed if not _is_group(o)]
+    for override in values:
+        if not override.key_or_group.startswith("hydra"):
             _check_override(override, reference)
-    cfg = conform(_resolve(_compose(overrides), overrides), reference)
-    validate(cfg)
+    cfg = conform(_resolve(_compose_values(groups, values, overrides), overrides), reference)
+    validate(cfg, here=here)
     return cfg
+
+
+def load_grid(jobs: Sequence[Sequence[str]], *, here: bool | None = None) -> list[DictConfig]:
+    """Every job of a grid validated as :func:`load_job` does, before any of them is launched.
+
+    Stops at the first bad job with one :class:`ConfigError` line naming the job and the field.
+    ``here=None``: a job with ``launcher=slurm`` runs elsewhere (its device is not checked here)."""
+    configs = []
+    for k, job in enumerate(jobs, 1):
+        try:
+            configs.append(load_job(job, here=_runs_here(job) if here is None else here))
+        except ConfigError as err:
+            raise ConfigError(f"job {k} of {len(jobs)} ({' '.join(job)}): {err}") from None
+        except Exception as err:  # a rule that itself failed on an odd value: still one line
+            raise ConfigError(f"job {k} of {len(jobs)} ({' '.join(job)}) could not be validated "
+                              f"({type(err).__name__}: {_one_line(err)}), check its overrides") from None
+    return configs
+
+
+def load_experiment(experiment: str, overrides: Sequence[str], *,
+                    here: bool | None = None) -> list[tuple[list[str], DictConfig]]:
+    """The jobs of ``experiment``'s grid (:func:`pipelines.grid.experiment_jobs`) with their
+    validated configs; a bad override or job is one :class:`ConfigError` line."""
+    from pipelines.grid import experiment_jobs
+
+    parsed = _parse(overrides)
+    try:
+        jobs = experiment_jobs(experiment, overrides)
+    except Exception:  # the grid does not compose: the one-line reason of its fixed part
+        load_job([f"experiment={experiment}", *(o.input_line for o in parsed if not o.is_sweep_override())],
+                 here=False)
+        raise
+    return list(zip(jobs, load_grid(jobs, here=here), strict=True))
+
+
+def _runs_here(job: Sequence[str]) -> bool:
+    return not any(o.split("=", 1)[0].lstrip("+") == "launcher" and o.split("=", 1)[1] == "slurm"
+                   for o in job if "=" in o)
 
 
 def load_sweep(overrides: Sequence[str]) -> list[DictConfig]:
@@ -73,35 +122,68 @@ def load_sweep(overrides: Sequence[str]) -> list[DictConfig]:
     try:
         params = compose_config(fixed, with_hydra=True).hydra.sweeper.params or {}
     except Exception:  # the same composition again, for its one-line error
-        _resolve(_compose(fixed), fixed)
+        load_job(fixed, here=False)
         raise
-    jobs = expand({str(k): str(v) for k, v in params.items()}, list(overrides))
-    configs = []
-    for job in jobs:
-        try:
-            configs.append(load_job(job))
-        except ConfigError as err:
-            raise ConfigError(f"in the job {' '.join(job)}: {err}") from None
-    return configs
+    return load_grid(expand({str(k): str(v) for k, v in params.items()}, list(overrides)))
+
+
+QUOTING = ("quote the value for Hydra inside one shell word, e.g. 'results_dir=\"/tmp/my runs\"' "
+           "(with make: ARGS=\"'results_dir=\\\"/tmp/my runs\\\"'\")")
 
 
 def _parse(overrides: Sequence[str]) -> list[Override]:
+    for arg in overrides:
+        if arg.startswith("-"):
+            raise ConfigError(f"unknown option {arg}, write overrides as key=value (--help: the usage)")
     try:
         return OverridesParser.create().parse_overrides(list(overrides))
     except OverrideParseException as err:
         lines = str(err).splitlines()
         detail = f" ({lines[1].split(' expecting ')[0].strip()})" if len(lines) > 1 else ""
-        bad = re.search(r"'(.*)'", lines[0])
-        raise ConfigError(f"cannot parse the override {bad.group(1) if bad else lines[0]!r}{detail}, "
-                          "write key=value, e.g. train.steps=10 or method=adamw") from None
+        bad = next((o for o in overrides if o in lines[0]), None)
+        if bad is None:
+            found = re.search(r"'(.*)'", lines[0])
+            bad = found.group(1) if found else lines[0]
+        if "=" not in bad:  # a word of its own: often the rest of a value with a space in it
+            raise ConfigError(f"the override {bad!r} has no '=', write key=value; if it is the rest of a value "
+                              f"with a space in it, {QUOTING}") from None
+        if not bad.isascii() or any(ch.isspace() for ch in bad):
+            raise ConfigError(f"cannot parse the override {bad!r}: a value with spaces or non-ASCII characters "
+                              f"must be quoted, {QUOTING}") from None
+        raise ConfigError(f"cannot parse the override {bad!r}{detail}, write key=value, e.g. train.steps=10 or "
+                          f"method=adamw; {QUOTING} if the value has special characters") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _composed(groups: tuple[str, ...]) -> DictConfig:
+    """The unresolved composition of these group choices alone (read-only; cached)."""
+    cfg = _compose(groups)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
 
 
 @functools.lru_cache(maxsize=64)
 def _reference(groups: tuple[str, ...]) -> DictConfig:
     """The config of these group choices with no value override (read-only; cached)."""
-    reference = _resolve(_compose(groups), groups)
+    reference = _resolve(_composed(groups), groups)
     OmegaConf.set_readonly(reference, True)
     return reference
+
+
+def _compose_values(groups: tuple[str, ...], values: Sequence[Override], overrides: Sequence[str]) -> DictConfig:
+    """The job's composition: the groups' (cached) composition with the value overrides applied
+    the way Hydra applies them after the defaults list, so a grid composes each group choice once.
+    Hydra's own keys (``hydra.*``) take Hydra's full composition."""
+    if any(o.key_or_group.startswith("hydra") for o in values):
+        return _compose(overrides)
+    cfg = OmegaConf.create(OmegaConf.to_container(_composed(groups), resolve=False))
+    OmegaConf.set_struct(cfg, True)
+    try:
+        ConfigLoaderImpl._apply_overrides_to_config(list(values), cfg)
+    except (HydraException, OmegaConfBaseException, ValueError, TypeError, KeyError) as err:
+        raise ConfigError(f"the overrides {' '.join(overrides)} do not compose ({_one_line(err)}), "
+                          "check them against `python -m pipelines.run --cfg job`") from None
+    return cfg
 
 
 @functools.cache
@@ -267,6 +349,8 @@ def _conform_value(path: str, value: Any, ref: Any, root: dict) -> Any:
             raise ConfigError(f"{path} must be a section with keys {', '.join(map(str, ref))}, got {value!r}")
         _conform_node(value, ref, f"{path}.", root)
         return value
+    if isinstance(value, dict) and "dict" in shipped_types().get(path, frozenset()):  # a count or a mapping
+        return value  # (suite.embedded.train_per_task); config_rules checks the mapping's entries
     if isinstance(ref, list):
         if not isinstance(value, list):
             raise ConfigError(f"{path} must be a list like {ref}, got {value!r}; write {path}=[a,b]")

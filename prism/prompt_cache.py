@@ -11,10 +11,13 @@ last prompt token through the whole model and decodes as usual. Greedy tokens eq
 plain batched ``generate`` up to float rounding (``tests/test_evaluate.py``). A prompt's prefill
 then costs ``K`` layers instead of ``L`` (the last of them only its keys and values,
 :func:`prism.top_layer.keys_values_only`: nothing reads its output there); decoding is unchanged.
+``meta.json`` records the sha256 of the stored tensors; a store whose content no longer matches it
+(bytes changed on disk, even at the same size) is rebuilt, and the log says so.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -30,7 +33,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from prism import top_layer
-from prism.fileio import atomic_write, write_text_atomic
+from prism.fileio import atomic_write, sha256_file, write_text_atomic
 from prism.models import cache_root
 from prism.prefix import (
     _common_length,
@@ -43,8 +46,9 @@ from prism.prefix import (
     shared_prefix_groups,
 )
 
-FORMAT = 1
+FORMAT = 2  # 2: meta.json records the tensors' sha256 (1 recorded only their byte count)
 _TENSORS, _META = "prompts.safetensors", "meta.json"
+log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -112,7 +116,9 @@ class FrozenPrompts:
         lengths = [len(r) - 1 for r in rows]
         seconds = 0.0
         with FileLock(str(root / f"{key}.lock")):
-            if not _valid(directory, key, lengths):
+            if (why := _invalid(directory, key, lengths)) is not None:
+                if why != "absent":
+                    log.warning("prompt cache %s: %s; rebuilding it", directory, why)
                 tic = time.perf_counter()
                 kv, states = compute_frozen_prompts(decoder, depth, rows, micro_batch_size)
                 seconds = time.perf_counter() - tic
@@ -120,7 +126,7 @@ class FrozenPrompts:
                 tensors = {"kv": torch.cat(kv, dim=3).contiguous(), "states": torch.cat(states).contiguous(),
                            "lengths": torch.tensor(lengths, dtype=torch.long)}
                 atomic_write(directory / _TENSORS, lambda tmp: save_file(tensors, str(tmp)))
-                meta = {"format": FORMAT, "key": key, "rows": len(rows), "bytes": (directory / _TENSORS).stat().st_size}
+                meta = {"format": FORMAT, "key": key, "rows": len(rows), "sha256": sha256_file(directory / _TENSORS)}
                 write_text_atomic(directory / _META, json.dumps(meta, indent=2))
         return cls(decoder, depth, directory / _TENSORS, lengths, build_seconds=seconds)
 
@@ -156,14 +162,21 @@ class FrozenPrompts:
         return config.num_key_value_heads, head_dim
 
 
-def _valid(directory: Path, key: str, lengths: list[int]) -> bool:
+def _invalid(directory: Path, key: str, lengths: list[int]) -> str | None:
+    """Why the stored prompts cannot be used (None: they can): absent, for other prompts, or with
+    content that is not the sha256 recorded when they were built (e.g. bytes changed on disk)."""
     try:
         meta = json.loads((directory / _META).read_text())
-        if (meta.get("format"), meta.get("key"), meta.get("rows")) != (FORMAT, key, len(lengths)):
-            return False
-        if (directory / _TENSORS).stat().st_size != meta.get("bytes"):  # written atomically; a hash of
-            return False                                                   # gigabytes would cost each run seconds
+    except FileNotFoundError:
+        return "absent"
+    except (OSError, ValueError) as err:
+        return f"unreadable meta.json ({type(err).__name__})"
+    if not isinstance(meta, dict) or (meta.get("format"), meta.get("key"), meta.get("rows")) != (FORMAT, key, len(lengths)):
+        return "built for other prompts or an older format"
+    try:
+        if sha256_file(directory / _TENSORS) != meta.get("sha256"):
+            return "content does not match the sha256 recorded at build"
         with safe_open(str(directory / _TENSORS), framework="pt") as fh:
-            return fh.get_tensor("lengths").tolist() == lengths
-    except (OSError, ValueError, json.JSONDecodeError, KeyError):
-        return False
+            return None if fh.get_tensor("lengths").tolist() == lengths else "row lengths differ"
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        return f"unreadable tensors ({type(err).__name__})"

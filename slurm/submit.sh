@@ -36,7 +36,8 @@ fi
 list=$(mktemp)
 errors=$(mktemp)
 trap 'rm -f "$list" "$errors"' EXIT
-(cd "$repo" && "$python" -m pipelines.grid "$experiment" "$@" --pending) > "$list" || exit 2
+# every job validated as pipelines.run does before anything is submitted (the first bad one: one line, exit 2)
+(cd "$repo" && "$python" -m pipelines.grid "$experiment" "$@" --pending --remote) > "$list" || exit 2
 n=$(grep -c . "$list" || true)
 if [[ $n -eq 0 ]]; then
   echo "nothing to submit: every run of $experiment is finished (force=true re-runs)"
@@ -72,6 +73,9 @@ if ! out=$(sbatch "${args[@]}" "$repo/slurm/array.sbatch" "$dir/jobs.txt" 2>"$er
     || [[ ! ${out%%;*} =~ ^[0-9]+$ ]]; then
   rm -rf "$dir"  # only what this call created: the list and an empty logs/ folder
   reason=$(grep . "$errors" | tail -n 1 || true)
+  if grep -qi "configuration source\|slurm.conf\|SLURM_CONF" "$errors"; then  # installed, not configured
+    reason="$reason; SLURM has no configuration here: set SLURM_CONF=/path/to/slurm.conf (ask your cluster admin) or run on a login node"
+  fi
   echo "0 of $n submitted: ${reason:-sbatch printed no job id (got: ${out:-nothing})}" >&2
   exit 1
 fi

@@ -55,7 +55,15 @@ def test_without_a_gpu_the_paper_profile_says_how_to_run(capsys: pytest.CaptureF
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert G.main(["--profile", "paper"]) == 2
-    assert capsys.readouterr().out.startswith("error: no CUDA device")
+    assert capsys.readouterr().err.startswith("error: no CUDA device")
+
+
+@pytest.mark.parametrize("methods", ["nope", "prism,nope", ","])
+def test_unknown_methods_are_refused_before_any_check(methods: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: an unknown name checked nothing (the resume check skipped too) and printed "ok"."""
+    assert G.main(["--profile", "tiny", "--methods", methods]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and "adamw,loraplus,prism" in out.err
 
 
 @pytest.mark.slow

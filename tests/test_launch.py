@@ -78,7 +78,8 @@ def test_reproduce_on_a_dead_controller_submits_nothing_and_keeps_tables(tmp_pat
     bin_dir = fake_bin(tmp_path, squeue=f'echo "slurm_load_jobs error: {DEAD}" >&2; exit 1', sbatch="exit 1")
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     table, before = _tables_untouched(tmp_path)
-    rc = reproduce.main(["5", *ONE_JOB, "scale=paper", "launcher=slurm", f"results_dir={tmp_path}"])
+    # embedded scale: paper scale without its data is refused by validation before SLURM is asked
+    rc = reproduce.main(["5", *ONE_JOB, "scale=embedded", "launcher=slurm", f"results_dir={tmp_path}"])
     out = capsys.readouterr()
     assert rc == 1
     assert out.err.strip() == f"0 of 1 submitted: squeue failed: slurm_load_jobs error: {DEAD}"

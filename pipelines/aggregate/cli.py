@@ -69,4 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AggregateError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # out_dir read-only, a file, or full: one line, no traceback
+        print(f"error: cannot write the tables ({err.strerror or type(err).__name__}: {err.filename or ''}), "
+              "point out_dir= at a writable folder", file=sys.stderr)
+        return 2
     return 0

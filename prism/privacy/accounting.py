@@ -21,6 +21,7 @@ import hashlib
 import importlib.metadata
 import json
 import math
+import os
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -33,6 +34,7 @@ from opacus.accountants.analysis import rdp as rdp_analysis
 from opacus.accountants.analysis.prv import Domain
 from opacus.accountants.utils import get_noise_multiplier
 
+from prism.dp_limits import SIGMA_FLOOR, calibration_problem
 from prism.fileio import write_text_atomic
 
 ACCOUNTANTS = ("prv", "rdp", "gdp")
@@ -97,16 +99,29 @@ def calibrate_sigma(
     _check_accountant(accountant)
     if math.isinf(epsilon):
         return 0.0
+    # Bounded search (prism/dp_limits.py): refuse what Opacus' search cannot finish, i.e. a target
+    # reached only below SIGMA_FLOOR (its bisection then stays above SIGMA_FLOOR / 2) or a grid too big.
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    problem = calibration_problem(epsilon, delta, sample_rate, steps, memory) if accountant == "prv" else None
+    if problem is None and (floor := epsilon_spent(SIGMA_FLOOR, sample_rate, steps, delta, accountant, eps_error)) < epsilon:
+        problem = (f"privacy.epsilon={epsilon:g} is beyond what σ calibration can reach: σ = {SIGMA_FLOOR} already "
+                   f"spends only ε = {floor:.4g}; lower privacy.epsilon, or use privacy=nondp for a non-private run")
+    if problem is not None:
+        raise ValueError(problem)
     with _quiet_rdp_bound():
-        sigma = get_noise_multiplier(
-            target_epsilon=epsilon,
-            target_delta=delta,
-            sample_rate=sample_rate,
-            steps=steps,
-            accountant=accountant,
-            epsilon_tolerance=eps_error,
-            **_epsilon_kwargs(accountant, eps_error),
-        )
+        try:
+            sigma = get_noise_multiplier(
+                target_epsilon=epsilon,
+                target_delta=delta,
+                sample_rate=sample_rate,
+                steps=steps,
+                accountant=accountant,
+                epsilon_tolerance=eps_error,
+                **_epsilon_kwargs(accountant, eps_error),
+            )
+        except ValueError as err:  # Opacus: σ > 1e6 still spends more ("The privacy budget is too low.")
+            raise ValueError(f"privacy.epsilon={epsilon:g} is too small to calibrate: even σ = 1e6 spends more "
+                             f"({err}); raise privacy.epsilon") from None
     return float(sigma)
 
 

@@ -1,0 +1,72 @@
+"""Inputs that used to be accepted and mean something else: each is now either refused in one line
+or means what it says. (``gpu_check --methods``: tests/test_gpu_check.py; quoting hints:
+tests/test_grid_validation.py.)"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipelines import run
+from pipelines.validate import ConfigError, load_job
+
+
+@pytest.mark.parametrize("overrides", [["suite.embedded.tasks=[]"], ["suite=math10k", "suite.embedded.tasks=[]"]])
+def test_an_empty_task_list_is_refused_not_all_tasks(overrides: list[str]) -> None:
+    with pytest.raises(ConfigError, match=r"suite\.embedded\.tasks=\[\] lists no task"):
+        load_job(overrides)
+
+
+def test_a_quoted_tilde_results_dir_is_the_home_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home, cwd = tmp_path / "home", tmp_path / "checkout"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    cfg = load_job(["results_dir='~/x'"])
+    assert cfg.results_dir == str(home / "x") and cfg.logging.dir == str(home / "x" / "wandb")
+
+    def trainer(cfg: Any, folder: Path, log_fn: Any) -> dict[str, Any]:
+        return {"columns": {}}
+
+    monkeypatch.setattr(run, "default_trainer", trainer)
+    handlers, level = logging.root.handlers[:], logging.root.level
+    try:
+        assert run.main(["results_dir='~/x'", "logging=disabled"]) == 0
+    finally:
+        logging.root.handlers[:], logging.root.level = handlers, level
+    assert list((home / "x" / "runs").glob("*/final.json")) and not (cwd / "~").exists()
+
+
+def test_a_train_per_task_mapping_is_accepted_and_read() -> None:
+    """The README's mapping form, for the suite whose default is a count: accepted, and its sum is
+    the training-set size the batch is checked against (40 rows < B = 64)."""
+    cfg = load_job(["suite=math10k", "suite.embedded.train_per_task={basic_arithmetic:100,leg_counting:50}",
+                    "suite.embedded.tasks=[basic_arithmetic,leg_counting]"])
+    assert cfg.suite.embedded.train_per_task == {"basic_arithmetic": 100, "leg_counting": 50}
+    with pytest.raises(ConfigError, match="40 training examples"):
+        load_job(["suite=math10k", "suite.embedded.train_per_task={basic_arithmetic:40}",
+                  "suite.embedded.tasks=[basic_arithmetic]"])
+
+
+def test_eval_rows_beyond_a_stand_ins_supply_are_refused_before_the_run() -> None:
+    """The stand-in's own builder refuses the same request (after model load, before this check)."""
+    from prism.data.embedded import build
+
+    with pytest.raises(ConfigError, match="tweet_sentiment yields 1600 train / [0-9]+ eval rows"):
+        load_job(["suite.embedded.eval_per_task=5000"])
+    with pytest.raises(ValueError, match="fewer than requested"):
+        build("glue8", {"tasks": ["tweet_sentiment"], "train_per_task": 1600, "eval_per_task": 5000}, 42)
+    assert load_job(["suite.embedded.eval_per_task=300"]).suite.embedded.eval_per_task == 300
+
+
+def test_no_run_folder_for_any_refused_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("suite.embedded.tasks=[]", "suite.embedded.eval_per_task=5000", "method.init=peft",
+                "privacy.delta=1e-30"):
+        assert run.main([bad, f"results_dir={tmp_path}"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and bad.split("=")[0] in err
+    assert not os.listdir(tmp_path)
