@@ -38,6 +38,7 @@ from pipelines.aggregate.render import plot_privacy_utility, to_markdown, write_
 from pipelines.aggregate.specs import TableSpec, method_label, setting_label, suite_columns
 from pipelines.reproduce import Job, launch
 from pipelines.validate import ConfigError, load_job
+from prism.budget import total_steps
 from prism.fileio import sha256_file
 
 EXPERIMENT = "compare"
@@ -146,9 +147,8 @@ def plan(argv: Sequence[str]) -> Plan:
                     cfg = load_job(overrides_)
                 except ConfigError as err:
                     raise ConfigError(f"in the job {' '.join(own)}: {err}") from None
-                bench = cfg.train.benchmark
                 jobs.append(Job(overrides_, store.runs_root(cfg), store.run_hash(cfg),
-                                bench.warmup + bench.measure if bench else cfg.train.steps))
+                                total_steps(cfg)))
                 configs.append(cfg)
     launcher = next((o.split("=", 1)[1] for o in overrides if o.startswith("launcher=")), "local")
     return Plan(task, sha, fixed, settings, methods, [s for s in seeds], jobs, configs, launcher, int(workers))

@@ -19,6 +19,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from prism.budget import total_steps
+
 DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
 PRIVACY_NAME = re.compile(r"eps(\d+(?:\.\d+)?)")
 EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -221,8 +223,7 @@ def _budget(cfg: DictConfig, n_train: int | None, here: bool) -> None:
         return
     from prism.dp_limits import calibration_problem
 
-    bench = cfg.train.benchmark
-    steps = int(bench.warmup + bench.measure) if bench else int(cfg.train.steps)
+    steps = total_steps(cfg)
     rate = cfg.train.batch_size / n_train
     if cfg.privacy.calibration == "epochs":  # the released code's epoch-rounded question (docs/DECISIONS.md D1)
         per_epoch = math.ceil(round(1.0 / rate, 9))

@@ -35,6 +35,7 @@ from tqdm import tqdm
 from pipelines import store
 from pipelines.grid import COMPOSE_ERRORS, error_line, job_config
 from pipelines.validate import ConfigError, load_experiment
+from prism.budget import total_steps
 
 POLL_S = 1.0
 
@@ -80,9 +81,8 @@ def plan(experiment: str, overrides: Sequence[str]) -> tuple[list[Job], list[Job
     store or the old layout) are tagged into ``experiment``'s view, as the runner would."""
     pending, finished = [], []
     for overrides_, cfg in load_experiment(experiment, overrides):  # every job validated before any runs
-        bench = cfg.train.benchmark
         job = Job(overrides_, store.runs_root(cfg), store.run_hash(cfg),
-                  bench.warmup + bench.measure if bench else cfg.train.steps)
+                  total_steps(cfg))
         done = store.inspect_run(job.folder).state == "finished" and not cfg.force
         if done:
             store.tag(job.root, experiment, job.run_hash)

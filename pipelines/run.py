@@ -43,6 +43,7 @@ from pipelines import store
 from pipelines.grid import resolve
 from pipelines.validate import ConfigError, load_job, load_sweep, validate
 from pipelines.wandb_log import WandbRun
+from prism.budget import total_steps
 from prism.fileio import write_text_atomic
 
 log = logging.getLogger("pipelines.run")
@@ -165,14 +166,14 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
     wb = None
     try:  # from here on, every way out leaves status.json finished or failed, never running
         log.info("run %s: %s on %s (%s scale), %s, %s, train.steps=%d; folder %s", run_hash, cfg.backbone.paper_name,
-                 cfg.suite.name, cfg.suite.scale, cfg.method.name, cfg.privacy.name, total_updates(cfg), folder)
+                 cfg.suite.name, cfg.suite.scale, cfg.method.name, cfg.privacy.name, total_steps(cfg), folder)
         if attempts > 1:
             log.info("run %s: attempt %d, resuming from %s", run_hash, attempts, folder / "checkpoint")
         generation = len(list(folder.parent.glob(f"{run_hash}.old-*")))
         if cfg.logging.mode != "disabled":
             log.info("run %s: W&B %s run under %s", run_hash, cfg.logging.mode, cfg.logging.dir)
         wb = WandbRun(cfg, run_hash, generation)
-        total = total_updates(cfg)
+        total = total_steps(cfg)
 
         def log_fn(record: dict[str, Any]) -> None:
             store.append_metrics(folder, record)
@@ -221,12 +222,6 @@ def _record_failure(folder: Path, run_hash: str, exc: BaseException, started: st
         log.warning("run %s interrupted; the same command resumes it from its last checkpoint", run_hash)
     else:
         log.error("run %s failed; its traceback is in %s", run_hash, folder / "traceback.txt")
-
-
-def total_updates(cfg: DictConfig) -> int:
-    """``train.steps``, or warm-up + measured updates in benchmark mode."""
-    bench = cfg.train.benchmark
-    return int(bench.warmup + bench.measure) if bench else int(cfg.train.steps)
 
 
 def scores_line(final: dict[str, Any]) -> str:

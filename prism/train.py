@@ -31,6 +31,7 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
+from prism.budget import total_steps
 from prism.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from prism.data import Suite, build_suite
 from prism.data.custom import TASK, answer_room, check_task
@@ -121,12 +122,6 @@ def secure_noise(cfg: DictConfig) -> bool:
 def public_record(record: dict[str, Any], log_private_stats: bool) -> dict[str, Any]:
     """``record`` without :data:`PRIVATE_STATS` unless ``privacy.log_private_stats``."""
     return record if log_private_stats else {k: v for k, v in record.items() if k not in PRIVATE_STATS}
-
-
-def total_steps(cfg: DictConfig) -> int:
-    """Updates the run performs: ``train.steps``, or warm-up + measured updates in benchmark mode."""
-    benchmark = cfg.train.get("benchmark")
-    return int(benchmark.warmup + benchmark.measure) if benchmark else int(cfg.train.steps)
 
 
 def build(cfg: DictConfig, suite: Suite | None = None) -> Setup:
