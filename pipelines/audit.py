@@ -276,7 +276,8 @@ def run_audit(
     return rows
 
 
-def _names(text: str, allowed: Sequence[str], flag: str) -> list[str]:
+def names(text: str, allowed: Sequence[str], flag: str) -> list[str]:
+    """The comma-separated names of ``text`` (a CLI flag's value), each one of ``allowed``."""
     names = [n for n in text.split(",") if n]
     unknown = [n for n in names if n not in allowed]
     if unknown or not names:
@@ -293,8 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args(argv)
     try:
-        methods = _names(args.methods, METHODS, "--methods")
-        cases = _names(args.cases, CASES, "--cases")
+        methods = names(args.methods, METHODS, "--methods")
+        cases = names(args.cases, CASES, "--cases")
         if args.draws < 8:
             raise ValueError(f"--draws={args.draws} is too few; use at least 8 (2000 for the audit)")
         if not args.sigma > 0:

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipelines.audit import names
 from prism.privacy.canaries import CanaryMethod, Space, draw_directions
 from prism.privacy.one_run import OneRunAudit, audit, expected_bounds, split_audit
 
@@ -202,14 +203,6 @@ def _gdp_cell(r: AuditRow) -> str:
     return f"{r.mu_gdp_lower_95:.2f} ({r.epsilon_gdp_lower_95:.2f})"
 
 
-def _names(text: str, allowed: Sequence[str], flag: str) -> list[str]:
-    names = [n for n in text.split(",") if n]
-    unknown = [n for n in names if n not in allowed]
-    if unknown or not names:
-        raise ValueError(f"{flag}={text!r} names {unknown or 'nothing'}; choose from {','.join(allowed)}")
-    return names
-
-
 def _epsilons(text: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x]
@@ -241,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.scale not in SCALES:
             raise ValueError(f"--scale={args.scale!r}; choose one of {', '.join(SCALES)}")
-        methods = _names(args.methods, METHODS, "--methods")
+        methods = names(args.methods, METHODS, "--methods")
         epsilons = _epsilons(args.epsilons)
         if args.canaries < 2:
             raise ValueError(f"--canaries={args.canaries} must be ≥ 2 (1000 for the audit)")
