@@ -37,7 +37,7 @@ def test_seeds_are_separate_runs_of_one_cell(tmp_path: Path) -> None:
 
 def test_make_passes_seeds_to_every_reproduce_target_and_the_slurm_job_list() -> None:
     for target in ("reproduce-table2", "reproduce-table3", "reproduce-table4", "reproduce-table5"):
-        dry = subprocess.run(["make", "-n", "-o", ".venv/.setup-stamp", "-o", "setup-gemma3", target, "SEEDS=42,43,44"],
+        dry = subprocess.run(["make", "-n", "--no-print-directory", "-o", ".venv/.setup-stamp", "-o", "setup-gemma3", target, "SEEDS=42,43,44"],
                              cwd=REPO, capture_output=True, text=True, check=True).stdout
         assert "seed=42,43,44" in shlex.split(dry.strip().splitlines()[-1])
     listed = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "pipelines.grid", "table5", "scale=smoke",
