@@ -18,7 +18,6 @@ and the aggregator runs at the end when a run was trained.
 from __future__ import annotations
 
 import getpass
-import importlib.util
 import json
 import os
 import re
@@ -194,10 +193,7 @@ def run_hydra_multirun(experiment: str, overrides: Sequence[str], log_path: Path
 
 
 def aggregate(experiment: str, results_dir: str, scale: str) -> None:
-    """Call ``python -m pipelines.aggregate experiment=tableN`` when that module exists."""
-    if importlib.util.find_spec("pipelines.aggregate") is None:
-        print("pipelines.aggregate not installed; run folders are in", Path(results_dir) / "runs")
-        return
+    """Render the grid's table: ``python -m pipelines.aggregate experiment=tableN``."""
     root = Path(results_dir)
     subprocess.call([sys.executable, "-m", "pipelines.aggregate", f"experiment={experiment}",
                      f"runs_dir={root / 'runs'}", f"out_dir={root / 'tables'}", f"scale={scale}"])
