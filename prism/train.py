@@ -114,7 +114,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def secure_noise(cfg: DictConfig) -> bool:
+def os_noise(cfg: DictConfig) -> bool:
     """Whether the sampler and the noise draw from the OS CSPRNG (``privacy.noise_source: os``)."""
     return cfg.privacy.get("noise_source", "seeded") == "os"
 
@@ -153,7 +153,7 @@ def build(cfg: DictConfig, suite: Suite | None = None) -> Setup:
                         init_svd=cfg.method.get("init_svd", "auto"))
     narrate("%s; %s", describe(model), speed_paths(model, cfg.train.get("prefix_cache", "auto")))
     features = tokenize_train_set(tokenizer, suite.train, suite.cutoff_len, suite.train_on_inputs, cfg.backbone.name)
-    secure = secure_noise(cfg)
+    secure = os_noise(cfg)
     sampler = PoissonSampler(n_train, cfg.train.batch_size, generator_seed=cfg.seed + 1, secure=secure)
     dp = is_private(cfg)
     sigma = 0.0
