@@ -4,9 +4,10 @@
     python -m pipelines.reproduce tune [...]     # the learning-rate sweep, :mod:`pipelines.tune`
     python -m pipelines.reproduce custom TASK.jsonl [model=DIR] ...   # your own task: pipelines.compare
 
-``launcher=local``: at most K worker processes (``OMP_NUM_THREADS=1`` each), each
-``python -m pipelines.run <job>`` with its output in ``<results_dir>/logs/tableN/<hash>.log``; a
-progress bar over the grid and one line per running job (its last ``metrics.jsonl`` step).
+``launcher=local``: K worker processes (``OMP_NUM_THREADS=1`` each, :mod:`pipelines.worker`) that
+run the jobs one after another, each job exactly ``python -m pipelines.run <job>`` with its output
+in ``<results_dir>/logs/tableN/<hash>.log``, the backbone loaded once per worker; a progress bar
+over the grid and one line per running job (its last ``metrics.jsonl`` step).
 ``launcher=slurm`` (or ``submitit_local``): Hydra multirun through hydra-submitit-launcher
 (``python -m pipelines.run -m experiment=tableN ...``); the submitting process blocks until the
 array ends, so start it under tmux/nohup; a dead controller or a failed ``sbatch`` is reported as
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -26,12 +28,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
-from pipelines import store
+from pipelines import store, worker
 from pipelines.grid import COMPOSE_ERRORS, error_line, job_config
 from pipelines.validate import ConfigError, load_experiment
 from prism.budget import total_steps
@@ -47,6 +51,7 @@ class Job:
     root: Path
     run_hash: str
     steps: int
+    benchmark: bool = False  # a timing/memory run (train.benchmark): needs a process of its own
 
     @property
     def folder(self) -> Path:
@@ -80,8 +85,8 @@ def plan(experiment: str, overrides: Sequence[str]) -> tuple[list[Job], list[Job
     store or the old layout) are tagged into ``experiment``'s view, as the runner would."""
     pending, finished = [], []
     for overrides_, cfg in load_experiment(experiment, overrides):  # every job validated before any runs
-        job = Job(overrides_, store.runs_root(cfg), store.run_hash(cfg),
-                  total_steps(cfg))
+        job = Job(overrides_, store.runs_root(cfg), store.run_hash(cfg), total_steps(cfg),
+                  benchmark=bool(cfg.train.get("benchmark")))
         done = store.inspect_run(job.folder).state == "finished" and not cfg.force
         if done:
             store.tag(job.root, experiment, job.run_hash)
@@ -111,36 +116,45 @@ def last_step(folder: Path) -> int:
 
 
 def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list[Job]]:
-    """Run ``pending`` with at most ``workers`` processes; returns jobs by outcome (ok / failed)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    """Run ``pending`` on at most ``workers`` processes of :mod:`pipelines.worker` (each keeps its
+    backbone loaded across jobs; a benchmark job gets a fresh process); returns jobs by outcome
+    (ok / failed). A worker that dies (killed, out of memory) fails only the jobs it held; the
+    next jobs get a new pool."""
+    os.environ.update(worker.THREAD_ENV)  # inherited by the spawned workers before torch is imported
     log_dir.mkdir(parents=True, exist_ok=True)
     queue, running, outcome = list(pending), {}, {"ok": [], "failed": []}
+    fresh = any(job.benchmark for job in pending)
+    pool: ProcessPoolExecutor | None = None
     grid_bar = tqdm(total=len(pending), desc="grid", position=0, unit="run")
     slots = [tqdm(total=1, position=i + 1, leave=False, bar_format="{desc}") for i in range(workers)]
     try:
         while queue or running:
             while queue and len(running) < workers:
+                if pool is None:
+                    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                               max_tasks_per_child=1 if fresh else None)
                 job = queue.pop(0)
                 slot = next(i for i in range(workers) if i not in {s for s, _ in running.values()})
-                with open(log_dir / f"{job.run_hash}.log", "a") as out:
-                    proc = subprocess.Popen([sys.executable, "-m", "pipelines.run", *job.overrides],
-                                            stdout=out, stderr=subprocess.STDOUT, env=env)
-                running[proc] = (slot, job)
-            for proc, (slot, job) in list(running.items()):
+                running[pool.submit(worker.run_job, job.overrides, str(log_dir / f"{job.run_hash}.log"))] = (slot, job)
+            for future, (slot, job) in list(running.items()):
                 slots[slot].set_description_str(
                     f"  {job.run_hash} {' '.join(job.overrides[1:])}: step {last_step(job.folder)}/{job.steps}")
-                if proc.poll() is None:
+                if not future.done():
                     continue
-                del running[proc]
+                del running[future]
                 slots[slot].set_description_str("")
-                outcome["ok" if proc.returncode == 0 else "failed"].append(job)
-                if proc.returncode != 0:
+                try:
+                    code = future.result()
+                except BrokenProcessPool:
+                    code, pool = -9, None  # its worker died; the pool cannot take more jobs
+                outcome["ok" if code == 0 else "failed"].append(job)
+                if code != 0:
                     tqdm.write(f"FAILED {' '.join(job.overrides)} (log {log_dir / job.run_hash}.log)")
                 grid_bar.update(1)
             time.sleep(POLL_S if running else 0)
     finally:
-        for proc in running:
-            proc.terminate()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         for bar in slots:
             bar.close()
         grid_bar.close()

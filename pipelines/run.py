@@ -60,16 +60,20 @@ OTHER_CONFIG = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", 
 INFO_TOPICS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
 
 
-def default_trainer(cfg: DictConfig, folder: Path, log_fn: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+def default_trainer(cfg: DictConfig, folder: Path, log_fn: Callable[[dict[str, Any]], None],
+                    load: Any = None) -> dict[str, Any]:
     """``prism.train.train_and_evaluate`` (imported lazily: the pipeline tests never load torch models),
     with subnormal floats flushed to zero on the CPU (docs/DECISIONS.md D64: a diverging run's
-    subnormals made its CPU steps 10–25× slower; the losses are the same to the printed digits)."""
+    subnormals made its CPU steps 10–25× slower; the losses are the same to the printed digits).
+    ``load``: the backbone loader (default :func:`prism.models.load_backbone`; a local-launcher worker
+    passes its :class:`prism.models.KeptBackbones`)."""
     import torch
 
+    from prism.models import load_backbone
     from prism.train import train_and_evaluate
 
     torch.set_flush_denormal(True)
-    return train_and_evaluate(cfg, folder, log_fn)
+    return train_and_evaluate(cfg, folder, log_fn, load=load or load_backbone)
 
 
 def versions() -> dict[str, str | None]:
@@ -245,11 +249,12 @@ def _brief(record: dict[str, Any]) -> str:
                     if isinstance(record.get(k), (int, float)) and math.isfinite(record[k]))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, trainer: Trainer | None = None) -> int:
     """``python -m pipelines.run [--debug] [hydra flags] overrides...``; returns the exit code
-    (130 after Ctrl-C, without a traceback unless ``--debug``)."""
+    (130 after Ctrl-C, without a traceback unless ``--debug``). ``trainer``: as in :func:`execute`
+    (the local launcher's workers, :mod:`pipelines.worker`)."""
     try:
-        return _main(argv)
+        return _main(argv, trainer)
     except KeyboardInterrupt:
         if "--debug" in (sys.argv[1:] if argv is None else argv):
             raise
@@ -257,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def _main(argv: Sequence[str] | None, trainer: Trainer | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("HYDRA_FULL_ERROR") == "1"
     args = [a for a in args if a != "--debug"]
@@ -283,7 +288,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return 2
     setup_logging()
     try:
-        execute(cfg)
+        execute(cfg, trainer)
     except KeyboardInterrupt:
         if debug:
             raise

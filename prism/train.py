@@ -41,6 +41,7 @@ from prism.hf_baseline import HFRecipe, HFTrainerBaseline, holdout_loss, holdout
 from prism.methods import PrivacySpec, build_method
 from prism.methods.base import Method
 from prism.models import (
+    BackboneLoader,
     attach_lora,
     cache_root,
     export_adapter,
@@ -124,9 +125,11 @@ def public_record(record: dict[str, Any], log_private_stats: bool) -> dict[str, 
     return record if log_private_stats else {k: v for k, v in record.items() if k not in PRIVATE_STATS}
 
 
-def build(cfg: DictConfig, suite: Suite | None = None) -> Setup:
+def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = load_backbone) -> Setup:
     """Model, data, privacy calibration and method for one resolved config (``suite``: a prebuilt
-    suite instead of ``cfg.suite``, e.g. the synthetic one of ``make gpu-check``)."""
+    suite instead of ``cfg.suite``, e.g. the synthetic one of ``make gpu-check``; ``load``: how the
+    frozen backbone is obtained, :func:`prism.models.load_backbone` or a worker's
+    :class:`prism.models.KeptBackbones`, which hands out a fresh copy of the same weights)."""
     seed_everything(cfg.seed)
     device = resolve_device(cfg.train.device)
     narrate("building suite %s (%s scale)", cfg.suite.name, cfg.suite.scale)
@@ -142,7 +145,7 @@ def build(cfg: DictConfig, suite: Suite | None = None) -> Setup:
         )
     narrate("loading backbone %s on %s (an embedded one is converted from its GGUF on first use, ~1 min)",
             cfg.backbone.name, device)
-    model, tokenizer = load_backbone(cfg.backbone, device)
+    model, tokenizer = load(cfg.backbone, device)
     if suite.source:  # suite=custom: every training row's length again, with the loaded tokenizer
         count = lambda text: len(tokenizer(text)["input_ids"])  # noqa: E731
         check_task(cfg.suite.custom, cfg.train.batch_size, suite.cutoff_len, count, cfg.backbone.name)
@@ -281,10 +284,12 @@ def train_step(s: Setup, cfg: DictConfig, diagnostics: bool = True) -> dict[str,
     return {"loss": loss_sum / len(indices), "batch_size": len(indices), **stats}
 
 
-def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = None) -> dict[str, Any]:
-    """Train (resuming from ``run_dir/checkpoint`` when present), evaluate, return the final record."""
+def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = None,
+                       load: BackboneLoader = load_backbone) -> dict[str, Any]:
+    """Train (resuming from ``run_dir/checkpoint`` when present), evaluate, return the final record
+    (``load``: as in :func:`build`)."""
     started = time.time()
-    s = build(cfg)
+    s = build(cfg, load=load)
     log = log_fn or (lambda record: None)
     ckpt_dir = Path(run_dir) / "checkpoint"
     state = load_checkpoint(ckpt_dir)

@@ -19,7 +19,13 @@ from __future__ import annotations
 from prism.models.adapter import ADAPTER, lora_modules, trainable_parameters
 from prism.models.export import export_adapter, rebased_factors
 from prism.models.gguf import cache_root, embedded_checkpoint
-from prism.models.loading import ensure_pad_token, load_backbone, peak_memory_mb
+from prism.models.loading import (
+    BackboneLoader,
+    KeptBackbones,
+    ensure_pad_token,
+    load_backbone,
+    peak_memory_mb,
+)
 from prism.models.registry import BACKBONES, NON_LANGUAGE_MODULES, BackboneSpec, backbone_spec
 from prism.models.spectral import (
     EXACT_SVD_MAX_DIM,
@@ -36,6 +42,6 @@ __all__ = [
     "ADAPTER", "BACKBONES", "EXACT_SVD_MAX_DIM", "NON_LANGUAGE_MODULES", "RSVD_OVERSAMPLING",
     "RSVD_POWER_ITERATIONS", "BackboneSpec", "attach_lora", "backbone_spec", "balanced_factors",
     "byte_tokenizer", "cache_root", "embedded_checkpoint", "ensure_pad_token", "export_adapter",
-    "load_backbone", "lora_config", "lora_modules", "peak_memory_mb", "rebased_factors",
+    "BackboneLoader", "KeptBackbones", "load_backbone", "lora_config", "lora_modules", "peak_memory_mb", "rebased_factors",
     "spectral_residual_init", "top_r_svd", "trainable_parameters", "validate_lora",
 ]

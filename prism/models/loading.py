@@ -7,9 +7,11 @@ Gemma-3 paper checkpoints are multimodal: they load as ``Gemma3ForConditionalGen
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
 import resource
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,6 +91,32 @@ def load_backbone(cfg_backbone: Any, device: str | torch.device) -> tuple[PreTra
     model.requires_grad_(False)
     model.eval()
     return model.to(device), ensure_pad_token(tokenizer)
+
+
+BackboneLoader = Callable[[Any, "str | torch.device"], tuple[PreTrainedModel, PreTrainedTokenizerFast]]
+
+
+class KeptBackbones:
+    """A :data:`BackboneLoader` that loads each backbone once per process and then hands out deep
+    copies: a worker that runs grid cells one after another pays the load once, and every run still
+    starts from the frozen weights exactly as :func:`load_backbone` returns them (a run attaches
+    LoRA to, and trains, its own copy; the kept model is never handed out)."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[str, str], tuple[PreTrainedModel, PreTrainedTokenizerFast]] = {}
+
+    def __call__(self, cfg_backbone: Any, device: str | torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+        key = (repr(sorted(_items(cfg_backbone))), str(torch.device(device)))
+        if key not in self._kept:
+            self._kept[key] = load_backbone(cfg_backbone, device)
+        model, tokenizer = self._kept[key]
+        return copy.deepcopy(model), copy.deepcopy(tokenizer)
+
+
+def _items(cfg_backbone: Any) -> list[tuple[str, str]]:
+    """The fields of a backbone config (a DictConfig or a mapping) as comparable text."""
+    items = cfg_backbone.items() if hasattr(cfg_backbone, "items") else vars(cfg_backbone).items()
+    return [(str(k), repr(v)) for k, v in items]
 
 
 def random_model(config_file: str, dtype: torch.dtype, device: str | torch.device) -> PreTrainedModel:

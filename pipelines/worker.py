@@ -1,0 +1,47 @@
+"""The local launcher's worker processes: each runs grid jobs one after another and keeps its
+backbone loaded.
+
+``launcher=local`` (:func:`pipelines.reproduce.run_local`) starts ``jobs=K`` spawned processes and
+hands each one job at a time. A job is exactly ``python -m pipelines.run <overrides>``
+(:func:`pipelines.run.main`: validation, the run folder's lock, skip / resume, the store format,
+W&B), with two differences that change no result: the interpreter, its imports and the composed
+config machinery are already warm, and the frozen backbone comes from
+:class:`prism.models.KeptBackbones`, a deep copy of the weights the process loaded for its first
+job. Every job seeds its own RNGs in :func:`prism.train.build`, so a run's numbers do not depend on
+which worker ran it or what ran before (``tests/test_worker.py`` checks them bitwise against a fresh
+``python -m pipelines.run``). What a shared process does change: ``final.json``'s
+``run.peak_rss_mb`` and the CPU ``peak_memory_mb`` are the process's high-water mark so far, so
+timing and memory benchmarks (``train.benchmark``, Table 5) get one fresh process per job.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+_kept: Any = None  # this process's prism.models.KeptBackbones, made on its first job
+
+
+def run_job(overrides: Sequence[str], log_path: str) -> int:
+    """Run one job as ``python -m pipelines.run`` would, its output appended to ``log_path``;
+    returns that command's exit code (0 finished or skipped, 1 failed, 2 bad input, 130 interrupted)."""
+    global _kept
+    os.environ.update(THREAD_ENV)
+    from pipelines import run
+
+    with open(log_path, "a", buffering=1) as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        if _kept is None:
+            from prism.models import KeptBackbones
+
+            _kept = KeptBackbones()
+        kept = _kept
+        try:
+            return run.main(list(overrides),
+                            trainer=lambda cfg, folder, log_fn: run.default_trainer(cfg, folder, log_fn, load=kept))
+        finally:
+            sys.stdout.flush()
+            gc.collect()

@@ -1,0 +1,77 @@
+"""The local launcher's workers (pipelines/worker.py): a job run in a worker that keeps its backbone
+loaded gives bitwise the numbers of a fresh ``python -m pipelines.run`` of the same job, whatever
+ran in that worker before; a failing job fails alone."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipelines import reproduce, store
+from pipelines.grid import job_config
+from prism.models import KeptBackbones, load_backbone
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["backbone=tiny-llama", "backbone.lora_layers=null", "train.steps=3", "train.batch_size=4",
+        "train.micro_batch_size=2", "train.checkpoint_every=1", "suite.eval_limit=2", "suite.cutoff_len=1024",
+        "suite.embedded.train_per_task=16", "logging=disabled"]
+A = ["suite=glue8", "method=prism", "privacy=eps6", *TINY]
+B = ["suite=math10k", "method=adamw", "privacy=nondp", *TINY]
+
+
+def job(overrides: list[str], results: Path) -> reproduce.Job:
+    cfg = job_config([*overrides, f"results_dir={results}"])
+    return reproduce.Job([*overrides, f"results_dir={results}"], store.runs_root(cfg), store.run_hash(cfg), 3)
+
+
+def outputs(j: reproduce.Job) -> tuple[list[dict], dict]:
+    metrics = [json.loads(line) for line in (j.folder / "metrics.jsonl").read_text().splitlines()]
+    final = json.loads((j.folder / "final.json").read_text())
+    drop = ("step_time_s",)  # wall-clock
+    return [{k: v for k, v in m.items() if k not in drop} for m in metrics], final
+
+
+def test_kept_backbone_copies_are_fresh_loads_and_independent() -> None:
+    cfg = job_config(A).backbone
+    kept = KeptBackbones()
+    first, _ = kept(cfg, "cpu")
+    for p in first.parameters():
+        p.data.add_(1.0)  # a run trains its copy; the next copy must not see it
+    second, tokenizer = kept(cfg, "cpu")
+    reference, ref_tokenizer = load_backbone(cfg, "cpu")
+    assert second is not first
+    for (name, p), (_, q) in zip(second.state_dict().items(), reference.state_dict().items(), strict=True):
+        assert torch.equal(p, q), name
+    assert not any(p.requires_grad for p in second.parameters()) and not second.training
+    assert tokenizer("a b c")["input_ids"] == ref_tokenizer("a b c")["input_ids"]
+
+
+def test_worker_run_is_bitwise_a_fresh_process_run_after_another_job(tmp_path: Path) -> None:
+    fresh = job(A, tmp_path / "fresh")
+    done = subprocess.run([sys.executable, "-m", "pipelines.run", *fresh.overrides], capture_output=True, text=True,
+                          cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+    other, same = job(B, tmp_path / "worker"), job(A, tmp_path / "worker")
+    outcome = reproduce.run_local([other, same], 1, tmp_path / "logs")  # one worker: B then A in one process
+    assert [j.run_hash for j in outcome["ok"]] == [other.run_hash, same.run_hash] and not outcome["failed"]
+    assert same.run_hash == fresh.run_hash
+    (m_fresh, f_fresh), (m_worker, f_worker) = outputs(fresh), outputs(same)
+    assert m_worker == m_fresh  # every step's loss, clip fraction, ε, σ: bitwise
+    assert f_worker["columns"] == f_fresh["columns"] and f_worker["epsilon_spent"] == f_fresh["epsilon_spent"]
+    assert "step 3/3" in (tmp_path / "logs" / f"{same.run_hash}.log").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fails a job by asking for a GPU this machine lacks")
+def test_a_failing_job_fails_alone_and_the_next_one_runs(tmp_path: Path) -> None:
+    broken = job([*A, "train.device=cuda"], tmp_path)
+    ok = job(B, tmp_path)
+    outcome = reproduce.run_local([broken, ok], 1, tmp_path / "logs")
+    assert [j.run_hash for j in outcome["failed"]] == [broken.run_hash]
+    assert [j.run_hash for j in outcome["ok"]] == [ok.run_hash]
+    assert store.inspect_run(broken.folder).state == "absent"  # refused before its folder exists
+    assert "error: train.device=cuda but no GPU is visible" in (tmp_path / "logs" / f"{broken.run_hash}.log").read_text()
