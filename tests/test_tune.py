@@ -110,7 +110,7 @@ def test_sweep_runs_through_the_store_extends_edges_resumes_and_writes_the_rates
     assert (tmp_path / "tables" / "tune.smoke.png").read_bytes()[:4] == b"\x89PNG"
     conf = yaml.safe_load((tmp_path / "tuned" / "smoke.yaml").read_text())
     assert conf["generated"]["command"].startswith("python -m pipelines.tune scale=smoke")
-    assert "commit" in conf["generated"] and conf["generated"]["validation_per_task"] == 100
+    assert "commit" in conf["generated"] and conf["generated"]["validation_per_task"] == 50
     by_method = {e["method"]: e for e in conf["rates"]}
     assert list(by_method) == ["adamw"] and by_method["adamw"]["factor"] == 100.0
     assert by_method["adamw"]["at_edge"] is False  # ×1000 scored lower than ×100 (the score saturates at 0.5)
