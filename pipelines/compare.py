@@ -88,6 +88,29 @@ def _epsilon(text: str) -> float:
     return value
 
 
+def pinned(role: str, path: Path) -> list[str]:
+    """The overrides naming a task file (``role``: train or eval) as this command does: its absolute
+    path and its sha256, so the same file gives the same runs however it was named."""
+    return [f"suite.custom.{role}={path}", f"suite.custom.{role}_sha256={sha256_file(path)}"]
+
+
+def pin_task_files(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` with each ``suite.custom.train=`` / ``eval=`` file made absolute and pinned by its
+    sha256 (:func:`pinned`) unless the user pinned it: the jobs ``slurm/submit.sh compare`` writes are
+    then the runs of ``make compare`` on the same file. A missing file is left for validation to name."""
+    given = {o.split("=", 1)[0] for o in overrides}
+    out = []
+    for override in overrides:
+        key, _, value = override.partition("=")
+        role = key.removeprefix("suite.custom.")
+        path = Path(value).expanduser()
+        if key in ("suite.custom.train", "suite.custom.eval") and path.is_file() and f"{key}_sha256" not in given:
+            out += pinned(role, path.resolve())
+        else:
+            out.append(override)
+    return out
+
+
 def parse_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
     """``TASK [key=value ...] [overrides]`` → (this command's keys, the overrides every job gets)."""
     if not argv or "=" in argv[0]:
@@ -112,12 +135,12 @@ def plan(argv: Sequence[str]) -> Plan:
     if not task.is_file():
         raise ValueError(f"{keys['task']}: no such task file; give a .jsonl or .csv file of prompt/target rows")
     sha = sha256_file(task)
-    fixed = [f"experiment={EXPERIMENT}", "suite=custom", f"suite.custom.train={task}", f"suite.custom.train_sha256={sha}"]
+    fixed = [f"experiment={EXPERIMENT}", "suite=custom", *pinned("train", task)]
     if "eval" in keys:
         eval_file = Path(keys["eval"]).expanduser().resolve()
         if not eval_file.is_file():
             raise ValueError(f"eval={keys['eval']}: no such file")
-        fixed += [f"suite.custom.eval={eval_file}", f"suite.custom.eval_sha256={sha256_file(eval_file)}"]
+        fixed += pinned("eval", eval_file)
     if "type" in keys:
         fixed.append(f"suite.custom.type={keys['type']}")
     if "labels" in keys:

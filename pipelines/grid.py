@@ -123,7 +123,7 @@ def job_config(job: Sequence[str]) -> DictConfig:
     return resolve(compose_config(job))
 
 
-USAGE = "usage: python -m pipelines.grid tableN [overrides...] [--pending] [--remote]"
+USAGE = "usage: python -m pipelines.grid tableN|compare|tune [overrides...] [--pending] [--remote]"
 HELP = """prints every job of the table's grid, one line of shell-quoted overrides each, after validating
 all of them as `python -m pipelines.run` does (the first bad one: one error line, exit code 2)
   --pending  leave out the runs already finished (they are tagged into the table's view)
@@ -145,7 +145,11 @@ def main(argv: Sequence[str]) -> int:
         print(f"error: unknown option {bad}, " if bad else "", USAGE, sep="", file=sys.stderr)
         return 2
     args = [a for a in argv if a not in flags]
-    experiment = args[0] if args[0].startswith("table") else f"table{args[0]}"
+    experiment = f"table{args[0]}" if args[0].isdigit() else args[0]  # 2 or table2; compare, tune
+    if experiment == "compare":  # the task files pinned as make compare pins them: the same runs
+        from pipelines.compare import pin_task_files
+
+        args = [args[0], *pin_task_files(args[1:])]
     lines = []
     try:
         for job, cfg in load_experiment(experiment, args[1:], here=False if "--remote" in flags else None):

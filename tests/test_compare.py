@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from pathlib import Path
 
 import pandas as pd
@@ -36,6 +37,24 @@ def test_plan_is_methods_by_settings_by_seeds_and_pins_the_file(tmp_path: Path) 
     _task(task, 81)  # an edited file is a new run, never the old result
     assert not before & {j.run_hash for j in compare.plan(_args(task, tmp_path / "r", "methods=prism,adamw",
                                                                 "eps=inf,6,1.5", "seeds=1,2")).jobs}
+
+
+def test_slurm_job_list_of_compare_is_the_runs_of_make_compare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """``slurm/submit.sh compare`` writes ``python -m pipelines.grid compare`` lines: with the task named
+    by a relative path and no sha256, each line is a run that ``make compare`` plans for the same file."""
+    from pipelines import grid
+    from pipelines.grid import job_config
+
+    task = _task(tmp_path / "t.jsonl")
+    monkeypatch.chdir(tmp_path)
+    fixed = ["suite.custom.train=t.jsonl", "suite.custom.labels=[yes,no]", "backbone=tiny-llama",
+             "suite.cutoff_len=1024", f"results_dir={tmp_path / 'r'}"]
+    assert grid.main(["compare", *fixed, "method=prism,adamw", "privacy=eps6", "--remote"]) == 0
+    lines = [shlex.split(line) for line in capsys.readouterr().out.splitlines()]
+    from_grid = {store.run_hash(job_config(line)) for line in lines}
+    planned = {j.run_hash for j in compare.plan(_args(task, tmp_path / "r", "methods=prism,adamw", "eps=6")).jobs}
+    assert len(from_grid) == 2 and from_grid == planned
 
 
 def store_sha(path: Path) -> str:
