@@ -235,7 +235,7 @@ def to_markdown(df: pd.DataFrame, scale: str, header: Mapping[str, object]) -> s
              "evaluation rows. Columns: the rate as a multiple of the default rate (Table 8 × train.lr_multiplier); "
              "cells: validation score, the chosen rate's in **bold**; an edge optimum adds a rate past the edge.",
              "", "Choosing a rate on private validation data is not covered by ε.", "",
-             "| suite | privacy | method | default lr | " + " | ".join(f"×{f:g}" for f in factors)
+             "| suite | privacy | method | default lr | " + " | ".join(f"×{f:.3g}" for f in factors)
              + " | chosen lr | validation score |", "|" + "---|" * (6 + len(factors))]
     for (suite, privacy, method), part in df.groupby(["suite", "privacy", "method"], sort=False):
         by_factor = part.set_index("factor")
