@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
+import yaml
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import DictConfig
 
@@ -27,12 +29,28 @@ SCHEMA = {
 }
 
 
+TUNED = Path(__file__).resolve().parents[1] / "conf" / "tuned"
+
+
+def expected_lr(cfg: DictConfig) -> float:
+    """The committed tuned rate of the run's cell (conf/tuned/<scale>.yaml, read here with plain yaml:
+    every listed field of the entry equal to the run's), else Table 8 × train.lr_multiplier."""
+    path = TUNED / f"{cfg.suite.scale}.yaml"
+    run = {"method": cfg.method.name, "suite": cfg.suite.name, "scale": cfg.suite.scale,
+           "epsilon": float(cfg.privacy.epsilon), "backbone": cfg.backbone.name,
+           "lora_layers": cfg.backbone.lora_layers, "steps": cfg.train.steps, "batch_size": cfg.train.batch_size}
+    for entry in (yaml.safe_load(path.read_text())["rates"] if path.exists() else []):
+        if all(entry[k] == v or (k == "epsilon" and float(entry[k]) == v) for k, v in run.items()):
+            return float(entry["lr"])
+    return TABLE8_LR[(cfg.method.name, cfg.suite.family)] * cfg.train.lr_multiplier
+
+
 def check_schema(cfg: DictConfig) -> None:
     assert isinstance(cfg.seed, int) and isinstance(cfg.experiment, str)
     for section, keys in SCHEMA.items():
         assert keys <= set(cfg[section]), (section, keys - set(cfg[section]))
     assert type(cfg.method.lr) is float
-    assert cfg.method.lr == pytest.approx(TABLE8_LR[(cfg.method.name, cfg.suite.family)] * cfg.train.lr_multiplier)
+    assert cfg.method.lr == pytest.approx(expected_lr(cfg))
     assert cfg.method.init == ("spectral" if cfg.method.name.startswith("prism") else "peft")
     assert cfg.suite.family == {"glue8": "glue", "math10k": "math"}[cfg.suite.name]
     assert cfg.privacy.delta == 1e-5 and cfg.privacy.clip_norm == 1.0

@@ -223,7 +223,7 @@ def test_log_private_stats_false_drops_unnoised_statistics(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, log_private_stats: bool
 ) -> None:
     """Every record handed to the metrics/W&B writer, and final.json, lack the private statistics."""
-    monkeypatch.setattr(T, "build", lambda cfg: _fake_setup(_tiny_params(6)))
+    monkeypatch.setattr(T, "build", lambda cfg, **_: _fake_setup(_tiny_params(6)))
     monkeypatch.setattr(T, "_micro_batch", lambda s, indices, *_: indices)
     cfg = OmegaConf.create({
         "train": {"batch_size": 4, "micro_batch_size": 2, "steps": 4, "benchmark": {"warmup": 0, "measure": 4}},
