@@ -125,3 +125,21 @@ def test_table_cells_are_means_over_seeds(tmp_path: Path, capsys: pytest.Capture
     assert cell[("ε=6", "PRISM")] == pytest.approx((0.5, 0.25))
     assert cell[("ε=6", "AdamW")] == pytest.approx((0.2, 0.1))
     assert (tmp_path / "results" / "tables" / f"compare-t-{store_sha(task)[:8]}.embedded_privacy_utility.png").is_file()
+
+
+def test_accuracy_cells_of_a_user_task_carry_the_row_bootstrap_interval(tmp_path: Path) -> None:
+    """One seed, 400 rows at accuracy 0.6: the cell's interval is the evaluation-row bootstrap, within
+    0.01 of the binomial normal interval 0.6 ± 1.96·√(0.6·0.4/400) = [0.552, 0.648]."""
+    task = _task(tmp_path / "t.jsonl")
+    argv = _args(task, tmp_path / "results", "methods=prism", "eps=inf")
+    p = compare.plan(argv)
+    (job,), (cfg,) = p.jobs, p.configs
+    _finish(job, cfg, 0.6, 0.5)
+    final = store.read_json(job.folder / "final.json")
+    final["per_example"] = {"custom": {"column": "Accuracy", "correct": [1] * 240 + [0] * 160, "rows": "r400"}}
+    store.write_json_atomic(job.folder / "final.json", final)
+    assert compare.main(argv) == 0
+    row = pd.read_csv(tmp_path / "results" / "tables" / f"compare-t-{store_sha(task)[:8]}.embedded.csv").iloc[0]
+    half = 1.96 * math.sqrt(0.6 * 0.4 / 400)
+    assert row["Accuracy_ci"] == "bootstrap"
+    assert row["Accuracy_lo"] == pytest.approx(0.6 - half, abs=0.01) and row["Accuracy_hi"] == pytest.approx(0.6 + half, abs=0.01)

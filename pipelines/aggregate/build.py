@@ -336,7 +336,10 @@ def component_columns(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord
     if spec.averages and col in spec.averages:
         return [(s, c) for s in spec.averages[col] for c in sorted({c for r in by_suite.get(s, [])
                                                                      for c in r.final.get("columns", {})})]
-    return [(s, col) for s in spec.suites if col in SUITE_TASKS.get(s, ())]
+    def scored(suite: str) -> set[str]:  # a user task (suite=custom) has the columns its runs scored
+        return set(SUITE_TASKS.get(suite, ())) or {c for r in by_suite.get(suite, []) for c in r.final.get("columns", {})}
+
+    return [(s, col) for s in spec.suites if col in scored(s)]
 
 
 def cell_interval(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord]], col: str, value: float) -> Interval:
