@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+# set by the launcher before it spawns the workers: torch reads them when it is first imported
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 _kept: Any = None  # this process's prism.models.KeptBackbones, made on its first job
 
@@ -30,7 +30,6 @@ def run_job(overrides: Sequence[str], log_path: str) -> int:
     """Run one job as ``python -m pipelines.run`` would, its output appended to ``log_path``;
     returns that command's exit code (0 finished or skipped, 1 failed, 2 bad input, 130 interrupted)."""
     global _kept
-    os.environ.update(THREAD_ENV)
     from pipelines import run
 
     with open(log_path, "a", buffering=1) as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):

@@ -106,17 +106,12 @@ class KeptBackbones:
         self._kept: dict[tuple[str, str], tuple[PreTrainedModel, PreTrainedTokenizerFast]] = {}
 
     def __call__(self, cfg_backbone: Any, device: str | torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-        key = (repr(sorted(_items(cfg_backbone))), str(torch.device(device)))
+        key = (repr(sorted((str(k), repr(v)) for k, v in cfg_backbone.items())), str(torch.device(device)))
         if key not in self._kept:
             self._kept[key] = load_backbone(cfg_backbone, device)
         model, tokenizer = self._kept[key]
         return copy.deepcopy(model), copy.deepcopy(tokenizer)
 
-
-def _items(cfg_backbone: Any) -> list[tuple[str, str]]:
-    """The fields of a backbone config (a DictConfig or a mapping) as comparable text."""
-    items = cfg_backbone.items() if hasattr(cfg_backbone, "items") else vars(cfg_backbone).items()
-    return [(str(k), repr(v)) for k, v in items]
 
 
 def random_model(config_file: str, dtype: torch.dtype, device: str | torch.device) -> PreTrainedModel:
