@@ -68,8 +68,10 @@ lock: setup  ## rewrite requirements/lock.txt from the current venv
 
 REPRODUCE = $(PY) -m pipelines.reproduce $(1) scale=$(SCALE) launcher=$(LAUNCHER) jobs=$(JOBS) $(if $(SEEDS),seed=$(SEEDS)) $(ARGS)
 
-tune: setup  ## learning-rate sweep of the Table 2 grid on validation rows -> results/tables/tune.*, conf/tuned/$(SCALE).yaml
-	$(PY) -m pipelines.reproduce tune scale=$(SCALE) launcher=$(LAUNCHER) jobs=$(JOBS) $(if $(filter smoke,$(SCALE)),suite.validation_per_task=8) $(ARGS)
+tune: setup  ## learning-rate sweep on validation rows: the Table 2 grid -> conf/tuned/$(SCALE).yaml; TASK=file.jsonl [make compare's keys] -> results/tuned/
+	$(PY) -m pipelines.reproduce tune scale=$(SCALE) launcher=$(LAUNCHER) jobs=$(JOBS) $(if $(filter smoke,$(SCALE)),suite.validation_per_task=8) \
+	  $(if $(TASK),task=$(TASK)) $(if $(EVAL),eval=$(EVAL)) $(if $(MODEL),model=$(MODEL)) $(if $(METHODS),methods=$(METHODS)) \
+	  $(if $(EPS),eps=$(EPS)) $(if $(TYPE),type=$(TYPE)) $(if $(LABELS),labels=$(LABELS)) $(ARGS)
 
 reproduce-table2: setup  ## Table 2 grid, then render it (SCALE=embedded|paper LAUNCHER=local|slurm JOBS=2 SEEDS=42,43,44)
 	$(call REPRODUCE,2)

@@ -31,7 +31,7 @@ from typing import Any
 
 import pandas as pd
 
-from pipelines import store
+from pipelines import store, tuned_rates
 from pipelines.aggregate.build import TableResult, build_table
 from pipelines.aggregate.records import RunRecord, read_run_folder
 from pipelines.aggregate.render import plot_privacy_utility, to_markdown, write_outputs
@@ -71,7 +71,7 @@ def privacy_overrides(epsilon: float) -> list[str]:
     return ["privacy=eps6", f"privacy.epsilon={epsilon:g}", f"privacy.name=eps{epsilon:g}"]
 
 
-def _list(value: str, key: str) -> list[str]:
+def comma_list(value: str, key: str) -> list[str]:
     items = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
     if not items:
         raise ValueError(f"{key}= is empty, give a comma-separated list, e.g. {key}=a,b")
@@ -128,31 +128,43 @@ def parse_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
     return keys, overrides
 
 
-def plan(argv: Sequence[str]) -> Plan:
-    """Every job of the comparison, validated; ``ValueError`` / :class:`ConfigError` on one line."""
-    keys, overrides = parse_args(argv)
+def task_overrides(keys: dict[str, str], overrides: Sequence[str]) -> list[str]:
+    """The overrides that name the task and model of ``keys`` (``task``, ``eval``, ``type``, ``labels``,
+    ``model``), files absolute and pinned by sha256 (:func:`pinned`); ``ValueError`` for a missing file."""
     task = Path(keys["task"]).expanduser().resolve()
     if not task.is_file():
         raise ValueError(f"{keys['task']}: no such task file; give a .jsonl or .csv file of prompt/target rows")
-    sha = sha256_file(task)
-    fixed = [f"experiment={EXPERIMENT}", "suite=custom", *pinned("train", task)]
+    out = ["suite=custom", *pinned("train", task)]
     if "eval" in keys:
         eval_file = Path(keys["eval"]).expanduser().resolve()
         if not eval_file.is_file():
             raise ValueError(f"eval={keys['eval']}: no such file")
-        fixed += pinned("eval", eval_file)
+        out += pinned("eval", eval_file)
     if "type" in keys:
-        fixed.append(f"suite.custom.type={keys['type']}")
+        out.append(f"suite.custom.type={keys['type']}")
     if "labels" in keys:
-        fixed.append(f"suite.custom.labels=[{','.join(_list(keys['labels'], 'labels'))}]")
+        out.append(f"suite.custom.labels=[{','.join(comma_list(keys['labels'], 'labels'))}]")
     if keys.get("model"):
         if any(o.startswith("backbone=") for o in overrides):
             raise ValueError("model= and backbone= both choose the model, give one of them")
-        fixed += ["backbone=local", f"backbone.path={Path(keys['model']).expanduser().resolve()}"]
-    fixed += overrides
-    methods = _list(keys["methods"], "methods") if "methods" in keys else list(METHODS)
-    epsilons = [_epsilon(e) for e in _list(keys["eps"], "eps")] if "eps" in keys else list(EPSILONS)
-    seeds_text = _list(keys["seeds"], "seeds") if "seeds" in keys else []
+        out += ["backbone=local", f"backbone.path={Path(keys['model']).expanduser().resolve()}"]
+    return out
+
+
+def budgets(keys: dict[str, str]) -> list[float]:
+    """The privacy budgets of ``eps=`` (default ∞, 6, 3)."""
+    return [_epsilon(e) for e in comma_list(keys["eps"], "eps")] if "eps" in keys else list(EPSILONS)
+
+
+def plan(argv: Sequence[str]) -> Plan:
+    """Every job of the comparison, validated; ``ValueError`` / :class:`ConfigError` on one line."""
+    keys, overrides = parse_args(argv)
+    fixed = [f"experiment={EXPERIMENT}", *task_overrides(keys, overrides), *overrides]
+    task = Path(keys["task"]).expanduser().resolve()
+    sha = sha256_file(task)
+    methods = comma_list(keys["methods"], "methods") if "methods" in keys else list(METHODS)
+    epsilons = budgets(keys)
+    seeds_text = comma_list(keys["seeds"], "seeds") if "seeds" in keys else []
     if not all(s.isdigit() for s in seeds_text):
         raise ValueError(f"seeds={keys['seeds']} must list integers, e.g. seeds=1,2,3")
     workers = keys.get("jobs", "1")
@@ -204,7 +216,13 @@ def header(p: Plan, result: TableResult) -> list[str]:
     n_eval = next((sum(r.final.get("eval_rows", {}).values()) for r in finished), None)
     q = next((r.final.get("sample_rate") for r in finished), None)
     sigmas = {setting_label(r): r.final.get("sigma") for r in finished}
-    rates = {method_label(RunRecord("", "", config=dict(c))): c.method.lr for c in p.configs}
+    rates: dict[str, dict[str, float]] = {}
+    for c in p.configs:
+        record = RunRecord("", "", config=dict(c))
+        rates.setdefault(setting_label(record), {})[method_label(record)] = c.method.lr
+    tuned = {str(hit[1]) for c in p.configs if (hit := tuned_rates.lookup(c)) is not None}
+    source = (f"tuned on validation rows by `make tune` ({', '.join(sorted(tuned))})" if tuned else
+              "the scale's defaults (Table 8 × train.lr_multiplier); `make tune TASK=...` tunes them")
     lines = [f"# {result.spec.title}", "",
              f"- Task: `{p.task}` (sha256 `{p.sha256}`), type {custom.type}"
              + (f", labels {list(custom.labels)}" if custom.type == "classification" else "")
@@ -216,7 +234,9 @@ def header(p: Plan, result: TableResult) -> list[str]:
              f"- N (train) = {n_train if n_train is not None else '?'}, steps {cfg.train.steps}, batch B = "
              f"{cfg.train.batch_size}" + (f", sampling rate q = {q:.4g}" if q else "")
              + f", δ = {cfg.privacy.delta:g}, clip C = {cfg.privacy.clip_norm:g}, scale {cfg.suite.scale}",
-             "- Learning rates: " + ", ".join(f"{m} {lr:.3g}" for m, lr in rates.items()),
+             f"- Learning rates, {source}: " + "; ".join(
+                 f"{setting} " + ", ".join(f"{m} {lr:.3g}" for m, lr in by_method.items())
+                 for setting, by_method in rates.items()),
              "- Noise multiplier σ: " + (", ".join(f"{s} {v:.4g}" for s, v in sigmas.items() if v) or "no private run yet"),
              f"- Seeds: {', '.join(map(str, p.seeds)) if p.seeds else cfg.seed}; a cell is the mean over its seeds", ""]
     return lines

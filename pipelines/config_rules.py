@@ -186,22 +186,24 @@ def _suite(cfg: DictConfig) -> int | None:
         _require(decoding.math_eval_template in MATH_EVAL_TEMPLATES,
                  f"suite.decoding.math_eval_template={decoding.math_eval_template!r} must be one of "
                  f"{', '.join(MATH_EVAL_TEMPLATES)}")
+    split = suite.get("eval_split", "test")  # experiment/tune.yaml: score validation rows (prism.data.validation_split)
+    _require(split in ("test", "validation"), f"suite.eval_split={split!r} must be test or validation")
+    if split == "validation":
+        _require(suite.scale == "embedded" or suite.name == "custom",
+                 "suite.eval_split=validation is built at embedded scale only, use scale=embedded")
+        _positive_int(suite.get("validation_per_task"), "suite.validation_per_task")
     if suite.name == "custom":  # suite=custom: the user's files, checked line by line (prism/data/custom.py)
         from prism.backbones import token_counter
-        from prism.data.custom import TaskFileError, check_task
+        from prism.data.custom import TaskFileError, check_task, validation_rows
 
         try:
-            check_task(suite.custom, cfg.train.batch_size, suite.cutoff_len, token_counter(cfg.backbone), cfg.backbone.name)
+            check_task(suite.custom, cfg.train.batch_size, suite.cutoff_len, token_counter(cfg.backbone), cfg.backbone.name,
+                       validation_rows(suite))
         except TaskFileError as err:
             raise ConfigError(str(err)) from None
         return
     from prism.data import SCALES
 
-    split = suite.get("eval_split", "test")  # experiment/tune.yaml: score validation rows (prism.data.validation_split)
-    _require(split in ("test", "validation"), f"suite.eval_split={split!r} must be test or validation")
-    if split == "validation":
-        _require(suite.scale == "embedded", "suite.eval_split=validation is built at embedded scale only, use scale=embedded")
-        _positive_int(suite.get("validation_per_task"), "suite.validation_per_task")
     _require(suite.scale in SCALES, f"suite.scale={suite.scale!r} is not a data scale, choose scale=<one of "
                                     f"{', '.join(SCALES)}>")
     node = suite.get(suite.scale)

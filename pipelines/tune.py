@@ -23,6 +23,17 @@ per method) and, when every cell has a score, ``conf/tuned/<scale>.yaml``: the c
 commit and command that produced them, read by every grid of that budget
 (:mod:`pipelines.tuned_rates`). Choosing a rate on private validation data spends privacy that ε
 does not cover (docs/comparison.md, "What tuning costs in privacy").
+
+A user's task (``make tune TASK=file.jsonl``)::
+
+    python -m pipelines.tune task=TASK.jsonl [eval=..] [type=..] [labels=..] [model=DIR]
+                             [methods=prism,adamw] [eps=inf,6,3] [jobs=K] [overrides]
+
+sweeps the cells of ``make compare`` on that task (the same keys, the same model and budget) with
+``suite.validation_per_task`` rows held out of its training rows as the validation split
+(:mod:`prism.data.custom`; never its evaluation rows). Its outputs are
+``tables/tune-<file>-<sha8>.<scale>.*`` and ``<results_dir>/tuned/custom-<file>-<sha8>.<scale>.yaml``,
+which ``make compare`` on the same file (same sha256), model and budget then reads.
 """
 from __future__ import annotations
 
@@ -37,9 +48,9 @@ import pandas as pd
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from pipelines import reproduce, store
-from pipelines.grid import COMPOSE_ERRORS, error_line, job_config
-from pipelines.tuned_rates import cell_fields, tuned_dir
+from pipelines import compare, reproduce, store
+from pipelines.grid import COMPOSE_ERRORS, compose_config, error_line, job_config
+from pipelines.tuned_rates import cell_fields, tuned_dir, user_tuned_dir
 from prism.fileio import write_text_atomic
 
 EXPERIMENT = "tune"
@@ -101,11 +112,40 @@ def extension(scores: Mapping[float, float], base: Sequence[float]) -> float | N
     return None if beyond >= MAX_EXTEND else float(f"{nxt:.6g}")
 
 
+TASK_KEYS = ("task", "eval", "type", "labels", "model", "methods", "eps")
+"""The keys of ``make compare`` that a sweep of a user's task takes (:func:`task_sweep`)."""
+
+
+def task_sweep(keys: dict[str, str], overrides: Sequence[str]) -> list[str]:
+    """The overrides that sweep ``make compare``'s cells on a user's task: its task and model
+    (:func:`pipelines.compare.task_overrides`), the model ``make compare`` would use, the methods and
+    the privacy groups of ``eps=`` (∞, 6 and 3: the shipped groups); ``ValueError`` names a bad key."""
+    if "task" not in keys:
+        raise ValueError(f"{next(iter(keys))}= describes a task of your own; give task=FILE.jsonl with it")
+    fixed = compare.task_overrides(keys, overrides)
+    if not keys.get("model") and not any(o.startswith("backbone=") for o in overrides):
+        choice = compose_config([f"experiment={compare.EXPERIMENT}", *fixed], with_hydra=True).hydra.runtime.choices
+        fixed.append(f"backbone={choice['backbone']}")  # make compare's model, not Table 2's
+    methods = compare.comma_list(keys["methods"], "methods") if "methods" in keys else list(compare.METHODS)
+    groups = []
+    for epsilon in compare.budgets(keys):
+        if epsilon not in compare.PRIVACY_GROUPS:
+            raise ValueError(f"eps={keys['eps']}: the sweep takes budgets among inf, 6 and 3 (the shipped privacy "
+                             "groups); tune another ε with privacy=eps6 privacy.epsilon=X privacy.name=epsX")
+        groups.append(compare.PRIVACY_GROUPS[epsilon])
+    return [*fixed, f"method={','.join(methods)}", f"privacy={','.join(groups)}"]
+
+
 def parse_args(argv: Sequence[str]) -> tuple[int, list[str]]:
-    """``[jobs=K] [overrides]`` → (K, overrides); ``ValueError`` naming the bad argument."""
-    jobs, overrides = 1, []
+    """``[jobs=K] [task=FILE and make compare's keys] [overrides]`` → (K, overrides); ``ValueError``
+    naming the bad argument."""
+    jobs, overrides, keys = 1, [], {}
     parser = OverridesParser.create()
     for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key in TASK_KEYS:
+            keys[key] = value
+            continue
         if arg.startswith("jobs="):
             value = arg.split("=", 1)[1]
             if not value.isdigit() or int(value) < 1:
@@ -122,6 +162,10 @@ def parse_args(argv: Sequence[str]) -> tuple[int, list[str]]:
                 override.get_value_element_as_str()]  # planned run hash is the trained one
             arg = f"tune.lr_factor={','.join(_float_text(v) for v in values)}"
         overrides.append(arg)
+    if keys:
+        if any(o.split("=", 1)[0] in ("suite", "method", "privacy") for o in overrides):
+            raise ValueError("task= sets suite=custom; choose methods with methods= and budgets with eps=")
+        overrides = [*task_sweep(keys, overrides), *overrides]
     return jobs, overrides
 
 
@@ -226,13 +270,12 @@ def frame(points: Sequence[Point]) -> pd.DataFrame:
                           "run_hash": p.job.run_hash} for p in points])
 
 
-def to_markdown(df: pd.DataFrame, scale: str, header: Mapping[str, object]) -> str:
+def to_markdown(df: pd.DataFrame, scale: str, header: Mapping[str, object], title: str = "") -> str:
     """The tuning table: a row per cell, a column per rate factor (the score; the chosen one in bold)."""
     factors = sorted(df["factor"].unique())
-    lines = [f"# Learning-rate sweep, {scale} scale (validation split)", "",
+    lines = [f"# Learning-rate sweep, {title or f'{scale} scale'} (validation split)", "",
              f"Rule (the same for every method): {RULE}. One seed ({header['seed']}); validation rows: "
-             f"{header['validation_per_task']} per task from the training pool, disjoint from the training and "
-             "evaluation rows. Columns: the rate as a multiple of the default rate (Table 8 × train.lr_multiplier); "
+             f"{header['validation']}. Columns: the rate as a multiple of the default rate (Table 8 × train.lr_multiplier); "
              "cells: validation score, the chosen rate's in **bold**; an edge optimum adds a rate past the edge.",
              "", "Choosing a rate on private validation data is not covered by ε.", "",
              "| suite | privacy | method | default lr | " + " | ".join(f"×{f:.3g}" for f in factors)
@@ -258,7 +301,7 @@ def to_markdown(df: pd.DataFrame, scale: str, header: Mapping[str, object]) -> s
     return "\n".join(lines) + "\n"
 
 
-def plot(df: pd.DataFrame, path: Path, scale: str) -> Path:
+def plot(df: pd.DataFrame, path: Path, title: str) -> Path:
     """Validation score vs rate: a panel per suite × privacy level, a line per method, chosen rates starred."""
     import matplotlib
 
@@ -285,7 +328,7 @@ def plot(df: pd.DataFrame, path: Path, scale: str) -> Path:
             ax.tick_params(labelsize=8)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
-    fig.suptitle(f"Learning-rate sweep, {scale} scale: validation score vs rate (★ chosen)", fontsize=9)
+    fig.suptitle(f"Learning-rate sweep, {title}: validation score vs rate (★ chosen)", fontsize=9)
     fig.tight_layout(rect=(0, 0.06, 1, 0.95))
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -321,29 +364,40 @@ def main(argv: Sequence[str]) -> int:
     from pipelines.run import git_state
 
     commit, dirty = git_state()
+    n_validation = int(cfg0.suite.validation_per_task)
     header = {"command": shlex.join(["python", "-m", "pipelines.tune", *argv]), "commit": commit, "dirty": dirty,
-              "date": store.utc_stamp(), "seed": int(cfg0.seed), "validation_per_task": int(cfg0.suite.validation_per_task),
+              "date": store.utc_stamp(), "seed": int(cfg0.seed), "validation_per_task": n_validation,
+              "validation": f"{n_validation} per task from the training pool, disjoint from the training and "
+                            "evaluation rows",
               "rule": RULE, "grid": sorted({p.factor for p in points})}
+    name, title, target = "tune", "", tuned_dir() / f"{scale}.yaml"
+    if cfg0.suite.name == "custom":  # a user's task: its own table and rates, beside its runs
+        task = f"{Path(str(cfg0.suite.custom.train)).stem}-{str(cfg0.suite.custom.train_sha256)[:8]}"
+        name, title = f"tune-{task}", f"{Path(str(cfg0.suite.custom.train)).name}, {scale} scale"
+        target = user_tuned_dir(results) / f"custom-{task}.{scale}.yaml"
+        header.update(task=str(cfg0.suite.custom.train), task_sha256=str(cfg0.suite.custom.train_sha256),
+                      validation=f"{n_validation} held out of the training rows (a fixed draw), never the "
+                                 "evaluation rows")
     df = frame(points)
     out = results / "tables"
     out.mkdir(parents=True, exist_ok=True)
-    md = to_markdown(df, scale, header)
-    write_text_atomic(out / f"tune.{scale}.md", md)
-    df.to_csv(out / f"tune.{scale}.csv", index=False, float_format="%.6g")
-    plot(df, out / f"tune.{scale}.png", scale)
+    md = to_markdown(df, scale, header, title)
+    write_text_atomic(out / f"{name}.{scale}.md", md)
+    df.to_csv(out / f"{name}.{scale}.csv", index=False, float_format="%.6g")
+    plot(df, out / f"{name}.{scale}.png", title or f"{scale} scale")
     print(md)
-    print(f"wrote {out / f'tune.{scale}.md'}, {out / f'tune.{scale}.csv'}, {out / f'tune.{scale}.png'}")
+    print(f"wrote {out / f'{name}.{scale}.md'}, {out / f'{name}.{scale}.csv'}, {out / f'{name}.{scale}.png'}")
     for failure in failures:
         print(failure, file=sys.stderr)
     unscored = {p.cell for p in points if math.isnan(p.score)}
     if unscored or not points:
-        print(f"{len(unscored)} cell(s) lack a score; conf/tuned/{scale}.yaml not written (rerun the same "
+        print(f"{len(unscored)} cell(s) lack a score; {target} not written (rerun the same "
               "command: finished runs are kept)", file=sys.stderr)
         return 1
-    target = tuned_dir() / f"{scale}.yaml"
     target.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(target, tuned_yaml(points, header))
-    print(f"wrote {target}: the chosen rate of {len({p.cell for p in points})} cells (read by every grid of this budget)")
+    print(f"wrote {target}: the chosen rate of {len({p.cell for p in points})} cells (read by every run of this "
+          "budget" + (", task and model" if cfg0.suite.name == "custom" else "") + ")")
     return 0
 
 

@@ -5,11 +5,13 @@ Every method yaml sets ``lr: ${method_lr:<Table 8's rate of the suite family × 
 
 1. in a tuning run (the config has ``tune.lr_factor``, ``conf/experiment/tune.yaml``): the default
    rate × that factor — a sweep never reads earlier tuned rates, so rerunning it gives the same grid;
-2. the tuned rate of the run's cell, when a file ``conf/tuned/<scale>.yaml`` written by
-   ``make tune`` has an entry whose fields (:data:`MATCH`: method, suite, ε, backbone, LoRA layers,
-   steps, batch) all equal the run's — a rate tuned for one budget is never applied to another. The
-   LoRA rank is not matched: the rates tuned at Table 2's r = 16 serve Table 4's ranks too, as Table 8
-   gives one rate per method, so its rows differ in the rank only;
+2. the tuned rate of the run's cell, when a file written by ``make tune`` has an entry whose fields
+   (:data:`MATCH`: method, suite, ε, backbone, LoRA layers, steps, batch, and for a user's task the
+   training file's sha256 and the model folder) all equal the run's — a rate tuned for one budget,
+   task or model is never applied to another. The files are ``conf/tuned/<scale>.yaml`` (the paper
+   suites) and ``<results_dir>/tuned/*.yaml`` (``make tune TASK=...``: a user's task, kept beside its
+   runs). The LoRA rank is not matched: the rates tuned at Table 2's r = 16 serve Table 4's ranks too,
+   as Table 8 gives one rate per method, so its rows differ in the rank only;
 3. else the default rate (Table 8 × ``train.lr_multiplier``; docs/embedded-scale.md).
 
 No tuned file is committed by hand: each is written whole by ``make tune`` and records the commit
@@ -32,7 +34,10 @@ MATCH = {  # entry field -> config field it must equal
     "method": "method.name", "suite": "suite.name", "scale": "suite.scale", "epsilon": "privacy.epsilon",
     "backbone": "backbone.name", "lora_layers": "backbone.lora_layers",
     "steps": "train.steps", "batch_size": "train.batch_size",
+    "task_sha256": "suite.custom.train_sha256", "model_path": "backbone.path",
 }
+OPTIONAL = ("task_sha256", "model_path")
+"""Fields that only a user's task or model has: left out of an entry (and so never matched) when null."""
 
 
 def tuned_dir() -> Path:
@@ -50,12 +55,18 @@ def _load(path: str, mtime_ns: int) -> tuple[dict, ...]:
     return tuple(dict(r) for r in rates)
 
 
-def entries(folder: Path | None = None) -> list[tuple[Path, dict]]:
-    """Every (file, entry) of the tuned-rate files in ``folder`` (default :func:`tuned_dir`)."""
+def entries(*folders: Path) -> list[tuple[Path, dict]]:
+    """Every (file, entry) of the tuned-rate files in ``folders`` (default :func:`tuned_dir`)."""
     out = []
-    for path in sorted((folder or tuned_dir()).glob("*.yaml")):
-        out += [(path, e) for e in _load(str(path), path.stat().st_mtime_ns)]
+    for folder in folders or (tuned_dir(),):
+        for path in sorted(folder.glob("*.yaml")):
+            out += [(path, e) for e in _load(str(path), path.stat().st_mtime_ns)]
     return out
+
+
+def user_tuned_dir(results_dir: str | os.PathLike[str]) -> Path:
+    """Where ``make tune TASK=...`` writes a user's task's rates: ``<results_dir>/tuned``."""
+    return Path(results_dir) / "tuned"
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -65,14 +76,20 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def cell_fields(cfg: DictConfig) -> dict[str, Any]:
-    """The :data:`MATCH` fields of a config (what a tuned entry is keyed by)."""
-    return {name: OmegaConf.select(cfg, dotted, default=None) for name, dotted in MATCH.items()}
+    """The :data:`MATCH` fields of a config (what a tuned entry is keyed by), the :data:`OPTIONAL` ones
+    only when set."""
+    fields = {name: OmegaConf.select(cfg, dotted, default=None) for name, dotted in MATCH.items()}
+    return {k: v for k, v in fields.items() if k not in OPTIONAL or v is not None}
 
 
 def lookup(cfg: DictConfig, folder: Path | None = None) -> tuple[float, Path] | None:
-    """The tuned rate of ``cfg``'s cell and its file, or None; two files with the cell are an error."""
+    """The tuned rate of ``cfg``'s cell and its file, or None; two files with the cell are an error.
+    Read from ``folder`` if given, else :func:`tuned_dir` and the run's :func:`user_tuned_dir`."""
     fields = cell_fields(cfg)
-    found = [(float(e["lr"]), path) for path, e in entries(folder)
+    fields.update({k: None for k in OPTIONAL if k not in fields})  # a paper-suite run matches no user entry
+    results = OmegaConf.select(cfg, "results_dir", default=None)
+    folders = (folder,) if folder else (tuned_dir(), *([user_tuned_dir(str(results))] if results else []))
+    found = [(float(e["lr"]), path) for path, e in entries(*folders)
              if all(_same(e.get(k), v) for k, v in fields.items())]
     if len(found) > 1:
         raise ValueError(f"tuned rates for the same cell in {', '.join(str(p) for _, p in found)}: keep one "

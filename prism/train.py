@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from prism.budget import total_steps
 from prism.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from prism.data import Suite, build_suite
-from prism.data.custom import TASK, answer_room, check_task
+from prism.data.custom import TASK, answer_room, check_task, validation_rows
 from prism.data.prompts import collate, tokenize_example, tokenize_train_set
 from prism.evaluate import evaluate_suite, new_tokens
 from prism.hf_baseline import HFRecipe, HFTrainerBaseline, holdout_loss, holdout_split
@@ -148,7 +148,8 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
     model, tokenizer = load(cfg.backbone, device)
     if suite.source:  # suite=custom: every training row's length again, with the loaded tokenizer
         count = lambda text: len(tokenizer(text)["input_ids"])  # noqa: E731
-        check_task(cfg.suite.custom, cfg.train.batch_size, suite.cutoff_len, count, cfg.backbone.name)
+        check_task(cfg.suite.custom, cfg.train.batch_size, suite.cutoff_len, count, cfg.backbone.name,
+                   validation_rows(cfg.suite))
         if warning := answer_room(suite.train, count, new_tokens(cfg.suite.decoding, TASK)):
             log.warning(warning)
     init_generator = torch.Generator().manual_seed(cfg.seed)

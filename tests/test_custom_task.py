@@ -156,3 +156,27 @@ def test_answer_room_warns_when_the_generation_cap_cuts_targets() -> None:
     count = lambda text: len(text.encode())  # noqa: E731
     assert answer_room(train, count, 4) is None  # "abc" + EOS = 4 tokens
     assert "up to 4 tokens" in answer_room(train, count, 3)
+
+
+def test_validation_rows_are_held_out_of_the_training_rows_never_the_evaluation_rows(tmp_path: Path) -> None:
+    """``suite.eval_split=validation`` (a tuning run): a fixed draw of the training rows, the same for
+    every seed; the evaluation rows (held out or a file) are neither trained on nor scored."""
+    train = _write(tmp_path / "t.jsonl", _rows(40))
+    test = load_task(_node(train))[0]
+    val = load_task(_node(train), n_validation=8)[0]
+    key = lambda rows: [ex.instruction for ex in rows]  # noqa: E731
+    assert len(val.eval) == 8 and len(val.train) == 22 and sorted(key(val.train + val.eval)) == sorted(key(test.train))
+    assert not set(key(val.eval)) & set(key(test.eval))  # the 10 evaluation rows stay out of both
+    node = {"name": "custom", "scale": "embedded", "custom": _node(train), "eval_split": "validation",
+            "validation_per_task": 8}
+    assert key(build_suite(node, seed=1).eval["custom"]) == key(build_suite(node, seed=2).eval["custom"]) == key(val.eval)
+    assert build_suite(node, seed=1).source["split"] == "validation"
+    held = _write(tmp_path / "e.jsonl", _rows(6, start=100))  # an evaluation file: the pool is the whole train file
+    with_file = load_task(_node(train, eval=str(held)), n_validation=8)[0]
+    assert len(with_file.train) == 32 and set(key(with_file.eval)) <= {f"Review {i}: {w}." for i in range(40)
+                                                                        for w in ("great", "awful")}
+    with pytest.raises(TaskFileError, match=r"30 training row\(s\) leave none .* suite.validation_per_task=30"):
+        load_task(_node(train), n_validation=30)
+    with pytest.raises(TaskFileError, match="22 training rows after holding out 8 for validation, fewer than "
+                                            "train.batch_size=32"):
+        check_task(_node(train), 32, 384, None, "tiny-llama", n_validation=8)

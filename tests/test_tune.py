@@ -136,3 +136,69 @@ def test_a_bad_validation_size_is_a_config_error_before_any_model_load() -> None
 
     with pytest.raises(ConfigError, match="suite.validation_per_task=0 must be an integer >= 1"):
         load_job(["experiment=tune", "scale=smoke", "suite.validation_per_task=0"])
+
+
+def _task_file(path: Path, n: int = 80) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps({"prompt": f"Is {i} even?", "target": "yes" if i % 2 == 0 else "no"}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+def test_a_users_task_is_tuned_beside_its_runs_and_only_its_comparison_reads_the_rates(tmp_path: Path, monkeypatch,
+                                                                                      capsys) -> None:
+    """``make tune TASK=...``: the cells of ``make compare`` on that file, scored on rows held out of its
+    training rows; the rates go to ``<results_dir>/tuned/`` and serve ``make compare`` on the same file
+    (same sha256) only, never the paper suites' grid or another file."""
+    from pipelines import compare
+
+    monkeypatch.setenv("PRISM_TUNED_DIR", str(tmp_path / "conf_tuned"))
+    trainer = ScoreByRate()
+    seen = []
+
+    def in_process(experiment, launcher, pending, workers, overrides, log_dir):
+        for job in pending:
+            cfg = load_job(job.overrides)
+            seen.append(cfg)
+            execute(cfg, trainer)
+        return True, ""
+
+    monkeypatch.setattr(reproduce, "launch", in_process)
+    task = _task_file(tmp_path / "parity.jsonl")
+    results = tmp_path / "r"
+    common = ["labels=yes,no", "backbone=tiny-llama", "suite.cutoff_len=1024", "scale=smoke", f"results_dir={results}",
+              "logging=disabled"]
+    assert tune.main([f"task={task}", *common, "methods=adamw", "eps=6", "tune.lr_factor=0.1,1,10"]) == 0
+    assert trainer.calls == 5 and {(c.suite.name, c.method.name, c.privacy.name) for c in seen} == {
+        ("custom", "adamw", "eps6")}
+    assert all(c.suite.eval_split == "validation" and c.suite.custom.train == str(task) for c in seen)
+    files = list((results / "tuned").glob("*.yaml"))
+    assert [f.name for f in files] == [f"custom-parity-{seen[0].suite.custom.train_sha256[:8]}.smoke.yaml"]
+    assert not (tmp_path / "conf_tuned").exists()  # the paper suites' tuned rates are not touched
+    conf = yaml.safe_load(files[0].read_text())
+    assert conf["generated"]["task_sha256"] == seen[0].suite.custom.train_sha256
+    assert "held out of the training rows" in (results / "tables" / files[0].name.replace("custom-", "tune-")
+                                               .replace(".yaml", ".md")).read_text()
+    (entry,) = conf["rates"]
+    plan = compare.plan([str(task), *common[:-1], "methods=adamw,prism", "eps=6"])
+    lr = {c.method.name: c.method.lr for c in plan.configs}
+    default = job_config(["scale=smoke", "suite=custom", "method=prism", "privacy=eps6"]).method.lr
+    assert lr["adamw"] == pytest.approx(entry["lr"]) == pytest.approx(100 * default)  # ScoreByRate's optimum
+    assert lr["prism"] == pytest.approx(default)  # not tuned
+    other = _task_file(tmp_path / "other.jsonl", 81)
+    assert compare.plan([str(other), *common[:-1], "methods=adamw", "eps=6"]).configs[0].method.lr == pytest.approx(default)
+    assert job_config(["experiment=table2", "scale=smoke", "method=adamw", "privacy=eps6", "suite=glue8",
+                       f"results_dir={results}"]).method.lr == pytest.approx(2e-3)  # Table 2 reads no user's rate
+    from types import SimpleNamespace
+
+    rates_line = next(line for line in compare.header(plan, SimpleNamespace(spec=SimpleNamespace(title="t")))
+                      if line.startswith("- Learning rates"))
+    assert f"tuned on validation rows by `make tune` ({files[0]})" in rates_line and "AdamW" in rates_line
+
+
+def test_task_keys_without_a_task_or_with_a_suite_are_refused() -> None:
+    with pytest.raises(ValueError, match="give task=FILE.jsonl"):
+        tune.parse_args(["labels=a,b"])
+    with pytest.raises(ValueError, match="task= sets suite=custom"):
+        tune.parse_args(["task=x.jsonl", "suite=glue8"])

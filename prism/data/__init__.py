@@ -7,8 +7,9 @@ decoding and metric code: only where the rows come from differs.
 ``build_suite(cfg_suite, seed)`` reads ``name``, ``scale``, ``family``, ``train_on_inputs``,
 ``cutoff_len``, ``eval_limit``, ``eval_split`` (``test``, the default: score the fixed evaluation
 rows; ``validation``: score ``validation_per_task`` rows per task drawn from the training pool,
-disjoint from the run's training rows and from the evaluation rows, :func:`validation_split`; the
-learning-rate sweep of ``pipelines/tune.py`` scores these) and the scale's own node ``cfg_suite[scale]`` (see
+disjoint from the run's training rows and from the evaluation rows, :func:`validation_split`; for
+``suite=custom``, held out of the training file's rows; the learning-rate sweep of ``pipelines/tune.py``
+scores these) and the scale's own node ``cfg_suite[scale]`` (see
 :mod:`prism.data.embedded`, :mod:`prism.data.glue`, :mod:`prism.data.math10k` for its fields);
 ``suite=custom`` reads the user's file from ``cfg_suite.custom`` at every scale (:mod:`prism.data.custom`).
 """
@@ -122,7 +123,7 @@ def build_suite(cfg_suite: Any, seed: int) -> Suite:
     split = cfg_suite.get("eval_split", "test")
     if split not in ("test", "validation"):
         raise ValueError(f"suite.eval_split={split!r}: use test (the fixed evaluation rows) or validation")
-    if split == "validation" and scale != "embedded":
+    if split == "validation" and scale != "embedded" and name != "custom":
         raise ValueError("suite.eval_split=validation is built for embedded-scale suites only; tune at scale=embedded")
     n_validation = int(cfg_suite.get("validation_per_task", 0)) if split == "validation" else 0
     rules: dict[str, Any] = {}
@@ -130,9 +131,6 @@ def build_suite(cfg_suite: Any, seed: int) -> Suite:
     if name == "custom":
         from prism.data import custom
 
-        if n_validation:
-            raise ValueError("suite.eval_split=validation is not built for suite=custom; tune on a validation file of "
-                             "your own: suite.custom.eval=VALIDATION.jsonl (never the rows you report)")
 
         train, evals, columns, rule, source = custom.build(cfg_suite)
         parts, rules = (train, evals, columns, {}), {task: rule for task in evals}

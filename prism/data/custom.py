@@ -13,6 +13,11 @@ Node ``suite.custom`` fields (the key names are fixed):
 * ``train_sha256`` / ``eval_sha256`` – null, or the file's digest: checked when set, so a run's
   config (and its run-store hash) pins the file's content (``make compare`` sets them).
 
+With ``suite.eval_split=validation`` (a tuning run, ``make tune TASK=...``) ``suite.validation_per_task``
+rows of the training rows (after the ``eval_fraction`` hold-out, so never an evaluation row) are held
+out with a fixed draw, the same for every method, rate and seed: the run trains on the rest and is
+scored on them, and the evaluation rows are not scored.
+
 A row becomes an :class:`~prism.data.Example` whose instruction is the prompt and whose output is the
 target, so training and evaluation go through the paper suites' prompt template, tokenisation,
 masking, decoding and parsing code; scoring is :func:`prism.metrics.score_task`.
@@ -239,9 +244,11 @@ class CustomTask:
     source: dict[str, Any]
 
 
-def load_task(node: Mapping[str, Any]) -> tuple[CustomTask, list[Row], Path]:
+def load_task(node: Mapping[str, Any], n_validation: int = 0) -> tuple[CustomTask, list[Row], Path]:
     """Read and check the files of ``suite.custom`` (all checks but lengths and batch size); returns
-    the task, every row of the training file (held-out ones included) and the training file."""
+    the task, every row of the training file (held-out ones included) and the training file. With
+    ``n_validation`` > 0 the task's evaluation rows are that many validation rows held out of its
+    training rows (the module docstring), and its training rows the others."""
     if not node.get("train"):
         raise TaskFileError("suite.custom.train is not set; give suite.custom.train=PATH (a .jsonl or .csv file)")
     rule = task_rule(node)
@@ -269,23 +276,41 @@ def load_task(node: Mapping[str, Any]) -> tuple[CustomTask, list[Row], Path]:
         train_rows = [row for i, row in enumerate(train_rows) if i not in held]
         source.update(eval=f"{n_eval} rows held out of {node['train']} (eval_fraction={float(fraction):g})")
     check_ids(files)
-    train = [example(row, gold(rule, row, train_path)) for row in train_rows]
     eval_path = files[-1][0]
+    if n_validation:
+        if n_validation >= len(train_rows):
+            raise TaskFileError(f"{train_path}: {len(train_rows)} training row(s) leave none for training after holding "
+                                f"out suite.validation_per_task={n_validation} for validation; lower it or add rows")
+        held = set(random.Random(sub_seed(SPLIT_SEED, TASK, "validation", source["train_sha256"])).sample(
+            range(len(train_rows)), n_validation))
+        eval_rows = [row for i, row in enumerate(train_rows) if i in held]
+        train_rows = [row for i, row in enumerate(train_rows) if i not in held]
+        eval_path = train_path
+        source.update(split="validation", eval=f"{n_validation} validation rows held out of the training rows of "
+                      f"{node['train']} (suite.eval_split=validation; the evaluation rows are not scored)")
+    train = [example(row, gold(rule, row, train_path)) for row in train_rows]
     evals = [example(row, gold(rule, row, eval_path)) for row in eval_rows]
     source.update(type=rule.kind, n_train=len(train), n_eval=len(evals))
     return CustomTask(train, evals, rule, source), file_rows, train_path
 
 
+def validation_rows(cfg_suite: Mapping[str, Any]) -> int:
+    """How many validation rows a run of ``cfg_suite`` holds out: ``suite.validation_per_task`` under
+    ``suite.eval_split=validation``, else 0."""
+    return int(cfg_suite.get("validation_per_task") or 0) if cfg_suite.get("eval_split") == "validation" else 0
+
+
 def check_task(node: Mapping[str, Any], batch_size: int, cutoff_len: int, count_tokens: TokenCounter | None,
-               backbone: str) -> CustomTask:
+               backbone: str, n_validation: int = 0) -> CustomTask:
     """Every check of a custom task that needs no model: the files (:func:`load_task`), then, when the
     backbone's tokenizer is readable without a model (``count_tokens``), every training row within
     ``suite.cutoff_len``, then enough training rows for ``train.batch_size``."""
-    task, train_rows, train_path = load_task(node)
+    task, train_rows, train_path = load_task(node, n_validation)
     if count_tokens is not None:
         check_lengths(train_path, train_rows, cutoff_len, count_tokens, backbone)
     if len(task.train) < batch_size:
-        held = "" if node.get("eval") else f" after holding out {len(task.eval)} for evaluation"
+        held = f" after holding out {len(task.eval)} for validation" if n_validation else (
+            "" if node.get("eval") else f" after holding out {len(task.eval)} for evaluation")
         raise TaskFileError(f"{train_path}: {len(task.train)} training rows{held}, fewer than train.batch_size="
                             f"{batch_size}; add rows or lower train.batch_size to at most {len(task.train)}")
     return task
@@ -293,5 +318,5 @@ def check_task(node: Mapping[str, Any], batch_size: int, cutoff_len: int, count_
 
 def build(cfg_suite: Any) -> tuple[list[Example], dict[str, list[Example]], dict[str, str], TaskRule, dict[str, Any]]:
     """``suite=custom`` for :func:`prism.data.build_suite`: (train, eval by task, task → column, rule, file facts)."""
-    task, _, _ = load_task(cfg_suite.get("custom") or {})
+    task, _, _ = load_task(cfg_suite.get("custom") or {}, validation_rows(cfg_suite))
     return task.train, {TASK: task.eval}, {TASK: task.rule.columns[0]}, task.rule, task.source
