@@ -168,7 +168,8 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
     rows with an invalid gold answer), ``samples`` (task → first responses), ``seconds`` (task → time),
     ``eval_rows`` (task → evaluation rows of the suite, scored or skipped: what a table header reports),
     ``per_example`` (task → its ``column``, :func:`prism.metrics.row_outcomes` of the scored rows in order, and ``rows``:
-    the sha256 of their prompts, so the aggregator's bootstrap can resample rows and pair runs on them).
+    the sha256 of their prompts, so the aggregator's bootstrap can resample rows and pair runs on them; a user
+    classification task also has ``<task>/Macro-F1``: each row's parsed and gold label and the number of labels).
     """
     was_training = model.training
     model.eval()
@@ -198,14 +199,20 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
             result["skipped"][task] = len(examples) - len(rows)
             result["eval_rows"][task] = len(examples)
             result["samples"][task] = texts[:N_SAMPLES]
+            keys = "\x1e".join(f"{ex.instruction}\x1f{ex.input}" for ex in rows)
+            rows_hash = hashlib.sha256(keys.encode()).hexdigest()[:16]
             if rule:  # a user task: the per-row correctness of its first metric (Accuracy)
                 column = rule.columns[0]
-                outcomes = {"correct": [int(c) for c in task_predictions(rule, texts, [ex.answer for ex in rows])[1]]}
+                preds, correct = task_predictions(rule, texts, [ex.answer for ex in rows])
+                outcomes = {"correct": [int(c) for c in correct]}
+                if rule.kind == "classification":  # and the label per row, for Macro-F1's interval
+                    result["per_example"][f"{task}/Macro-F1"] = {
+                        "column": "Macro-F1", "pred": [-1 if p is None else int(p) for p in preds],
+                        "gold": [int(ex.answer) for ex in rows], "labels": len(rule.labels), "rows": rows_hash}
             else:
                 outcomes = row_outcomes(column, texts, [ex.answer for ex in rows],
                                         choice_rule=cfg_decoding.get("choice_regex", "lookaround"))
-            keys = "\x1e".join(f"{ex.instruction}\x1f{ex.input}" for ex in rows)
-            result["per_example"][task] = {"column": column, **outcomes, "rows": hashlib.sha256(keys.encode()).hexdigest()[:16]}
+            result["per_example"][task] = {"column": column, **outcomes, "rows": rows_hash}
             result["seconds"][task] = time.perf_counter() - started
     finally:
         model.train(was_training)

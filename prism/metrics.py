@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 # Table 2 column → parsing/metric rule.
 COLUMN_RULES = {
@@ -237,17 +238,28 @@ def task_predictions(rule: TaskRule, texts: Sequence[str], golds: Sequence) -> t
     raise ValueError(f"unknown task type {rule.kind!r}; valid: {', '.join(TASK_KINDS)}")
 
 
+def macro_f1(preds: ArrayLike, golds: ArrayLike, n_labels: int) -> np.ndarray:
+    """Macro-averaged F1 over the labels ``0..n_labels−1`` along the last axis (a ``[n]`` row or a
+    ``[b, n]`` stack of bootstrap draws → a float or ``[b]``): the mean over labels of
+    ``2·TP / (2·TP + FP + FN)``, 0 for a label neither predicted nor gold. A prediction outside the labels
+    (−1: a response naming none) is a miss of its gold label."""
+    p, g = np.asarray(preds), np.asarray(golds)
+    per_label = []
+    for k in range(n_labels):
+        tp = ((p == k) & (g == k)).sum(-1)
+        wrong = ((p == k) != (g == k)).sum(-1)  # FP + FN
+        per_label.append(np.where(2 * tp + wrong > 0, 2 * tp / np.maximum(2 * tp + wrong, 1), 0.0))
+    return np.mean(per_label, axis=0)
+
+
 def score_task(rule: TaskRule, texts: Sequence[str], golds: Sequence) -> tuple[dict[str, float], int]:
     """Score the responses of a user task: ``{Accuracy[, Macro-F1]}`` and the number of responses that
-    parse to no label / hold no number (scored wrong). Macro-F1 is scikit-learn's over the label set
+    parse to no label / hold no number (scored wrong). Macro-F1 is :func:`macro_f1` over the label set
     (an unparseable response is a miss of its gold class)."""
     if not texts:
         return dict.fromkeys(rule.columns, 0.0), 0
     preds, correct = task_predictions(rule, texts, golds)
     metrics = {"Accuracy": sum(correct) / len(correct)}
     if rule.kind == "classification":
-        from sklearn.metrics import f1_score
-
-        metrics["Macro-F1"] = float(f1_score(list(golds), [-1 if p is None else p for p in preds],
-                                             labels=list(range(len(rule.labels))), average="macro", zero_division=0.0))
+        metrics["Macro-F1"] = float(macro_f1([-1 if p is None else p for p in preds], list(golds), len(rule.labels)))
     return metrics, sum(p is None for p in preds)

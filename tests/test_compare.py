@@ -7,6 +7,7 @@ import math
 import shlex
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from omegaconf import OmegaConf
@@ -143,3 +144,33 @@ def test_accuracy_cells_of_a_user_task_carry_the_row_bootstrap_interval(tmp_path
     half = 1.96 * math.sqrt(0.6 * 0.4 / 400)
     assert row["Accuracy_ci"] == "bootstrap"
     assert row["Accuracy_lo"] == pytest.approx(0.6 - half, abs=0.01) and row["Accuracy_hi"] == pytest.approx(0.6 + half, abs=0.01)
+
+
+def test_macro_f1_cells_of_a_user_task_carry_the_row_bootstrap_interval(tmp_path: Path) -> None:
+    """The Macro-F1 cell's interval is the percentile interval of scikit-learn's macro-F1 recomputed on
+    each bootstrap draw of the rows (the draws the aggregator makes: a function of the rows' hash)."""
+    from sklearn.metrics import f1_score
+
+    from pipelines.aggregate.intervals import B, row_draws
+
+    rng = np.random.default_rng(0)
+    gold = rng.integers(0, 2, 300)
+    pred = np.where(rng.random(300) < 0.7, gold, rng.integers(-1, 2, 300))  # -1: a response naming no label
+    f1 = f1_score(gold, pred, labels=[0, 1], average="macro", zero_division=0.0)
+    task = _task(tmp_path / "t.jsonl")
+    argv = _args(task, tmp_path / "results", "methods=prism", "eps=inf")
+    p = compare.plan(argv)
+    (job,), (cfg,) = p.jobs, p.configs
+    _finish(job, cfg, float(np.mean(pred == gold)), f1)
+    final = store.read_json(job.folder / "final.json")
+    final["per_example"] = {"custom": {"column": "Accuracy", "correct": (pred == gold).astype(int).tolist(), "rows": "r300"},
+                            "custom/Macro-F1": {"column": "Macro-F1", "pred": pred.tolist(), "gold": gold.tolist(),
+                                                "labels": 2, "rows": "r300"}}
+    store.write_json_atomic(job.folder / "final.json", final)
+    assert compare.main(argv) == 0
+    row = pd.read_csv(tmp_path / "results" / "tables" / f"compare-t-{store_sha(task)[:8]}.embedded.csv").iloc[0]
+    brute = [f1_score(gold[idx], pred[idx], labels=[0, 1], average="macro", zero_division=0.0)
+             for draws in row_draws("r300", 300, B) for idx in draws]
+    lo, hi = np.quantile(brute, [0.025, 0.975])
+    assert row["Macro-F1_ci"] == "bootstrap" and row["Macro-F1"] == pytest.approx(f1)
+    assert (row["Macro-F1_lo"], row["Macro-F1_hi"]) == pytest.approx((lo, hi), abs=1e-6)  # the CSV keeps 6 digits

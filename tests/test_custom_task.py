@@ -180,3 +180,23 @@ def test_validation_rows_are_held_out_of_the_training_rows_never_the_evaluation_
     with pytest.raises(TaskFileError, match="22 training rows after holding out 8 for validation, fewer than "
                                             "train.batch_size=32"):
         check_task(_node(train), 32, 384, None, "tiny-llama", n_validation=8)
+
+
+def test_macro_f1_is_scikit_learns_on_rows_and_on_stacks_of_draws() -> None:
+    """:func:`prism.metrics.macro_f1` against scikit-learn's ``f1_score(average="macro")`` over the label
+    set: unparsed responses (−1), a label never predicted, a label absent from gold and prediction."""
+    import numpy as np
+    from sklearn.metrics import f1_score
+
+    from prism.metrics import macro_f1
+
+    rng = np.random.default_rng(1)
+    cases = [(rng.integers(0, 3, 50), rng.integers(-1, 3, 50), 3), (rng.integers(0, 2, 20), np.zeros(20, int), 2),
+             (rng.integers(0, 2, 30), rng.integers(0, 2, 30), 4), (np.array([1, 1]), np.array([-1, -1]), 2)]
+    for gold, pred, k in cases:
+        expected = f1_score(gold, pred, labels=list(range(k)), average="macro", zero_division=0.0)
+        assert float(macro_f1(pred, gold, k)) == pytest.approx(expected, abs=1e-12)
+    gold, pred, _ = cases[0]
+    draws = rng.integers(0, 50, (7, 50))
+    expected = [f1_score(gold[d], pred[d], labels=[0, 1, 2], average="macro", zero_division=0.0) for d in draws]
+    assert macro_f1(pred[draws], gold[draws], 3) == pytest.approx(expected, abs=1e-12)

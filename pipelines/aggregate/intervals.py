@@ -6,7 +6,8 @@ Both are samples: the seeds of the runs that could have been trained, the rows o
 could have been drawn. One bootstrap replicate resamples both at once: S seeds with replacement
 from the cell's S seeds, and n rows with replacement from each task's n rows; the replicate's value
 is the mean over the drawn seeds of the score recomputed on the drawn rows (accuracy: the mean of
-per-row correctness; CoLA/MRPC/QQP/STS-B: :func:`prism.metrics.glue_score` of the drawn rows). The
+per-row correctness; CoLA/MRPC/QQP/STS-B: :func:`prism.metrics.glue_score` of the drawn rows; a user
+task's Macro-F1: :func:`prism.metrics.macro_f1` of the drawn rows' labels). The
 interval is the 2.5 % and 97.5 % percentiles of ``B`` replicates. For an accuracy cell the
 replicates' variance is, in closed form, ``mean(α²)/S + mean(β²)/n + mean(γ²)/(S·n)`` with α, β, γ
 the seed, row and interaction effects of the S×n correctness matrix (``tests/test_intervals.py``).
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prism.metrics import COLUMN_RULES, glue_score
+from prism.metrics import COLUMN_RULES, glue_score, macro_f1
 
 B = 2000  # bootstrap replicates per cell
 CHUNK = 4_000_000  # row indices drawn at once
@@ -73,8 +74,10 @@ def task_replicates(column: str, outcome: Mapping, draws: np.ndarray) -> np.ndar
     """The task score of one run on each of ``draws`` (``[b, n]`` row indices) → ``[b]``."""
     if "correct" in outcome:
         return np.asarray(outcome["correct"], dtype=float)[draws].mean(axis=1)
-    rule = COLUMN_RULES[column]
     pred, gold = np.asarray(outcome["pred"]), np.asarray(outcome["gold"])
+    if column == "Macro-F1":  # a user's classification task
+        return macro_f1(pred[draws], gold[draws], int(outcome["labels"]))
+    rule = COLUMN_RULES[column]
     return np.array([glue_score(rule, pred[idx], gold[idx]) for idx in draws])
 
 
