@@ -7,7 +7,9 @@ embedded backbones and from ``config.json`` in the local Hugging Face cache for 
 """
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 import struct
 from collections.abc import Callable, Sequence
@@ -223,13 +225,53 @@ def local_problem(path: Any, targets: Sequence[str], r: int, lora_layers: int | 
     return None
 
 
+MANIFEST = "prism_manifest.json"
+"""The manifest of a converted embedded backbone (:mod:`prism.models.gguf`): sha256 of every file."""
+
+
+def cache_root() -> Path:
+    """``$PRISM_CACHE`` if set, else ``~/.cache/prism``."""
+    return Path(os.environ.get("PRISM_CACHE") or Path.home() / ".cache" / "prism")
+
+
+@functools.lru_cache(maxsize=4)
+def _embedded_tokenizer(name: str, root: str) -> Any:
+    """An embedded backbone's tokenizer without its model: the converted ``tokenizer.json`` under
+    ``root/backbones/<name>/`` when its manifest records that file's sha256, else the tokenizer read
+    from the GGUF itself (before the first conversion; transformers' GGUF reader, once per process)."""
+    from tokenizers import Tokenizer
+
+    from prism.fileio import sha256_file
+
+    folder = Path(root) / "backbones" / name
+    try:
+        recorded = json.loads((folder / MANIFEST).read_text())["files"]["tokenizer.json"]
+    except (OSError, ValueError, KeyError, TypeError):
+        recorded = None
+    if recorded is not None and sha256_file(folder / "tokenizer.json") == recorded:
+        return Tokenizer.from_file(str(folder / "tokenizer.json"))
+    from transformers import AutoTokenizer
+
+    from prism.models.gguf import gguf_path
+
+    gguf = gguf_path(BACKBONES[name])
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).backend_tokenizer
+
+
 def token_counter(cfg_backbone: Any) -> Callable[[str], int] | None:
     """Tokens of a text under the backbone's tokenizer, without loading a model (``tokenizers`` only):
-    one per UTF-8 byte for the byte tokenizers, a local folder's ``tokenizer.json``; None when the
-    tokenizer is not readable yet (an embedded backbone before its first conversion)."""
+    one per UTF-8 byte for the byte tokenizers, an embedded backbone's converted or GGUF tokenizer, a
+    local folder's ``tokenizer.json``; None when no tokenizer is readable without a download (a hub
+    backbone)."""
     spec = BACKBONES.get(cfg_backbone.get("name"))
     if spec is not None and spec.byte_tokens:
         return lambda text: len(text.encode())
+    if spec is not None and spec.kind == "embedded":
+        try:
+            tokenizer = _embedded_tokenizer(spec.name, str(cache_root()))
+        except RuntimeError:  # its GGUF package is not installed: the model load names the install
+            return None
+        return lambda text: len(tokenizer.encode(text).ids)
     if spec is not None and spec.kind == "local" and cfg_backbone.get("path"):
         file = Path(str(cfg_backbone.get("path"))).expanduser() / "tokenizer.json"
         if file.is_file():

