@@ -254,9 +254,8 @@ def render(p: Plan) -> list[Path]:
     if not paths:
         return []
     body = to_markdown(result).splitlines()[1:]  # the aggregator's table below this task's own title
-    body = [line for line in body if not line.startswith(("Scale:", "Best per column"))]
-    paths[0].write_text("\n".join([*header(p, result), "Best per column within each Setting block in **bold**.",
-                                   *body]) + "\n")
+    body = [line for line in body if not line.startswith("Scale:")]  # the aggregator's bold / tie rule is kept
+    paths[0].write_text("\n".join([*header(p, result), *body]) + "\n")
     paths.append(plot_privacy_utility(result, paths[0].with_name(paths[0].name.replace(".md", "_privacy_utility.png"))))
     return paths
 

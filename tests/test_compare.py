@@ -174,3 +174,16 @@ def test_macro_f1_cells_of_a_user_task_carry_the_row_bootstrap_interval(tmp_path
     lo, hi = np.quantile(brute, [0.025, 0.975])
     assert row["Macro-F1_ci"] == "bootstrap" and row["Macro-F1"] == pytest.approx(f1)
     assert (row["Macro-F1_lo"], row["Macro-F1_hi"]) == pytest.approx((lo, hi), abs=1e-6)  # the CSV keeps 6 digits
+
+
+def test_the_comparison_states_the_tables_bold_and_tie_rule(tmp_path: Path) -> None:
+    """A user's table says what bold means as Table 2 does: better beyond noise, else (tie)."""
+    task = _task(tmp_path / "t.jsonl")
+    argv = _args(task, tmp_path / "results", "methods=prism,adamw", "eps=inf")
+    p = compare.plan(argv)
+    for job, cfg, score in zip(p.jobs, p.configs, (0.6, 0.5)):
+        _finish(job, cfg, score, score)
+    assert compare.main(argv) == 0
+    md = (tmp_path / "results" / "tables" / f"compare-t-{store_sha(task)[:8]}.embedded.md").read_text()
+    assert "in **bold** only where the 95 % interval of its paired difference from the runner-up excludes 0" in md
+    assert "otherwise the best value is marked (tie)" in md
