@@ -230,8 +230,8 @@ MANIFEST = "prism_manifest.json"
 
 
 def cache_root() -> Path:
-    """``$PRISM_CACHE`` if set, else ``~/.cache/prism``."""
-    return Path(os.environ.get("PRISM_CACHE") or Path.home() / ".cache" / "prism")
+    """``$PRISM_CACHE`` if set (a leading ``~`` expanded), else ``~/.cache/prism``."""
+    return Path(os.environ.get("PRISM_CACHE") or "~/.cache/prism").expanduser()
 
 
 @functools.lru_cache(maxsize=4)

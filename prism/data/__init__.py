@@ -16,11 +16,12 @@ scores these) and the scale's own node ``cfg_suite[scale]`` (see
 from __future__ import annotations
 
 import hashlib
-import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from prism.backbones import cache_root
 
 # Table 2 column names, in the paper's order.
 PAPER_COLUMNS = ("CoLA", "SST-2", "MRPC", "STS-B", "QQP", "MNLI", "QNLI", "RTE", "GSM8K", "AQuA", "MAWPS", "SVAMP")
@@ -63,7 +64,7 @@ class Suite:
 
 def cache_dir() -> Path:
     """Local data cache: ``$PRISM_CACHE/data`` (default ``~/.cache/prism/data``)."""
-    return Path(os.environ.get("PRISM_CACHE", "~/.cache/prism")).expanduser() / "data"
+    return cache_root() / "data"
 
 
 def sub_seed(seed: int, *parts: str) -> int:
@@ -130,7 +131,6 @@ def build_suite(cfg_suite: Any, seed: int) -> Suite:
     source: dict[str, Any] = {}
     if name == "custom":
         from prism.data import custom
-
 
         train, evals, columns, rule, source = custom.build(cfg_suite)
         parts, rules = (train, evals, columns, {}), {task: rule for task in evals}

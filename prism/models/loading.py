@@ -113,7 +113,6 @@ class KeptBackbones:
         return copy.deepcopy(model), copy.deepcopy(tokenizer)
 
 
-
 def random_model(config_file: str, dtype: torch.dtype, device: str | torch.device) -> PreTrainedModel:
     """A randomly initialised model of the architecture in ``conf/gpu_check/<config_file>`` (a Hugging
     Face ``config.json``), built directly on ``device`` in ``dtype`` with a fixed seed (RNG restored)."""
