@@ -267,7 +267,8 @@ def lifted_norm_terms(fr: Frame, gA: Tensor, gB: Tensor) -> tuple[Tensor, Tensor
     ``Q_A X_Bᵀ (I − Π_B)`` (``= P(G)`` of eq. 13 when ``g_A = GB``, ``g_B = GᵀA``). Each block is formed
     explicitly, so its norm carries the rounding of one product, never a difference of squares (which
     loses everything on a pair that is mostly a gauge direction ``(AΩ, −BΩᵀ)``). Returns ``(sq, err, fsq)``,
-    ``[...]`` each (``gA`` ``[..., m, r]``, ``gB`` ``[..., n, r]`` broadcasting against the frame):
+    ``[*lead, *F]`` each for ``gA`` ``[*lead, *F, m, r]``, ``gB`` ``[*lead, *F, n, r]`` and a frame of batch ``F``
+    (``lead``: e.g. the examples):
 
     * ``sq``: the computed ``‖image‖²``;
     * ``err ≥ ‖computed blocks − exact blocks‖`` for the frame's ``(Q, R⁻¹)``,
@@ -281,15 +282,37 @@ def lifted_norm_terms(fr: Frame, gA: Tensor, gB: Tensor) -> tuple[Tensor, Tensor
     pair's factor size, whose lift and horizontalisation would otherwise round into the image at
     ``eps·κ²`` of that size (docs/DECISIONS.md D70).
     """
-    XA, XB = gA @ fr.RBi, gB @ fr.RAi
+    lead = gA.shape[: gA.ndim - fr.A.ndim]
+    L = math.prod(lead)
+    XA, XB = _whitened_columns(gA, fr.RBi, L), _whitened_columns(gB, fr.RAi, L)  # [*F, p, L·r]
     cA, cB = fr.QA.mT @ XA, fr.QB.mT @ XB
-    blocks = (0.5 * (cA + cB.mT), XA - fr.QA @ cA, XB - fr.QB @ cB)
-    sq = sum(torch.linalg.vector_norm(X, dim=(-2, -1)).square() for X in blocks)
+
+    def sqnorm(colsq: Tensor) -> Tensor:  # squared column norms [*F, L·r] → per example [*lead, *F]
+        return colsq.unflatten(-1, (L, -1)).sum(-1).movedim(-1, 0).reshape(lead + fr.A.shape[:-2])
+
+    def residual(X: Tensor, Q: Tensor, c: Tensor) -> Tensor:  # ‖X − Qc‖² by column, in place on Qc
+        return (Q @ c).sub_(X).square_().sum(-2)
+
+    cBt = cB.unflatten(-1, (L, -1)).transpose(-3, -1).flatten(-2, -1)  # example i's c_Bᵀ in its columns
+    sq = sqnorm((0.5 * (cA + cBt)).square_().sum(-2) + residual(XA, fr.QA, cA) + residual(XB, fr.QB, cB))
     (m, r), n = fr.A.shape[-2:], fr.B.shape[-2]
     kappa = fr.SA[..., 0] / fr.SA[..., -1] + fr.SB[..., 0] / fr.SB[..., -1]
     eta = ROUNDING_MARGIN * torch.finfo(XA.dtype).eps * (math.sqrt(r) * kappa + (m + n) * (r + 1))
-    nA, nB = torch.linalg.vector_norm(XA, dim=(-2, -1)), torch.linalg.vector_norm(XB, dim=(-2, -1))
+    nA, nB = sqnorm(XA.square().sum(-2)).sqrt(), sqnorm(XB.square().sum(-2)).sqrt()
     return sq, eta * (nA + nB), nA.square() + nB.square()
+
+
+def _whitened_columns(g: Tensor, R_inv: Tensor, L: int) -> Tensor:
+    """``g R⁻¹`` for all examples at once: ``g`` ``[*lead, *F, p, r]`` (``L = Π lead``) → ``[*F, p, L·r]``,
+    example ``i``'s product in columns ``i·r … i·r + r − 1``.
+
+    With the examples beside the columns, each product of :func:`lifted_norm_terms` with a frame matrix
+    (``R⁻¹``, ``Qᵀ``, ``Q``) is one matrix product per module, with the per-example product's inner
+    dimension, hence its rounding.
+    """
+    p, r = g.shape[-2:]
+    g = g.reshape(L, *g.shape[g.ndim - R_inv.ndim:]).movedim(0, -2).contiguous()  # [*F, p, L, r]
+    return (g.flatten(-3, -2) @ R_inv).unflatten(-2, (p, L)).flatten(-2, -1)
 
 
 class Retraction(NamedTuple):

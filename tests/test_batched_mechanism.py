@@ -94,6 +94,13 @@ def test_lifted_norm_terms_are_the_norm_of_the_lift_without_forming_it() -> None
     dA, dB = geo.lift(A, B, gA, gB, frame=fr)
     image = (dA @ B.mT + A @ dB.mT).square().sum((-2, -1))
     assert rel(geo.lifted_norm_terms(fr, gA, gB)[0], image) < 1e-10
+    # two leading axes, and inputs in another memory layout, give each slice's own terms
+    gA2, gB2 = torch.randn(2, k, G_, m, R, generator=g, dtype=F64), torch.randn(2, k, G_, R, n, generator=g, dtype=F64)
+    got2 = geo.lifted_norm_terms(fr, gA2, gB2.mT)
+    for i in range(2):
+        for j in range(k):
+            one = geo.lifted_norm_terms(fr, gA2[i, j], gB2[i, j].mT)
+            assert all(rel(a[i, j], b) < 1e-12 for a, b in zip(got2, one))
 
 
 @pytest.mark.parametrize("name", ["prism", "prism_paper"])

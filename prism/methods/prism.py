@@ -8,7 +8,7 @@ Per logical step (paper Alg. 1), as Opacus' three verbs (:mod:`prism.methods.bas
 1. :meth:`PrismMethod.accumulate` (clip and accumulate) takes each example's global intrinsic norm
    ``s_i``, the norm of the lift (eq. 14) of its factor gradients over all modules (eqs. 15–16,
    :func:`prism.geometry.lifted_norm_terms`, an upper bound for every factor pair), clips with
-   ``α_i = min(1, C/s_i)`` and sums ``Σ α_i (g_A, g_B)_i`` (one ``einsum`` over the examples).
+   ``α_i = min(1, C/s_i)`` and sums ``Σ α_i (g_A, g_B)_i`` (one product with ``α`` over the examples).
 2. :meth:`PrismMethod.add_noise` lifts that sum once (the lift is linear, so this is ``Σ α_i ΔA_i``,
    ``Σ α_i ΔB_i``), divides by the expected batch size ``B``, adds ``(σC/B)·(Ξ_A, Ξ_B)`` (eqs. 17, 19)
    and horizontalises (Prop. A.11). The result, a :class:`~prism.methods.base.Release`, is the one object
@@ -221,9 +221,9 @@ class PrismMethod(Method):
         norms = torch.maximum(sq.sqrt() + err.sqrt(), (fsq / 2).sqrt())  # NaN stays NaN: the loop's finite check
         alpha = (self.privacy.clip_norm / norms).clamp(max=1.0)
         self._norms.append(norms)
-        for g, (gA, gB) in zip(self.groups, stacked):
-            g.sums[0].add_(torch.einsum("k,kgmr->gmr", alpha, gA))
-            g.sums[1].add_(torch.einsum("k,kgnr->gnr", alpha, gB))
+        for g, (gA, gB) in zip(self.groups, stacked):  # Σ_i α_i g_i over the buffers' example axis
+            g.sums[0].add_(alpha @ gA.permute(1, 2, 0, 3))
+            g.sums[1].add_(alpha @ gB.permute(1, 2, 0, 3))
 
     def _stack_grads(self, g: ShapeGroup, grads: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
         """The group's factor gradients ``g_A`` ``[(k,) G, m, r]``, ``g_B`` ``[(k,) G, n, r]`` in the working dtype."""
@@ -235,10 +235,16 @@ class PrismMethod(Method):
                     f"{pair.module}: gradient of shape {tuple(grads[pair.a_name].shape)}; DP needs per-example "
                     "grads [k, *shape] (prism.privacy.per_example), non-DP their micro-batch sum [*shape]"
                 )
-        axis = 1 if self.dp else 0
-        gA = torch.stack([grads[p.a_name] for p in g.pairs], dim=axis).to(self.work_dtype)
-        gB = torch.stack([grads[p.b_name] for p in g.pairs], dim=axis).to(self.work_dtype).mT
-        return gA, gB
+        if not self.dp:
+            return stack_pairs(grads, g.pairs, self.work_dtype)
+        # [k, G, p, r] views of [G, p, k, r] buffers: the examples sit beside the columns, the layout in which
+        # geometry.lifted_norm_terms takes every product over all examples at once (one fused copy each).
+        (k, m, r), n = grads[g.pairs[0].a_name].shape, grads[g.pairs[0].b_name].shape[-1]
+        like = {"dtype": self.work_dtype, "device": grads[g.pairs[0].a_name].device}
+        gA, gB = torch.empty(len(g.pairs), m, k, r, **like), torch.empty(len(g.pairs), n, k, r, **like)
+        torch._foreach_copy_(list(gA.permute(0, 2, 1, 3).unbind(0)), [grads[p.a_name] for p in g.pairs])
+        torch._foreach_copy_(list(gB.permute(0, 2, 3, 1).unbind(0)), [grads[p.b_name] for p in g.pairs])
+        return gA.permute(2, 0, 1, 3), gB.permute(2, 0, 1, 3)
 
     @torch.no_grad()
     def add_noise(self, denominator: float, noise: NoiseSource, diagnostics: bool = True) -> Release:
