@@ -28,7 +28,7 @@ Inside a run folder:
 * ``metrics.jsonl`` — one JSON object per logical step, appended as training runs (the core's
   ``log_fn`` records: ``step, loss, clip_fraction, sigma, epsilon_spent, noise_norm, step_time_s``,
   …). After a resume, steps after the last checkpoint appear twice: readers keep the *last* line
-  per ``step`` (:func:`read_metrics`); unparsable lines are skipped.
+  per ``step``; unparsable lines are skipped.
 * ``final.json`` — written once, atomically, when training and evaluation finished: the core's
   returned record verbatim at top level (task scores, ``sigma``, ``epsilon_spent`` (realised ε),
   ``n_train``, ``eval_rows``, ``peak_memory_mb``, ``step_time_s``, ``wall_time_s``, …) plus
@@ -267,22 +267,6 @@ def seal_metrics(folder: Path) -> None:
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":
                 f.write(b"\n")
-
-
-def read_metrics(folder: Path) -> list[dict[str, Any]]:
-    """Step records, one per ``step`` (the last line wins after a resume), in step order."""
-    path = folder / "metrics.jsonl"
-    if not path.exists():
-        return []
-    by_step: dict[Any, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            by_step[record.get("step")] = record
-    return sorted(by_step.values(), key=lambda r: (r.get("step") is None, r.get("step") or 0))
 
 
 @dataclass(frozen=True)

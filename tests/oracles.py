@@ -7,10 +7,13 @@
 * :func:`prism_noise_energy`, :func:`min_gauge_noise_energy`: eqs. 20–21 and 35 in closed form.
 * :class:`PerModulePrism`: PRISM with one shape group per module (one decomposition call per module).
 * :func:`release_lifts`, :func:`example_norms`: read a method's release and clip norms in tests.
+* :func:`read_metrics`: a run's ``metrics.jsonl`` as a reader takes it after a resume.
 """
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -84,3 +87,19 @@ def example_norms(method: Any) -> Tensor:
     """The clip norms of this logical step's examples (PRISM: eq. 16 with its rounding bound)."""
     norms = method._norms if isinstance(method, PrismMethod) else method.norms
     return torch.cat(norms) if norms else torch.zeros(0, dtype=torch.float64)
+
+
+def read_metrics(folder: Path) -> list[dict[str, Any]]:
+    """Step records, one per ``step`` (the last line wins after a resume), in step order."""
+    path = folder / "metrics.jsonl"
+    if not path.exists():
+        return []
+    by_step: dict[Any, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            by_step[record.get("step")] = record
+    return sorted(by_step.values(), key=lambda r: (r.get("step") is None, r.get("step") or 0))

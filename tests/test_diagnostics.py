@@ -16,7 +16,7 @@ from pipelines.grid import compose_config, resolve
 from prism import diagnostics as dg
 from prism import geometry
 from prism.adaptive import AdaptiveConfig, RankSpaceAdaptive, noise_second_moments
-from tests.oracles import min_gauge_noise_energy
+from tests.oracles import min_gauge_noise_energy, read_metrics
 
 
 def factors(m: int, n: int, r: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +170,7 @@ def test_diagnostics_experiment_end_to_end(experiment: tuple[Path, DictConfig, d
     assert json.loads((folder / "status.json").read_text())["state"] == "finished"
     assert all(row["rel_err"] < 0.5 for row in data["table1"]["rows"])  # 32 draws: loose; the 2 % test is above
     # one metrics line per step of every short run: 3 gauges × 3 methods × 2 steps (the ε sweep reuses c = 1)
-    assert len(store.read_metrics(folder)) == 3 * 3 * 2
+    assert len(read_metrics(folder)) == 3 * 3 * 2
     # Thm. 3.3 path by path: without the adaptive transform PRISM's ‖ΔZ_t‖ is the same at every gauge
     assert max(data["gauge_plain"]["rho_rel"]) < 1e-4
     # eq. 8 at every logged step: the baseline's measured ‖N_Z‖² scatters around τ²·S_t

