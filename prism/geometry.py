@@ -282,20 +282,20 @@ def lifted_norm_terms(fr: Frame, gA: Tensor, gB: Tensor) -> tuple[Tensor, Tensor
     pair's factor size, whose lift and horizontalisation would otherwise round into the image at
     ``eps·κ²`` of that size (docs/DECISIONS.md D70).
     """
+    (m, r), n = fr.A.shape[-2:], fr.B.shape[-2]
     lead = gA.shape[: gA.ndim - fr.A.ndim]
     L = math.prod(lead)
     XA, XB = _whitened_columns(gA, fr.RBi, L), _whitened_columns(gB, fr.RAi, L)  # [*F, p, L·r]
     cA, cB = fr.QA.mT @ XA, fr.QB.mT @ XB
 
     def sqnorm(colsq: Tensor) -> Tensor:  # squared column norms [*F, L·r] → per example [*lead, *F]
-        return colsq.unflatten(-1, (L, -1)).sum(-1).movedim(-1, 0).reshape(lead + fr.A.shape[:-2])
+        return colsq.unflatten(-1, (L, r)).sum(-1).movedim(-1, 0).reshape(lead + fr.A.shape[:-2])
 
     def residual(X: Tensor, Q: Tensor, c: Tensor) -> Tensor:  # ‖X − Qc‖² by column, in place on Qc
         return (Q @ c).sub_(X).square_().sum(-2)
 
-    cBt = cB.unflatten(-1, (L, -1)).transpose(-3, -1).flatten(-2, -1)  # example i's c_Bᵀ in its columns
+    cBt = cB.unflatten(-1, (L, r)).transpose(-3, -1).flatten(-2, -1)  # example i's c_Bᵀ in its columns
     sq = sqnorm((0.5 * (cA + cBt)).square_().sum(-2) + residual(XA, fr.QA, cA) + residual(XB, fr.QB, cB))
-    (m, r), n = fr.A.shape[-2:], fr.B.shape[-2]
     kappa = fr.SA[..., 0] / fr.SA[..., -1] + fr.SB[..., 0] / fr.SB[..., -1]
     eta = ROUNDING_MARGIN * torch.finfo(XA.dtype).eps * (math.sqrt(r) * kappa + (m + n) * (r + 1))
     nA, nB = sqnorm(XA.square().sum(-2)).sqrt(), sqnorm(XB.square().sum(-2)).sqrt()

@@ -101,6 +101,7 @@ def test_lifted_norm_terms_are_the_norm_of_the_lift_without_forming_it() -> None
         for j in range(k):
             one = geo.lifted_norm_terms(fr, gA2[i, j], gB2[i, j].mT)
             assert all(rel(a[i, j], b) < 1e-12 for a, b in zip(got2, one))
+    assert all(x.shape == (0, G_) for x in geo.lifted_norm_terms(fr, gA[:0], gB[:0]))  # no examples
 
 
 @pytest.mark.parametrize("name", ["prism", "prism_paper"])
