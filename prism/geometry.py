@@ -307,10 +307,10 @@ def _whitened_columns(g: Tensor, R_inv: Tensor, L: int) -> Tensor:
     example ``i``'s product in columns ``i·r … i·r + r − 1``.
 
     With the examples beside the columns, each product of :func:`lifted_norm_terms` with a frame matrix
-    (``R⁻¹``, ``Qᵀ``, ``Q``) is one matrix product per module, with the per-example product's inner
+    (``R⁻¹``, ``Qᵀ``, ``Q``) is one matrix product per frame, with the per-example product's inner
     dimension, hence its rounding.
     """
-    p, r = g.shape[-2:]
+    p = g.shape[-2]
     g = g.reshape(L, *g.shape[g.ndim - R_inv.ndim:]).movedim(0, -2).contiguous()  # [*F, p, L, r]
     return (g.flatten(-3, -2) @ R_inv).unflatten(-2, (p, L)).flatten(-2, -1)
 
