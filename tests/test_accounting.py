@@ -148,24 +148,39 @@ def test_accountant_epsilon_grows_and_rejects_zero_noise() -> None:
         accountant.step(noise_multiplier=0.0, sample_rate=0.01)
 
 
-def test_cached_calibration_is_the_same_sigma_and_trusts_no_stored_value(tmp_path) -> None:
+def test_cached_calibration_is_the_same_sigma_and_trusts_no_stored_value(tmp_path, monkeypatch) -> None:
     """The cache returns calibrate_sigma's σ bit for bit; a stored σ that would overspend ε, a file
-    for another question or a corrupt file is recomputed and rewritten."""
+    for another question or a corrupt file is recomputed and rewritten, and a valid file is not.
+
+    The binary search runs once for real; the cache's later calls to it are counted (each returns that
+    σ), so the test sees every recomputation without paying ≈ 5 s for each."""
+    from prism.privacy import accounting
     args = (6.0, DELTA, 0.032, 30)
     fresh = calibrate_sigma(*args)
-    assert calibrate_sigma_cached(*args, cache_dir=tmp_path) == fresh
+    calls: list[tuple] = []
+
+    def counted(*call_args: object) -> float:
+        calls.append(call_args)
+        assert call_args[:4] == args
+        return fresh
+
+    monkeypatch.setattr(accounting, "calibrate_sigma", counted)
+    assert calibrate_sigma_cached(*args, cache_dir=tmp_path) == fresh and len(calls) == 1
     (stored,) = tmp_path.glob("*.json")
     assert calibrate_sigma_cached(*args, cache_dir=tmp_path) == fresh  # read back, re-verified
+    assert len(calls) == 1
     record = json.loads(stored.read_text())
     record["sigma"] = fresh / 2  # too little noise: ε(σ/2) > 6
     stored.write_text(json.dumps(record))
     assert epsilon_spent(fresh / 2, 0.032, 30, DELTA) > 6.0
-    assert calibrate_sigma_cached(*args, cache_dir=tmp_path) == fresh
+    assert calibrate_sigma_cached(*args, cache_dir=tmp_path) == fresh and len(calls) == 2
     assert json.loads(stored.read_text())["sigma"] == fresh
     record = json.loads(stored.read_text())
     record["question"]["steps"] = 31  # a file that answers another question
     stored.write_text(json.dumps(record))
-    assert calibrate_sigma_cached(*args, cache_dir=tmp_path) == fresh
+    assert calibrate_sigma_cached(*args, cache_dir=tmp_path) == fresh and len(calls) == 3
     stored.write_text("{not json")
-    assert calibrate_sigma_cached(*args, cache_dir=tmp_path) == fresh
+    assert calibrate_sigma_cached(*args, cache_dir=tmp_path) == fresh and len(calls) == 4
+    assert json.loads(stored.read_text())["sigma"] == fresh
+    monkeypatch.undo()
     assert calibrate_sigma_cached(math.inf, DELTA, 0.032, 30, cache_dir=tmp_path) == 0.0
