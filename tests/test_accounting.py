@@ -11,6 +11,7 @@ import torch
 from opacus.accountants import PRVAccountant
 
 from prism.privacy import Accountant, calibrate_sigma, calibration_steps, epsilon_spent
+from prism.privacy import accounting
 from prism.privacy.accounting import calibrate_sigma_cached
 
 DELTA = 1e-5
@@ -154,7 +155,6 @@ def test_cached_calibration_is_the_same_sigma_and_trusts_no_stored_value(tmp_pat
 
     The binary search runs once for real; the cache's later calls to it are counted (each returns that
     σ), so the test sees every recomputation without paying ≈ 5 s for each."""
-    from prism.privacy import accounting
     args = (6.0, DELTA, 0.032, 30)
     fresh = calibrate_sigma(*args)
     calls: list[tuple] = []

@@ -4,7 +4,8 @@ The same 2-job tiny grid (Table 2 layout on the random-config `tiny-llama`, PRIS
 ε = 6, GLUE8 stand-in, a 2-step budget) goes through both cluster paths — the plain
 `slurm/submit.sh` job array and hydra-submitit-launcher (`launcher=slurm`) — and both run folders
 must end `finished`, written by the real `python -m pipelines.run`. Both jobs of an array run at once
-(parallelism 2), so the array's scheduling is exercised; the non-private path is the same runner.
+(parallelism 2), so the array's scheduling is exercised; non-private runs of the same runner are
+tested without SLURM (`tests/test_worker.py`).
 """
 
 from __future__ import annotations
