@@ -10,8 +10,7 @@ import pytest
 import torch
 from opacus.accountants import PRVAccountant
 
-from prism.privacy import Accountant, calibrate_sigma, calibration_steps, epsilon_spent
-from prism.privacy import accounting
+from prism.privacy import Accountant, accounting, calibrate_sigma, calibration_steps, epsilon_spent
 from prism.privacy.accounting import calibrate_sigma_cached
 
 DELTA = 1e-5
