@@ -55,6 +55,10 @@ def _positive_int(value: Any, key: str, minimum: int = 1) -> None:
 
 def _general(cfg: DictConfig) -> None:
     _require(isinstance(cfg.seed, int) and 0 <= cfg.seed < 2**32, f"seed={cfg.seed!r} must be an integer in [0, 2^32)")
+    data_seed = cfg.suite.get("data_seed")
+    _require(data_seed is None or (isinstance(data_seed, int) and not isinstance(data_seed, bool)
+                                   and 0 <= data_seed < 2**32),
+             f"suite.data_seed={data_seed!r} must be an integer in [0, 2^32)")
     _require(isinstance(cfg.experiment, str) and EXPERIMENT_NAME.fullmatch(cfg.experiment) is not None,
              f"experiment={cfg.experiment!r} names a folder, use letters, digits, '.', '_' or '-'")
     results = Path(str(cfg.results_dir)).expanduser()
@@ -250,6 +254,10 @@ def _embedded_size(name: str, node: Mapping) -> int:
     from prism.data.embedded import EMBEDDED_TASKS
 
     tasks = _tasks(node, "tasks", EMBEDDED_TASKS[name], "suite.embedded")
+    unscored = node.get("unscored") or []
+    _require(set(unscored) <= set(EMBEDDED_TASKS[name]) and not set(tasks) <= set(unscored),
+             f"suite.embedded.unscored={list(unscored)} must name {name} tasks ({', '.join(EMBEDDED_TASKS[name])}) and "
+             f"leave one of suite.embedded.tasks={tasks} scored, e.g. suite.embedded.unscored=[]")
     if node.get("eval_per_task") is not None:
         _positive_int(node.eval_per_task, "suite.embedded.eval_per_task")
     from prism.data.embedded import DEFAULT_EVAL_PER_TASK, DEFAULT_TRAIN_PER_TASK

@@ -20,6 +20,19 @@ def test_an_empty_task_list_is_refused_not_all_tasks(overrides: list[str]) -> No
         load_job(overrides)
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["suite.embedded.unscored=[gsm_symbolic]"], r"suite\.embedded\.unscored=\['gsm_symbolic'\] must name glue8 tasks"),
+    (["suite.embedded.unscored=[tweet_sentiment,syllogism]"], r"and leave one of suite\.embedded\.tasks=\["),
+    (["suite=math10k", "suite.embedded.tasks=[gsm_symbolic]"], r"suite\.embedded\.unscored=\[\]"),
+    (["suite.data_seed=-1"], r"suite\.data_seed=-1 must be an integer in \[0, 2\^32\)"),
+    (["suite.data_seed=abc"], r"suite\.data_seed must be an integer, got 'abc'"),
+])
+def test_unscored_tasks_that_leave_nothing_scored_and_bad_data_seeds_are_refused(overrides: list[str],
+                                                                                   message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_job(overrides)
+
+
 def test_a_quoted_tilde_results_dir_is_the_home_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     home, cwd = tmp_path / "home", tmp_path / "checkout"
     home.mkdir()

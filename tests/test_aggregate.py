@@ -187,6 +187,23 @@ def test_outputs_written_with_marks_paper_and_scale(table2_runs: Path, tmp_path:
     assert len(pd.read_csv(out / "table2.embedded_missing.csv")) == 32
 
 
+def test_columns_trained_on_but_not_scored_have_their_own_footnote(tmp_path: Path) -> None:
+    """A Math run with ``suite.embedded.unscored=[gsm_symbolic, arith_choice]``: GSM8K and AQuA are named
+    as trained on but not scored, not as columns without a finished run (which SVAMP, with no run that
+    scored it, still is)."""
+    root = tmp_path / "runs"
+    make_run(root, "m1", method="prism", privacy="eps6", suite="math10k", columns={"MAWPS": 0.5},
+             experiment="table2", extra_config={"suite": {"name": "math10k", "scale": "embedded", "embedded": {
+                 "tasks": ["gsm_symbolic", "arith_choice", "basic_arithmetic", "leg_counting"],
+                 "unscored": ["gsm_symbolic", "arith_choice"]}}})
+    res = agg.build_table(agg.SPECS["table2"], agg.read_run_folders(root, "table2"), "embedded")
+    assert res.unscored == ["GSM8K", "AQuA"]
+    md = agg.to_markdown(res)
+    assert "Stand-in columns trained on but not scored (suite.embedded.unscored; " in md
+    assert "suite.embedded.unscored=[] scores them): GSM8K, AQuA." in md
+    assert "Columns without a finished run: SST-2, RTE, SVAMP." in md
+
+
 def test_table4_and_table5_layouts(tmp_path: Path) -> None:
     root = tmp_path / "runs"
     make_run(root / "table4", "r8g", method="adamw", privacy="eps6", suite="glue8", r=8,

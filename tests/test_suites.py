@@ -209,16 +209,21 @@ def test_embedded_arithmetic_is_two_small_terms() -> None:
 @pytest.mark.parametrize("scale", ["embedded", "smoke"])
 @pytest.mark.parametrize("name", ["glue8", "math10k"])
 def test_configured_scale_builds_its_sizes(scale: str, name: str) -> None:
-    """The sizes conf/suite_scale/<suite>_<scale>.yaml asks for exist: exact train/eval counts, fixed
-    eval rows (same for another run seed), train rows disjoint from them, GLUE labels balanced."""
+    """The sizes conf/suite_scale/<suite>_<scale>.yaml asks for exist: exact train/eval counts, the same
+    training and eval rows for another run seed (``suite.data_seed``), other training rows for another
+    data seed, train rows disjoint from the eval rows, GLUE labels balanced."""
+    from omegaconf import OmegaConf
+
     from pipelines.grid import job_config
 
     cfg = job_config([f"suite={name}", f"scale={scale}"])
     node = cfg.suite.embedded
     a, b = build_suite(cfg.suite, 42), build_suite(cfg.suite, 43)
+    other = build_suite(OmegaConf.merge(cfg.suite, {"data_seed": 7}), 42)
     sizes = {task: train_size(node.train_per_task, task) for task in node.tasks}
     assert len(a.train) == sum(sizes.values())
-    assert a.eval == b.eval and a.train != b.train
+    assert a.eval == b.eval and a.train == b.train
+    assert other.eval == a.eval and other.train != a.train
     for task, rows in a.eval.items():
         assert len(rows) == node.eval_per_task
         train_keys = {(ex.instruction, ex.input) for ex in a.train if ex.task == task}
@@ -234,3 +239,21 @@ def test_train_per_task_mapping() -> None:
     assert Counter(ex.task for ex in suite.train) == {"tweet_sentiment": 10, "syllogism": 4}
     with pytest.raises(ValueError, match="train_per_task"):
         _embedded("glue8", 3, train_per_task="many")
+
+
+def test_scored_tasks_leave_training_and_validation_rows_as_they_are() -> None:
+    """``suite.embedded.unscored`` drops those tasks' evaluation rows and nothing else: the training rows
+    are those of the unrestricted suite (their evaluation rows are still drawn and kept out of training),
+    the scored tasks' evaluation rows are unchanged, and validation rows (the rate sweep) cover every task."""
+    full = _embedded("math10k", 5)
+    part = _embedded("math10k", 5, unscored=["arith_choice", "gsm_symbolic"])
+    assert part.train == full.train
+    assert list(part.eval) == ["basic_arithmetic", "leg_counting"]
+    assert all(part.eval[t] == full.eval[t] for t in part.eval)
+    assert part.task_columns == {"basic_arithmetic": "MAWPS", "leg_counting": "SVAMP"}
+    val = build_suite({"name": "math10k", "scale": "embedded", "eval_split": "validation", "validation_per_task": 4,
+                       "embedded": {**SIZES, "unscored": ["gsm_symbolic", "arith_choice", "leg_counting"]}}, 5)
+    assert list(val.eval) == list(EMBEDDED_TASKS["math10k"]) and val.train == full.train
+    for bad in (["basic_arithmetic"], ["syllogism"]):  # nothing left to score / not a math10k task
+        with pytest.raises(ValueError, match="suite.embedded.unscored"):
+            _embedded("math10k", 5, tasks=["basic_arithmetic", "gsm_symbolic"], unscored=["gsm_symbolic", *bad])

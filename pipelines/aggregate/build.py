@@ -65,6 +65,7 @@ class TableResult:
     n_finished: int = 0
     not_dp: int = 0  # private runs whose final.json says their ε is not a valid DP guarantee as stated
     differences: pd.DataFrame = field(default_factory=pd.DataFrame)  # the "PRISM − best baseline" rows
+    unscored: list[str] = field(default_factory=list)  # stand-in columns the runs trained on but did not score
 
 
 def load_paper(name: str) -> pd.DataFrame:
@@ -136,6 +137,22 @@ def stand_ins(records: Sequence[RunRecord]) -> list[str]:
     """``paper backbone → backbone actually run`` for runs on an embedded stand-in (Table 3)."""
     pairs = {(r.get("backbone.paper_name"), r.get("backbone.name")) for r in records if r.config}
     return sorted(f"{p} → {n}" for p, n in pairs if p and n and norm_name(p) != norm_name(n))
+
+
+def unscored_columns(records: Sequence[RunRecord]) -> list[str]:
+    """Columns of embedded stand-in tasks that the runs trained on but did not score
+    (``suite.embedded.unscored``), in the paper's column order."""
+    from prism.data import PAPER_COLUMNS
+    from prism.data.embedded import EMBEDDED_TASKS
+
+    out = set()
+    for r in records:
+        available = EMBEDDED_TASKS.get(str(r.get("suite.name")))
+        if r.get("suite.scale") != "embedded" or not available:
+            continue
+        unscored = set(r.get("suite.embedded.unscored") or ())
+        out |= {available[t][0] for t in r.get("suite.embedded.tasks") or available if t in unscored and t in available}
+    return [c for c in PAPER_COLUMNS if c in out]
 
 
 def fmt_key(spec: TableSpec, key: tuple) -> str:
@@ -314,6 +331,7 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str | None
     result = TableResult(spec, scale, frame, missing, ignored, protocol, stand_ins(records),
                          header, fact_warnings + warnings, seen, sum(len(rs) for rs in used.values()), not_dp)
     result.differences = prism_minus_best(spec, frame, intervals)
+    result.unscored = unscored_columns(finished)
     return result
 
 

@@ -46,9 +46,13 @@ def not_shown_line(result: TableResult) -> str:
     stand_ins = {col for tasks in EMBEDDED_TASKS.values() for col, _ in tasks.values()}
     gone = [c for c in result.spec.columns if c not in shown_columns(result)]
     none = [c for c in gone if c not in averages and result.scale == "embedded" and c not in stand_ins]
-    unrun = [c for c in gone if c not in averages and c not in none]
+    unscored = [c for c in gone if c in result.unscored]
+    unrun = [c for c in gone if c not in averages and c not in none and c not in unscored]
     means = [c for c in gone if c in averages]
-    parts = [(none, "Columns without an embedded stand-in"), (unrun, "Columns without a finished run"),
+    parts = [(none, "Columns without an embedded stand-in"),
+             (unscored, "Stand-in columns trained on but not scored (suite.embedded.unscored; why: docs/embedded-scale.md, "
+                        "\"Columns that stay at chance\"; suite.embedded.unscored=[] scores them)"),
+             (unrun, "Columns without a finished run"),
              (means, "Averages without a row that has finished runs of every suite they average")]
     return " ".join(f"{what}: {', '.join(column_label(result, c) for c in cols)}." for cols, what in parts if cols)
 

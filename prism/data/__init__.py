@@ -5,7 +5,10 @@ Table 2 column it scores (``task_columns``). Paper and embedded suites share the
 decoding and metric code: only where the rows come from differs.
 
 ``build_suite(cfg_suite, seed)`` reads ``name``, ``scale``, ``family``, ``train_on_inputs``,
-``cutoff_len``, ``eval_limit``, ``eval_split`` (``test``, the default: score the fixed evaluation
+``cutoff_len``, ``data_seed`` (the seed of every row draw: training rows, validation rows, ``eval_limit``;
+``conf/suite/*.yaml`` fix it at 42, so every run seed trains on the same rows, as the paper's runs share
+one training file, and the run seed varies the initialisation, the batch sampling and the noise; without
+the key the rows follow the run seed), ``eval_limit``, ``eval_split`` (``test``, the default: score the fixed evaluation
 rows; ``validation``: score ``validation_per_task`` rows per task drawn from the training pool,
 disjoint from the run's training rows and from the evaluation rows, :func:`validation_split`; for
 ``suite=custom``, held out of the training file's rows; the learning-rate sweep of ``pipelines/tune.py``
@@ -109,9 +112,12 @@ def validation_split(candidates: list[Example], used: list[Example], n: int, bal
 
 
 def build_suite(cfg_suite: Any, seed: int) -> Suite:
-    """Build the suite named by ``cfg_suite.name`` at ``cfg_suite.scale`` (deterministic in `seed`)."""
+    """Build the suite named by ``cfg_suite.name`` at ``cfg_suite.scale``: deterministic in
+    ``cfg_suite.data_seed``, or in the run `seed` where the config sets none."""
     from prism.data import embedded, glue, math10k
 
+    data_seed = cfg_suite.get("data_seed")
+    draw = seed if data_seed is None else int(data_seed)
     name, scale = cfg_suite.get("name"), cfg_suite.get("scale", "embedded")
     if name not in SUITE_FAMILIES:
         raise ValueError(f"unknown suite {name!r}; valid suites: {', '.join(SUITE_FAMILIES)}")
@@ -135,14 +141,14 @@ def build_suite(cfg_suite: Any, seed: int) -> Suite:
         train, evals, columns, rule, source = custom.build(cfg_suite)
         parts, rules = (train, evals, columns, {}), {task: rule for task in evals}
     elif scale == "embedded":
-        parts = embedded.build(name, node, seed, n_validation)
+        parts = embedded.build(name, node, draw, n_validation)
     elif name == "glue8":
-        parts = glue.build_paper(node, seed)
+        parts = glue.build_paper(node, draw)
     else:
-        parts = math10k.build_paper(node, seed)
+        parts = math10k.build_paper(node, draw)
     train, evals, columns, skipped = parts
     limit = cfg_suite.get("eval_limit")
-    evals = {task: seeded_subset(rows, limit, seed, "eval_limit", task) for task, rows in evals.items()}
+    evals = {task: seeded_subset(rows, limit, draw, "eval_limit", task) for task, rows in evals.items()}
     return Suite(
         name=name,
         scale=scale,

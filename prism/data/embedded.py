@@ -20,14 +20,16 @@ The corpus holds 12,156 tweets at confidence ≥ 0.8 but only 2,112 positive one
 SST-2 stand-in has at most about 4,000 training rows.
 
 Evaluation rows are drawn from a fixed stream (seed `EVAL_SEED`, like the paper's fixed test sets);
-training rows from the run seed, excluding any question that is in the evaluation set. GLUE-style
+training rows with ``suite.data_seed`` (the same for every run seed, like the paper's one training
+file), excluding any question that is in the evaluation set. GLUE-style
 classes are balanced in both. Math targets (``target``, :func:`math_target`) are the bare answer,
 ``42.`` / ``(C).`` (a few tokens to generate), or for the MAWPS stand-in a one-line rationale
 ``4 - 1 = 3.`` (the embedded default, docs/DECISIONS.md D62); the paper's Math-10K targets are
 rationales ending in "The answer is …", read by the same last-number / last-letter extraction.
 
-Node ``suite.embedded`` fields: ``tasks`` (default: all of the suite's), ``train_per_task`` (a count,
-or a mapping task → count), ``eval_per_task``, ``min_confidence`` (tweets; default 0.8), ``target``
+Node ``suite.embedded`` fields: ``tasks`` (default: all of the suite's), ``unscored`` (tasks trained on
+but not scored on their evaluation rows, default none: those rows are still drawn and kept out of
+training, so the training rows do not change; validation rows are scored for every task), ``train_per_task`` (a count, or a mapping task → count), ``eval_per_task``, ``min_confidence`` (tweets; default 0.8), ``target``
 (Math: ``bare`` | ``sentence`` | ``equation``; default ``bare``).
 """
 from __future__ import annotations
@@ -269,7 +271,7 @@ def train_size(sizes: Any, task: str) -> int:
 
 
 def build(suite: str, node: Any, seed: int, n_validation: int = 0):
-    """Embedded suite: (train, eval per task, task → column, skipped rows); deterministic in `seed`.
+    """Embedded suite: (train, eval per scored task, scored task → column, skipped rows); deterministic in `seed`.
 
     ``n_validation`` > 0: each task's evaluation rows are replaced by that many validation rows from the
     task's training pool (a second draw of the pool with its own seed, rows of the run's training set
@@ -307,4 +309,11 @@ def build(suite: str, node: Any, seed: int, n_validation: int = 0):
         if bad:
             skipped[f"embedded/{task}"] = bad
     random.Random(sub_seed(seed, suite, "train-mix")).shuffle(train)
+    if not n_validation:
+        unscored = set(node.get("unscored") or ())
+        if unscored - set(available) or unscored >= set(tasks):
+            raise ValueError(f"suite.embedded.unscored={sorted(unscored)} must name {suite} tasks and leave at least "
+                             f"one of suite.embedded.tasks {tasks} scored")
+        evals = {t: rows for t, rows in evals.items() if t not in unscored}
+        columns = {t: column for t, column in columns.items() if t not in unscored}
     return train, evals, columns, skipped

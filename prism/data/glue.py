@@ -1,7 +1,7 @@
 """GLUE8 at paper scale (docs/DECISIONS.md D29, D39): instruction strings, label words, stratified sub-sampling.
 
 The paper's training file (`glue8_1250.json`, 10,000 rows) is not retrievable, so it is rebuilt:
-``train_per_task`` (1,250) rows per task from the GLUE train split, drawn with the run seed and
+``train_per_task`` (1,250) rows per task from the GLUE train split, drawn with ``suite.data_seed`` and
 stratified by label (STS-B: by the score rounded to the nearest integer, bins 0–5); the training
 target is the label word (STS-B: the score with one decimal). Evaluation uses the validation splits
 (MNLI: matched and mismatched as two tasks scored into one column); rows with label −1 are dropped.
