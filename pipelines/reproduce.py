@@ -52,6 +52,7 @@ class Job:
     run_hash: str
     steps: int
     benchmark: bool = False  # a timing/memory run (train.benchmark): needs a process of its own
+    cache_group: str = ""  # jobs of one group read the frozen-prefix and prompt caches the first of them builds
 
     @property
     def folder(self) -> Path:
@@ -86,7 +87,8 @@ def plan(experiment: str, overrides: Sequence[str]) -> tuple[list[Job], list[Job
     pending, finished = [], []
     for overrides_, cfg in load_experiment(experiment, overrides):  # every job validated before any runs
         job = Job(overrides_, store.runs_root(cfg), store.run_hash(cfg), total_steps(cfg),
-                  benchmark=bool(cfg.train.get("benchmark")))
+                  benchmark=bool(cfg.train.get("benchmark")),
+                  cache_group=f"{cfg.suite.name}/{cfg.backbone.name}/{cfg.backbone.lora_layers}")
         done = store.inspect_run(job.folder).state == "finished" and not cfg.force
         if done:
             store.tag(job.root, experiment, job.run_hash)
@@ -115,14 +117,24 @@ def last_step(folder: Path) -> int:
     return 0
 
 
+def next_job(queue: Sequence[Job], warming: set[str]) -> int:
+    """Index in ``queue`` of the job to start next: the first whose cache group is not warming (a
+    group warms until one of its jobs has finished here: its first job builds the caches, and any
+    other would wait on their file lock), else the first. So a free worker takes other work instead of
+    waiting for another worker's cache build."""
+    return next((i for i, job in enumerate(queue) if job.cache_group not in warming), 0)
+
+
 def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list[Job]]:
     """Run ``pending`` on at most ``workers`` processes of :mod:`pipelines.worker` (each keeps its
     backbone loaded across jobs; a benchmark job gets a fresh process); returns jobs by outcome
-    (ok / failed). A worker that dies (killed, out of memory) fails only the jobs it held; the
-    next jobs get a new pool."""
+    (ok / failed). Jobs start in queue order, except that a job whose cache group is still warming waits
+    while others are queued (:func:`next_job`). A worker that dies (killed, out of memory) fails only
+    the jobs it held; the next jobs get a new pool."""
     os.environ.update(worker.THREAD_ENV)  # inherited by the spawned workers before torch is imported
     log_dir.mkdir(parents=True, exist_ok=True)
     queue, running, outcome = list(pending), {}, {"ok": [], "failed": []}
+    warm: set[str] = set()  # cache groups with a job finished in this call
     fresh = any(job.benchmark for job in pending)
     pool: ProcessPoolExecutor | None = None
     grid_bar = tqdm(total=len(pending), desc="grid", position=0, unit="run")
@@ -133,7 +145,7 @@ def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list
                 if pool is None:
                     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                                max_tasks_per_child=1 if fresh else None)
-                job = queue.pop(0)
+                job = queue.pop(next_job(queue, {j.cache_group for _, j in running.values()} - warm))
                 slot = next(i for i in range(workers) if i not in {s for s, _ in running.values()})
                 running[pool.submit(worker.run_job, job.overrides, str(log_dir / f"{job.run_hash}.log"))] = (slot, job)
             for future, (slot, job) in list(running.items()):
@@ -148,6 +160,7 @@ def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list
                 except BrokenProcessPool:
                     code, pool = -9, None  # its worker died; the pool cannot take more jobs
                 outcome["ok" if code == 0 else "failed"].append(job)
+                warm.add(job.cache_group)
                 if code != 0:
                     tqdm.write(f"FAILED {' '.join(job.overrides)} (log {log_dir / job.run_hash}.log)")
                 grid_bar.update(1)

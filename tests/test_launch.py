@@ -105,6 +105,19 @@ def test_reproduce_when_sbatch_fails_inside_submitit(tmp_path: Path, monkeypatch
     assert table.read_bytes() == before
 
 
+def test_a_free_worker_skips_jobs_whose_caches_are_still_being_built(tmp_path: Path) -> None:
+    """Table 2's queue alternates the suites; with the first GLUE8 job still building its caches, the
+    next worker takes the Math jobs in order, and takes a GLUE8 job only once none else is left."""
+    def job(i: int, group: str) -> reproduce.Job:
+        return reproduce.Job([f"seed={i}"], tmp_path, f"{i:012x}", 2, cache_group=group)
+
+    queue = [job(1, "math10k/smollm2-135m/1"), job(2, "glue8/smollm2-135m/1"), job(3, "math10k/smollm2-135m/1")]
+    assert reproduce.next_job(queue, set()) == 0
+    assert reproduce.next_job(queue, {"glue8/smollm2-135m/1"}) == 0
+    assert reproduce.next_job(queue[1:], {"glue8/smollm2-135m/1"}) == 1
+    assert reproduce.next_job(queue[1:2], {"glue8/smollm2-135m/1"}) == 0  # nothing else left: wait on the lock
+
+
 def test_local_failure_count_is_the_runs_not_finished(tmp_path: Path, monkeypatch) -> None:
     jobs = [reproduce.Job([f"seed={i}"], tmp_path / "runs", f"{i:012x}", 2) for i in range(3)]
     store.write_status(tmp_path / "runs" / jobs[0].run_hash, "finished", started="t", attempts=1)
