@@ -150,8 +150,8 @@ def unscored_columns(records: Sequence[RunRecord]) -> list[str]:
         available = EMBEDDED_TASKS.get(str(r.get("suite.name")))
         if r.get("suite.scale") != "embedded" or not available:
             continue
-        unscored = set(r.get("suite.embedded.unscored") or ())
-        out |= {available[t][0] for t in r.get("suite.embedded.tasks") or available if t in unscored and t in available}
+        trained = r.get("suite.embedded.tasks") or available
+        out |= {available[t][0] for t in set(r.get("suite.embedded.unscored") or ()) & set(trained) & set(available)}
     return [c for c in PAPER_COLUMNS if c in out]
 
 

@@ -29,8 +29,9 @@ rationales ending in "The answer is …", read by the same last-number / last-le
 
 Node ``suite.embedded`` fields: ``tasks`` (default: all of the suite's), ``unscored`` (tasks trained on
 but not scored on their evaluation rows, default none: those rows are still drawn and kept out of
-training, so the training rows do not change; validation rows are scored for every task), ``train_per_task`` (a count, or a mapping task → count), ``eval_per_task``, ``min_confidence`` (tweets; default 0.8), ``target``
-(Math: ``bare`` | ``sentence`` | ``equation``; default ``bare``).
+training, so the training rows do not change; validation rows are scored for every task),
+``train_per_task`` (a count, or a mapping task → count), ``eval_per_task``, ``min_confidence``
+(tweets; default 0.8), ``target`` (Math: ``bare`` | ``sentence`` | ``equation``; default ``bare``).
 """
 from __future__ import annotations
 
@@ -271,7 +272,8 @@ def train_size(sizes: Any, task: str) -> int:
 
 
 def build(suite: str, node: Any, seed: int, n_validation: int = 0):
-    """Embedded suite: (train, eval per scored task, scored task → column, skipped rows); deterministic in `seed`.
+    """Embedded suite: (train, eval per scored task, scored task → column, skipped rows);
+    deterministic in `seed`.
 
     ``n_validation`` > 0: each task's evaluation rows are replaced by that many validation rows from the
     task's training pool (a second draw of the pool with its own seed, rows of the run's training set
