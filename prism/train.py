@@ -272,6 +272,7 @@ def train_step(s: Setup, cfg: DictConfig, diagnostics: bool = True) -> dict[str,
         # DP: the noisy step is released on an empty batch too (noise only, the same σC/B), since
         # skipping it would reveal that the batch was empty. Non-DP: nothing to average.
         stats = s.method.step(float(cfg.train.batch_size), s.noise, diagnostics) if s.method.dp else {}
+        _check_finite(torch.zeros((), device=s.device), s.params)  # a non-finite noise draw stops here too
         return {"batch_size": 0, **stats}
     loss_sum = torch.zeros((), device=s.device)
     for chunk in indices.split(cfg.train.micro_batch_size):

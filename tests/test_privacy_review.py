@@ -145,12 +145,54 @@ def test_os_noise_is_the_sum_of_four_inverse_cdf_normals_of_urandom_bits(monkeyp
     monkeypatch.setattr(noise_mod.os, "urandom", lambda n: data[:n])
     torch.manual_seed(0)
     draws = noise_mod.SecureNoise().normal((2, 3), torch.device("cpu"))
-    bits = np.frombuffer(data, dtype=np.uint64) >> np.uint64(11)
-    u = (bits.astype(np.float64) + 0.5) * 2.0**-53
+    bits = np.frombuffer(data, dtype=np.uint64) >> np.uint64(12)  # the top 52 bits of each 8 bytes
+    u = (bits.astype(np.float64) + 0.5) * 2.0**-52
     expected = scipy.special.ndtri(u).reshape(4, 6).sum(0) / 2.0
     np.testing.assert_allclose(draws.numpy().reshape(-1), expected, rtol=1e-14, atol=1e-15)
     torch.manual_seed(1)  # the global RNG plays no part
     assert torch.equal(noise_mod.SecureNoise().normal((2, 3), torch.device("cpu")), draws)
+
+
+@pytest.mark.parametrize("fill", [b"\xff", b"\x00"])
+def test_os_noise_is_finite_for_the_extreme_urandom_bytes(monkeypatch: pytest.MonkeyPatch, fill: bytes) -> None:
+    """All-ones bytes give the largest uniform, all-zeros the smallest: both lie strictly inside (0, 1),
+    so every draw is finite, and the two extremes are mirror images (the uniform grid is symmetric)."""
+    monkeypatch.setattr(noise_mod.os, "urandom", lambda n: fill * n)
+    u = noise_mod.os_uniform(5).numpy()
+    assert np.all((u > 0.0) & (u < 1.0))
+    assert u[0] == (1.0 - 2.0**-53 if fill == b"\xff" else 2.0**-53)
+    draws = noise_mod.SecureNoise().normal((5,), torch.device("cpu"))
+    assert torch.isfinite(draws).all()
+    monkeypatch.setattr(noise_mod.os, "urandom", lambda n: (b"\x00" if fill == b"\xff" else b"\xff") * n)
+    assert torch.equal(noise_mod.SecureNoise().normal((5,), torch.device("cpu")), -draws)
+    # the exact value: four copies of the normal quantile of the extreme uniform, summed and halved
+    expected = 4 * scipy.special.ndtri(u[0]) / 2.0
+    np.testing.assert_allclose(draws.numpy(), expected, rtol=1e-14)
+
+
+def test_os_uniform_grid_is_symmetric_and_exact() -> None:
+    """Every grid point (b + ½)·2⁻⁵² is exact in float64 and its mirror 1 − u is on the grid."""
+    b = np.array([0, 1, 2**51, 2**52 - 2, 2**52 - 1], dtype=np.uint64)
+    u = (b.astype(np.float64) + 0.5) * 2.0**-52
+    mirror = ((np.uint64(2**52 - 1) - b).astype(np.float64) + 0.5) * 2.0**-52
+    assert np.array_equal(1.0 - u, mirror)
+    assert np.array_equal(np.floor(u * 2.0**52).astype(np.uint64), b)
+
+
+def test_an_infinite_noise_draw_on_an_empty_batch_stops_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty Poisson batch still releases noise; a non-finite draw must stop the step before any
+    checkpoint, as on a non-empty batch."""
+    s = _fake_setup(_tiny_params(5))
+    s.sampler.sample = lambda: torch.zeros(0, dtype=torch.long)
+
+    class InfiniteNoise:
+        def normal(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+            return torch.full(shape, math.inf, dtype=torch.float64, device=device)
+
+    s.noise = InfiniteNoise()
+    cfg = OmegaConf.create({"train": {"batch_size": 4, "micro_batch_size": 2}, "privacy": {}})
+    with pytest.raises(T.TrainingDivergedError):
+        T.train_step(s, cfg)
 
 
 def test_os_noise_has_the_standard_normal_law_and_never_repeats() -> None:

@@ -11,8 +11,10 @@ sampler its inclusion coins through :func:`os_uniform` when the source is the OS
   single transform's output (Mironov 2012; Jin et al. 2022). That sum is a mitigation, not a proof:
   README "What a run guarantees" states what it does and does not defend against.
 
-Uniforms are ``(b + ½)·2⁻⁵³`` for 53 random bits ``b``: never 0 or 1, so the inverse CDF is finite
-(its largest magnitude is ≈ 8.3 standard deviations).
+Uniforms are ``(b + ½)·2⁻⁵²`` for 52 random bits ``b``: every one is exact in float64 (``b + ½`` needs
+53 significant bits), lies in ``[2⁻⁵³, 1 − 2⁻⁵³]``, never 0 or 1, and the grid is symmetric (``1 − u`` is
+on it for every ``u``), so the inverse CDF is finite (its largest magnitude is ≈ 8.2 standard
+deviations) and the draws are symmetric about 0.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from torch import Tensor
 
 NOISE_SOURCES = ("seeded", "os")
 SECURE_TERMS = 4  # inverse-CDF normals summed per secure draw (their sum divided by √4)
+UNIFORM_BITS = 52  # random bits per OS uniform: one fewer than float64's 53, so (b + ½) stays exact
 
 
 class NoiseSource(Protocol):
@@ -45,9 +48,10 @@ class SeededNoise:
 
 
 def os_uniform(n: int) -> Tensor:
-    """``n`` float64 uniforms on ``{(b + ½)·2⁻⁵³}`` from the OS CSPRNG (``os.urandom``), on the CPU."""
-    bits = np.frombuffer(os.urandom(8 * n), dtype=np.uint64) >> np.uint64(11)
-    return torch.from_numpy((bits.astype(np.float64) + 0.5) * 2.0**-53)
+    """``n`` float64 uniforms on ``{(b + ½)·2⁻⁵² : 0 ≤ b < 2⁵²}`` from the OS CSPRNG (``os.urandom``), on
+    the CPU: the top 52 of 64 random bits, so ``b + ½`` is exact and no uniform rounds to 0 or 1."""
+    bits = np.frombuffer(os.urandom(8 * n), dtype=np.uint64) >> np.uint64(64 - UNIFORM_BITS)
+    return torch.from_numpy((bits.astype(np.float64) + 0.5) * 2.0**-UNIFORM_BITS)
 
 
 class SecureNoise:
