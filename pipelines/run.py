@@ -162,10 +162,16 @@ def _unlocked(cfg: DictConfig, run_hash: str, err: OSError) -> str:
 
 
 def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer: Trainer) -> str:
+    from prism.train import logs_private_stats
+
+    timed = logs_private_stats(cfg)  # off: no time of any kind in the folder, W&B or the log (README)
+    if not timed:
+        untimed_logging()
     folder.mkdir(parents=True, exist_ok=True)
     write_text_atomic(folder / "config.yaml", OmegaConf.to_yaml(cfg))
     store.seal_metrics(folder)
-    started, t0 = store.utc_stamp(), time.time()
+    t0 = time.time()
+    started = store.utc_stamp() if timed else None
     store.write_status(folder, "running", started=started, attempts=attempts)
     wb = None
     try:  # from here on, every way out leaves status.json finished or failed, never running
@@ -176,7 +182,7 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
         generation = len(list(folder.parent.glob(f"{run_hash}.old-*")))
         if cfg.logging.mode != "disabled":
             log.info("run %s: W&B %s run under %s", run_hash, cfg.logging.mode, cfg.logging.dir)
-        wb = WandbRun(cfg, run_hash, generation)
+        wb = WandbRun(cfg, run_hash, generation, deferred=not timed)
         total = total_steps(cfg)
 
         def log_fn(record: dict[str, Any]) -> None:
@@ -186,35 +192,37 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
 
         record = trainer(cfg, folder, log_fn)
         commit, dirty = git_state()
-        final = {**record, "run": {
-            "hash": run_hash, "experiment": str(cfg.experiment), "wall_time_s": time.time() - t0,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
-            "started": started, "ended": store.utc_stamp(), "attempts": attempts, "versions": versions(),
-            "git_commit": commit, "git_dirty": dirty, "hostname": socket.gethostname(),
-        }}
+        run = {"hash": run_hash, "experiment": str(cfg.experiment), "attempts": attempts, "versions": versions(),
+               "git_commit": commit, "git_dirty": dirty, "hostname": socket.gethostname()}
+        if timed:
+            run.update(wall_time_s=time.time() - t0, started=started, ended=store.utc_stamp(),
+                       peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
+        final = {**record, "run": run}
         store.write_json_atomic(folder / "final.json", final)
-        store.write_status(folder, "finished", started=started, attempts=attempts, ended=final["run"]["ended"])
+        store.write_status(folder, "finished", started=started, attempts=attempts, ended=run.get("ended"))
     except BaseException as exc:
-        _record_failure(folder, run_hash, exc, started, attempts)
+        _record_failure(folder, run_hash, exc, started, attempts, timed)
         if wb is not None:
             with contextlib.suppress(Exception):
-                wb.finish(None, exit_code=1)
+                wb.finish(None, exit_code=1, history=store.read_metrics(folder))
         raise
     with contextlib.suppress(Exception):  # the result is on disk; a W&B upload failure does not undo it
-        wb.finish(final)
-    log.info("run %s finished in %.0f s: %s; results in %s", run_hash, final["run"]["wall_time_s"],
-             scores_line(final), folder / "final.json")
+        wb.finish(final, history=store.read_metrics(folder))
+    took = f" in {run['wall_time_s']:.0f} s" if timed else ""
+    log.info("run %s finished%s: %s; results in %s", run_hash, took, scores_line(final), folder / "final.json")
     return "finished"
 
 
-def _record_failure(folder: Path, run_hash: str, exc: BaseException, started: str, attempts: int) -> None:
+def _record_failure(folder: Path, run_hash: str, exc: BaseException, started: str | None, attempts: int,
+                    timed: bool = True) -> None:
     """Mark the run failed (interrupted, for Ctrl-C) and keep its traceback; first delete the
     temporaries of a cut-off write, which on a full disk free the space these two files need."""
     removed = store.remove_temporaries(folder)
     interrupted = isinstance(exc, KeyboardInterrupt)
     error = "interrupted (KeyboardInterrupt)" if interrupted else f"{type(exc).__name__}: {exc}"
     try:
-        store.write_status(folder, "failed", started=started, attempts=attempts, error=error, ended=store.utc_stamp())
+        store.write_status(folder, "failed", started=started, attempts=attempts, error=error,
+                           ended=store.utc_stamp() if timed else None)
         write_text_atomic(folder / "traceback.txt", "".join(traceback.format_exception(exc)))
     except OSError as err:
         log.error("run %s failed (%s) and its status could not be recorded: %s", run_hash, error, err)
@@ -358,6 +366,13 @@ def setup_logging() -> None:
                         datefmt="%H:%M:%S", force=True)
     for noisy in ("httpx", "urllib3", "filelock", "wandb"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def untimed_logging() -> None:
+    """Drop the ``[HH:MM:SS]`` stamp from every log line of this process (``privacy.log_private_stats=false``:
+    step lines a known interval apart would time the steps, whose duration grows with the batch size)."""
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logging.Formatter("%(message)s"))
 
 
 def _hydra(args: list[str]) -> int:

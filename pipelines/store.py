@@ -33,9 +33,11 @@ Inside a run folder:
   returned record verbatim at top level (task scores, ``sigma``, ``epsilon_spent`` (realised ε),
   ``n_train``, ``eval_rows``, ``peak_memory_mb``, ``step_time_s``, ``wall_time_s``, …) plus
   ``"run"``: ``{hash, experiment (the one that trained it), wall_time_s (whole job incl. loading),
-  peak_rss_mb, started, ended, attempts, versions {…}, git_commit, git_dirty, hostname}``.
+  peak_rss_mb, started, ended, attempts, versions {…}, git_commit, git_dirty, hostname}``; under
+  ``privacy.log_private_stats=false`` neither block holds a time or memory figure.
 * ``status.json`` — written atomically (tmp + ``os.replace``): ``{state: running|finished|failed,
-  error: str|null, started, ended, attempts}`` (times ISO-8601 UTC; ``attempts`` counts job starts).
+  error: str|null, started, ended, attempts}`` (times ISO-8601 UTC, absent under
+  ``privacy.log_private_stats=false``; ``attempts`` counts job starts).
 * ``checkpoint/`` (owned by the core), ``adapter/`` (exported LoRA adapter).
 * ``traceback.txt`` — the full traceback of a failed job (the console shows one line).
 * ``<name>.corrupt-<UTC timestamp>`` — a file found unreadable, kept aside (never deleted).
@@ -387,12 +389,27 @@ def config_matches(folder: Path, cfg: DictConfig) -> bool:
     return canonical(hash_payload(saved)) == canonical(hash_payload(cfg))
 
 
-def write_status(folder: Path, state: str, *, started: str, attempts: int, error: str | None = None,
+def read_metrics(folder: Path) -> list[dict[str, Any]]:
+    """The step records of ``metrics.jsonl`` in file order (none when absent; a line cut off by a kill
+    is skipped)."""
+    path = folder / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+def write_status(folder: Path, state: str, *, started: str | None, attempts: int, error: str | None = None,
                  ended: str | None = None) -> None:
-    """Atomically (re)write ``status.json``."""
-    write_json_atomic(folder / "status.json", {
-        "state": state, "error": error, "started": started, "ended": ended, "attempts": attempts,
-    })
+    """Atomically (re)write ``status.json``; ``started`` and ``ended`` only when given (a run with
+    ``privacy.log_private_stats=false`` records no time)."""
+    times = {key: value for key, value in (("started", started), ("ended", ended)) if value is not None}
+    write_json_atomic(folder / "status.json", {"state": state, "error": error, "attempts": attempts, **times})
 
 
 def main(argv: list[str]) -> int:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import configparser
 import contextlib
+import functools
 import math
 import netrc
 import os
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -109,17 +111,27 @@ def summary_text(final: dict[str, Any]) -> dict[str, Any]:
 class WandbRun:
     """A W&B run bound to one run folder; every method is a no-op when ``mode == disabled``."""
 
-    def __init__(self, cfg: DictConfig, run_hash: str, generation: int = 0) -> None:
+    def __init__(self, cfg: DictConfig, run_hash: str, generation: int = 0, deferred: bool = False) -> None:
+        """``deferred`` (``privacy.log_private_stats=false``): nothing reaches W&B while the run trains;
+        :meth:`finish` opens the W&B run and logs the whole history at once, so W&B's own row times
+        (``_timestamp``, ``_runtime``) and its start time carry no per-step timing."""
         mode = str(cfg.logging.mode)
         if mode not in MODES:
             raise ValueError(f"logging.mode={mode!r}; choose one of {', '.join(MODES)}")
         self.run = None
+        self.deferred = deferred
+        self._open = None
         if mode == "disabled":
             return
-        import wandb
-
         directory = Path(cfg.logging.dir)
         directory.mkdir(parents=True, exist_ok=True)
+        self._open = functools.partial(self._init, cfg, run_hash, generation, directory, mode)
+        if not deferred:
+            self._open()
+
+    def _init(self, cfg: DictConfig, run_hash: str, generation: int, directory: Path, mode: str) -> None:
+        import wandb
+
         self.run = wandb.init(
             project=str(cfg.logging.project),
             entity=cfg.logging.entity,
@@ -136,14 +148,23 @@ class WandbRun:
         )
 
     def log_step(self, record: dict[str, Any]) -> None:
-        """Per-step metrics at W&B step ``record['step']`` (a replayed step after resume is dropped by W&B)."""
-        if self.run is None:
+        """Per-step metrics at W&B step ``record['step']`` (a replayed step after resume is dropped by
+        W&B); nothing while ``deferred``."""
+        if self.run is None or self.deferred:
             return
         step = record.get("step")
         self.run.log(_finite(record), step=int(step) if step is not None else None)
 
-    def finish(self, final: dict[str, Any] | None, exit_code: int = 0) -> None:
-        """Write the final scores to the run summary and close the run."""
+    def finish(self, final: dict[str, Any] | None, exit_code: int = 0,
+               history: Sequence[dict[str, Any]] = ()) -> None:
+        """Write the final scores to the run summary and close the run; a ``deferred`` run is opened
+        here and first logs ``history`` (the run folder's step records)."""
+        if self.deferred and self._open is not None:
+            self._open()
+            self._open = None
+            self.deferred = False
+            for record in history:
+                self.log_step(record)
         if self.run is None:
             return
         if final:

@@ -13,7 +13,8 @@ Two privacy switches (``conf/privacy/*.yaml``, README "What a run guarantees"):
   whose release was already logged (a replay with fresh noise would be a release ε does not count).
 * ``privacy.log_private_stats``: off, the per-step statistics computed from un-noised data
   (:data:`PRIVATE_STATS`) are dropped from ``metrics.jsonl`` and W&B, and from ``final.json`` the
-  fields that grow with the realised batch sizes (:data:`PRIVATE_FINAL`).
+  fields that grow with the realised batch sizes and every other time (:data:`PRIVATE_FINAL`);
+  ``pipelines/run.py`` drops the run's own times (README "What ε does not cover").
 """
 from __future__ import annotations
 
@@ -71,8 +72,10 @@ narrate = logging.getLogger("prism.train").info  # one line per phase (pipelines
 # share of clipped examples and their mean norm, the norm of the drawn noise (with the released
 # update it pins the clipped sum), the realised Poisson batch size and the step time (grows with it).
 PRIVATE_STATS = ("loss", "clip_fraction", "grad_norm_mean", "noise_norm", "batch_size", "step_time_s")
-# final.json fields that grow with the realised batch sizes (times, memory) or count empty batches.
-PRIVATE_FINAL = ("empty_batches", "train_time_s", "wall_time_s", "peak_memory_mb", "prefix_build_s", "step_time_s")
+# final.json fields that grow with the realised batch sizes (times, memory) or count empty batches, and
+# the evaluation's per-task seconds (every time a run records is dropped with the switch off).
+PRIVATE_FINAL = ("empty_batches", "train_time_s", "wall_time_s", "peak_memory_mb", "prefix_build_s", "step_time_s",
+                 "seconds")
 log = logging.getLogger(__name__)
 
 
@@ -118,6 +121,12 @@ def seed_everything(seed: int) -> None:
 def os_noise(cfg: DictConfig) -> bool:
     """Whether the sampler and the noise draw from the OS CSPRNG (``privacy.noise_source: os``)."""
     return cfg.privacy.get("noise_source", "seeded") == "os"
+
+
+def logs_private_stats(cfg: DictConfig) -> bool:
+    """``privacy.log_private_stats`` (default on): whether the logs may carry :data:`PRIVATE_STATS`,
+    :data:`PRIVATE_FINAL` and any other time or memory figure of the run."""
+    return bool(cfg.privacy.get("log_private_stats", True))
 
 
 def public_record(record: dict[str, Any], log_private_stats: bool) -> dict[str, Any]:
@@ -272,7 +281,7 @@ def train_step(s: Setup, cfg: DictConfig, diagnostics: bool = True) -> dict[str,
         # DP: the noisy step is released on an empty batch too (noise only, the same σC/B), since
         # skipping it would reveal that the batch was empty. Non-DP: nothing to average.
         stats = s.method.step(float(cfg.train.batch_size), s.noise, diagnostics) if s.method.dp else {}
-        _check_finite(torch.zeros((), device=s.device), s.params)  # a non-finite noise draw stops here too
+        _check_finite(torch.zeros(()), s.params)  # a non-finite noise draw stops here too (0-dim: any device)
         return {"batch_size": 0, **stats}
     loss_sum = torch.zeros((), device=s.device)
     for chunk in indices.split(cfg.train.micro_batch_size):
@@ -300,7 +309,7 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
     benchmark = cfg.train.get("benchmark")
     steps = total_steps(cfg)
     step_times, empty = [], 0
-    log_private = bool(cfg.privacy.get("log_private_stats", True))
+    log_private = logs_private_stats(cfg)
     if s.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(s.device)
     narrate("training: steps %d..%d of %d (σ = %.4g, q = %.4g)", start + 1, steps, steps, s.sigma, s.sampler.sample_rate)

@@ -261,7 +261,7 @@ def test_wandb_summary_keeps_the_not_dp_flag() -> None:
                           "dp_caveats": ["denominator=realised: …", "noise_damping=1e-08: …"]}}
     written: dict = {}
     run = WandbRun.__new__(WandbRun)
-    run.run = SimpleNamespace(summary=SimpleNamespace(update=written.update), finish=lambda exit_code: None)
+    run.run, run.deferred = SimpleNamespace(summary=SimpleNamespace(update=written.update), finish=lambda exit_code: None), False
     run.finish(final)
     assert written["protocol/dp_guarantee"] == "not a valid DP guarantee as stated"
     assert "denominator=realised" in written["protocol/dp_caveats"] and written["epsilon_spent"] == 6.0
