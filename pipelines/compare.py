@@ -221,7 +221,9 @@ def header(p: Plan, result: TableResult) -> list[str]:
         record = RunRecord("", "", config=dict(c))
         rates.setdefault(setting_label(record), {})[method_label(record)] = c.method.lr
     tuned = {str(hit[1]) for c in p.configs if (hit := tuned_rates.lookup(c)) is not None}
-    source = (f"tuned on validation rows by `make tune` ({', '.join(sorted(tuned))})" if tuned else
+    source = (f"tuned on validation rows by `make tune` ({', '.join(sorted(tuned))}; ε covers one training "
+              "run per cell, not this tuning: one DP run per candidate rate on the same training rows, picked by "
+              "un-noised validation scores)" if tuned else
               "the scale's defaults (Table 8 × train.lr_multiplier); `make tune TASK=...` tunes them")
     lines = [f"# {result.spec.title}", "",
              f"- Task: `{p.task}` (sha256 `{p.sha256}`), type {custom.type}"

@@ -97,6 +97,20 @@ def lookup(cfg: DictConfig, folder: Path | None = None) -> tuple[float, Path] | 
     return found[0] if found else None
 
 
+def uses_tuned_rate(config: Mapping[str, Any]) -> bool:
+    """Whether a run's resolved config (``config.yaml``) trained at its cell's tuned rate."""
+    cfg = OmegaConf.create(dict(config))
+    hit = lookup(cfg)
+    lr = OmegaConf.select(cfg, "method.lr", default=None)
+    return hit is not None and isinstance(lr, (int, float)) and math.isclose(hit[0], lr, rel_tol=1e-9)
+
+
+TUNING_COST = ("ε covers one training run per cell, not the rate tuning: {n} private run(s) here use rates "
+               "`make tune` chose after one DP run per candidate rate (5 or more) on the same training rows, "
+               "by un-noised validation scores (README \"What ε does not cover\").")
+"""The one line every table, CSV and figure built from tuned private runs carries (``{n}``: their count)."""
+
+
 def method_lr(default: float, *, _root_: DictConfig) -> float:
     """Resolver ``${method_lr:<default rate>}`` (see the module docstring)."""
     factor = OmegaConf.select(_root_, "tune.lr_factor", default=None)

@@ -194,7 +194,8 @@ def test_a_users_task_is_tuned_beside_its_runs_and_only_its_comparison_reads_the
 
     rates_line = next(line for line in compare.header(plan, SimpleNamespace(spec=SimpleNamespace(title="t")))
                       if line.startswith("- Learning rates"))
-    assert f"tuned on validation rows by `make tune` ({files[0]})" in rates_line and "AdamW" in rates_line
+    assert f"tuned on validation rows by `make tune` ({files[0]}; ε covers one training run per cell, not this " \
+           "tuning" in rates_line and "AdamW" in rates_line
 
 
 def test_task_keys_without_a_task_or_with_a_suite_are_refused() -> None:
@@ -202,3 +203,43 @@ def test_task_keys_without_a_task_or_with_a_suite_are_refused() -> None:
         tune.parse_args(["labels=a,b"])
     with pytest.raises(ValueError, match="task= sets suite=custom"):
         tune.parse_args(["task=x.jsonl", "suite=glue8"])
+
+
+def test_a_table_of_tuned_private_runs_says_that_its_epsilon_leaves_out_the_tuning(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """The rates come from a real sweep (stub scores), the table's runs from the runner; the table's
+    Markdown, LaTeX and CSV then state the tuning's cost, counting only the private runs at tuned rates."""
+    from pipelines.aggregate.cli import main as aggregate_main
+
+    monkeypatch.setenv("PRISM_TUNED_DIR", str(tmp_path / "conf_tuned"))
+
+    def in_process(experiment, launcher, pending, workers, overrides, log_dir):
+        for job in pending:
+            execute(load_job(job.overrides), ScoreByRate())
+        return True, ""
+
+    monkeypatch.setattr(reproduce, "launch", in_process)
+    common = ["scale=smoke", f"results_dir={tmp_path}", "logging=disabled", "suite=glue8"]
+    assert tune.main([*common, "method=adamw", "privacy=eps6", "tune.lr_factor=0.1,1"]) == 0
+
+    def table_run(cfg, folder, log_fn) -> dict:
+        log_fn({"step": 1})
+        eps = float(cfg.privacy.epsilon)
+        return {"columns": {"SST-2": 0.5}, "average": 0.5, "n_train": 32,
+                "epsilon_spent": eps - 0.01 if math.isfinite(eps) else math.inf}
+
+    for method, privacy in (("adamw", "eps6"), ("prism", "eps6"), ("adamw", "nondp")):
+        execute(load_job(["experiment=table2", *common, f"method={method}", f"privacy={privacy}"]), table_run)
+    out = tmp_path / "tables"
+    assert aggregate_main(["experiment=table2", f"runs_dir={tmp_path / 'runs'}", f"out_dir={out}",
+                           "scale=embedded"]) == 0
+    line = tuned_rates.TUNING_COST.format(n=1)  # adamw at ε = 6 only: PRISM untuned, the non-DP run has no ε
+    assert line in (out / "table2.embedded.md").read_text()
+    assert line.replace("_", r"\_").replace("ε", r"$\varepsilon$") in (out / "table2.embedded.tex").read_text()
+    import pandas as pd
+
+    csv = pd.read_csv(out / "table2.embedded.csv")
+    cells = csv[csv["row"] == "cell"]
+    status = dict(zip(cells["Setting"], cells["dp_guarantee"]))
+    assert status["ε=6"] == "(ε, δ)-DP as accounted, rate tuning not included"
+    assert status["Non-DP"] == "non-private"

@@ -34,6 +34,7 @@ from pipelines.aggregate.intervals import (
 )
 from pipelines.aggregate.records import AggregateError, RunRecord
 from pipelines.aggregate.specs import SUITE_TASKS, TableSpec, as_float, norm_name
+from pipelines.tuned_rates import uses_tuned_rate
 from prism.protocol import NOT_DP_AS_STATED
 
 PAPER_DIR = Path(__file__).resolve().parents[1] / "paper_tables"
@@ -64,6 +65,7 @@ class TableResult:
     columns_seen: dict[str, list[str]] = field(default_factory=dict)
     n_finished: int = 0
     not_dp: int = 0  # private runs whose final.json says their ε is not a valid DP guarantee as stated
+    tuned: int = 0  # private runs trained at a rate `make tune` chose on their data (a cost ε does not cover)
     differences: pd.DataFrame = field(default_factory=pd.DataFrame)  # the "PRISM − best baseline" rows
     unscored: list[str] = field(default_factory=list)  # stand-in columns the runs trained on but did not score
 
@@ -86,6 +88,12 @@ def choose_scale(records: Sequence[RunRecord], scale: str | None) -> str:
 def protocol_of(record: RunRecord) -> str:
     """The protocol a run ran under (``protocol.name``; runs from before the switch ran ``corrected``)."""
     return str(record.get("protocol.name") or "corrected")
+
+
+def is_private_run(record: RunRecord) -> bool:
+    """Whether the run's config targets a finite ε."""
+    target = as_float(record.get("privacy.epsilon"))
+    return target is not None and math.isfinite(target)
 
 
 def epsilon_problem(record: RunRecord) -> str:
@@ -330,6 +338,7 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str | None
                  for rs in used.values() for r in rs)
     result = TableResult(spec, scale, frame, missing, ignored, protocol, stand_ins(records),
                          header, fact_warnings + warnings, seen, sum(len(rs) for rs in used.values()), not_dp)
+    result.tuned = sum(is_private_run(r) and uses_tuned_rate(r.config) for rs in used.values() for r in rs)
     result.differences = prism_minus_best(spec, frame, intervals)
     result.unscored = unscored_columns(finished)
     return result

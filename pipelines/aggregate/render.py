@@ -16,6 +16,7 @@ import pandas as pd
 
 from pipelines.aggregate.build import DIFF_LABEL, FACTS, TableResult, average_label
 from pipelines.aggregate.intervals import METHOD_TEXT
+from pipelines.tuned_rates import TUNING_COST
 from prism.protocol import NOT_DP_AS_STATED
 
 DASH = "—"
@@ -142,6 +143,11 @@ def protocol_line(result: TableResult) -> str:
     return line
 
 
+def tuning_line(result: TableResult) -> str:
+    """What ε leaves out when the private runs trained at tuned rates ('' when none did)."""
+    return TUNING_COST.format(n=result.tuned) if result.tuned else ""
+
+
 def header_lines(result: TableResult) -> list[str]:
     """The runs behind the table: one Markdown row per suite (backbone, steps, batch, N, eval rows,
     protocol, run count), then the stand-in and average notes and any warnings."""
@@ -211,6 +217,7 @@ def to_markdown(result: TableResult) -> str:
     their own table, then the missing runs."""
     spec = result.spec
     head = [f"# Table {spec.name[-1]}: {spec.title}", "", scale_line(result), "", protocol_line(result), ""]
+    head += [tuning_line(result), ""] if result.tuned else []
     head += header_lines(result)
     if result.stand_ins:
         head += ["Backbones run in place of the paper's: " + ", ".join(result.stand_ins) + ".", ""]
@@ -244,6 +251,7 @@ def to_latex(result: TableResult) -> str:
     spec, cols = result.spec, shown_columns(result)
     align = "l" * (len(spec.keys) + 1) + "r" * len(cols)
     lines = [f"% {scale_line(result)}", f"% {protocol_line(result)}",
+             *([f"% {_tex_escape(tuning_line(result))}"] if result.tuned else []),
              *(f"% {line}" for line in header_lines(result) if line),
              f"% {_tex_escape(interval_line(result))}", f"% {_tex_escape(_marks_line(result))}",
              r"\begin{tabular}{" + align + "}", r"\toprule",
@@ -293,11 +301,14 @@ def to_csv_frame(result: TableResult) -> pd.DataFrame:
 
 
 def dp_status(result: TableResult, setting: Any) -> str:
-    """A CSV row's DP status: ``non-private``, or for a private setting ``(ε, δ)-DP as accounted`` unless the
+    """A CSV row's DP status: ``non-private``, or for a private setting ``(ε, δ)-DP as accounted`` (with
+    ", rate tuning not included" when the runs trained at tuned rates) unless the
     table holds runs whose ``final.json`` says :data:`NOT_DP_AS_STATED` (then that)."""
     if setting is None or str(setting) == "Non-DP":
         return "non-private"
-    return NOT_DP_AS_STATED if result.not_dp else "(ε, δ)-DP as accounted"
+    if result.not_dp:
+        return NOT_DP_AS_STATED
+    return "(ε, δ)-DP as accounted, rate tuning not included" if result.tuned else "(ε, δ)-DP as accounted"
 
 
 def plot_panels(result: TableResult) -> list[str]:
@@ -347,6 +358,7 @@ def plot_privacy_utility(result: TableResult, path: Path) -> Path:
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     warning = f"\n{result.not_dp} private run(s) are {NOT_DP_AS_STATED.upper()}" if result.not_dp else ""
+    warning += "\nε excludes the rate tuning (`make tune`): it covers one training run per cell" if result.tuned else ""
     fig.suptitle(f"Privacy–utility, {result.scale} scale, {result.protocol} protocol: accuracy vs ε "
                  f"(δ = 1e-5; ∞ = non-DP); solid = these runs with 95 % intervals, dashed = paper{warning}",
                  fontsize=9, color="red" if result.not_dp else "black")
