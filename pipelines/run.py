@@ -178,19 +178,32 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
         log.info("run %s: %s on %s (%s scale), %s, %s, train.steps=%d; folder %s", run_hash, cfg.backbone.paper_name,
                  cfg.suite.name, cfg.suite.scale, cfg.method.name, cfg.privacy.name, total_steps(cfg), folder)
         if attempts > 1:
-            log.info("run %s: attempt %d, resuming from %s", run_hash, attempts, folder / "checkpoint")
+            log.info("run %s: attempt %d (the trainer says from which step it resumes)", run_hash, attempts)
         generation = len(list(folder.parent.glob(f"{run_hash}.old-*")))
         if cfg.logging.mode != "disabled":
             log.info("run %s: W&B %s run under %s", run_hash, cfg.logging.mode, cfg.logging.dir)
         wb = WandbRun(cfg, run_hash, generation, deferred=not timed)
         total = total_steps(cfg)
 
+        first = [True]
+
         def log_fn(record: dict[str, Any]) -> None:
+            if first[0] and isinstance(record.get("step"), int):  # a resumed run logs its steps again from here
+                if dropped := store.trim_metrics(folder, record["step"]):
+                    log.info("run %s: dropped %d metrics line(s) of steps trained again", run_hash, dropped)
+                first[0] = False
             store.append_metrics(folder, record)
             wb.log_step(record)
             log.info("[%s] step %s/%s %s", run_hash, record.get("step"), total, _brief(record))
 
-        record = trainer(cfg, folder, log_fn)
+        try:
+            record = trainer(cfg, folder, log_fn)
+        except OSError as err:
+            if err.errno not in store.FULL:
+                raise
+            raise StoreError(f"no space left on the disk of results_dir={cfg.results_dir} (writing {folder}); "
+                             "free space there or point results_dir elsewhere, then rerun the same command "
+                             "to resume from the last checkpoint") from None
         commit, dirty = git_state()
         run = {"hash": run_hash, "experiment": str(cfg.experiment), "attempts": attempts, "versions": versions(),
                "git_commit": commit, "git_dirty": dirty, "hostname": socket.gethostname()}

@@ -27,8 +27,8 @@ Inside a run folder:
 * ``config.yaml`` — the resolved job config (``OmegaConf.load`` gives back what the core read).
 * ``metrics.jsonl`` — one JSON object per logical step, appended as training runs (the core's
   ``log_fn`` records: ``step, loss, clip_fraction, sigma, epsilon_spent, noise_norm, step_time_s``,
-  …). After a resume, steps after the last checkpoint appear twice: readers keep the *last* line
-  per ``step``; unparsable lines are skipped.
+  …). A resumed run first drops the lines of the steps it trains again (:func:`trim_metrics`), so
+  each step appears once; a line cut off by a kill is skipped by readers.
 * ``final.json`` — written once, atomically, when training and evaluation finished: the core's
   returned record verbatim at top level (task scores, ``sigma``, ``epsilon_spent`` (realised ε),
   ``n_train``, ``eval_rows``, ``peak_memory_mb``, ``step_time_s``, ``wall_time_s``, …) plus
@@ -53,6 +53,7 @@ parses; only then is it skipped on re-submission. ``force=true`` renames a finis
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -74,6 +75,8 @@ HASH_LEN = 12
 HASH_RE = re.compile(rf"[0-9a-f]{{{HASH_LEN}}}")
 VIEWS = "_views"
 FILES = ("config.yaml", "metrics.jsonl", "final.json", "status.json")
+FULL = (errno.ENOSPC, errno.EDQUOT)  # a write failed because the disk (or the user's quota) is full
+STATUS_ERROR_CHARS = 300  # the error text kept when status.json is rewritten in place on a full disk
 
 
 def utc_stamp() -> str:
@@ -409,7 +412,36 @@ def write_status(folder: Path, state: str, *, started: str | None, attempts: int
     """Atomically (re)write ``status.json``; ``started`` and ``ended`` only when given (a run with
     ``privacy.log_private_stats=false`` records no time)."""
     times = {key: value for key, value in (("started", started), ("ended", ended)) if value is not None}
-    write_json_atomic(folder / "status.json", {"state": state, "error": error, "attempts": attempts, **times})
+    status = {"state": state, "error": error, "attempts": attempts, **times}
+    try:
+        write_json_atomic(folder / "status.json", status)
+    except OSError as err:  # a full disk: overwrite the old status in place, in the blocks it already has
+        if err.errno not in FULL or not (folder / "status.json").exists():
+            raise
+        text = json.dumps({**status, "error": (error or "")[:STATUS_ERROR_CHARS] or None}, indent=1, sort_keys=True)
+        with open(folder / "status.json", "r+") as handle:
+            handle.write(text + "\n")
+            handle.truncate()
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+def trim_metrics(folder: Path, before_step: int) -> int:
+    """Keep only the ``metrics.jsonl`` lines of steps before ``before_step`` (a resumed run logs its
+    steps again from its checkpoint on, so each step stays in the file once); returns the lines dropped."""
+    path = folder / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        with contextlib.suppress(ValueError, TypeError):
+            record = json.loads(line)
+            if int(record["step"]) < before_step:
+                kept.append(line)
+    if len(kept) < len(lines):
+        write_text_atomic(path, "".join(line + "\n" for line in kept))
+    return len(lines) - len(kept)
 
 
 def main(argv: list[str]) -> int:

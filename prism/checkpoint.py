@@ -4,16 +4,18 @@ A checkpoint holds the trainable LoRA tensors, the method's state (optimizer mom
 the accountant history, the step counter and every RNG state (Poisson sampler, noise, torch's
 global CPU generator and, on a GPU, every CUDA device's generator: LoRA dropout on a GPU draws from
 the CUDA generator, which ``build()`` reseeds, so a resumed run needs it back to match an
-uninterrupted one). It is written to a temporary file and moved into place
-with :func:`os.replace`, so a run killed mid-write leaves the previous checkpoint intact.
+uninterrupted one). It is written through :func:`prism.fileio.atomic_write` (a temporary file moved into place with
+:func:`os.replace`), so a run killed mid-write leaves the previous checkpoint intact.
 """
 from __future__ import annotations
 
-import os
+import io
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from prism.fileio import write_bytes_atomic
 
 CHECKPOINT_FILE = "state.pt"
 
@@ -39,15 +41,12 @@ def restore_rng_states(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
-    """Write ``state`` atomically to ``directory/state.pt``; return the path."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / CHECKPOINT_FILE
-    tmp = directory / f".{CHECKPOINT_FILE}.tmp-{os.getpid()}"
-    torch.save(state, tmp)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    return path
+    """Write ``state`` atomically to ``directory/state.pt``; return the path. The state is serialised in
+    memory first, so a full disk fails as an ``OSError`` (``ENOSPC``) of the file write, whose temporary
+    file :func:`prism.fileio.atomic_write` removes, never inside torch's archive writer."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return write_bytes_atomic(Path(directory) / CHECKPOINT_FILE, buffer.getbuffer())
 
 
 def load_checkpoint(directory: Path) -> dict[str, Any] | None:

@@ -305,6 +305,10 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
     ckpt_dir = Path(run_dir) / "checkpoint"
     state = load_checkpoint(ckpt_dir)
     start = _restore(s, state) if state is not None else 0
+    if start:
+        narrate("resuming from the checkpoint of step %d (%s)", start, ckpt_dir)
+    elif (Path(run_dir) / "metrics.jsonl").exists():
+        narrate("no checkpoint in %s: training starts again at step 1", ckpt_dir)
     initial = {name: p.detach().clone() for name, p in s.params.items()}
     benchmark = cfg.train.get("benchmark")
     steps = total_steps(cfg)
