@@ -3,7 +3,8 @@
 Each rule raises :class:`ConfigError` with one line, ``<what>, <how to fix>``, naming the field:
 ranges (ε > 0 or inf, δ in (0, 1), C > 0, steps and batches ≥ 1, ...), the privacy name against ε,
 the LoRA rank against the narrowest targeted layer of the backbone (widths from
-:mod:`prism.backbones`, no weights loaded), the batch against the training-set size, micro-batch ≤
+:mod:`prism.backbones`, no weights loaded; a ``backbone=local`` folder's model_type, safetensors sizes,
+shards and tokenizer too), a ``suite=custom`` task's files line by line, the batch against the training-set size, micro-batch ≤
 batch, the device, room for the label after ``suite.cutoff_len``, and paper-scale data present.
 Only the GPU check imports torch.
 """
