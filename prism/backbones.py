@@ -175,6 +175,19 @@ def local_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
+"""``config.json`` keys that give a model's context length (positions), by architecture family."""
+
+
+def local_context(path: str | Path) -> int | None:
+    """The context length (positions) ``config.json`` of the folder gives (a multimodal one's
+    ``text_config``), or None when it names none."""
+    config = local_config(path)
+    text = config.get("text_config") or config
+    found = [text[key] for key in CONTEXT_KEYS if isinstance(text.get(key), int) and not isinstance(text[key], bool)]
+    return found[0] if found else None
+
+
 def _transformers_literal(module: str, name: str) -> set[str] | None:
     """The string keys that ``transformers/models/auto/<module>.py`` assigns to (or updates)
     ``name`` as literals, read from its source without importing it (transformers imports torch);

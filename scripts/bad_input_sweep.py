@@ -301,14 +301,15 @@ FILES = textwrap.dedent('''
     def custom(train, *extra):
         return ["suite=custom", "backbone=tiny-llama", f"suite.custom.train={train}",
                 "suite.custom.labels=[positive,negative]", *extra]
-    def local_model(name, model_type="llama", shards=1):
+    def local_model(name, model_type="llama", shards=1, context=2048):
         """A save_pretrained-shaped folder (2-layer Llama widths, zero weights), written without torch."""
         folder = T / name
         folder.mkdir()
         h, f, q, kv = 64, 128, 64, 32
         (folder / "config.json").write_text(json.dumps({
             "model_type": model_type, "hidden_size": h, "intermediate_size": f, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 2}))
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 2,
+            "max_position_embeddings": context}))
         shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
                   "self_attn.o_proj": (h, q), "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f)}
         tensors = {f"model.layers.{i}.{m}.weight": s for i in range(2) for m, s in shapes.items()}
@@ -554,6 +555,9 @@ def cases() -> list[Case]:
         (folder / "tokenizer.json").write_text(text[: len(text) // 2])
         sys.exit(run_main([*local(folder), "results_dir=" + RES, "logging=disabled"]))
     '''), ("backbone.path", "tokenizer.json")))
+    add(Case("f14", 6, "backbone=local, a 256-token context under suite.cutoff_len=384", _files('''
+        sys.exit(run_main([*local(local_model("model", context=256)), "results_dir=" + RES, "logging=disabled"]))
+    '''), ("suite.cutoff_len=384", "256-token context", "backbone.path")))
     return c
 
 

@@ -1,6 +1,7 @@
 """backbone=local: a tiny random Llama (and Gemma-3) saved with save_pretrained to a temp folder, its
 LoRA targets and rank checked from the folder before loading, a damaged folder (truncated weights,
-a missing shard, an unknown model_type, an unreadable tokenizer.json) refused before any run folder,
+a missing shard, an unknown model_type, an unreadable tokenizer.json, a context shorter than the
+sequences) refused before any run folder,
 the speed paths reported, and an end-to-end run whose result does not depend on which path ran."""
 from __future__ import annotations
 
@@ -130,6 +131,23 @@ def test_an_unreadable_tokenizer_json_is_refused(llama: tuple[Path, nn.Module], 
     text = (folder / "tokenizer.json").read_text()
     (folder / "tokenizer.json").write_text(text[: len(text) // 2])
     assert "tokenizer.json is not readable JSON" in local_problem(folder, TARGETS, 4, None)
+
+
+def test_the_models_context_holds_the_longest_sequence(llama: tuple[Path, nn.Module], tmp_path: Path) -> None:
+    """suite.cutoff_len plus the generation cap must fit in config.json's max_position_embeddings: at
+    the boundary the config passes, one position fewer it is refused naming the largest cutoff that fits."""
+    from pipelines.validate import ConfigError, load_job
+
+    job = ["backbone=local", "suite.cutoff_len=200", "suite.decoding.max_new_tokens=10", f"results_dir={tmp_path / 'r'}"]
+    for context, ok in ((210, True), (209, False)):
+        folder = _damaged(llama[0], tmp_path, f"context{context}")
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context}))
+        if ok:
+            load_job([*job, f"backbone.path={folder}"])
+            continue
+        with pytest.raises(ConfigError, match=r"exceed the 209-token context .* lower suite.cutoff_len to at most 199$"):
+            load_job([*job, f"backbone.path={folder}"])
 
 
 def test_a_damaged_folder_exits_2_without_a_run_folder(llama: tuple[Path, nn.Module], tmp_path: Path,
