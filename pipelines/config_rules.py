@@ -3,7 +3,8 @@
 Each rule raises :class:`ConfigError` with one line, ``<what>, <how to fix>``, naming the field:
 ranges (ε > 0 or inf, δ in (0, 1), C > 0, steps and batches ≥ 1, ...), the privacy name against ε,
 the LoRA rank against the narrowest targeted layer of the backbone (widths from
-:mod:`prism.backbones`, no weights loaded), the batch against the training-set size, micro-batch ≤
+:mod:`prism.backbones`, no weights loaded; a ``backbone=local`` folder's model_type, safetensors sizes,
+shards and tokenizer too), a ``suite=custom`` task's files line by line, the batch against the training-set size, micro-batch ≤
 batch, the device, room for the label after ``suite.cutoff_len``, and paper-scale data present.
 Only the GPU check imports torch.
 """
@@ -39,6 +40,7 @@ def validate(cfg: DictConfig, *, here: bool = True) -> None:
     _method(cfg.method)
     _lora_and_backbone(cfg)
     n_train = _suite(cfg)
+    _local_context(cfg)
     _budget(cfg, n_train, here)
     _logging(cfg.logging)
 
@@ -218,6 +220,23 @@ def _suite(cfg: DictConfig) -> int | None:
                  f"{suite.name} at {suite.scale} scale, lower train.batch_size to at most {n_train}")
     _label_room(cfg)
     return n_train
+
+
+def _local_context(cfg: DictConfig) -> None:
+    """A ``backbone=local`` model's context holds the longest sequence a run feeds it: a training
+    sequence of ``suite.cutoff_len`` tokens, or an evaluation prompt (rows are checked against
+    ``suite.cutoff_len`` too) and the generation cap."""
+    if cfg.backbone.name != "local":
+        return
+    from prism.backbones import local_context
+
+    context = local_context(cfg.backbone.path)
+    decoding = cfg.suite.decoding
+    generated = max([int(decoding.get("max_new_tokens", 8)), *(decoding.get("max_new_tokens_per_task") or {}).values()])
+    _require(context is None or cfg.suite.cutoff_len + generated <= context,
+             f"suite.cutoff_len={cfg.suite.cutoff_len} plus {generated} generated tokens (suite.decoding.max_new_tokens) "
+             f"exceed the {context}-token context of the model in backbone.path={cfg.backbone.path} (config.json), "
+             f"lower suite.cutoff_len to at most {(context or 0) - generated}")
 
 
 def _budget(cfg: DictConfig, n_train: int | None, here: bool) -> None:

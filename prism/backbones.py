@@ -7,7 +7,9 @@ embedded backbones and from ``config.json`` in the local Hugging Face cache for 
 """
 from __future__ import annotations
 
+import ast
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -147,7 +149,8 @@ _LAYER = re.compile(r"(?:^|\.)(\w+)\.(\d+)\.")
 
 
 def local_config(path: str | Path) -> dict[str, Any]:
-    """``config.json`` of a ``save_pretrained`` folder; ``ValueError`` naming what is missing."""
+    """``config.json`` of a ``save_pretrained`` folder; ``ValueError`` naming what is missing or a
+    ``model_type`` that ``AutoModelForCausalLM`` cannot load (:func:`causal_lm_types`)."""
     folder = Path(str(path)).expanduser()
     if not folder.is_dir():
         raise ValueError(f"backbone.path={path}: no such folder; give the folder a model was saved to with "
@@ -159,25 +162,136 @@ def local_config(path: str | Path) -> dict[str, Any]:
                          "model.save_pretrained(DIR)") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise ValueError(f"backbone.path={path}: config.json names no model_type; save the model with save_pretrained")
+    causal = causal_lm_types()
+    model_type = config["model_type"]
+    if causal is not None and model_type not in causal:
+        from importlib.metadata import version
+
+        what = ("not a causal language model (AutoModelForCausalLM has no class for it)"
+                if model_type in (config_types() or ()) else f"unknown to the installed transformers {version('transformers')}")
+        raise ValueError(f"backbone.path={path}: config.json's model_type {model_type!r} is {what}; use a decoder-only "
+                         "causal LM saved with AutoModelForCausalLM.save_pretrained(DIR), or a transformers release "
+                         "that knows the model_type")
     return config
+
+
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
+"""``config.json`` keys that give a model's context length (positions), by architecture family."""
+
+
+def local_context(path: str | Path) -> int | None:
+    """The context length (positions) ``config.json`` of the folder gives (a multimodal one's
+    ``text_config``), or None when it names none."""
+    config = local_config(path)
+    text = config.get("text_config") or config
+    found = [text[key] for key in CONTEXT_KEYS if isinstance(text.get(key), int) and not isinstance(text[key], bool)]
+    return found[0] if found else None
+
+
+def _transformers_literal(module: str, name: str) -> set[str] | None:
+    """The string keys that ``transformers/models/auto/<module>.py`` assigns to (or updates)
+    ``name`` as literals, read from its source without importing it (transformers imports torch);
+    None when the installed release keeps them otherwise."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        tree = ast.parse((Path(spec.submodule_search_locations[0]) / "models" / "auto" / f"{module}.py").read_text())
+    except (OSError, SyntaxError):
+        return None
+    keys: set[str] = set()
+    for node in tree.body:
+        assigned = isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+        value = node.value if isinstance(node, ast.Assign | ast.Expr) else None
+        updated = (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "update"
+                   and isinstance(value.func.value, ast.Name) and value.func.value.id == name)
+        if not isinstance(value, ast.Call) or not (assigned or updated):
+            continue
+        for arg in [*value.args, *(k.value for k in value.keywords if k.arg is None)]:  # (...) and **{...}
+            try:
+                items = ast.literal_eval(arg)
+            except ValueError:
+                continue
+            pairs = items.items() if isinstance(items, dict) else items if isinstance(items, list | tuple) else ()
+            keys.update(pair[0] for pair in pairs if isinstance(pair, tuple) and pair and isinstance(pair[0], str))
+    return keys or None
+
+
+@functools.cache
+def causal_lm_types() -> frozenset[str] | None:
+    """The model types ``AutoModelForCausalLM`` loads in the installed transformers
+    (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``), read without importing it; None when unreadable."""
+    keys = _transformers_literal("modeling_auto", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
+    return None if keys is None else frozenset(keys)
+
+
+@functools.cache
+def config_types() -> frozenset[str] | None:
+    """Every ``model_type`` the installed transformers has a config class for (``CONFIG_MAPPING_NAMES``)."""
+    keys = (_transformers_literal("auto_mappings", "CONFIG_MAPPING_NAMES") or set()) | (
+        _transformers_literal("configuration_auto", "CONFIG_MAPPING_NAMES") or set())
+    return frozenset(keys) or None
+
+
+INDEX = "model.safetensors.index.json"
+"""The shard map of a sharded ``save_pretrained`` folder: ``weight_map``, tensor name → shard file."""
+
+
+def _safetensors_header(path: Any, file: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file (an 8-byte little-endian length, then the JSON), checked
+    against the file's size: the data must reach the largest ``data_offsets`` end."""
+    size = file.stat().st_size
+    with file.open("rb") as fh:
+        try:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(length)) if 8 + length <= size else None
+        except (struct.error, ValueError):
+            raise ValueError(f"backbone.path={path}: {file.name} is not a safetensors file; save the model "
+                             "again with save_pretrained") from None
+    if header is None:
+        raise ValueError(f"backbone.path={path}: {file.name} is truncated ({size} bytes, shorter than its own "
+                         f"{length}-byte header); copy the file again or save the model again with save_pretrained")
+    if not isinstance(header, dict):
+        raise ValueError(f"backbone.path={path}: {file.name} is not a safetensors file; save the model "
+                         "again with save_pretrained")
+    ends = [info["data_offsets"][1] for name, info in header.items() if name != "__metadata__"
+            and isinstance(info, dict) and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2]
+    needed = 8 + length + max(ends, default=0)
+    if size < needed:
+        raise ValueError(f"backbone.path={path}: {file.name} is truncated ({size} bytes, its header needs {needed}); "
+                         "copy the file again (an interrupted copy or download) or save the model again with save_pretrained")
+    return header
+
+
+def _sharded_files(path: Any, folder: Path) -> None:
+    """The shards that ``model.safetensors.index.json`` names are all present."""
+    try:
+        weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError(f"backbone.path={path}: {INDEX} is not a readable shard index (no weight_map); copy it "
+                         "again or save the model again with save_pretrained") from None
+    missing = [shard for shard in shards if not (folder / str(shard)).is_file()]
+    if missing:
+        raise ValueError(f"backbone.path={path}: {INDEX} names {len(missing)} shard(s) not in the folder (first: "
+                         f"{missing[0]}); copy every shard listed there into the folder")
 
 
 def local_linear_shapes(path: str | Path) -> dict[str, tuple[int, int]]:
     """Module name → weight shape of every matrix inside a numbered decoder layer, read from the
-    safetensors headers alone (no weights loaded); ``ValueError`` when the folder holds no safetensors."""
-    files = sorted(Path(str(path)).expanduser().glob("*.safetensors"))
+    safetensors headers alone (no weights loaded); ``ValueError`` when the folder holds no safetensors,
+    a file shorter than its header says (:func:`_safetensors_header`) or, for a sharded model, a shard
+    that ``model.safetensors.index.json`` names is missing."""
+    folder = Path(str(path)).expanduser()
+    if (folder / INDEX).is_file():
+        _sharded_files(path, folder)
+    files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"backbone.path={path}: no *.safetensors weights; save the model with "
                          "save_pretrained(DIR) (safe_serialization is the default)")
     shapes: dict[str, tuple[int, int]] = {}
     for file in files:
-        with file.open("rb") as fh:
-            try:
-                (size,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(size))
-            except (struct.error, ValueError):
-                raise ValueError(f"backbone.path={path}: {file.name} is not a safetensors file; save the model "
-                                 "again with save_pretrained") from None
+        header = _safetensors_header(path, file)
         for name, info in header.items():
             shape = info.get("shape", []) if isinstance(info, dict) else []
             if name.endswith(".weight") and len(shape) == 2 and _LAYER.search(name):
@@ -187,7 +301,10 @@ def local_linear_shapes(path: str | Path) -> dict[str, tuple[int, int]]:
 
 def local_problem(path: Any, targets: Sequence[str], r: int, lora_layers: int | None) -> str | None:
     """Why LoRA config cannot go on the model in ``path`` (one line naming the field and the fix), or
-    None: the folder, config, weights and tokenizer present; every ``lora.targets`` name a matrix of
+    None: the folder, config, weights and tokenizer present and whole (``config.json``'s ``model_type`` one
+    that ``AutoModelForCausalLM`` of the installed transformers loads, every safetensors file as long as its
+    header says, every shard of a sharded model there, ``tokenizer.json`` parseable), all read without torch
+    before any run folder exists; every ``lora.targets`` name a matrix of
     its decoder layers (the error lists the names there are); ``lora.r`` within the width of every
     targeted matrix; ``backbone.lora_layers`` within the depth of layers named ``layers.<i>``."""
     if not path:
@@ -197,9 +314,15 @@ def local_problem(path: Any, targets: Sequence[str], r: int, lora_layers: int | 
         shapes = local_linear_shapes(path)
     except ValueError as err:
         return str(err)
-    if not (Path(str(path)).expanduser() / "tokenizer.json").is_file():
+    tokenizer = Path(str(path)).expanduser() / "tokenizer.json"
+    if not tokenizer.is_file():
         return (f"backbone.path={path}: no tokenizer.json; save the (fast) tokenizer beside the model with "
                 "tokenizer.save_pretrained(DIR)")
+    try:
+        json.loads(tokenizer.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return (f"backbone.path={path}: tokenizer.json is not readable JSON (a truncated copy?); save the tokenizer "
+                "again with tokenizer.save_pretrained(DIR)")
     available = sorted({name.rsplit(".", 1)[-1] for name in shapes})
     unknown = [t for t in targets if t not in available]
     if unknown:

@@ -9,7 +9,9 @@ Classes: ``clean`` (one ``error:`` line naming the field and a fix, exit 2, no t
 folder, nothing launched), ``correct`` (a valid input doing what it says), ``unclear`` (refused,
 but with a traceback, several lines, a wrong fix, a hang or a folder left behind), ``silent``
 (accepted although wrong: it would train, list or launch), ``loss`` (an earlier result gone).
-Prints one Markdown row per case and the totals.
+Prints one Markdown row per case and the totals. ``tests/test_bad_input_sweep.py`` runs the cases of
+group 6 (task files and model folders, :data:`FAST_GROUPS`) in the fast suite and every case under
+``make test-all``; a case that is ``silent`` or ``loss`` fails it.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
+FAST_GROUPS = (6,)
+"""Groups whose cases take seconds each and load no model: run by the fast test suite."""
 
 PRELUDE = textwrap.dedent('''
     import errno, json, logging, os, sys
@@ -285,6 +289,75 @@ STATE = {
 }
 
 
+FILES = textwrap.dedent('''
+    import struct
+    def rows(n, start=0, ids=True):
+        return [{**({"id": f"r{i}"} if ids else {}), "prompt": f"Review {i}: {'great' if i % 2 else 'awful'}.",
+                 "target": ["negative", "positive"][i % 2]} for i in range(start, start + n)]
+    def write(name, records):
+        path = T / name
+        path.write_text("".join(json.dumps(r) + "\\n" for r in records))
+        return path
+    def custom(train, *extra):
+        return ["suite=custom", "backbone=tiny-llama", f"suite.custom.train={train}",
+                "suite.custom.labels=[positive,negative]", *extra]
+    def local_model(name, model_type="llama", shards=1, context=2048):
+        """A save_pretrained-shaped folder (2-layer Llama widths, zero weights), written without torch."""
+        folder = T / name
+        folder.mkdir()
+        h, f, q, kv = 64, 128, 64, 32
+        (folder / "config.json").write_text(json.dumps({
+            "model_type": model_type, "hidden_size": h, "intermediate_size": f, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 2,
+            "max_position_embeddings": context}))
+        shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                  "self_attn.o_proj": (h, q), "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f)}
+        tensors = {f"model.layers.{i}.{m}.weight": s for i in range(2) for m, s in shapes.items()}
+        tensors["model.embed_tokens.weight"] = (2, h)
+        names = sorted(tensors)
+        per = -(-len(names) // shards)
+        weight_map = {}
+        for j in range(shards):
+            file = "model.safetensors" if shards == 1 else f"model-{j + 1:05d}-of-{shards:05d}.safetensors"
+            header, at = {}, 0
+            for n in names[j * per:(j + 1) * per]:
+                size = 4 * tensors[n][0] * tensors[n][1]
+                header[n] = {"dtype": "F32", "shape": list(tensors[n]), "data_offsets": [at, at + size]}
+                weight_map[n], at = file, at + size
+            raw = json.dumps(header).encode()
+            raw += b" " * (-len(raw) % 8)
+            (folder / file).write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(at))
+        if shards > 1:
+            (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        from tokenizers import Tokenizer, models
+        Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")).save(str(folder / "tokenizer.json"))
+        return folder
+    def local(folder, *extra):
+        return ["backbone=local", f"backbone.path={folder}", *extra]
+    def trained(argv, words=()):
+        """correct: the valid input trains (the stub), printing any warning that holds ``words``."""
+        import contextlib, io
+        seen = io.StringIO()
+        handler = logging.StreamHandler(seen)
+        logging.getLogger("prism").addHandler(handler)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = run_main([*argv, "results_dir=" + RES, "logging=disabled"])
+        warned = [x for x in seen.getvalue().splitlines() if x.strip()]
+        done = rc == 0 and (T / "TRAINED").exists()
+        if not done:
+            verdict("unclear", f"refused, rc {rc}: {err.getvalue().strip()[:160]}")
+        elif words and not (len(warned) == 1 and all(w in warned[0] for w in words)):
+            verdict("silent", f"trained without the warning ({len(warned)} warning lines)")
+        else:
+            verdict("correct", f"rc 0{': ' + warned[0][:150] if words else ''}")
+''')
+
+
+def _files(code: str) -> str:
+    return FILES + textwrap.dedent(code)
+
+
 def _slurm_fake() -> dict[str, str]:
     return {"PATH": "{T}/bin" + os.pathsep + os.environ["PATH"], "PRISM_PYTHON": sys.executable,
             "PRISM_SLURM_DIR": "{T}/slurm"}
@@ -421,6 +494,70 @@ def cases() -> list[Case]:
              f"import subprocess\nsubprocess.run({FAKE_SLURM!r}, shell=True)\n" + _reproduce("5", "method=prism", "launcher=slurm")
              .replace("reproduce.launch = lambda *a, **k: ((T / 'LAUNCHED').write_text('x'), (True, ''))[1]\n", ""),
              expect="verdict_shell", env=_slurm_fake()))
+    # ---- 6. task files (suite=custom) and model folders (backbone=local)
+    add(Case("f1", 6, "train.jsonl and eval.jsonl both number ids from r0 (as GLUE's splits do)", _files('''
+        test = [{**row, "id": f"r{k}"} for k, row in enumerate(rows(10, start=100))]  # ids r0..r9 again
+        trained(custom(write("train.jsonl", rows(80)), f"suite.custom.eval={write('eval.jsonl', test)}"))
+    '''), expect="verdict"))
+    add(Case("f2", 6, "2 eval prompts are also training prompts (leakage)", _files('''
+        test = [*rows(3, start=100, ids=False), *rows(2, start=5, ids=False)]
+        trained(custom(write("train.jsonl", rows(80, ids=False)), f"suite.custom.eval={write('eval.jsonl', test)}"),
+                ("2 of 5 evaluation rows", "eval.jsonl line 4", "train.jsonl line 6"))
+    '''), expect="verdict"))
+    add(Case("f3", 6, "a Latin-1 byte on line 100 of train.jsonl", _files('''
+        path = write("train.jsonl", rows(99))
+        path.write_bytes(path.read_bytes() + '{"prompt": "café", "target": "positive"}\\n'.encode("latin-1"))
+        sys.exit(run_main([*custom(path), "results_dir=" + RES, "logging=disabled"]))
+    '''), ("train.jsonl line 100 column 16", "UTF-8")))
+    add(Case("f4", 6, "train.jsonl saved as UTF-16 (Windows 'Unicode')", _files('''
+        path = write("train.jsonl", rows(80))
+        path.write_text(path.read_text(), encoding="utf-16")
+        sys.exit(run_main([*custom(path), "results_dir=" + RES, "logging=disabled"]))
+    '''), ("train.jsonl line 1", "UTF-16", "UTF-8")))
+    add(Case("f5", 6, "train.jsonl with a UTF-8 byte-order mark (Excel, Notepad)", _files('''
+        path = write("train.jsonl", rows(80))
+        path.write_bytes(b"\\xef\\xbb\\xbf" + path.read_bytes())
+        trained(custom(path))
+    '''), expect="verdict"))
+    add(Case("f6", 6, "a 10,000-token row on line 5 of eval.jsonl", _files('''
+        test = [*rows(4, start=100), {"prompt": "x" * 10_000, "target": "positive"}]
+        sys.exit(run_main([*custom(write("train.jsonl", rows(80)), f"suite.custom.eval={write('eval.jsonl', test)}"),
+                           "results_dir=" + RES, "logging=disabled"]))
+    '''), ("eval.jsonl line 5", "suite.cutoff_len=384")))
+    add(Case("f7", 6, "an id twice inside eval.jsonl", _files('''
+        test = [*rows(4, start=100), {"id": "r101", "prompt": "Again.", "target": "positive"}]
+        sys.exit(run_main([*custom(write("train.jsonl", rows(80)), f"suite.custom.eval={write('eval.jsonl', test)}"),
+                           "results_dir=" + RES, "logging=disabled"]))
+    '''), ("eval.jsonl line 5", "duplicate id 'r101'", "line 2")))
+    add(Case("f8", 6, "backbone=local, a whole folder", _files('''
+        trained(local(local_model("model")))
+    '''), expect="verdict"))
+    add(Case("f9", 6, "backbone=local, model.safetensors truncated (an interrupted copy)", _files('''
+        folder = local_model("model")
+        with (folder / "model.safetensors").open("r+b") as fh:
+            fh.truncate(fh.seek(0, 2) - 1000)
+        sys.exit(run_main([*local(folder), "results_dir=" + RES, "logging=disabled"]))
+    '''), ("backbone.path", "model.safetensors is truncated")))
+    add(Case("f10", 6, "backbone=local, config.json model_type unknown to transformers", _files('''
+        sys.exit(run_main([*local(local_model("model", model_type="llama9")), "results_dir=" + RES, "logging=disabled"]))
+    '''), ("backbone.path", "model_type 'llama9'", "unknown to the installed transformers")))
+    add(Case("f11", 6, "backbone=local, an encoder-decoder (model_type t5)", _files('''
+        sys.exit(run_main([*local(local_model("model", model_type="t5")), "results_dir=" + RES, "logging=disabled"]))
+    '''), ("backbone.path", "model_type 't5'", "not a causal language model")))
+    add(Case("f12", 6, "backbone=local, a sharded model with a shard missing", _files('''
+        folder = local_model("model", shards=3)
+        (folder / "model-00002-of-00003.safetensors").unlink()
+        sys.exit(run_main([*local(folder), "results_dir=" + RES, "logging=disabled"]))
+    '''), ("backbone.path", "model.safetensors.index.json", "model-00002-of-00003.safetensors")))
+    add(Case("f13", 6, "backbone=local, tokenizer.json cut in half", _files('''
+        folder = local_model("model")
+        text = (folder / "tokenizer.json").read_text()
+        (folder / "tokenizer.json").write_text(text[: len(text) // 2])
+        sys.exit(run_main([*local(folder), "results_dir=" + RES, "logging=disabled"]))
+    '''), ("backbone.path", "tokenizer.json")))
+    add(Case("f14", 6, "backbone=local, a 256-token context under suite.cutoff_len=384", _files('''
+        sys.exit(run_main([*local(local_model("model", context=256)), "results_dir=" + RES, "logging=disabled"]))
+    '''), ("suite.cutoff_len=384", "256-token context", "backbone.path")))
     return c
 
 
@@ -441,6 +578,11 @@ def classify_shell(case: Case, repo: Path) -> tuple[str, str]:
         return "unclear", f"rc {done.returncode}: {first[:200]}"
 
 
+def classify(case: Case, repo: Path) -> tuple[str, str]:
+    """The class of ``case`` run against the checkout ``repo``, and a note on the outcome."""
+    return classify_shell(case, repo) if case.expect == "verdict_shell" else run_case(case, repo)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repo", type=Path, default=HERE)
@@ -453,7 +595,7 @@ def main() -> int:
     for case in cases():
         if wanted and case.id not in wanted:
             continue
-        cls, note = classify_shell(case, args.repo) if case.expect == "verdict_shell" else run_case(case, args.repo)
+        cls, note = classify(case, args.repo)
         results[case.id] = {"group": case.group, "what": case.what, "class": cls, "note": note}
         print(f"| {case.id} | {case.group} | {case.what.replace('|', '/')} | {cls} | {note.replace('|', '/')} |", flush=True)
     totals: dict[str, int] = {}

@@ -1,8 +1,10 @@
-"""suite=custom: scoring of each task type against hand-computed values, and every bad task file
-refused on one line (file, line, what is wrong) with exit code 2 before any model load."""
+"""suite=custom: scoring of each task type against hand-computed values, every bad task file
+refused on one line (file, line, what is wrong) with exit code 2 before any model load, ids unique
+per file, a train/eval prompt overlap warned about, evaluation rows length-checked like training rows."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -68,8 +70,8 @@ def _node(train: Path, **extra) -> dict:
 
 def test_split_is_fixed_disjoint_and_examples_reuse_the_template(tmp_path: Path) -> None:
     train = _write(tmp_path / "t.jsonl", _rows(40))
-    a, _, _ = load_task(_node(train))
-    b, _, _ = load_task(_node(train))
+    a, _ = load_task(_node(train))
+    b, _ = load_task(_node(train))
     assert (len(a.train), len(a.eval)) == (30, 10) and a.train == b.train and a.eval == b.eval
     assert not {ex.instruction for ex in a.train} & {ex.instruction for ex in a.eval}
     ex = a.train[0]
@@ -240,3 +242,115 @@ def test_the_embedded_backbones_tokenizer_counts_before_any_model_load(tmp_path:
     err = capsys.readouterr().err
     assert code == 2 and len(err.splitlines()) == 1 and "line 81:" in err and "suite.cutoff_len=384" in err, err
     assert "smollm2-135m" in err and not results.exists()
+
+
+# ------------------------------------------------------------------------------------ ids, leakage
+def test_ids_are_unique_within_a_file_not_across_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Both files numbered from r0 (GLUE's splits are): accepted, no warning; a repeat inside one file
+    is refused at its own line of that file."""
+    train = _write(tmp_path / "train.jsonl", _rows(40))
+    test = [{"id": f"r{i}", "prompt": f"Held-out review {i}.", "target": "neutral"} for i in range(6)]
+    held = _write(tmp_path / "eval.jsonl", test)
+    with caplog.at_level(logging.WARNING):
+        task = check_task(_node(train, eval=str(held)), 2, 384, None, "tiny-llama")
+    assert (len(task.train), len(task.eval)) == (40, 6) and task.warning is None and not caplog.records
+    repeat = _write(tmp_path / "repeat.jsonl", [*test, {"id": "r4", "prompt": "Another.", "target": "neutral"}])
+    with pytest.raises(TaskFileError, match=rf"{repeat} line 7: duplicate id 'r4' \(first on line 5\)"):
+        load_task(_node(train, eval=str(repeat)))
+
+
+def test_evaluation_examples_carry_no_id(tmp_path: Path) -> None:
+    """Nothing downstream can key on ids: the suite's examples (what evaluation, its per-row records
+    and the prompt caches see) are the same whatever the ids are."""
+    rows = _rows(12)
+    numbered = _write(tmp_path / "a.jsonl", rows)
+    renamed = _write(tmp_path / "b.jsonl", [{**r, "id": f"x{k * 7}"} for k, r in enumerate(rows)])
+    plain = _write(tmp_path / "c.jsonl", [{k: v for k, v in r.items() if k != "id"} for r in rows])
+    held = _write(tmp_path / "e.jsonl", _rows(4, start=0))  # ids r0..r3 again, and the same prompts
+    suites = [build_suite({"name": "custom", "scale": "embedded", "custom": _node(f, eval=str(held))}, seed=0)
+              for f in (numbered, renamed, plain)]
+    assert all(s.train == suites[0].train and s.eval == suites[0].eval for s in suites)
+
+
+def test_leakage_is_one_warning_naming_the_count_and_first_pair(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Evaluation rows whose prompt is a training row's (whitespace aside), whatever their ids: one
+    warning line with how many and the first pair's line numbers, once per process."""
+    train = _write(tmp_path / "train.jsonl", _rows(10))  # line k + 1 holds "Review k: ..."
+    test = [{"id": "r0", "prompt": "Fresh one.", "target": "neutral"},
+            {"id": "r1", "prompt": "Review  6:  awful.", "target": "positive"},  # = train line 7
+            {"prompt": "Another fresh one.", "target": "neutral"},
+            {"id": "q", "prompt": "Review 1: great.", "target": "negative"}]  # = train line 2
+    held = _write(tmp_path / "eval.jsonl", test)
+    with caplog.at_level(logging.WARNING):
+        check_task(_node(train, eval=str(held)), 2, 384, None, "tiny-llama")
+        check_task(_node(train, eval=str(held)), 2, 384, None, "tiny-llama")
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "\n" not in message and message.startswith("warning: 2 of 4 evaluation rows repeat a training prompt")
+    assert f"{held} line 2 = {train} line 7" in message
+
+
+# ------------------------------------------------------------------------------------- bad bytes
+def test_a_bad_byte_is_reported_at_its_line_and_column(tmp_path: Path) -> None:
+    """Line 100 of a file, column 16 of that line (the 'é' of 'café' in Latin-1), not the byte offset
+    inside a decoder chunk; the same for CSV; a UTF-16 file by its byte-order mark."""
+    good = "".join(json.dumps(r) + "\n" for r in _rows(99)).encode()
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(good + '{"prompt": "café au lait", "target": "neutral"}\n'.encode("latin-1"))
+    with pytest.raises(TaskFileError) as err:
+        load_task(_node(bad))
+    assert str(err.value).startswith(f"{bad} line 100 column 16: byte 0xe9 is not UTF-8"), err.value
+    csv = tmp_path / "latin1.csv"
+    csv.write_bytes("prompt,target\ngood,neutral\nna\u00efve,neutral\n".encode("latin-1"))
+    with pytest.raises(TaskFileError, match=rf"{csv} line 3 column 3: byte 0xef"):
+        load_task(_node(csv))
+    wide = tmp_path / "utf16.jsonl"
+    wide.write_text("".join(json.dumps(r) + "\n" for r in _rows(8)), encoding="utf-16")
+    with pytest.raises(TaskFileError, match=rf"{wide} line 1: the file is UTF-16 .* save it as UTF-8"):
+        load_task(_node(wide))
+
+
+def test_a_utf8_byte_order_mark_reads_as_without_it(tmp_path: Path) -> None:
+    rows = _rows(8)
+    plain = _write(tmp_path / "plain.jsonl", rows)
+    marked = tmp_path / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    csv_text = "id,prompt,target\n" + "".join(f'{r["id"]},"{r["prompt"]}",{r["target"]}\n' for r in rows)
+    marked_csv = tmp_path / "marked.csv"
+    marked_csv.write_bytes(b"\xef\xbb\xbf" + csv_text.encode())
+    expected = load_task(_node(plain))[0]
+    for path in (marked, marked_csv):  # the hold-out draw follows the file's digest: compare the rows
+        got = load_task(_node(path))[0]
+        assert sorted(got.train + got.eval, key=str) == sorted(expected.train + expected.eval, key=str)
+
+
+# ---------------------------------------------------------------------------- evaluation lengths
+def test_an_evaluation_row_is_refused_exactly_when_it_would_be_as_a_training_row(tmp_path: Path) -> None:
+    """The same long row: in the evaluation file it is refused at its own line with the count the
+    training file's check gives it; rows that fit pass in either file."""
+    count = lambda text: len(text.encode())  # noqa: E731
+    long = {"prompt": "word " * 2000, "target": "positive"}
+    train = _write(tmp_path / "train.jsonl", _rows(40))
+    held = _write(tmp_path / "eval.jsonl", [*_rows(2, start=100), long])
+    as_train = _write(tmp_path / "as_train.jsonl", [*_rows(40), long])
+    with pytest.raises(TaskFileError) as in_eval:
+        check_task(_node(train, eval=str(held)), 2, 384, count, "tiny-llama")
+    with pytest.raises(TaskFileError) as in_train:
+        check_task(_node(as_train), 2, 384, count, "tiny-llama")
+    needed = str(in_train.value).rpartition("raise suite.cutoff_len to ")[2]
+    assert str(in_eval.value).startswith(f"{held} line 3: prompt and target are {needed} tokens"), in_eval.value
+    assert str(in_eval.value).endswith(f"raise suite.cutoff_len to {needed}")
+    assert check_task(_node(train, eval=str(held)), 2, int(needed), count, "tiny-llama").eval[-1].instruction == long["prompt"]
+
+
+def test_a_long_evaluation_row_exits_2_before_any_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_training(*_: object) -> None:
+        raise AssertionError("a bad evaluation file reached the trainer")
+
+    monkeypatch.setattr(run, "default_trainer", no_training)
+    train = _write(tmp_path / "train.jsonl", _rows(80))
+    held = _write(tmp_path / "eval.jsonl", [*_rows(4, start=100), {"prompt": "x" * 10_000, "target": "neutral"}])
+    err = _cli(tmp_path, capsys, f"suite.custom.train={train}", f"suite.custom.eval={held}",
+               f"suite.custom.labels=[{','.join(LABELS)}]")
+    assert f"{held} line 5:" in err and "suite.cutoff_len=384" in err, err

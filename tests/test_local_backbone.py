@@ -1,6 +1,8 @@
 """backbone=local: a tiny random Llama (and Gemma-3) saved with save_pretrained to a temp folder, its
-LoRA targets and rank checked from the folder before loading, the speed paths reported, and an
-end-to-end run whose result does not depend on which path ran."""
+LoRA targets and rank checked from the folder before loading, a damaged folder (truncated weights,
+a missing shard, an unknown model_type, an unreadable tokenizer.json, a context shorter than the
+sequences) refused before any run folder,
+the speed paths reported, and an end-to-end run whose result does not depend on which path ran."""
 from __future__ import annotations
 
 import json
@@ -12,8 +14,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from pipelines import run
 from pipelines.run import main
-from prism.backbones import local_linear_shapes, local_problem
+from prism.backbones import causal_lm_types, config_types, local_linear_shapes, local_problem
 from prism.models import attach_lora, load_backbone
 from prism.models.local import speed_paths
 from prism.models.tiny import _tiny_model, byte_tokenizer
@@ -62,6 +65,106 @@ def test_targets_and_rank_are_checked_from_the_folder(llama: tuple[Path, nn.Modu
     (bare / "tokenizer.json").unlink()
     assert "tokenizer.json" in local_problem(bare, TARGETS, 16, None)
     assert "backbone.path" in local_problem(None, TARGETS, 16, None)
+
+
+def _damaged(folder: Path, tmp_path: Path, name: str) -> Path:
+    copy = tmp_path / name
+    shutil.copytree(folder, copy)
+    return copy
+
+
+def test_a_truncated_safetensors_file_is_refused_by_its_size(llama: tuple[Path, nn.Module], tmp_path: Path) -> None:
+    """save_pretrained writes exactly 8 + header + data bytes, so the complete file's size is what the
+    header asks for: one byte short is refused naming that size; the complete file passes."""
+    folder, _ = llama
+    whole = (folder / "model.safetensors").stat().st_size
+    short = _damaged(folder, tmp_path, "short")
+    with (short / "model.safetensors").open("r+b") as fh:
+        fh.truncate(whole - 1)
+    problem = local_problem(short, TARGETS, 4, None)
+    assert problem == (f"backbone.path={short}: model.safetensors is truncated ({whole - 1} bytes, its header needs "
+                       f"{whole}); copy the file again (an interrupted copy or download) or save the model again "
+                       "with save_pretrained")
+    with (short / "model.safetensors").open("r+b") as fh:
+        fh.truncate(100)  # inside the header
+    assert "model.safetensors is truncated (100 bytes, shorter than its own" in local_problem(short, TARGETS, 4, None)
+    assert local_problem(folder, TARGETS, 4, None) is None
+
+
+def test_a_sharded_model_needs_every_shard_whole(tmp_path: Path) -> None:
+    tokenizer = byte_tokenizer()
+    model = _tiny_model("llama", vocab_size=len(tokenizer))
+    folder = tmp_path / "sharded"
+    model.save_pretrained(folder, max_shard_size="40KB")
+    tokenizer.save_pretrained(folder)
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (folder / "model.safetensors.index.json").is_file()
+    assert local_problem(folder, TARGETS, 4, None) is None
+    assert local_linear_shapes(folder) == _decoder_linears(model)
+    missing = _damaged(folder, tmp_path, "missing")
+    (missing / shards[1].name).unlink()
+    assert f"names 1 shard(s) not in the folder (first: {shards[1].name})" in local_problem(missing, TARGETS, 4, None)
+    cut = _damaged(folder, tmp_path, "cut")
+    with (cut / shards[-1].name).open("r+b") as fh:
+        fh.truncate(shards[-1].stat().st_size - 4)
+    assert f"{shards[-1].name} is truncated" in local_problem(cut, TARGETS, 4, None)
+
+
+def test_model_type_is_checked_against_the_installed_transformers(llama: tuple[Path, nn.Module], tmp_path: Path) -> None:
+    """The model types are read from transformers' source without importing it; they are exactly the
+    keys of its own mappings."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    assert causal_lm_types() == set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) and config_types() == set(CONFIG_MAPPING_NAMES)
+    for model_type, words in (("llama9", "unknown to the installed transformers"),
+                              ("t5", "not a causal language model")):
+        folder = _damaged(llama[0], tmp_path, model_type)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+        problem = local_problem(folder, TARGETS, 4, None)
+        assert f"config.json's model_type {model_type!r} is {words}" in problem, problem
+
+
+def test_an_unreadable_tokenizer_json_is_refused(llama: tuple[Path, nn.Module], tmp_path: Path) -> None:
+    folder = _damaged(llama[0], tmp_path, "tok")
+    text = (folder / "tokenizer.json").read_text()
+    (folder / "tokenizer.json").write_text(text[: len(text) // 2])
+    assert "tokenizer.json is not readable JSON" in local_problem(folder, TARGETS, 4, None)
+
+
+def test_the_models_context_holds_the_longest_sequence(llama: tuple[Path, nn.Module], tmp_path: Path) -> None:
+    """suite.cutoff_len plus the generation cap must fit in config.json's max_position_embeddings: at
+    the boundary the config passes, one position fewer it is refused naming the largest cutoff that fits."""
+    from pipelines.validate import ConfigError, load_job
+
+    job = ["backbone=local", "suite.cutoff_len=200", "suite.decoding.max_new_tokens=10", f"results_dir={tmp_path / 'r'}"]
+    for context, ok in ((210, True), (209, False)):
+        folder = _damaged(llama[0], tmp_path, f"context{context}")
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context}))
+        if ok:
+            load_job([*job, f"backbone.path={folder}"])
+            continue
+        with pytest.raises(ConfigError, match=r"exceed the 209-token context .* lower suite.cutoff_len to at most 199$"):
+            load_job([*job, f"backbone.path={folder}"])
+
+
+def test_a_damaged_folder_exits_2_without_a_run_folder(llama: tuple[Path, nn.Module], tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_training(*_: object) -> None:
+        raise AssertionError("a damaged model folder reached the trainer")
+
+    monkeypatch.setattr(run, "default_trainer", no_training)
+    short = _damaged(llama[0], tmp_path, "short")
+    with (short / "model.safetensors").open("r+b") as fh:
+        fh.truncate(fh.seek(0, 2) // 2)
+    results = tmp_path / "results"
+    code = main(["backbone=local", f"backbone.path={short}", f"results_dir={results}", "logging=disabled"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert "model.safetensors is truncated" in err and not results.exists()
 
 
 def test_loads_the_saved_weights_and_wires_the_checked_targets(llama: tuple[Path, nn.Module]) -> None:

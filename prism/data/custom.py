@@ -3,7 +3,9 @@
 Node ``suite.custom`` fields (the key names are fixed):
 
 * ``train`` – a JSON Lines file (``.jsonl``; ``.csv`` with a header row also works) of rows
-  ``{"prompt": ..., "target": ..., "id": ...}`` (``id`` optional, unique when given);
+  ``{"prompt": ..., "target": ..., "id": ...}`` (``id`` optional, unique within its file when given:
+  each file may number its rows from ``r0``, as GLUE's splits do; nothing downstream keys on ids:
+  evaluation records are kept in row order and identified by the sha256 of their prompts);
 * ``eval`` – a second file of the same form, or null: then ``eval_fraction`` of the training rows
   are held out, drawn with a fixed seed (the same evaluation rows for every run seed and method, as
   a paper's fixed test set);
@@ -24,12 +26,16 @@ masking, decoding and parsing code; scoring is :func:`prism.metrics.score_task`.
 
 Every problem with a file is one line, ``<file> line <n>: <what is wrong>; <fix>`` (a
 :class:`TaskFileError`), raised by :func:`check_task` during config validation, before any model
-is loaded.
+is loaded: a byte that is not UTF-8 by its line and column (a UTF-8 byte-order mark is accepted), a
+training or evaluation row longer than ``suite.cutoff_len`` tokens. An evaluation row whose prompt is
+also a training row's is not an error but one warning line (:func:`leakage`).
 """
 from __future__ import annotations
 
+import codecs
 import csv
 import json
+import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,6 +54,8 @@ SPLIT_SEED = 20260601
 """Seed of the ``eval_fraction`` hold-out (fixed: every run is scored on the same rows)."""
 
 TokenCounter = Callable[[str], int]
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
 
 
 class TaskFileError(DataUnavailableError):
@@ -92,16 +100,34 @@ def _row(path: Path, line: int, record: Mapping[str, Any]) -> Row:
     return Row(line, _text(record["prompt"]), _text(record["target"]).strip(), row_id)
 
 
+def check_utf8(path: Path) -> None:
+    """Every line of ``path`` decodes as UTF-8; else a :class:`TaskFileError` naming the line and
+    column of the first bad byte (a UTF-16 file, Windows' "Unicode", by its byte-order mark)."""
+    with path.open("rb") as fh:
+        if fh.read(2) in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):
+            raise TaskFileError(f"{path} line 1: the file is UTF-16 text (it starts with a UTF-16 byte-order mark); "
+                                "save it as UTF-8")
+        fh.seek(0)
+        for line, raw in enumerate(fh, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                column = len(raw[:err.start].decode("utf-8")) + 1
+                raise TaskFileError(f"{path} line {line} column {column}: byte 0x{raw[err.start]:02x} is not UTF-8 "
+                                    "(the file was saved in another encoding, e.g. Latin-1 or Windows-1252); save it "
+                                    "as UTF-8") from None
+
+
 def _jsonl(path: Path) -> list[Row]:
     rows = []
-    with path.open(encoding="utf-8") as fh:
+    with path.open(encoding="utf-8-sig") as fh:
         for line, text in enumerate(fh, 1):
             if not text.strip():
                 continue
             try:
                 record = json.loads(text)
-            except ValueError as err:
-                raise TaskFileError(f"{path} line {line}: not JSON ({err.args[0].split(':')[0]}); write one "
+            except json.JSONDecodeError as err:
+                raise TaskFileError(f"{path} line {line}: not JSON at column {err.colno} ({err.msg}); write one "
                                     "JSON object per line, e.g. {\"prompt\": \"...\", \"target\": \"...\"}") from None
             if not isinstance(record, dict):
                 raise TaskFileError(f"{path} line {line}: a JSON {type(record).__name__}, not an object; write "
@@ -111,7 +137,7 @@ def _jsonl(path: Path) -> list[Row]:
 
 
 def _csv(path: Path) -> list[Row]:
-    with path.open(encoding="utf-8", newline="") as fh:
+    with path.open(encoding="utf-8-sig", newline="") as fh:
         reader = csv.DictReader(fh)
         header = reader.fieldnames or []
         missing = [key for key in FIELDS if key not in header]
@@ -130,16 +156,14 @@ def _csv(path: Path) -> list[Row]:
 
 
 def read_rows(path: str | Path) -> list[Row]:
-    """The rows of a ``.jsonl`` (or ``.csv``) task file; :class:`TaskFileError` for a missing, unreadable
-    or empty file, a line that is not JSON, a missing or empty field."""
+    """The rows of a ``.jsonl`` (or ``.csv``) task file; :class:`TaskFileError` for a missing or empty
+    file, a byte that is not UTF-8 (:func:`check_utf8`), a line that is not JSON, a missing or empty field."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise TaskFileError(f"{path}: no such file; give suite.custom.train (and .eval) as paths to "
                             ".jsonl or .csv files")
-    try:
-        rows = _csv(path) if path.suffix.lower() == ".csv" else _jsonl(path)
-    except UnicodeDecodeError as err:
-        raise TaskFileError(f"{path}: not UTF-8 text (byte {err.start}); save the file as UTF-8") from None
+    check_utf8(path)
+    rows = _csv(path) if path.suffix.lower() == ".csv" else _jsonl(path)
     if not rows:
         raise TaskFileError(f"{path} line 1: the file is empty (no rows); write one row per line")
     return rows
@@ -184,19 +208,36 @@ def gold(rule: TaskRule, row: Row, path: Path) -> int | float | str:
     return normalize_exact(row.target)
 
 
-def check_ids(files: Sequence[tuple[Path, Sequence[Row]]]) -> None:
-    """No id twice, within a file or across the training and evaluation files."""
-    seen: dict[str, tuple[Path, int]] = {}
-    for path, rows in files:
-        for row in rows:
-            if row.id is None:
-                continue
-            if row.id in seen:
-                first, line = seen[row.id]
-                where = f"line {line}" if first == path else f"{first} line {line}"
-                raise TaskFileError(f"{path} line {row.line}: duplicate id {row.id!r} (first on {where}); "
-                                    "give every row its own id")
-            seen[row.id] = (path, row.line)
+def check_ids(path: Path, rows: Sequence[Row]) -> None:
+    """No id twice within one file (the training and evaluation files may each number from ``r0``)."""
+    seen: dict[str, int] = {}
+    for row in rows:
+        if row.id is None:
+            continue
+        if row.id in seen:
+            raise TaskFileError(f"{path} line {row.line}: duplicate id {row.id!r} (first on line {seen[row.id]}); "
+                                "give every row of the file its own id")
+        seen[row.id] = row.line
+
+
+def _same_prompt(prompt: str) -> str:
+    return " ".join(prompt.split())
+
+
+def leakage(train: tuple[Path, Sequence[Row]], evals: tuple[Path, Sequence[Row]]) -> str | None:
+    """One warning line when evaluation rows repeat a training row's prompt (compared with runs of
+    whitespace collapsed; ids play no part): how many, and the first such pair's lines. None when none."""
+    (train_path, train_rows), (eval_path, eval_rows) = train, evals
+    first_line: dict[str, int] = {}
+    for row in train_rows:
+        first_line.setdefault(_same_prompt(row.prompt), row.line)
+    repeated = [row for row in eval_rows if _same_prompt(row.prompt) in first_line]
+    if not repeated:
+        return None
+    row = repeated[0]
+    return (f"warning: {len(repeated)} of {len(eval_rows)} evaluation rows repeat a training prompt (first: {eval_path} "
+            f"line {row.line} = {train_path} line {first_line[_same_prompt(row.prompt)]}), so the score also measures "
+            "memorisation; drop those rows from one of the files")
 
 
 def example(row: Row, answer: int | float | str) -> Example:
@@ -204,16 +245,21 @@ def example(row: Row, answer: int | float | str) -> Example:
     return Example(TASK, row.prompt, "", row.target, answer)
 
 
-def check_lengths(path: Path, rows: Sequence[Row], cutoff_len: int, count_tokens: TokenCounter, backbone: str) -> None:
-    """Every row's prompt, target and EOS fit in ``suite.cutoff_len`` tokens (else training would cut
-    off its target: tokenisation truncates the whole text at ``cutoff_len``). All rows of the training
-    file are checked, held out or not, so the answer does not depend on the draw."""
+def check_lengths(path: Path, rows: Sequence[Row], cutoff_len: int, count_tokens: TokenCounter, backbone: str,
+                  evaluation: bool = False) -> None:
+    """Every row's prompt, target and EOS fit in ``suite.cutoff_len`` tokens: else training would cut
+    off its target (tokenisation truncates the whole text at ``cutoff_len``), and an evaluation row
+    would be generated from a prompt longer than any trained sequence, at a memory cost no training
+    step had (``evaluation``: the rows of the evaluation file). All rows of the training file are
+    checked, held out or not, so the answer does not depend on the draw."""
     for row in rows:
         n = count_tokens(train_prompt(example(row, 0))) + 1  # + EOS
         if n > cutoff_len:
+            why = ("an evaluation row must fit as a training row does" if evaluation
+                   else "so the target would be cut off")
             raise TaskFileError(f"{path} line {row.line}: prompt and target are {n} tokens with backbone "
-                                f"{backbone}'s tokenizer (EOS included), over suite.cutoff_len={cutoff_len}, so the "
-                                f"target would be cut off; shorten the row or raise suite.cutoff_len to {n}")
+                                f"{backbone}'s tokenizer (EOS included), over suite.cutoff_len={cutoff_len}, {why}; "
+                                f"shorten the row or raise suite.cutoff_len to {n}")
 
 
 def answer_room(train: Sequence[Example], count_tokens: TokenCounter, max_new_tokens: int) -> str | None:
@@ -242,24 +288,27 @@ class CustomTask:
     eval: list[Example]
     rule: TaskRule
     source: dict[str, Any]
+    warning: str | None = None  # :func:`leakage`
 
 
-def load_task(node: Mapping[str, Any], n_validation: int = 0) -> tuple[CustomTask, list[Row], Path]:
+def load_task(node: Mapping[str, Any], n_validation: int = 0) -> tuple[CustomTask, list[tuple[Path, list[Row]]]]:
     """Read and check the files of ``suite.custom`` (all checks but lengths and batch size); returns
-    the task, every row of the training file (held-out ones included) and the training file. With
+    the task and every row of each file, the training file's first (held-out rows included). With
     ``n_validation`` > 0 the task's evaluation rows are that many validation rows held out of its
     training rows (the module docstring), and its training rows the others."""
     if not node.get("train"):
         raise TaskFileError("suite.custom.train is not set; give suite.custom.train=PATH (a .jsonl or .csv file)")
     rule = task_rule(node)
     train_path = Path(str(node["train"])).expanduser()
-    train_rows = file_rows = read_rows(train_path)
+    train_rows = read_rows(train_path)
     source: dict[str, Any] = {"train": str(node["train"]), "train_sha256": _verified(train_path, node.get("train_sha256"),
                                                                                      "train_sha256")}
+    check_ids(train_path, train_rows)
     files = [(train_path, train_rows)]
     if node.get("eval"):
         eval_path = Path(str(node["eval"])).expanduser()
         eval_rows = read_rows(eval_path)
+        check_ids(eval_path, eval_rows)
         files.append((eval_path, eval_rows))
         source.update(eval=str(node["eval"]), eval_sha256=_verified(eval_path, node.get("eval_sha256"), "eval_sha256"))
     else:
@@ -275,7 +324,6 @@ def load_task(node: Mapping[str, Any], n_validation: int = 0) -> tuple[CustomTas
         eval_rows = [row for i, row in enumerate(train_rows) if i in held]
         train_rows = [row for i, row in enumerate(train_rows) if i not in held]
         source.update(eval=f"{n_eval} rows held out of {node['train']} (eval_fraction={float(fraction):g})")
-    check_ids(files)
     eval_path = files[-1][0]
     if n_validation:
         if n_validation >= len(train_rows):
@@ -291,7 +339,8 @@ def load_task(node: Mapping[str, Any], n_validation: int = 0) -> tuple[CustomTas
     train = [example(row, gold(rule, row, train_path)) for row in train_rows]
     evals = [example(row, gold(rule, row, eval_path)) for row in eval_rows]
     source.update(type=rule.kind, n_train=len(train), n_eval=len(evals))
-    return CustomTask(train, evals, rule, source), file_rows, train_path
+    warning = leakage((train_path, train_rows), (eval_path, eval_rows))
+    return CustomTask(train, evals, rule, source, warning), files
 
 
 def validation_rows(cfg_suite: Mapping[str, Any]) -> int:
@@ -303,20 +352,26 @@ def validation_rows(cfg_suite: Mapping[str, Any]) -> int:
 def check_task(node: Mapping[str, Any], batch_size: int, cutoff_len: int, count_tokens: TokenCounter | None,
                backbone: str, n_validation: int = 0) -> CustomTask:
     """Every check of a custom task that needs no model: the files (:func:`load_task`), then, when the
-    backbone's tokenizer is readable without a model (``count_tokens``), every training row within
-    ``suite.cutoff_len``, then enough training rows for ``train.batch_size``."""
-    task, train_rows, train_path = load_task(node, n_validation)
+    backbone's tokenizer is readable without a model (``count_tokens``), every training and evaluation
+    row within ``suite.cutoff_len``, then enough training rows for ``train.batch_size``. A leakage
+    warning (:func:`leakage`) is logged once per process."""
+    task, files = load_task(node, n_validation)
+    train_path = files[0][0]
     if count_tokens is not None:
-        check_lengths(train_path, train_rows, cutoff_len, count_tokens, backbone)
+        for k, (path, rows) in enumerate(files):
+            check_lengths(path, rows, cutoff_len, count_tokens, backbone, evaluation=k > 0)
     if len(task.train) < batch_size:
         held = f" after holding out {len(task.eval)} for validation" if n_validation else (
             "" if node.get("eval") else f" after holding out {len(task.eval)} for evaluation")
         raise TaskFileError(f"{train_path}: {len(task.train)} training rows{held}, fewer than train.batch_size="
                             f"{batch_size}; add rows or lower train.batch_size to at most {len(task.train)}")
+    if task.warning and task.warning not in _warned:
+        _warned.add(task.warning)
+        log.warning(task.warning)
     return task
 
 
 def build(cfg_suite: Any) -> tuple[list[Example], dict[str, list[Example]], dict[str, str], TaskRule, dict[str, Any]]:
     """``suite=custom`` for :func:`prism.data.build_suite`: (train, eval by task, task → column, rule, file facts)."""
-    task, _, _ = load_task(cfg_suite.get("custom") or {}, validation_rows(cfg_suite))
+    task, _ = load_task(cfg_suite.get("custom") or {}, validation_rows(cfg_suite))
     return task.train, {TASK: task.eval}, {TASK: task.rule.columns[0]}, task.rule, task.source
