@@ -627,7 +627,7 @@ def reproduce(cfg: DictConfig) -> int:
         return 1
     folder = store.run_dir(resolve(cfg))
     final = store.read_json(folder / "final.json")
-    paths = render(store.read_json(folder / DATA_FILE), Path(cfg.results_dir), final["run"]["wall_time_s"])
+    paths = render(store.read_json(folder / DATA_FILE), Path(cfg.results_dir), store.RunBlock.from_final(final).wall_time_s)
     for path in paths:
         print(path)
     return 0

@@ -205,14 +205,13 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
                              "free space there or point results_dir elsewhere, then rerun the same command "
                              "to resume from the last checkpoint") from None
         commit, dirty = git_state()
-        run = {"hash": run_hash, "experiment": str(cfg.experiment), "attempts": attempts, "versions": versions(),
-               "git_commit": commit, "git_dirty": dirty, "hostname": socket.gethostname()}
-        if timed:
-            run.update(wall_time_s=time.time() - t0, started=started, ended=store.utc_stamp(),
-                       peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
-        final = {**record, "run": run}
+        times = dict(wall_time_s=time.time() - t0, started=started, ended=store.utc_stamp(),
+                     peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0) if timed else {}
+        run = store.RunBlock(hash=run_hash, experiment=str(cfg.experiment), attempts=attempts, versions=versions(),
+                             git_commit=commit, git_dirty=dirty, hostname=socket.gethostname(), **times)
+        final = {**record, "run": run.to_json()}
         store.write_json_atomic(folder / "final.json", final)
-        store.write_status(folder, "finished", started=started, attempts=attempts, ended=run.get("ended"))
+        store.write_status(folder, "finished", started=started, attempts=attempts, ended=run.ended)
     except BaseException as exc:
         _record_failure(folder, run_hash, exc, started, attempts, timed)
         if wb is not None:
@@ -221,7 +220,7 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
         raise
     with contextlib.suppress(Exception):  # the result is on disk; a W&B upload failure does not undo it
         wb.finish(final, history=store.read_metrics(folder))
-    took = f" in {run['wall_time_s']:.0f} s" if timed else ""
+    took = f" in {run.wall_time_s:.0f} s" if run.wall_time_s is not None else ""
     log.info("run %s finished%s: %s; results in %s", run_hash, took, scores_line(final), folder / "final.json")
     return "finished"
 

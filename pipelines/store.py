@@ -60,7 +60,8 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -272,6 +273,65 @@ def seal_metrics(folder: Path) -> None:
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":
                 f.write(b"\n")
+
+
+@dataclass(frozen=True)
+class RunBlock:
+    """``final.json``'s ``run`` block: who trained the run, where and with which code. Written by
+    :mod:`pipelines.run` through :meth:`to_json` and read back only through :meth:`from_final`; the times
+    and memory are ``None`` (absent from the file) under ``privacy.log_private_stats=false``."""
+
+    hash: str
+    experiment: str
+    attempts: int
+    versions: dict[str, str | None]
+    git_commit: str | None
+    git_dirty: bool | None
+    hostname: str
+    wall_time_s: float | None = None
+    started: str | None = None
+    ended: str | None = None
+    peak_rss_mb: float | None = None
+
+    TIMES = ("wall_time_s", "started", "ended", "peak_rss_mb")
+
+    def to_json(self) -> dict[str, Any]:
+        """The block as written (the times only when recorded)."""
+        return {k: v for k, v in asdict(self).items() if k not in self.TIMES or v is not None}
+
+    @classmethod
+    def from_final(cls, final: Mapping[str, Any]) -> RunBlock:
+        """The block of a parsed ``final.json``; :class:`RecordError` naming the first missing field."""
+        block = final.get("run")
+        if not isinstance(block, Mapping):
+            raise RecordError("final.json has no `run` block")
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in block and n not in cls.TIMES]
+        if missing:
+            raise RecordError(f"final.json's `run` block lacks `{missing[0]}`")
+        return cls(**{n: block[n] for n in names if n in block})
+
+
+class RecordError(ValueError):
+    """A run record that cannot be trusted: the aggregator refuses it in one line naming the run."""
+
+
+SCORED_FIELDS = ("columns", "epsilon_spent")
+"""``final.json`` fields every scored (non-benchmark) run writes: its columns and its realised ε."""
+
+
+def final_problem(final: Mapping[str, Any]) -> str:
+    """Why a parsed ``final.json`` cannot be averaged ('' when it can): a missing field of
+    :data:`SCORED_FIELDS` (a run that scored columns), or of its :class:`RunBlock`."""
+    try:
+        RunBlock.from_final(final)
+    except RecordError as err:
+        return str(err)
+    if final.get("columns"):
+        missing = [f for f in SCORED_FIELDS if f not in final]
+        if missing:
+            return f"final.json lacks `{missing[0]}`"
+    return ""
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,9 @@ def _finish(job: compare.Job, cfg, accuracy: float, f1: float) -> None:
     (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     dp = math.isfinite(cfg.privacy.epsilon)
     final = {"columns": {"Accuracy": accuracy, "Macro-F1": f1}, "n_train": 64, "eval_rows": {"custom": 16},
-             "sample_rate": 0.125, "sigma": 0.6 if dp else 0.0, "epsilon_spent": cfg.privacy.epsilon - 0.01 if dp else math.inf}
+             "sample_rate": 0.125, "sigma": 0.6 if dp else 0.0, "epsilon_spent": cfg.privacy.epsilon - 0.01 if dp else math.inf,
+             "run": store.RunBlock(hash=folder.name, experiment="compare", attempts=1, versions={}, git_commit=None,
+                                   git_dirty=None, hostname="test").to_json()}
     store.write_json_atomic(folder / "final.json", final)
     store.write_status(folder, "finished", started="x", attempts=1)
 

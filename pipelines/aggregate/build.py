@@ -192,11 +192,14 @@ def _backbone(record: RunRecord) -> str:
 
 
 def _code(record: RunRecord) -> str | None:
-    """The commit that trained a run (``final.json`` ``git_commit``, 10 digits; ``+dirty`` with local changes)."""
-    commit = record.final.get("git_commit")
-    if not commit:
+    """The commit that trained a run (its :class:`~pipelines.store.RunBlock`'s ``git_commit``, 10 digits;
+    ``+dirty`` with local changes)."""
+    if "run" not in record.final:  # a W&B summary carries no run block
         return None
-    return str(commit)[:10] + ("+dirty" if record.final.get("git_dirty") else "")
+    block = store.RunBlock.from_final(record.final)
+    if not block.git_commit:
+        return None
+    return str(block.git_commit)[:10] + ("+dirty" if block.git_dirty else "")
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -281,11 +284,14 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str | None
     ignored += [f"{r.run_id}: protocol {protocol_of(r)}" for r in records
                 if r.config and protocol_of(r) != protocol]
     records = [r for r in records if not r.config or protocol_of(r) == protocol]
+    records = list({r.run_id: r for r in records}.values())  # a run listed twice (seeds=42,42) is one run
     problems = [r for r in records if r.state != "finished"]
     missing: list[str] = []
     finished = []
+    first: dict[str, str] = {}  # run hash (its result config with the seed) -> the first run read with it
     for r in (r for r in records if r.state == "finished"):
-        why = epsilon_problem(r)
+        same = first.setdefault(store.run_hash(r.config), r.run_id)
+        why = epsilon_problem(r) or (f"duplicates run {same} (same config and seed)" if same != r.run_id else "")
         if why:
             missing.append(f"{fmt_key(spec, spec.cell_key(r, paper))} / {r.get('suite.name')}: "
                            f"left out, {why} ({r.run_id})")

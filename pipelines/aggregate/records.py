@@ -26,7 +26,7 @@ class RunRecord:
     """What the aggregator needs from one run (a folder or a W&B run)."""
 
     run_id: str
-    state: str  # finished | running | stale | failed | corrupt | incomplete
+    state: str  # finished | running | stale | failed | corrupt | incomplete | refused (a record that cannot be trusted)
     problem: str = ""
     config: dict[str, Any] = field(default_factory=dict)
     final: dict[str, Any] = field(default_factory=dict)
@@ -70,6 +70,8 @@ def read_run_folder(folder: Path) -> RunRecord:
         error = (info.status or {}).get("error") or ""
         return RunRecord(run_id, "failed", "failed" + (f": {error}" if error else ""), config)
     final = json.loads((folder / "final.json").read_text())
+    if why := store.final_problem(final):
+        return RunRecord(run_id, "refused", f"refused: {why}", config)
     return RunRecord(run_id, "finished", "", config, final)
 
 
