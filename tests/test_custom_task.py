@@ -215,8 +215,8 @@ def test_the_embedded_backbones_tokenizer_counts_before_any_model_load(tmp_path:
     from transformers import AutoTokenizer
 
     from prism import backbones
+    from prism.backbones import gguf_path
     from prism.fileio import sha256_file
-    from prism.models.gguf import gguf_path
 
     gguf = gguf_path(backbones.BACKBONES["smollm2-135m"])
     reference = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

