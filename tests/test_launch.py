@@ -6,9 +6,11 @@ leave no submission folder behind and touch no table; `submit.sh --dry-run` writ
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,7 +84,8 @@ def test_reproduce_on_a_dead_controller_submits_nothing_and_keeps_tables(tmp_pat
     rc = reproduce.main(["5", *ONE_JOB, "scale=embedded", "launcher=slurm", f"results_dir={tmp_path}"])
     out = capsys.readouterr()
     assert rc == 1
-    assert out.err.strip() == f"0 of 1 submitted: squeue failed: slurm_load_jobs error: {DEAD}"
+    assert out.err.strip() == (f"error: launcher=slurm: squeue failed: slurm_load_jobs error: {DEAD}; "
+                               "nothing was submitted")
     assert "Traceback" not in out.out + out.err and "run(s) failed" not in out.out + out.err
     assert table.read_bytes() == before and sorted(p.name for p in table.parent.iterdir()) == [table.name]
     assert not (tmp_path / "runs" / store.VIEWS).exists() or not any((tmp_path / "runs").glob("[0-9a-f]*"))
@@ -131,7 +134,98 @@ def test_local_failure_count_is_the_runs_not_finished(tmp_path: Path, monkeypatc
 
 @pytest.mark.parametrize("bad", ["scale=papr", "method=prism,nosuchmethod", "jobs=0"])
 def test_reproduce_bad_overrides_are_one_line_errors(bad: str, tmp_path: Path, capsys) -> None:
-    assert reproduce.main(["5", bad, "launcher=slurm", f"results_dir={tmp_path}"]) == 2
+    assert reproduce.main(["5", bad, "launcher=local", f"results_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and bad.split("=")[0] in err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("cores", "available_gb", "expected"), [
+    (2, 22.0, 2),  # memory for 10 workers, 2 cores: the cores decide
+    (16, 9.0, 4),  # 9 GB holds four 2.2 GB workers, not five
+    (16, 4.3, 1),  # less than two workers' memory
+    (8, 1.0, 1),  # not even one worker's memory: still one
+    (1, 64.0, 1),
+])
+def test_default_jobs_is_the_smaller_of_cores_and_workers_that_fit_in_memory(cores: int, available_gb: float,
+                                                                             expected: int) -> None:
+    assert reproduce.default_jobs(cores, int(available_gb * 1e9)) == expected
+
+
+def test_jobs_not_given_is_chosen_and_printed_jobs_given_is_kept(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(reproduce.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(reproduce, "available_memory", lambda: 5 * 2**30)  # 5.4e9 bytes: two workers
+    assert reproduce.resolve_jobs(3) == 3 and capsys.readouterr().out == ""
+    assert reproduce.resolve_jobs(None) == 2
+    assert capsys.readouterr().out == "JOBS=2 (4 cores, 5.0 GiB free; JOBS= overrides)\n"
+    assert reproduce.parse_args(["2"])[1] is None and reproduce.parse_args(["2", "jobs=3"])[1] == 3
+
+
+def test_slurm_missing_is_refused_before_any_job_is_validated(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Without sbatch the answer comes before the grid is planned (Table 2's 36 jobs take ~20 s to
+    validate): each launcher's validation is replaced by a failure."""
+    from pipelines import compare, tune
+
+    def validated(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the grid was validated before the launcher was checked")
+
+    monkeypatch.setenv("PATH", str(fake_bin(tmp_path, python3="exit 0")))  # no sbatch, no squeue
+    monkeypatch.setattr(reproduce, "plan", validated)
+    monkeypatch.setattr(compare, "plan", validated)
+    task = tmp_path / "task.jsonl"
+    task.write_text('{"prompt": "a", "target": "b"}\n')
+    for run in (lambda: reproduce.main(["2", "launcher=slurm", f"results_dir={tmp_path}"]),
+                lambda: tune.main(["launcher=slurm", f"results_dir={tmp_path}"]),
+                lambda: compare.main([str(task), "launcher=slurm", f"results_dir={tmp_path}"])):
+        t0 = time.monotonic()
+        assert run() == 2
+        assert time.monotonic() - t0 < 2.0
+        err = capsys.readouterr().err
+        assert err.startswith("error: launcher=slurm: sbatch/squeue not found") and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin", "task.jsonl"]  # no run folder, no log
+
+
+def stub_venv(tmp_path: Path) -> Path:
+    """A VENV whose python prints its arguments as JSON (make's recipes run ``$(VENV)/bin/python``)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    stub = venv / "bin" / "python"
+    stub.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n")
+    stub.chmod(0o755)
+    return venv
+
+
+def make(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    venv = stub_venv(tmp_path)
+    return subprocess.run(["make", "--no-print-directory", "-s", f"VENV={venv}", "-o", f"{venv}/.setup-stamp", "-o",
+                           "setup", "-o", "setup-gemma3", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def test_make_passes_every_value_as_one_verbatim_argument(tmp_path: Path) -> None:
+    odd = "my task's $HOME \"x\".jsonl"
+    done = make(tmp_path, "compare", f"TASK={odd}", "MODEL=/tmp/my model", "LABELS=very good,bad", "SEEDS=1,2",
+                "JOBS=3")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == ["-m", "pipelines.compare", odd, "model=/tmp/my model", "seeds=1,2",
+                                       "labels=very good,bad", "scale=embedded", "launcher=local", "jobs=3"]
+    done = make(tmp_path, "tune", "SEEDS=7", "TASK=a b.jsonl")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == ["-m", "pipelines.reproduce", "tune", "scale=embedded", "launcher=local",
+                                       "seed=7", "task=a b.jsonl"]  # no jobs=: the launcher chooses
+    done = make(tmp_path, "reproduce-table2", "SEEDS=42,43", "ARGS=train.steps=2 'results_dir=/tmp/a b'")
+    assert json.loads(done.stdout) == ["-m", "pipelines.reproduce", "2", "scale=embedded", "launcher=local",
+                                       "seed=42,43", "train.steps=2", "results_dir=/tmp/a b"]  # ARGS: shell words
+
+
+@pytest.mark.parametrize(("goal", "variable", "users"), [
+    ("reproduce-table2", "TASK=x.jsonl", "compare tune"),
+    ("reproduce-diagnostics", "JOBS=4", "compare reproduce-table2 reproduce-table3 reproduce-table4 "
+                                        "reproduce-table5 tune"),
+    ("test", "SEEDS=1", "compare reproduce-table2 reproduce-table3 reproduce-table4 reproduce-table5 tune"),
+])
+def test_make_refuses_a_variable_its_goal_does_not_use(goal: str, variable: str, users: str, tmp_path: Path) -> None:
+    done = make(tmp_path, goal, variable)
+    name = variable.split("=")[0]
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().endswith(f"*** error: make {goal} does not use {name}= (used by: {users}); "
+                                        "leave it out.  Stop.") and done.stderr.count("\n") == 1
