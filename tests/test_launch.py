@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -229,3 +230,46 @@ def test_make_refuses_a_variable_its_goal_does_not_use(goal: str, variable: str,
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().endswith(f"*** error: make {goal} does not use {name}= (used by: {users}); "
                                         "leave it out.  Stop.") and done.stderr.count("\n") == 1
+
+
+LONG_TINY = ["backbone=tiny-llama", "backbone.lora_layers=null", "method=prism,adamw", "privacy=nondp", "suite=glue8",
+             "train.steps=100000", "train.batch_size=4", "train.micro_batch_size=4", "train.checkpoint_every=50",
+             "suite.eval_limit=2", "suite.cutoff_len=1024", "suite.embedded.train_per_task=16", "logging=disabled"]
+
+
+@pytest.mark.parametrize(("sig", "workers", "to_group"), [
+    (signal.SIGTERM, 2, False),  # what make (or a scheduler) sends: to the launcher alone
+    (signal.SIGINT, 1, True),  # Ctrl-C: to the terminal's whole process group
+])
+def test_a_signal_ends_every_process_of_the_local_launcher_and_marks_its_runs_interrupted(
+        sig: signal.Signals, workers: int, to_group: bool, tmp_path: Path) -> None:
+    """Two runs far from done: once each worker trains, the signal must leave no process of the tree
+    (workers, the multiprocessing resource tracker) alive, the runs it cut off marked failed as
+    interrupted (resumable), a queued run not started, and one line saying so."""
+    psutil = pytest.importorskip("psutil")
+    cmd = [sys.executable, "-m", "pipelines.reproduce", "2", f"jobs={workers}", *LONG_TINY, f"results_dir={tmp_path}"]
+    launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while len([m for m in (tmp_path / "runs").glob("*/metrics.jsonl") if m.read_text().strip()]) < workers:
+            assert launcher.poll() is None and time.monotonic() < deadline, "the runs did not start training"
+            time.sleep(0.5)
+        tree = psutil.Process(launcher.pid).children(recursive=True)
+        assert len(tree) >= workers + 1  # the workers and the resource tracker
+        os.killpg(launcher.pid, sig) if to_group else launcher.send_signal(sig)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 128 + sig
+    _, alive = psutil.wait_procs(tree, timeout=20)
+    assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+    statuses = [json.loads(p.read_text()) for p in (tmp_path / "runs").glob("*/status.json")]
+    assert len(statuses) == workers
+    assert all(s["state"] == "failed" and s["error"].startswith("interrupted") for s in statuses), statuses
+    assert all(store.run_state(p.parent) == "failed" for p in (tmp_path / "runs").glob("*/status.json"))
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"stopped ({sig.name}): every worker ended; {workers} run(s) marked interrupted (")
+    assert last.endswith(f"{2 - workers} not started; rerun the same command to resume them from their checkpoints")
+    assert "Traceback" not in err
