@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -273,3 +275,35 @@ def test_a_signal_ends_every_process_of_the_local_launcher_and_marks_its_runs_in
     assert last.startswith(f"stopped ({sig.name}): every worker ended; {workers} run(s) marked interrupted (")
     assert last.endswith(f"{2 - workers} not started; rerun the same command to resume them from their checkpoints")
     assert "Traceback" not in err
+
+
+def test_a_preempted_array_task_is_requeueable_and_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """SLURM preempts a task with SIGTERM to its processes and, under ``--requeue``, starts the same
+    array task again: the second start must resume the run from its checkpoint and finish it."""
+    assert "#SBATCH --requeue" in (REPO / "slurm" / "array.sbatch").read_text().splitlines()
+    overrides = [o for o in LONG_TINY if not o.startswith(("method=", "train.steps=", "train.checkpoint_every="))]
+    overrides += ["method=prism", "train.steps=40", "train.checkpoint_every=10", f"results_dir={tmp_path}"]
+    (tmp_path / "jobs.txt").write_text(shlex.join(overrides) + "\n")
+    env = {**os.environ, "SLURM_ARRAY_TASK_ID": "0", "PRISM_PYTHON": sys.executable}
+    task = [str(REPO / "slurm" / "array.sbatch"), str(tmp_path / "jobs.txt")]
+    first = subprocess.Popen(task, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "runs"
+    try:
+        deadline = time.monotonic() + 300
+        while not any(len(m.read_text().splitlines()) > 12 for m in metrics.glob("*/metrics.jsonl")):
+            assert first.poll() is None and time.monotonic() < deadline, "the task did not train"
+            time.sleep(0.3)
+        first.send_signal(signal.SIGTERM)  # the script exec'd the runner: the signal reaches it
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    folder = next(metrics.glob("*/metrics.jsonl")).parent
+    assert store.run_state(folder) in ("stale", "failed")  # resumable, not finished, nobody holds it
+    again = subprocess.run(task, cwd=REPO, env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"attempt 2, resuming from {folder / 'checkpoint'}" in again.stdout + again.stderr
+    assert store.inspect_run(folder).state == "finished"
+    resumed = re.findall(r"\] step (\d+)/40", again.stdout + again.stderr)
+    assert resumed[0] == "11" and resumed[-1] == "40"  # the second start went on from step 10's checkpoint
