@@ -254,8 +254,8 @@ def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list
     stop: Stop | None = None
     grid_bar = tqdm(total=len(pending), desc="grid", position=0, unit="run")
     slots = [tqdm(total=1, position=i + 1, leave=False, bar_format="{desc}") for i in range(workers)]
-    try:
-        with stop_signals():
+    with stop_signals():  # also while the workers are stopped: a second signal does not cut that short
+        try:
             while queue or running:
                 while queue and len(running) < workers:
                     if pool is None:
@@ -283,16 +283,16 @@ def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list
                         tqdm.write(f"FAILED {' '.join(job.overrides)} (log {log_dir / job.run_hash}.log)")
                     grid_bar.update(1)
                 time.sleep(POLL_S if running else 0)
-    except Stop as caught:
-        stop = caught
-    finally:
-        if pool is not None and stop is not None:
-            stop_workers(pool)
-        elif pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-        for bar in slots:
-            bar.close()
-        grid_bar.close()
+        except Stop as caught:
+            stop = caught
+        finally:
+            if pool is not None and stop is not None:
+                stop_workers(pool)
+            elif pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+            for bar in slots:
+                bar.close()
+            grid_bar.close()
     if stop is not None:
         done = {j.run_hash for j in outcome["ok"] + outcome["failed"]}
         queued = {j.run_hash for j in queue}
@@ -326,26 +326,54 @@ def slurm_problem(timeout_s: float = 30.0) -> str | None:
 ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
 
 
+def stop_group(pgid: int, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGINT to process group ``pgid``: Hydra and a job it runs take it as Ctrl-C (:mod:`pipelines.run`
+    records the run interrupted; submitit's local jobs ignore SIGTERM); SIGKILL to what is left after
+    ``grace_s``."""
+    deadline = time.monotonic() + grace_s
+    try:
+        os.killpg(pgid, signal.SIGINT)
+        while time.monotonic() < deadline:
+            os.killpg(pgid, 0)  # ProcessLookupError once no process of the group is left
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pgid, os.WNOHANG)  # the group leader is this process's child: reap it
+            time.sleep(0.2)
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+
+
 def run_hydra_multirun(experiment: str, overrides: Sequence[str], log_path: Path) -> tuple[int, str]:
     """Hydra multirun (e.g. launcher=slurm): blocks until every job of the sweep has returned.
 
     The child's output goes to ``log_path`` in full and to the terminal without tracebacks;
-    returns (exit code, the error line of the last traceback or the last output line)."""
+    returns (exit code, the error line of the last traceback or the last output line). The child runs
+    in a process group of its own: SIGTERM or SIGINT here stops that whole group (:func:`stop_group`:
+    Hydra and the local jobs it started; jobs already handed to SLURM keep running), one line says
+    so, and ``SystemExit`` carries 128 + the signal number."""
     cmd = [sys.executable, "-m", "pipelines.run", "-m", f"experiment={experiment}", *overrides]
     print("running:", " ".join(cmd), flush=True)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    reason, in_traceback = "", False
-    with open(log_path, "a") as log, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                      text=True) as proc:
-        for line in proc.stdout or ():
-            log.write(line)
-            text = line.strip()
-            in_traceback = in_traceback or text.startswith("Traceback")
-            if in_traceback:
-                reason = text if ERROR_LINE.match(text) else reason
-            elif text:
-                print(line, end="", flush=True)
-                reason = text
+    reason, in_traceback, stop = "", False, None
+    with stop_signals(), open(log_path, "a") as log, subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True) as proc:
+        try:
+            for line in proc.stdout or ():
+                log.write(line)
+                text = line.strip()
+                in_traceback = in_traceback or text.startswith("Traceback")
+                if in_traceback:
+                    reason = text if ERROR_LINE.match(text) else reason
+                elif text:
+                    print(line, end="", flush=True)
+                    reason = text
+        except Stop as caught:
+            stop = caught
+            stop_group(proc.pid)
+    if stop is not None:
+        print(f"stopped ({signal.Signals(stop.signum).name}): the multirun and its local jobs ended (jobs already "
+              f"handed to SLURM keep running: scancel them); full log in {log_path}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + stop.signum)
     return proc.returncode, reason
 
 

@@ -307,3 +307,33 @@ def test_a_preempted_array_task_is_requeueable_and_resumes_from_its_checkpoint(t
     assert store.inspect_run(folder).state == "finished"
     resumed = re.findall(r"\] step (\d+)/40", again.stdout + again.stderr)
     assert resumed[0] == "11" and resumed[-1] == "40"  # the second start went on from step 10's checkpoint
+
+
+def test_a_signal_ends_the_hydra_multirun_and_its_local_jobs(tmp_path: Path) -> None:
+    """launcher=submitit_local (the path of launcher=slurm, without a cluster): SIGTERM to the launcher
+    must end Hydra and the submitit job it started (which ignores SIGTERM itself), and the run must
+    be marked interrupted."""
+    psutil = pytest.importorskip("psutil")
+    overrides = [o for o in LONG_TINY if not o.startswith("method=")]
+    cmd = [sys.executable, "-m", "pipelines.reproduce", "2", "launcher=submitit_local", "method=prism", *overrides,
+           f"results_dir={tmp_path}"]
+    launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(m.read_text().strip() for m in (tmp_path / "runs").glob("*/metrics.jsonl")):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start training"
+            time.sleep(0.5)
+        tree = psutil.Process(launcher.pid).children(recursive=True)
+        assert len(tree) >= 2  # Hydra and the submitit job
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 128 + signal.SIGTERM
+    _, alive = psutil.wait_procs(tree, timeout=20)
+    assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+    [status] = [json.loads(p.read_text()) for p in (tmp_path / "runs").glob("*/status.json")]
+    assert status["state"] == "failed" and status["error"].startswith("interrupted"), status
+    assert err.strip().splitlines()[-1].startswith("stopped (SIGTERM): the multirun and its local jobs ended")
