@@ -44,6 +44,8 @@ $(foreach g,$(or $(MAKECMDGOALS),help),$(foreach v,$(USER_VARS),$(if $(and $(fil
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
+	@echo "Each VAR=value reaches the program as one argument (ARGS: shell words); a VAR the target does not use is refused."
+	@echo "Ctrl-C or SIGTERM stops every worker; the runs it cut off are marked interrupted and the same command resumes them."
 
 setup: $(STAMP)  ## create/refresh the virtual environment (idempotent)
 
@@ -112,7 +114,7 @@ reproduce-table4: setup  ## Table 4 (ranks 8/16/32)
 reproduce-table5: setup  ## Table 5 (step time and peak memory)
 	$(call REPRODUCE,5)
 
-compare: setup  ## your task: methods x {non-DP, eps 6, 3} (TASK=file.jsonl [MODEL=dir] [SEEDS=1,2] [EPS=inf,6,3] [METHODS=prism,adamw] [TYPE=..] [LABELS=a,b])
+compare: setup  ## your task: methods x {non-DP, eps 6, 3} (TASK=file.jsonl [MODEL=dir] [SEEDS=1,2] [EPS=inf,6,3] [METHODS=prism,adamw] [TYPE=..] [LABELS=a,b] [JOBS=N])
 	@test -n $(call quote,$(value TASK)) || { echo "error: TASK is not set, e.g. make compare TASK=examples/sentiment/train.jsonl LABELS=positive,negative" >&2; exit 2; }
 	$(PY) -m pipelines.compare $(call quote,$(value TASK)) $(call arg,model,MODEL) $(call arg,seeds,SEEDS) $(call arg,eps,EPS) \
 	  $(call arg,methods,METHODS) $(call arg,type,TYPE) $(call arg,labels,LABELS) $(call arg,eval,EVAL) \
