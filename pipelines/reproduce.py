@@ -202,19 +202,15 @@ def stop_signals() -> Iterator[None]:
 
 
 def stop_workers(pool: ProcessPoolExecutor, grace_s: float = STOP_GRACE_S) -> None:
-    """Cancel the queued jobs of ``pool`` and SIGTERM its workers (a running job records its run
-    interrupted and returns, an idle worker exits: :func:`pipelines.worker.init`); a worker still
-    alive after ``grace_s`` is killed."""
+    """Cancel the queued jobs of ``pool`` and SIGTERM its workers, again every half second (a running
+    job records its run interrupted and ends its worker, an idle worker exits at once:
+    :func:`pipelines.worker.init`); a worker still alive after ``grace_s`` is killed."""
     pool.shutdown(wait=False, cancel_futures=True)
     deadline = time.monotonic() + grace_s
     while workers := multiprocessing.active_children():  # also one the pool started meanwhile
         for process in workers:
-            process.terminate()
-        for process in workers:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                process.kill()
-                process.join()
+            process.terminate() if time.monotonic() < deadline else process.kill()
+        time.sleep(0.5)
 
 
 def record_stopped(jobs: Sequence[Job], signum: int) -> list[Job]:

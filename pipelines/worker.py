@@ -65,8 +65,8 @@ def run_job(overrides: Sequence[str], log_path: str) -> int:
     global _kept, _busy
     from pipelines import run
 
-    _busy = True
     try:
+        _busy = True
         with open(log_path, "a", buffering=1) as out, contextlib.redirect_stdout(out), \
                 contextlib.redirect_stderr(out):
             if _kept is None:
