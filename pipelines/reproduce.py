@@ -4,8 +4,8 @@
     python -m pipelines.reproduce tune [...]     # the learning-rate sweep, :mod:`pipelines.tune`
     python -m pipelines.reproduce custom TASK.jsonl [model=DIR] ...   # your own task: pipelines.compare
 
-``launcher=local``: K worker processes (``jobs=`` not given: :func:`default_jobs` of the cores and the
-available memory, printed) (``OMP_NUM_THREADS=1`` each, :mod:`pipelines.worker`) that
+``launcher=local``: K worker processes (``OMP_NUM_THREADS=1`` each, :mod:`pipelines.worker`;
+without ``jobs=``, K is :func:`default_jobs` of the cores and the available memory, printed) that
 run the jobs one after another, each job exactly ``python -m pipelines.run <job>`` with its output
 in ``<results_dir>/logs/tableN/<hash>.log``, the backbone loaded once per worker; a progress bar
 over the grid and one line per running job (its last ``metrics.jsonl`` step). SIGTERM or SIGINT
@@ -14,9 +14,11 @@ over the grid and one line per running job (its last ``metrics.jsonl`` step). SI
 not start, one line says so, and the exit code is 128 + the signal number (:func:`run_local`).
 ``launcher=slurm`` (or ``submitit_local``): Hydra multirun through hydra-submitit-launcher
 (``python -m pipelines.run -m experiment=tableN ...``); the submitting process blocks until the
-array ends, so start it under tmux/nohup; a dead controller or a failed ``sbatch`` is reported as
-``0 of N submitted: <reason>`` (exit code 1, no traceback, no table touched); no ``sbatch``/``squeue`` here is refused before the
-grid is validated (:func:`launcher_error`). Finished runs — of
+array ends, so start it under tmux/nohup. SLURM is checked before the grid is validated
+(:func:`launcher_error`: no ``sbatch``/``squeue``, exit code 2; a controller that does not answer,
+exit code 1); a failed ``sbatch`` is reported as ``0 of N submitted: <reason>`` (exit code 1, no
+traceback, no table touched); a signal stops the multirun and its local jobs
+(:func:`run_hydra_multirun`). Finished runs — of
 this experiment or of any other whose grid holds the same config (the run store is shared, see
 :mod:`pipelines.store`) — are skipped and tagged into this experiment's view; nothing is deleted,
 and the aggregator runs at the end when a run was trained.
