@@ -376,10 +376,20 @@ def run_hydra_multirun(experiment: str, overrides: Sequence[str], log_path: Path
 
 
 def aggregate(experiment: str, results_dir: str, scale: str) -> None:
-    """Render the grid's table: ``python -m pipelines.aggregate experiment=tableN``."""
+    """Render the grid's table: ``python -m pipelines.aggregate experiment=tableN``; SIGTERM or SIGINT
+    here ends that process too, with one line (rerunning the command renders the table again)."""
     root = Path(results_dir)
-    subprocess.call([sys.executable, "-m", "pipelines.aggregate", f"experiment={experiment}",
-                     f"runs_dir={root / 'runs'}", f"out_dir={root / 'tables'}", f"scale={scale}"])
+    with stop_signals(), subprocess.Popen([sys.executable, "-m", "pipelines.aggregate", f"experiment={experiment}",
+                                           f"runs_dir={root / 'runs'}", f"out_dir={root / 'tables'}",
+                                           f"scale={scale}"]) as proc:
+        try:
+            proc.wait()
+        except Stop as stop:
+            proc.terminate()
+            proc.wait()
+            print(f"stopped ({signal.Signals(stop.signum).name}): the table was not rendered (or only in part); "
+                  "rerun the same command to render it (finished runs are kept)", file=sys.stderr, flush=True)
+            raise SystemExit(128 + stop.signum) from None
     tables = sorted((Path(results_dir) / "tables").glob(f"{experiment}.{scale}*"))
     for table in tables:
         print("table:", table)
