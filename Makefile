@@ -39,6 +39,8 @@ uses.clean := CONFIRM
 users = $(foreach t,$(patsubst uses.%,%,$(filter uses.%,$(.VARIABLES))),$(if $(filter $(1),$(uses.$(t))),$(t)))
 $(foreach g,$(or $(MAKECMDGOALS),help),$(foreach v,$(USER_VARS),$(if $(and $(filter command line,$(origin $(v))),\
   $(filter-out $(uses.$(g)),$(v))),$(error error: make $(g) does not use $(v)= (used by: $(or $(sort $(call users,$(v))),none)); leave it out))))
+$(if $(and $(filter compare,$(MAKECMDGOALS)),$(if $(value TASK),,none)),\
+  $(error error: TASK is not set, e.g. make compare TASK=examples/tweet_sentiment/train.jsonl LABELS=positive,negative,neutral))
 
 .PHONY: help setup setup-gemma3 test audit audit-run tune compare reproduce-table2 reproduce-table3 reproduce-table4 reproduce-table5 reproduce-diagnostics test-all test-slurm lint bench gpu-check data wandb-sync lock clean
 
@@ -115,7 +117,6 @@ reproduce-table5: setup  ## Table 5 (step time and peak memory)
 	$(call REPRODUCE,5)
 
 compare: setup  ## your task: methods x {non-DP, eps 6, 3} (TASK=file.jsonl [MODEL=dir] [SEEDS=1,2] [EPS=inf,6,3] [METHODS=prism,adamw] [TYPE=..] [LABELS=a,b] [JOBS=N])
-	@test -n $(call quote,$(value TASK)) || { echo "error: TASK is not set, e.g. make compare TASK=examples/sentiment/train.jsonl LABELS=positive,negative" >&2; exit 2; }
 	$(PY) -m pipelines.compare $(call quote,$(value TASK)) $(call arg,model,MODEL) $(call arg,seeds,SEEDS) $(call arg,eps,EPS) \
 	  $(call arg,methods,METHODS) $(call arg,type,TYPE) $(call arg,labels,LABELS) $(call arg,eval,EVAL) \
 	  $(LAUNCH) $(ARGS)

@@ -227,6 +227,8 @@ def test_make_passes_every_value_as_one_verbatim_argument(tmp_path: Path) -> Non
     ("test", "SEEDS=1", "compare reproduce-table2 reproduce-table3 reproduce-table4 reproduce-table5 tune"),
 ])
 def test_make_refuses_a_variable_its_goal_does_not_use(goal: str, variable: str, users: str, tmp_path: Path) -> None:
+    unset = make(tmp_path, "compare")
+    assert unset.returncode == 2 and unset.stderr.count("\n") == 1 and "*** error: TASK is not set" in unset.stderr
     done = make(tmp_path, goal, variable)
     name = variable.split("=")[0]
     assert done.returncode == 2 and done.stdout == ""
