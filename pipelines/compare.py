@@ -36,7 +36,7 @@ from pipelines.aggregate.build import TableResult, build_table
 from pipelines.aggregate.records import RunRecord, read_run_folder
 from pipelines.aggregate.render import plot_privacy_utility, to_markdown, write_outputs
 from pipelines.aggregate.specs import TableSpec, method_label, setting_label, suite_columns
-from pipelines.reproduce import Job, launch
+from pipelines.reproduce import Job, launch, launcher_error, parse_jobs
 from pipelines.validate import ConfigError, load_job
 from prism.budget import total_steps
 from prism.fileio import sha256_file
@@ -61,7 +61,7 @@ class Plan:
     jobs: list[Job]
     configs: list[Any]
     launcher: str
-    workers: int
+    workers: int | None  # jobs=, None: the launcher's default (pipelines.reproduce.resolve_jobs)
 
 
 def privacy_overrides(epsilon: float) -> list[str]:
@@ -167,9 +167,7 @@ def plan(argv: Sequence[str]) -> Plan:
     seeds_text = comma_list(keys["seeds"], "seeds") if "seeds" in keys else []
     if not all(s.isdigit() for s in seeds_text):
         raise ValueError(f"seeds={keys['seeds']} must list integers, e.g. seeds=1,2,3")
-    workers = keys.get("jobs", "1")
-    if not workers.isdigit() or int(workers) < 1:
-        raise ValueError(f"jobs={workers} must be an integer >= 1, e.g. jobs=2")
+    workers = parse_jobs(keys["jobs"]) if "jobs" in keys else None
     settings = [privacy_overrides(e) for e in epsilons]
     seeds = [int(s) for s in seeds_text]
     jobs, configs = [], []
@@ -186,7 +184,7 @@ def plan(argv: Sequence[str]) -> Plan:
                                 total_steps(cfg)))
                 configs.append(cfg)
     launcher = next((o.split("=", 1)[1] for o in overrides if o.startswith("launcher=")), "local")
-    return Plan(task, sha, fixed, settings, methods, [s for s in seeds], jobs, configs, launcher, int(workers))
+    return Plan(task, sha, fixed, settings, methods, [s for s in seeds], jobs, configs, launcher, workers)
 
 
 # ------------------------------------------------------------------------------------------ table
@@ -264,8 +262,12 @@ def render(p: Plan) -> list[Path]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Plan (validating every job), run what is not finished, render; exit 0, 1 (a run failed) or 2 (bad input)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    launcher = next((a.split("=", 1)[1] for a in args[1:] if a.startswith("launcher=")), "local")
+    if (code := launcher_error(launcher)) is not None:  # before every job is validated
+        return code
     try:
-        p = plan(list(sys.argv[1:] if argv is None else argv))
+        p = plan(args)
     except (ValueError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

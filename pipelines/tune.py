@@ -136,10 +136,11 @@ def task_sweep(keys: dict[str, str], overrides: Sequence[str]) -> list[str]:
     return [*fixed, f"method={','.join(methods)}", f"privacy={','.join(groups)}"]
 
 
-def parse_args(argv: Sequence[str]) -> tuple[int, list[str]]:
-    """``[jobs=K] [task=FILE and make compare's keys] [overrides]`` → (K, overrides); ``ValueError``
-    naming the bad argument."""
-    jobs, overrides, keys = 1, [], {}
+def parse_args(argv: Sequence[str]) -> tuple[int | None, list[str]]:
+    """``[jobs=K] [task=FILE and make compare's keys] [overrides]`` → (K or None when not given,
+    overrides); ``ValueError`` naming the bad argument."""
+    jobs: int | None = None
+    overrides, keys = [], {}
     parser = OverridesParser.create()
     for arg in argv:
         key, sep, value = arg.partition("=")
@@ -147,14 +148,11 @@ def parse_args(argv: Sequence[str]) -> tuple[int, list[str]]:
             keys[key] = value
             continue
         if arg.startswith("jobs="):
-            value = arg.split("=", 1)[1]
-            if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"jobs={value} must be an integer >= 1, e.g. jobs=2")
-            jobs = int(value)
+            jobs = reproduce.parse_jobs(arg.split("=", 1)[1])
             continue
         override = parser.parse_override(arg)
         if override.get_key_element() == "seed" and override.is_sweep_override():
-            raise ValueError(f"{arg}: the sweep uses one seed; give seed=N (the tables' SEEDS axis does not apply)")
+            raise ValueError(f"{arg}: the sweep uses one seed; give seed=N (make tune SEEDS=N; a list of seeds is for the tables)")
         if override.get_key_element() == "experiment":
             raise ValueError(f"{arg}: the sweep is experiment=tune (conf/experiment/tune.yaml); leave experiment= out")
         if override.get_key_element() == "tune.lr_factor":  # floats, as the runner's validation makes them,
@@ -197,7 +195,7 @@ def plan_points(overrides: Sequence[str]) -> tuple[list[Point], list[Point]]:
     return out
 
 
-def launch_round(launcher: str, groups: Sequence[tuple[list[str], list[Point]]], workers: int,
+def launch_round(launcher: str, groups: Sequence[tuple[list[str], list[Point]]], workers: int | None,
                  log_dir: Path) -> list[str]:
     """Train the pending points of each (overrides, points) group; returns the failure lines."""
     failures = []
@@ -223,7 +221,7 @@ def read_score(point: Point) -> float:
     return float(value) if isinstance(value, (int, float)) else math.nan
 
 
-def sweep(overrides: Sequence[str], launcher: str, workers: int, log_dir: Path) -> tuple[list[Point], list[str]]:
+def sweep(overrides: Sequence[str], launcher: str, workers: int | None, log_dir: Path) -> tuple[list[Point], list[str]]:
     """Run the base grid, then the edge extensions round by round; every point with its score."""
     points: dict[tuple[Cell, float], Point] = {}
     groups = [list(overrides)]
@@ -354,6 +352,8 @@ def main(argv: Sequence[str]) -> int:
         print(f"error: {error_line(err)}", file=sys.stderr)
         return 2
     launcher = next((o.split("=", 1)[1] for o in overrides if o.startswith("launcher=")), "local")
+    if (code := reproduce.launcher_error(launcher)) is not None:  # before the sweep's validation
+        return code
     scale = next((o.split("=", 1)[1] for o in overrides if o.startswith("scale=")), "embedded")
     results = Path(str(cfg0.results_dir))
     try:

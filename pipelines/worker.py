@@ -12,11 +12,19 @@ which worker ran it or what ran before (``tests/test_worker.py`` checks them bit
 ``python -m pipelines.run``). What a shared process does change: ``final.json``'s
 ``run.peak_rss_mb`` and the CPU ``peak_memory_mb`` are the process's high-water mark so far, so
 timing and memory benchmarks (``train.benchmark``, Table 5) get one fresh process per job.
+
+Stopping (:func:`init`): a worker ignores SIGINT (Ctrl-C reaches the whole terminal process group; the
+launcher decides) and takes SIGTERM — from the launcher, or from the kernel when the launcher dies —
+as Ctrl-C inside a job, so :mod:`pipelines.run` records the run interrupted, and then exits; an idle
+worker exits at once.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -24,23 +32,52 @@ from typing import Any
 # set by the launcher before it spawns the workers: torch reads them when it is first imported
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 _kept: Any = None  # this process's prism.models.KeptBackbones, made on its first job
+_busy = False  # a job is running in this process
+_stopping = False  # SIGTERM came during the running job
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
+
+
+def init() -> None:
+    """Pool initializer: SIGINT ignored, SIGTERM stops (:func:`_stop`), and on Linux SIGTERM also
+    when the launcher dies, whatever killed it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _stop)
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _stop(signum: int, _frame: object) -> None:
+    """SIGTERM: between jobs, exit; inside a job, ``KeyboardInterrupt`` (the run's except path records
+    it interrupted, and :func:`run_job` then ends the process); a repeat while that is recorded is
+    ignored."""
+    global _stopping
+    if not _busy:
+        raise SystemExit(128 + signum)
+    if not _stopping:
+        _stopping = True
+        raise KeyboardInterrupt
 
 
 def run_job(overrides: Sequence[str], log_path: str) -> int:
     """Run one job as ``python -m pipelines.run`` would, its output appended to ``log_path``;
     returns that command's exit code (0 finished or skipped, 1 failed, 2 bad input, 130 interrupted)."""
-    global _kept
+    global _kept, _busy
     from pipelines import run
 
-    with open(log_path, "a", buffering=1) as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        if _kept is None:
-            from prism.models import KeptBackbones
+    try:
+        _busy = True
+        with open(log_path, "a", buffering=1) as out, contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(out):
+            if _kept is None:
+                from prism.models import KeptBackbones
 
-            _kept = KeptBackbones()
-        kept = _kept
-        try:
+                _kept = KeptBackbones()
+            kept = _kept
             return run.main(list(overrides),
                             trainer=lambda cfg, folder, log_fn: run.default_trainer(cfg, folder, log_fn, load=kept))
-        finally:
-            sys.stdout.flush()
-            gc.collect()
+    finally:
+        if _stopping:  # the run is recorded (the log file is closed); nothing is left for this process to do
+            os._exit(128 + signal.SIGTERM)
+        _busy = False
+        gc.collect()

@@ -187,4 +187,4 @@ def test_slurm_installed_but_not_configured_says_how_to_fix(tmp_path: Path, monk
     assert reproduce.main(["5", "method=prism", "logging=disabled", "launcher=slurm",
                            f"results_dir={tmp_path / 'r2'}"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("0 of 1 submitted: squeue failed") and "SLURM_CONF=" in err
+    assert err.startswith("error: launcher=slurm: squeue failed") and "SLURM_CONF=" in err

@@ -64,6 +64,7 @@ def test_reproduce_launches_nothing_for_a_bad_job(tmp_path: Path, capsys: pytest
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     launched: list[object] = []
     monkeypatch.setattr(reproduce, "launch", lambda *a, **k: launched.append(a) or (True, ""))
+    monkeypatch.setattr(reproduce, "slurm_problem", lambda: None)  # a reachable cluster: the grid is validated
     for launcher in ("local", "slurm"):
         assert reproduce.main(["2", "train.steps=abc", f"launcher={launcher}", f"results_dir={tmp_path}"]) == 2
         line = _one_error_line(capsys.readouterr().err)

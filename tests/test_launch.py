@@ -6,9 +6,14 @@ leave no submission folder behind and touch no table; `submit.sh --dry-run` writ
 """
 from __future__ import annotations
 
+import json
 import os
+import re
+import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,7 +87,8 @@ def test_reproduce_on_a_dead_controller_submits_nothing_and_keeps_tables(tmp_pat
     rc = reproduce.main(["5", *ONE_JOB, "scale=embedded", "launcher=slurm", f"results_dir={tmp_path}"])
     out = capsys.readouterr()
     assert rc == 1
-    assert out.err.strip() == f"0 of 1 submitted: squeue failed: slurm_load_jobs error: {DEAD}"
+    assert out.err.strip() == (f"error: launcher=slurm: squeue failed: slurm_load_jobs error: {DEAD}; "
+                               "nothing was submitted")
     assert "Traceback" not in out.out + out.err and "run(s) failed" not in out.out + out.err
     assert table.read_bytes() == before and sorted(p.name for p in table.parent.iterdir()) == [table.name]
     assert not (tmp_path / "runs" / store.VIEWS).exists() or not any((tmp_path / "runs").glob("[0-9a-f]*"))
@@ -131,7 +137,215 @@ def test_local_failure_count_is_the_runs_not_finished(tmp_path: Path, monkeypatc
 
 @pytest.mark.parametrize("bad", ["scale=papr", "method=prism,nosuchmethod", "jobs=0"])
 def test_reproduce_bad_overrides_are_one_line_errors(bad: str, tmp_path: Path, capsys) -> None:
-    assert reproduce.main(["5", bad, "launcher=slurm", f"results_dir={tmp_path}"]) == 2
+    assert reproduce.main(["5", bad, "launcher=local", f"results_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and bad.split("=")[0] in err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("cores", "available_gb", "expected"), [
+    (2, 22.0, 2),  # memory for 10 workers, 2 cores: the cores decide
+    (16, 9.0, 4),  # 9 GB holds four 2.2 GB workers, not five
+    (16, 4.3, 1),  # less than two workers' memory
+    (8, 1.0, 1),  # not even one worker's memory: still one
+    (1, 64.0, 1),
+])
+def test_default_jobs_is_the_smaller_of_cores_and_workers_that_fit_in_memory(cores: int, available_gb: float,
+                                                                             expected: int) -> None:
+    assert reproduce.default_jobs(cores, int(available_gb * 1e9)) == expected
+
+
+def test_jobs_not_given_is_chosen_and_printed_jobs_given_is_kept(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(reproduce.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(reproduce, "available_memory", lambda: 5 * 2**30)  # 5.4e9 bytes: two workers
+    assert reproduce.resolve_jobs(3) == 3 and capsys.readouterr().out == ""
+    assert reproduce.resolve_jobs(None) == 2
+    assert capsys.readouterr().out == "JOBS=2 (4 cores, 5.0 GiB free; JOBS= overrides)\n"
+    assert reproduce.parse_args(["2"])[1] is None and reproduce.parse_args(["2", "jobs=3"])[1] == 3
+
+
+def test_slurm_missing_is_refused_before_any_job_is_validated(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Without sbatch the answer comes before the grid is planned (Table 2's 36 jobs take ~20 s to
+    validate): each launcher's validation is replaced by a failure."""
+    from pipelines import compare, tune
+
+    def validated(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the grid was validated before the launcher was checked")
+
+    monkeypatch.setenv("PATH", str(fake_bin(tmp_path, python3="exit 0")))  # no sbatch, no squeue
+    monkeypatch.setattr(reproduce, "plan", validated)
+    monkeypatch.setattr(compare, "plan", validated)
+    task = tmp_path / "task.jsonl"
+    task.write_text('{"prompt": "a", "target": "b"}\n')
+    for run in (lambda: reproduce.main(["2", "launcher=slurm", f"results_dir={tmp_path}"]),
+                lambda: tune.main(["launcher=slurm", f"results_dir={tmp_path}"]),
+                lambda: compare.main([str(task), "launcher=slurm", f"results_dir={tmp_path}"])):
+        t0 = time.monotonic()
+        assert run() == 2
+        assert time.monotonic() - t0 < 2.0
+        err = capsys.readouterr().err
+        assert err.startswith("error: launcher=slurm: sbatch/squeue not found") and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin", "task.jsonl"]  # no run folder, no log
+
+
+def stub_venv(tmp_path: Path) -> Path:
+    """A VENV whose python prints its arguments as JSON (make's recipes run ``$(VENV)/bin/python``)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    stub = venv / "bin" / "python"
+    stub.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n")
+    stub.chmod(0o755)
+    return venv
+
+
+def make(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    venv = stub_venv(tmp_path)
+    return subprocess.run(["make", "--no-print-directory", "-s", f"VENV={venv}", "-o", f"{venv}/.setup-stamp", "-o",
+                           "setup", "-o", "setup-gemma3", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def test_make_passes_every_value_as_one_verbatim_argument(tmp_path: Path) -> None:
+    odd = "my task's $HOME \"x\".jsonl"
+    done = make(tmp_path, "compare", f"TASK={odd}", "MODEL=/tmp/my model", "LABELS=very good,bad", "SEEDS=1,2",
+                "JOBS=3")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == ["-m", "pipelines.compare", odd, "model=/tmp/my model", "seeds=1,2",
+                                       "labels=very good,bad", "scale=embedded", "launcher=local", "jobs=3"]
+    done = make(tmp_path, "tune", "SEEDS=7", "TASK=a b.jsonl")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == ["-m", "pipelines.reproduce", "tune", "scale=embedded", "launcher=local",
+                                       "seed=7", "task=a b.jsonl"]  # no jobs=: the launcher chooses
+    done = make(tmp_path, "reproduce-table2", "SEEDS=42,43", "ARGS=train.steps=2 'results_dir=/tmp/a b'")
+    assert json.loads(done.stdout) == ["-m", "pipelines.reproduce", "2", "scale=embedded", "launcher=local",
+                                       "seed=42,43", "train.steps=2", "results_dir=/tmp/a b"]  # ARGS: shell words
+
+
+@pytest.mark.parametrize(("goal", "variable", "users"), [
+    ("reproduce-table2", "TASK=x.jsonl", "compare tune"),
+    ("reproduce-diagnostics", "JOBS=4", "compare reproduce-table2 reproduce-table3 reproduce-table4 "
+                                        "reproduce-table5 tune"),
+    ("test", "SEEDS=1", "compare reproduce-table2 reproduce-table3 reproduce-table4 reproduce-table5 tune"),
+])
+def test_make_refuses_a_variable_its_goal_does_not_use(goal: str, variable: str, users: str, tmp_path: Path) -> None:
+    unset = make(tmp_path, "compare")
+    assert unset.returncode == 2 and unset.stderr.count("\n") == 1 and "*** error: TASK is not set" in unset.stderr
+    done = make(tmp_path, goal, variable)
+    name = variable.split("=")[0]
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().endswith(f"*** error: make {goal} does not use {name}= (used by: {users}); "
+                                        "leave it out.  Stop.") and done.stderr.count("\n") == 1
+
+
+LONG_TINY = ["backbone=tiny-llama", "backbone.lora_layers=null", "method=prism,adamw", "privacy=nondp", "suite=glue8",
+             "train.steps=100000", "train.batch_size=4", "train.micro_batch_size=4", "train.checkpoint_every=50",
+             "suite.eval_limit=2", "suite.cutoff_len=1024", "suite.embedded.train_per_task=16", "logging=disabled"]
+
+
+@pytest.mark.parametrize(("sig", "workers", "to_group"), [
+    (signal.SIGTERM, 2, False),  # what make (or a scheduler) sends: to the launcher alone
+    (signal.SIGINT, 1, True),  # Ctrl-C: to the terminal's whole process group
+])
+def test_a_signal_ends_every_process_of_the_local_launcher_and_marks_its_runs_interrupted(
+        sig: signal.Signals, workers: int, to_group: bool, tmp_path: Path) -> None:
+    """Two runs far from done: once each worker trains, the signal must leave no process of the tree
+    (workers, the multiprocessing resource tracker) alive, the runs it cut off marked failed as
+    interrupted (resumable), a queued run not started, and one line saying so."""
+    psutil = pytest.importorskip("psutil")
+    cmd = [sys.executable, "-m", "pipelines.reproduce", "2", f"jobs={workers}", *LONG_TINY, f"results_dir={tmp_path}"]
+    launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while len([m for m in (tmp_path / "runs").glob("*/metrics.jsonl") if m.read_text().strip()]) < workers:
+            assert launcher.poll() is None and time.monotonic() < deadline, "the runs did not start training"
+            time.sleep(0.5)
+        tree = psutil.Process(launcher.pid).children(recursive=True)
+        assert len(tree) >= workers + 1  # the workers and the resource tracker
+        os.killpg(launcher.pid, sig) if to_group else launcher.send_signal(sig)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 128 + sig
+    _, alive = psutil.wait_procs(tree, timeout=20)
+    assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+    statuses = [json.loads(p.read_text()) for p in (tmp_path / "runs").glob("*/status.json")]
+    assert len(statuses) == workers
+    assert all(s["state"] == "failed" and s["error"].startswith("interrupted") for s in statuses), statuses
+    assert all(store.run_state(p.parent) == "failed" for p in (tmp_path / "runs").glob("*/status.json"))
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"stopped ({sig.name}): every worker ended; {workers} run(s) marked interrupted (")
+    assert last.endswith(f"{2 - workers} not started; rerun the same command to resume them from their checkpoints")
+    assert "Traceback" not in err
+
+
+def test_a_preempted_array_task_is_requeueable_and_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """SLURM preempts a task with SIGTERM to its processes and, under ``--requeue``, starts the same
+    array task again: the second start must resume the run from its checkpoint and finish it."""
+    assert "#SBATCH --requeue" in (REPO / "slurm" / "array.sbatch").read_text().splitlines()
+    overrides = [o for o in LONG_TINY if not o.startswith(("method=", "train.steps=", "train.checkpoint_every="))]
+    overrides += ["method=prism", "train.steps=40", "train.checkpoint_every=10", f"results_dir={tmp_path}"]
+    (tmp_path / "jobs.txt").write_text(shlex.join(overrides) + "\n")
+    env = {**os.environ, "SLURM_ARRAY_TASK_ID": "0", "PRISM_PYTHON": sys.executable}
+    task = [str(REPO / "slurm" / "array.sbatch"), str(tmp_path / "jobs.txt")]
+    first = subprocess.Popen(task, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "runs"
+    try:
+        deadline = time.monotonic() + 300
+        while not any(len(m.read_text().splitlines()) > 12 for m in metrics.glob("*/metrics.jsonl")):
+            assert first.poll() is None and time.monotonic() < deadline, "the task did not train"
+            time.sleep(0.3)
+        first.send_signal(signal.SIGTERM)  # the script exec'd the runner: the signal reaches it
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    folder = next(metrics.glob("*/metrics.jsonl")).parent
+    assert store.run_state(folder) in ("stale", "failed")  # resumable, not finished, nobody holds it
+    again = subprocess.run(task, cwd=REPO, env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"attempt 2, resuming from {folder / 'checkpoint'}" in again.stdout + again.stderr
+    assert store.inspect_run(folder).state == "finished"
+    resumed = re.findall(r"\] step (\d+)/40", again.stdout + again.stderr)
+    assert resumed[0] == "11" and resumed[-1] == "40"  # the second start went on from step 10's checkpoint
+
+
+def test_a_signal_ends_the_hydra_multirun_and_its_local_jobs(tmp_path: Path) -> None:
+    """launcher=submitit_local (the path of launcher=slurm, without a cluster): SIGTERM to the launcher
+    must end Hydra and the submitit job it started (which ignores SIGTERM itself), and the run must
+    be marked interrupted."""
+    psutil = pytest.importorskip("psutil")
+    overrides = [o for o in LONG_TINY if not o.startswith("method=")]
+    cmd = [sys.executable, "-m", "pipelines.reproduce", "2", "launcher=submitit_local", "method=prism", *overrides,
+           f"results_dir={tmp_path}"]
+    launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(m.read_text().strip() for m in (tmp_path / "runs").glob("*/metrics.jsonl")):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start training"
+            time.sleep(0.5)
+        tree = psutil.Process(launcher.pid).children(recursive=True)
+        assert len(tree) >= 2  # Hydra and the submitit job
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 128 + signal.SIGTERM
+    _, alive = psutil.wait_procs(tree, timeout=20)
+    assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+    [status] = [json.loads(p.read_text()) for p in (tmp_path / "runs").glob("*/status.json")]
+    assert status["state"] == "failed" and status["error"].startswith("interrupted"), status
+    assert err.strip().splitlines()[-1].startswith("stopped (SIGTERM): the multirun and its local jobs ended")
+
+
+def test_make_tune_seeds_sets_its_one_seed_and_a_list_is_a_one_line_error(tmp_path: Path, capsys) -> None:
+    from pipelines import tune
+
+    assert json.loads(make(tmp_path, "tune", "SEEDS=1,2").stdout)[-1] == "seed=1,2"  # forwarded, not dropped
+    assert tune.main(["seed=1,2", f"results_dir={tmp_path / 'r'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: seed=1,2: the sweep uses one seed") and "SEEDS=N" in err and err.count("\n") == 1
+    assert not (tmp_path / "r").exists()
