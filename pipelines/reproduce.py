@@ -9,8 +9,8 @@ without ``jobs=``, K is :func:`default_jobs` of the cores and the available memo
 run the jobs one after another, each job exactly ``python -m pipelines.run <job>`` with its output
 in ``<results_dir>/logs/tableN/<hash>.log``, the backbone loaded once per worker; a progress bar
 over the grid and one line per running job (its last ``metrics.jsonl`` step). SIGTERM or SIGINT
-(Ctrl-C) stops every worker: a running job records its run as interrupted (``status.json``: failed,
-``interrupted (KeyboardInterrupt)``, resumed from its checkpoint by the same command), queued jobs do
+(Ctrl-C) stops every worker: a running job records its run as stopped (``status.json``: stopped,
+``interrupted (SIGTERM)``, resumed from its checkpoint by the same command), queued jobs do
 not start, one line says so, and the exit code is 128 + the signal number (:func:`run_local`).
 ``launcher=slurm`` (or ``submitit_local``): Hydra multirun through hydra-submitit-launcher
 (``python -m pipelines.run -m experiment=tableN ...``); the submitting process blocks until the
@@ -216,9 +216,9 @@ def stop_workers(pool: ProcessPoolExecutor, grace_s: float = STOP_GRACE_S) -> No
 
 
 def record_stopped(jobs: Sequence[Job], signum: int) -> list[Job]:
-    """The runs of ``jobs`` that a stop cut off (status ``running`` or ``failed``, not finished); one whose
-    worker was killed before it could record that (status still ``running``, lock free) is marked failed
-    as interrupted, as :mod:`pipelines.run` marks a Ctrl-C."""
+    """The runs of ``jobs`` that a stop cut off (not finished); one whose worker was killed before it could
+    record that (status still ``running``, lock free) is marked ``stopped``, as :mod:`pipelines.run` marks a
+    Ctrl-C or SIGTERM (with no time when the run records none)."""
     cut = []
     for job in jobs:
         info = store.inspect_run(job.folder)
@@ -226,10 +226,10 @@ def record_stopped(jobs: Sequence[Job], signum: int) -> list[Job]:
             continue
         cut.append(job)
         if info.status["state"] == "running" and not store.lock_held(job.folder):
-            store.write_status(job.folder, "failed", started=str(info.status.get("started")),
-                               attempts=int(info.status.get("attempts") or 1), ended=store.utc_stamp(),
-                               error=f"interrupted (KeyboardInterrupt): the launcher got {signal.Signals(signum).name} "
-                                     "and killed the worker")
+            store.write_status(job.folder, "stopped", started=info.status.get("started"),
+                               attempts=int(info.status.get("attempts") or 1), ended=info.status.get("started") and
+                               store.utc_stamp(), error=f"interrupted ({signal.Signals(signum).name}): the launcher "
+                                                        "stopped the worker")
     return cut
 
 
@@ -296,7 +296,7 @@ def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list
         queued = {j.run_hash for j in queue}
         cut = record_stopped([j for j in pending if j.run_hash not in done | queued], stop.signum)
         print(f"stopped ({signal.Signals(stop.signum).name}): every worker ended; {len(cut)} run(s) marked "
-              f"interrupted ({', '.join(j.run_hash for j in cut) or 'none'}), {len(queue)} not started; "
+              f"stopped ({', '.join(j.run_hash for j in cut) or 'none'}), {len(queue)} not started; "
               "rerun the same command to resume them from their checkpoints", file=sys.stderr, flush=True)
         raise SystemExit(128 + stop.signum)
     return outcome

@@ -25,9 +25,11 @@ import math
 import os
 import platform
 import resource
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -227,14 +229,15 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
 
 def _record_failure(folder: Path, run_hash: str, exc: BaseException, started: str | None, attempts: int,
                     timed: bool = True) -> None:
-    """Mark the run failed (interrupted, for Ctrl-C) and keep its traceback; first delete the
-    temporaries of a cut-off write, which on a full disk free the space these two files need."""
+    """Mark the run ``stopped`` (a signal: Ctrl-C, SIGTERM, a SLURM preemption) or ``failed`` and keep its
+    traceback; first delete the temporaries of a cut-off write, which on a full disk free the space these
+    two files need."""
     removed = store.remove_temporaries(folder)
     interrupted = isinstance(exc, KeyboardInterrupt)
-    error = "interrupted (KeyboardInterrupt)" if interrupted else f"{type(exc).__name__}: {exc}"
+    error = f"interrupted ({exc or 'SIGINT'})" if interrupted else f"{type(exc).__name__}: {exc}"
     try:
-        store.write_status(folder, "failed", started=started, attempts=attempts, error=error,
-                           ended=store.utc_stamp() if timed else None)
+        store.write_status(folder, "stopped" if interrupted else "failed", started=started, attempts=attempts,
+                           error=error, ended=store.utc_stamp() if timed else None)
         write_text_atomic(folder / "traceback.txt", "".join(traceback.format_exception(exc)))
     except OSError as err:
         log.error("run %s failed (%s) and its status could not be recorded: %s", run_hash, error, err)
@@ -273,6 +276,9 @@ def main(argv: Sequence[str] | None = None, trainer: Trainer | None = None) -> i
     """``python -m pipelines.run [--debug] [hydra flags] overrides...``; returns the exit code
     (130 after Ctrl-C, without a traceback unless ``--debug``). ``trainer``: as in :func:`execute`
     (the local launcher's workers, :mod:`pipelines.worker`)."""
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # SIGTERM (scancel, preemption) stops as Ctrl-C does
+        previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         return _main(argv, trainer)
     except KeyboardInterrupt:
@@ -280,6 +286,14 @@ def main(argv: Sequence[str] | None = None, trainer: Trainer | None = None) -> i
             raise
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM raises the interrupt Ctrl-C raises: the run is recorded ``stopped`` and resumes later."""
+    raise KeyboardInterrupt("SIGTERM")
 
 
 def _main(argv: Sequence[str] | None, trainer: Trainer | None = None) -> int:
@@ -312,8 +326,7 @@ def _main(argv: Sequence[str] | None, trainer: Trainer | None = None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        print("interrupted: the run is marked failed (interrupted); rerun the same command to resume it",
-              file=sys.stderr)
+        print("interrupted: the run is marked stopped; rerun the same command to resume it", file=sys.stderr)
         return 130
     except Exception as err:
         if debug:

@@ -35,7 +35,7 @@ Inside a run folder:
   ``"run"``: ``{hash, experiment (the one that trained it), wall_time_s (whole job incl. loading),
   peak_rss_mb, started, ended, attempts, versions {…}, git_commit, git_dirty, hostname}``; under
   ``privacy.log_private_stats=false`` neither block holds a time or memory figure.
-* ``status.json`` — written atomically (tmp + ``os.replace``): ``{state: running|finished|failed,
+* ``status.json`` — written atomically (tmp + ``os.replace``): ``{state: running|finished|failed|stopped,
   error: str|null, started, ended, attempts}`` (times ISO-8601 UTC, absent under
   ``privacy.log_private_stats=false``; ``attempts`` counts job starts).
 * ``checkpoint/`` (owned by the core), ``adapter/`` (exported LoRA adapter).
@@ -76,6 +76,7 @@ HASH_LEN = 12
 HASH_RE = re.compile(rf"[0-9a-f]{{{HASH_LEN}}}")
 VIEWS = "_views"
 FILES = ("config.yaml", "metrics.jsonl", "final.json", "status.json")
+STATUS_STATES = ("running", "finished", "failed", "stopped")  # status.json's `state` (stopped: by a signal)
 FULL = (errno.ENOSPC, errno.EDQUOT)  # a write failed because the disk (or the user's quota) is full
 STATUS_ERROR_CHARS = 300  # the error text kept when status.json is rewritten in place on a full disk
 
@@ -353,7 +354,7 @@ def inspect_run(folder: Path) -> RunInfo:
     status = None
     try:
         status = read_json(folder / "status.json")
-        if not isinstance(status, dict) or status.get("state") not in ("running", "finished", "failed"):
+        if not isinstance(status, dict) or status.get("state") not in STATUS_STATES:
             raise ValueError("no valid state")
     except FileNotFoundError:
         pass
@@ -382,19 +383,21 @@ def inspect_run(folder: Path) -> RunInfo:
     return RunInfo("incomplete", status, reason=reason)
 
 
-RUN_STATES = ("finished", "running", "stale", "failed", "corrupt", "absent")
+RUN_STATES = ("finished", "running", "stale", "stopped", "failed", "corrupt", "absent")
 
 
 def run_state(folder: Path, info: RunInfo | None = None) -> str:
     """One of :data:`RUN_STATES`: ``running`` only while a live process holds the run's lock;
     ``stale`` for a started run nobody holds (killed: status still says running, or no status);
-    ``failed`` when the job recorded its error. Stale and failed runs resume on re-submission."""
+    ``failed`` when the job recorded its error, ``stopped`` when a signal (Ctrl-C, SIGTERM, a SLURM
+    preemption) stopped it. Stale, stopped and failed runs resume on re-submission."""
     info = inspect_run(folder) if info is None else info
     if info.state in ("absent", "finished", "corrupt"):
         return info.state
     if lock_held(folder):
         return "running"
-    return "failed" if (info.status or {}).get("state") == "failed" else "stale"
+    recorded = (info.status or {}).get("state")
+    return recorded if recorded in ("failed", "stopped") else "stale"
 
 
 def quarantine(folder: Path, names: tuple[str, ...]) -> list[Path]:

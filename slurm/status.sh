@@ -3,7 +3,7 @@
 #   slurm/status.sh <experiment> [submission dir]
 # Counts the jobs of jobs.txt by their run's state (pipelines.store.run_state): finished / running
 # (its job holds the run's lock) / stale (started, no live holder: killed, resumes on re-submission)
-# / failed / corrupt / missing (no folder yet), lists the failed ones with their error, and (when
+# / stopped (by a signal: scancel, preemption; resumes on re-submission) / failed / corrupt / missing (no folder yet), lists the failed ones with their error, and (when
 # squeue is reachable) shows the array's pending/running tasks as SLURM sees them.
 set -euo pipefail
 
@@ -43,7 +43,7 @@ for line in open(sys.argv[1]).read().splitlines():
     counts[state] += 1
     if state in ("failed", "corrupt"):
         failed.append(f"  {state}: {folder} {(info.status or {}).get('error') or info.reason}")
-print(" ".join(f"{k}={counts[k]}" for k in ("finished", "running", "stale", "failed", "corrupt", "missing")),
+print(" ".join(f"{k}={counts[k]}" for k in ("finished", "running", "stale", "stopped", "failed", "corrupt", "missing")),
       f"total={sum(counts.values())}")
 if failed:
     print("\n".join(failed))

@@ -117,7 +117,7 @@ def test_ctrl_c_marks_the_run_interrupted_without_a_traceback(tmp_path: Path, mo
     err = capsys.readouterr().err
     folder = _folder(tmp_path)
     assert err.count("\n") == 1 and "interrupted" in err and "Traceback" not in err
-    assert _status(folder)["state"] == "failed" and "interrupted" in _status(folder)["error"]
+    assert _status(folder)["state"] == "stopped" and "interrupted" in _status(folder)["error"]
     assert not list(folder.glob(".*tmp*"))
 
 

@@ -69,7 +69,7 @@ def test_submit_sh_dry_run_and_failed_sbatch_leave_no_submission(tmp_path: Path)
                             cwd=REPO, timeout=120)
     assert status.returncode == 0, status.stderr
     assert f"submission: {earlier}" in status.stdout
-    assert "finished=0 running=0 stale=0 failed=0 corrupt=0 missing=1 total=1" in status.stdout
+    assert "finished=0 running=0 stale=0 stopped=0 failed=0 corrupt=0 missing=1 total=1" in status.stdout
 
 
 def _tables_untouched(tmp_path: Path) -> tuple[Path, bytes]:
@@ -271,10 +271,10 @@ def test_a_signal_ends_every_process_of_the_local_launcher_and_marks_its_runs_in
     assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
     statuses = [json.loads(p.read_text()) for p in (tmp_path / "runs").glob("*/status.json")]
     assert len(statuses) == workers
-    assert all(s["state"] == "failed" and s["error"].startswith("interrupted") for s in statuses), statuses
-    assert all(store.run_state(p.parent) == "failed" for p in (tmp_path / "runs").glob("*/status.json"))
+    assert all(s["state"] == "stopped" and s["error"].startswith("interrupted") for s in statuses), statuses
+    assert all(store.run_state(p.parent) == "stopped" for p in (tmp_path / "runs").glob("*/status.json"))
     last = err.strip().splitlines()[-1]
-    assert last.startswith(f"stopped ({sig.name}): every worker ended; {workers} run(s) marked interrupted (")
+    assert last.startswith(f"stopped ({sig.name}): every worker ended; {workers} run(s) marked stopped (")
     assert last.endswith(f"{2 - workers} not started; rerun the same command to resume them from their checkpoints")
     assert "Traceback" not in err
 
@@ -301,11 +301,11 @@ def test_a_preempted_array_task_is_requeueable_and_resumes_from_its_checkpoint(t
         if first.poll() is None:
             first.kill()
     folder = next(metrics.glob("*/metrics.jsonl")).parent
-    assert store.run_state(folder) in ("stale", "failed")  # resumable, not finished, nobody holds it
+    assert store.run_state(folder) == "stopped"  # resumable, not finished, nobody holds it
     again = subprocess.run(task, cwd=REPO, env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True,
                            timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert f"attempt 2, resuming from {folder / 'checkpoint'}" in again.stdout + again.stderr
+    assert f"resuming from the checkpoint of step 10 ({folder / 'checkpoint'})" in again.stdout + again.stderr
     assert store.inspect_run(folder).state == "finished"
     resumed = re.findall(r"\] step (\d+)/40", again.stdout + again.stderr)
     assert resumed[0] == "11" and resumed[-1] == "40"  # the second start went on from step 10's checkpoint
@@ -337,7 +337,7 @@ def test_a_signal_ends_the_hydra_multirun_and_its_local_jobs(tmp_path: Path) -> 
     _, alive = psutil.wait_procs(tree, timeout=20)
     assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
     [status] = [json.loads(p.read_text()) for p in (tmp_path / "runs").glob("*/status.json")]
-    assert status["state"] == "failed" and status["error"].startswith("interrupted"), status
+    assert status["state"] == "stopped" and status["error"].startswith("interrupted"), status
     assert err.strip().splitlines()[-1].startswith("stopped (SIGTERM): the multirun and its local jobs ended")
 
 

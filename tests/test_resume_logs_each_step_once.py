@@ -55,7 +55,7 @@ def test_a_run_interrupted_after_a_logged_step_resumes_with_each_step_logged_onc
     results = tmp_path / "results"
     assert R.main(_args(tmp_path, results), trainer=interrupted) == 130
     folder, records = _steps(results)
-    assert json.loads((folder / "status.json").read_text())["state"] == "failed"
+    assert json.loads((folder / "status.json").read_text())["state"] == "stopped"
     assert [r["step"] for r in records] == [1, 2, 3]
     capsys.readouterr()
     assert R.main(_args(tmp_path, results)) == 0

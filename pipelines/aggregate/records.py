@@ -66,6 +66,8 @@ def read_run_folder(folder: Path) -> RunRecord:
     if state == "stale":
         return RunRecord(run_id, "stale", "stale: started but no live job holds its lock (killed?); "
                                           "re-running the grid resumes it", config)
+    if state == "stopped":
+        return RunRecord(run_id, "stopped", "stopped by a signal; re-running the grid resumes it", config)
     if state == "failed":
         error = (info.status or {}).get("error") or ""
         return RunRecord(run_id, "failed", "failed" + (f": {error}" if error else ""), config)
