@@ -82,7 +82,7 @@ def test_submit_sh_array_runs_the_real_runner(cluster: LocalSlurm, tmp_path: Pat
     assert list(_run_states(tmp_path).values()) == ["finished"] * 2, logs
     status = subprocess.run([str(REPO / "slurm" / "status.sh"), "table2", str(submission)], env=env,
                             capture_output=True, text=True, cwd=REPO)
-    assert "finished=2 running=0 stale=0 failed=0 corrupt=0 missing=0 total=2" in status.stdout, status.stderr
+    assert "finished=2 running=0 stale=0 stopped=0 failed=0 corrupt=0 missing=0 total=2" in status.stdout, status.stderr
 
 
 def test_submitit_launcher_runs_the_real_runner(cluster: LocalSlurm, tmp_path: Path) -> None:
