@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipelines.grid import resolve  # noqa: E402
+from pipelines.compose import resolve  # noqa: E402
 from pipelines.run import quiet_third_party_warnings  # noqa: E402
 from pipelines.validate import ConfigError, load_job  # noqa: E402
 from prism import evaluate  # noqa: E402

@@ -31,12 +31,11 @@ from typing import Any
 
 import pandas as pd
 
-from pipelines import store, tuned_rates
+from pipelines import launch, store, tuned_rates
 from pipelines.aggregate.build import TableResult, build_table
 from pipelines.aggregate.records import RunRecord, read_run_folder
 from pipelines.aggregate.render import plot_privacy_utility, to_markdown, write_outputs
 from pipelines.aggregate.specs import TableSpec, method_label, setting_label, suite_columns
-from pipelines.reproduce import Job, launch, launcher_error, parse_jobs
 from pipelines.validate import ConfigError, load_job
 from prism.budget import total_steps
 from prism.fileio import sha256_file
@@ -58,10 +57,10 @@ class Plan:
     settings: list[list[str]]
     methods: list[str]
     seeds: list[int]
-    jobs: list[Job]
+    jobs: list[launch.Job]
     configs: list[Any]
     launcher: str
-    workers: int | None  # jobs=, None: the launcher's default (pipelines.reproduce.resolve_jobs)
+    workers: int | None  # jobs=, None: the launcher's default (pipelines.launch.resolve_jobs)
 
 
 def privacy_overrides(epsilon: float) -> list[str]:
@@ -167,7 +166,7 @@ def plan(argv: Sequence[str]) -> Plan:
     seeds_text = comma_list(keys["seeds"], "seeds") if "seeds" in keys else []
     if not all(s.isdigit() for s in seeds_text):
         raise ValueError(f"seeds={keys['seeds']} must list integers, e.g. seeds=1,2,3")
-    workers = parse_jobs(keys["jobs"]) if "jobs" in keys else None
+    workers = launch.parse_jobs(keys["jobs"]) if "jobs" in keys else None
     settings = [privacy_overrides(e) for e in epsilons]
     seeds = [int(s) for s in seeds_text]
     jobs, configs = [], []
@@ -180,7 +179,7 @@ def plan(argv: Sequence[str]) -> Plan:
                     cfg = load_job(overrides_)
                 except ConfigError as err:
                     raise ConfigError(f"in the job {' '.join(own)}: {err}") from None
-                jobs.append(Job(overrides_, store.runs_root(cfg), store.run_hash(cfg),
+                jobs.append(launch.Job(overrides_, store.runs_root(cfg), store.run_hash(cfg),
                                 total_steps(cfg)))
                 configs.append(cfg)
     launcher = next((o.split("=", 1)[1] for o in overrides if o.startswith("launcher=")), "local")
@@ -264,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Plan (validating every job), run what is not finished, render; exit 0, 1 (a run failed) or 2 (bad input)."""
     args = list(sys.argv[1:] if argv is None else argv)
     launcher = next((a.split("=", 1)[1] for a in args[1:] if a.startswith("launcher=")), "local")
-    if (code := launcher_error(launcher)) is not None:  # before every job is validated
+    if (code := launch.launcher_error(launcher)) is not None:  # before every job is validated
         return code
     try:
         p = plan(args)
@@ -282,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if pending:
         log_dir = Path(str(p.configs[0].results_dir)) / "logs" / EXPERIMENT
         if p.launcher == "local":
-            _, failure = launch(EXPERIMENT, "local", pending, p.workers, [], log_dir)
+            _, failure = launch.launch(EXPERIMENT, "local", pending, p.workers, [], log_dir)
         else:  # one Hydra multirun per privacy setting, sweeping methods and seeds
             for setting in p.settings:
                 sweep = [*p.fixed[1:], *setting, f"method={','.join(p.methods)}",
@@ -290,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 todo = [j for j in pending if j.overrides[1:len(setting) + 2] == [*setting, j.overrides[len(setting) + 1]]
                         and j.overrides[len(setting) + 1].startswith("method=")]
                 if todo:
-                    submitted, failure = launch(EXPERIMENT, p.launcher, todo, p.workers, sweep, log_dir)
+                    submitted, failure = launch.launch(EXPERIMENT, p.launcher, todo, p.workers, sweep, log_dir)
                     if failure and not submitted:
                         break
     paths = render(p)

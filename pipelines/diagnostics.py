@@ -36,7 +36,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines import store
-from pipelines.grid import CONF_DIR, resolve
+from pipelines.compose import CONF_DIR, resolve
 from pipelines.run import ConfigError, execute
 from prism.privacy.accounting import is_private
 

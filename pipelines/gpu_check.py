@@ -41,7 +41,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from pipelines.grid import compose_config, resolve
+from pipelines.compose import compose_config, resolve
 from prism import train as T
 from prism.checkpoint import load_checkpoint, save_checkpoint
 from prism.data import Example, Suite

@@ -42,7 +42,7 @@ from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines import store
-from pipelines.grid import resolve
+from pipelines.compose import resolve
 from pipelines.validate import ConfigError, load_job, load_sweep, validate
 from pipelines.wandb_log import WandbRun
 from prism.budget import total_steps

@@ -14,7 +14,7 @@ nearest the default. Where the chosen rate is at an edge of the cell's grid, one
 step past that edge is run (:func:`extension`), at most :data:`MAX_EXTEND` times per side.
 
 Each tuning run is an ordinary job of :mod:`pipelines.run` in the shared store (experiment view
-``tune``), launched like a table's (:func:`pipelines.reproduce.launch`: local pool, SLURM or
+``tune``), launched like a table's (:func:`pipelines.launch.launch`: local pool, SLURM or
 submitit, W&B as configured); rerunning the command skips finished runs and resumes killed ones.
 
 Outputs: ``<results_dir>/tables/tune.<scale>.{md,csv}`` (validation score per rate per cell, the
@@ -48,8 +48,8 @@ import pandas as pd
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from pipelines import compare, reproduce, store
-from pipelines.grid import COMPOSE_ERRORS, compose_config, error_line, job_config
+from pipelines import compare, launch, store
+from pipelines.compose import COMPOSE_ERRORS, compose_config, error_line, job_config
 from pipelines.tuned_rates import cell_fields, tuned_dir, user_tuned_dir
 from prism.fileio import write_text_atomic
 
@@ -80,7 +80,7 @@ class Point:
     factor: float
     lr: float
     default_lr: float
-    job: reproduce.Job
+    job: launch.Job
     fields: dict
     score: float = math.nan
 
@@ -148,7 +148,7 @@ def parse_args(argv: Sequence[str]) -> tuple[int | None, list[str]]:
             keys[key] = value
             continue
         if arg.startswith("jobs="):
-            jobs = reproduce.parse_jobs(arg.split("=", 1)[1])
+            jobs = launch.parse_jobs(arg.split("=", 1)[1])
             continue
         override = parser.parse_override(arg)
         if override.get_key_element() == "seed" and override.is_sweep_override():
@@ -183,7 +183,7 @@ def _fixed(overrides: Sequence[str]) -> list[str]:
 
 def plan_points(overrides: Sequence[str]) -> tuple[list[Point], list[Point]]:
     """(pending, finished) points of the sweep ``overrides`` describe (finished runs tagged into the view)."""
-    pending_jobs, finished_jobs = reproduce.plan(EXPERIMENT, overrides)
+    pending_jobs, finished_jobs = launch.plan(EXPERIMENT, overrides)
     out: tuple[list[Point], list[Point]] = ([], [])
     for i, jobs in enumerate((pending_jobs, finished_jobs)):
         for job in jobs:
@@ -202,12 +202,12 @@ def launch_round(launcher: str, groups: Sequence[tuple[list[str], list[Point]]],
     if launcher == "local":
         pending = [p.job for _, points in groups for p in points]
         if pending:
-            _, failure = reproduce.launch(EXPERIMENT, "local", pending, workers, [], log_dir)
+            _, failure = launch.launch(EXPERIMENT, "local", pending, workers, [], log_dir)
             failures += [failure] if failure else []
         return failures
     for overrides, points in groups:
         if points:
-            _, failure = reproduce.launch(EXPERIMENT, launcher, [p.job for p in points], workers, overrides, log_dir)
+            _, failure = launch.launch(EXPERIMENT, launcher, [p.job for p in points], workers, overrides, log_dir)
             failures += [failure] if failure else []
     return failures
 
@@ -352,7 +352,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"error: {error_line(err)}", file=sys.stderr)
         return 2
     launcher = next((o.split("=", 1)[1] for o in overrides if o.startswith("launcher=")), "local")
-    if (code := reproduce.launcher_error(launcher)) is not None:  # before the sweep's validation
+    if (code := launch.launcher_error(launcher)) is not None:  # before the sweep's validation
         return code
     scale = next((o.split("=", 1)[1] for o in overrides if o.startswith("scale=")), "embedded")
     results = Path(str(cfg0.results_dir))

@@ -39,8 +39,8 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pipelines.compose import CONF_DIR, compose_config, resolve
 from pipelines.config_rules import ConfigError, validate
-from pipelines.grid import CONF_DIR, compose_config, resolve
 
 __all__ = ["ConfigError", "conform", "load_experiment", "load_grid", "load_job", "load_sweep", "validate"]
 
@@ -93,9 +93,9 @@ def load_grid(jobs: Sequence[Sequence[str]], *, here: bool | None = None) -> lis
 
 def load_experiment(experiment: str, overrides: Sequence[str], *,
                     here: bool | None = None) -> list[tuple[list[str], DictConfig]]:
-    """The jobs of ``experiment``'s grid (:func:`pipelines.grid.experiment_jobs`) with their
+    """The jobs of ``experiment``'s grid (:func:`pipelines.compose.experiment_jobs`) with their
     validated configs; a bad override or job is one :class:`ConfigError` line."""
-    from pipelines.grid import experiment_jobs
+    from pipelines.compose import experiment_jobs
 
     parsed = _parse(overrides)
     try:
@@ -115,7 +115,7 @@ def _runs_here(job: Sequence[str]) -> bool:
 def load_sweep(overrides: Sequence[str]) -> list[DictConfig]:
     """Every job of ``python -m pipelines.run -m <overrides>`` validated (the experiment's
     ``hydra.sweeper.params`` expanded with the overrides, as Hydra's basic sweeper does)."""
-    from pipelines.grid import expand
+    from pipelines.compose import expand
 
     parsed = _parse(overrides)
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]

@@ -1,7 +1,7 @@
 """The local launcher's worker processes: each runs grid jobs one after another and keeps its
 backbone loaded.
 
-``launcher=local`` (:func:`pipelines.reproduce.run_local`) starts ``jobs=K`` spawned processes and
+``launcher=local`` (:func:`pipelines.launch.run_local`) starts ``jobs=K`` spawned processes and
 hands each one job at a time. A job is exactly ``python -m pipelines.run <overrides>``
 (:func:`pipelines.run.main`: validation, the run folder's lock, skip / resume, the store format,
 W&B), with two differences that change no result: the interpreter, its imports and the composed

@@ -107,9 +107,9 @@ def _grid(*argv: str) -> str:
 
 def _reproduce(*argv: str, results: bool = True) -> str:
     tail = ", 'results_dir=' + RES" if results else ""
-    return ("from pipelines import reproduce\n"
-            "reproduce.launch = lambda *a, **k: ((T / 'LAUNCHED').write_text('x'), (True, ''))[1]\n"
-            "reproduce.aggregate = lambda *a, **k: None\n"
+    return ("from pipelines import launch, reproduce\n"
+            "launch.launch = lambda *a, **k: ((T / 'LAUNCHED').write_text('x'), (True, ''))[1]\n"
+            "launch.aggregate = lambda *a, **k: None\n"
             f"sys.exit(reproduce.main([*{list(argv)!r}{tail}]))")
 
 
@@ -492,7 +492,7 @@ def cases() -> list[Case]:
              env=_slurm_fake()))
     add(Case("s10", 5, "SLURM installed, not configured: reproduce launcher=slurm",
              f"import subprocess\nsubprocess.run({FAKE_SLURM!r}, shell=True)\n" + _reproduce("5", "method=prism", "launcher=slurm")
-             .replace("reproduce.launch = lambda *a, **k: ((T / 'LAUNCHED').write_text('x'), (True, ''))[1]\n", ""),
+             .replace("launch.launch = lambda *a, **k: ((T / 'LAUNCHED').write_text('x'), (True, ''))[1]\n", ""),
              expect="verdict_shell", env=_slurm_fake()))
     # ---- 6. task files (suite=custom) and model folders (backbone=local)
     add(Case("f1", 6, "train.jsonl and eval.jsonl both number ids from r0 (as GLUE's splits do)", _files('''

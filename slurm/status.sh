@@ -30,7 +30,7 @@ cd "$repo"
 import shlex, sys
 from collections import Counter
 from pipelines import store
-from pipelines.grid import job_config
+from pipelines.compose import job_config
 
 counts, failed = Counter(), []
 for line in open(sys.argv[1]).read().splitlines():

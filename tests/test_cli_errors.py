@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from pipelines import run
-from pipelines.grid import experiment_jobs, job_config
+from pipelines.compose import experiment_jobs, job_config
 from pipelines.run import main
 from pipelines.validate import ConfigError, load_job
 from prism.data.prompts import TruncatedLabelError

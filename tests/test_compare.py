@@ -45,7 +45,7 @@ def test_slurm_job_list_of_compare_is_the_runs_of_make_compare(tmp_path: Path, m
     """``slurm/submit.sh compare`` writes ``python -m pipelines.grid compare`` lines: with the task named
     by a relative path and no sha256, each line is a run that ``make compare`` plans for the same file."""
     from pipelines import grid
-    from pipelines.grid import job_config
+    from pipelines.compose import job_config
 
     task = _task(tmp_path / "t.jsonl")
     monkeypatch.chdir(tmp_path)

@@ -11,7 +11,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import DictConfig
 
 from pipelines import store
-from pipelines.grid import experiment_jobs, job_config
+from pipelines.compose import experiment_jobs, job_config
 from pipelines.run import ConfigError, validate
 
 # Independent expectations, written from the paper (Tables 2–5, 7, 8) and docs/ARCHITECTURE.md.
@@ -181,7 +181,7 @@ def test_hash_is_canonical() -> None:
 @pytest.mark.parametrize("launcher, target", [
     ("local", "BasicLauncher"), ("slurm", "SlurmLauncher"), ("submitit_local", "LocalLauncher")])
 def test_launchers_select_the_hydra_plugin(launcher: str, target: str) -> None:
-    from pipelines.grid import compose_config
+    from pipelines.compose import compose_config
 
     cfg = compose_config(["experiment=table5", f"launcher={launcher}"], with_hydra=True)
     assert cfg.hydra.launcher._target_.endswith(target)

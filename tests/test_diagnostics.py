@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from pipelines import diagnostics as D
 from pipelines import store
-from pipelines.grid import compose_config, resolve
+from pipelines.compose import compose_config, resolve
 from prism import diagnostics as dg
 from prism import geometry
 from prism.adaptive import AdaptiveConfig, RankSpaceAdaptive, noise_second_moments

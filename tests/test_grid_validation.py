@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from pipelines import grid, reproduce, run
-from pipelines.grid import experiment_jobs, job_config
+from pipelines import grid, launch, reproduce, run
+from pipelines.compose import experiment_jobs, job_config
 from pipelines.validate import ConfigError, load_grid, load_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,8 +63,8 @@ def test_grid_help_and_unknown_flag(capsys: pytest.CaptureFixture[str]) -> None:
 def test_reproduce_launches_nothing_for_a_bad_job(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     launched: list[object] = []
-    monkeypatch.setattr(reproduce, "launch", lambda *a, **k: launched.append(a) or (True, ""))
-    monkeypatch.setattr(reproduce, "slurm_problem", lambda: None)  # a reachable cluster: the grid is validated
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: launched.append(a) or (True, ""))
+    monkeypatch.setattr(launch, "slurm_problem", lambda: None)  # a reachable cluster: the grid is validated
     for launcher in ("local", "slurm"):
         assert reproduce.main(["2", "train.steps=abc", f"launcher={launcher}", f"results_dir={tmp_path}"]) == 2
         line = _one_error_line(capsys.readouterr().err)

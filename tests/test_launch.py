@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import reproduce, store
+from pipelines import launch, reproduce, store
 
 REPO = Path(__file__).resolve().parents[1]
 DEAD = "Unable to contact slurm controller (connect failure)"
@@ -114,23 +114,23 @@ def test_reproduce_when_sbatch_fails_inside_submitit(tmp_path: Path, monkeypatch
 def test_a_free_worker_skips_jobs_whose_caches_are_still_being_built(tmp_path: Path) -> None:
     """Table 2's queue alternates the suites; with the first GLUE8 job still building its caches, the
     next worker takes the Math jobs in order, and takes a GLUE8 job only once none else is left."""
-    def job(i: int, group: str) -> reproduce.Job:
-        return reproduce.Job([f"seed={i}"], tmp_path, f"{i:012x}", 2, cache_group=group)
+    def job(i: int, group: str) -> launch.Job:
+        return launch.Job([f"seed={i}"], tmp_path, f"{i:012x}", 2, cache_group=group)
 
     queue = [job(1, "math10k/smollm2-135m/1"), job(2, "glue8/smollm2-135m/1"), job(3, "math10k/smollm2-135m/1")]
-    assert reproduce.next_job(queue, set()) == 0
-    assert reproduce.next_job(queue, {"glue8/smollm2-135m/1"}) == 0
-    assert reproduce.next_job(queue[1:], {"glue8/smollm2-135m/1"}) == 1
-    assert reproduce.next_job(queue[1:2], {"glue8/smollm2-135m/1"}) == 0  # nothing else left: wait on the lock
+    assert launch.next_job(queue, set()) == 0
+    assert launch.next_job(queue, {"glue8/smollm2-135m/1"}) == 0
+    assert launch.next_job(queue[1:], {"glue8/smollm2-135m/1"}) == 1
+    assert launch.next_job(queue[1:2], {"glue8/smollm2-135m/1"}) == 0  # nothing else left: wait on the lock
 
 
 def test_local_failure_count_is_the_runs_not_finished(tmp_path: Path, monkeypatch) -> None:
-    jobs = [reproduce.Job([f"seed={i}"], tmp_path / "runs", f"{i:012x}", 2) for i in range(3)]
+    jobs = [launch.Job([f"seed={i}"], tmp_path / "runs", f"{i:012x}", 2) for i in range(3)]
     store.write_status(tmp_path / "runs" / jobs[0].run_hash, "finished", started="t", attempts=1)
     store.write_json_atomic(tmp_path / "runs" / jobs[0].run_hash / "final.json", {"columns": {}})
     store.write_status(tmp_path / "runs" / jobs[1].run_hash, "failed", started="t", attempts=1, error="boom")
-    monkeypatch.setattr(reproduce, "run_local", lambda *a: {"ok": [], "failed": []})
-    submitted, failure = reproduce.launch("table2", "local", jobs, 1, [], tmp_path / "logs")
+    monkeypatch.setattr(launch, "run_local", lambda *a: {"ok": [], "failed": []})
+    submitted, failure = launch.launch("table2", "local", jobs, 1, [], tmp_path / "logs")
     assert submitted and failure.startswith(f"2 of 3 run(s) failed; logs in {tmp_path / 'logs'} "
                                             f"({jobs[1].run_hash}, {jobs[2].run_hash})")
 
@@ -152,14 +152,14 @@ def test_reproduce_bad_overrides_are_one_line_errors(bad: str, tmp_path: Path, c
 ])
 def test_default_jobs_is_the_smaller_of_cores_and_workers_that_fit_in_memory(cores: int, available_gb: float,
                                                                              expected: int) -> None:
-    assert reproduce.default_jobs(cores, int(available_gb * 1e9)) == expected
+    assert launch.default_jobs(cores, int(available_gb * 1e9)) == expected
 
 
 def test_jobs_not_given_is_chosen_and_printed_jobs_given_is_kept(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(reproduce.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    monkeypatch.setattr(reproduce, "available_memory", lambda: 5 * 2**30)  # 5.4e9 bytes: two workers
-    assert reproduce.resolve_jobs(3) == 3 and capsys.readouterr().out == ""
-    assert reproduce.resolve_jobs(None) == 2
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(launch, "available_memory", lambda: 5 * 2**30)  # 5.4e9 bytes: two workers
+    assert launch.resolve_jobs(3) == 3 and capsys.readouterr().out == ""
+    assert launch.resolve_jobs(None) == 2
     assert capsys.readouterr().out == "JOBS=2 (4 cores, 5.0 GiB free; JOBS= overrides)\n"
     assert reproduce.parse_args(["2"])[1] is None and reproduce.parse_args(["2", "jobs=3"])[1] == 3
 
@@ -173,7 +173,7 @@ def test_slurm_missing_is_refused_before_any_job_is_validated(tmp_path: Path, mo
         raise AssertionError("the grid was validated before the launcher was checked")
 
     monkeypatch.setenv("PATH", str(fake_bin(tmp_path, python3="exit 0")))  # no sbatch, no squeue
-    monkeypatch.setattr(reproduce, "plan", validated)
+    monkeypatch.setattr(launch, "plan", validated)
     monkeypatch.setattr(compare, "plan", validated)
     task = tmp_path / "task.jsonl"
     task.write_text('{"prompt": "a", "target": "b"}\n')

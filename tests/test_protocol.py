@@ -17,7 +17,7 @@ from peft import LoraConfig, get_peft_model
 from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipelines.grid import compose_config, job_config, resolve
+from pipelines.compose import compose_config, job_config, resolve
 from prism import geometry
 from prism import train as T
 from prism.data.prompts import collate

@@ -1,7 +1,7 @@
 """Shared runs across tables: after a Table 2-like grid, the Table 4-like grid trains only the runs
 Table 2 lacks (its r=16 rows are Table 2's ε=6 runs), and Table 4's view shows all of them.
 
-The fast test drives the real planner and runner (`pipelines.reproduce.plan`,
+The fast test drives the real planner and runner (`pipelines.launch.plan`,
 `pipelines.run.execute`) with a stand-in trainer; the slow one runs `python -m pipelines.reproduce`
 end to end on the random-config tiny-llama.
 """
@@ -18,8 +18,8 @@ import pytest
 from omegaconf import DictConfig
 
 from pipelines import aggregate as agg
-from pipelines import reproduce, store
-from pipelines.grid import job_config
+from pipelines import launch, store
+from pipelines.compose import job_config
 from pipelines.run import execute
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ class CountingTrainer:
 
 
 def grid(experiment: str, overrides: list[str], tmp_path: Path, trainer: CountingTrainer) -> tuple[int, int]:
-    pending, finished = reproduce.plan(experiment, [*overrides, f"results_dir={tmp_path}"])
+    pending, finished = launch.plan(experiment, [*overrides, f"results_dir={tmp_path}"])
     for job in pending:
         assert execute(job_config(job.overrides), trainer) == "finished"
     return len(pending), len(finished)

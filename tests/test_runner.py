@@ -11,7 +11,7 @@ from filelock import FileLock
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines import store
-from pipelines.grid import job_config
+from pipelines.compose import job_config
 from pipelines.run import ConfigError, execute
 from tests.oracles import read_metrics
 

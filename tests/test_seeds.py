@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import grid
+from pipelines import compose
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("experiment", ["table2", "table3", "table4", "table5"])
 def test_a_seed_sweep_multiplies_every_grid(experiment: str) -> None:
-    one = grid.experiment_jobs(experiment, ["scale=smoke"])
-    three = grid.experiment_jobs(experiment, ["scale=smoke", "seed=42,43,44"])
+    one = compose.experiment_jobs(experiment, ["scale=smoke"])
+    three = compose.experiment_jobs(experiment, ["scale=smoke", "seed=42,43,44"])
     assert len(three) == 3 * len(one)
     cells = {tuple(o for o in job if not o.startswith("seed=")) for job in three}
     assert len(cells) == len(one)  # each cell once per seed
@@ -25,9 +25,9 @@ def test_a_seed_sweep_multiplies_every_grid(experiment: str) -> None:
 def test_seeds_are_separate_runs_of_one_cell(tmp_path: Path) -> None:
     from pipelines import store
 
-    jobs = grid.experiment_jobs("table2", ["scale=smoke", f"results_dir={tmp_path}", "method=prism",
+    jobs = compose.experiment_jobs("table2", ["scale=smoke", f"results_dir={tmp_path}", "method=prism",
                                            "privacy=eps6", "suite=glue8", "seed=42,43"])
-    cfgs = [grid.job_config(j) for j in jobs]
+    cfgs = [compose.job_config(j) for j in jobs]
     assert [c.seed for c in cfgs] == [42, 43] and len({store.run_hash(c) for c in cfgs}) == 2
     fields = [store.result_fields(c) for c in cfgs]
     for f in fields:
@@ -42,4 +42,4 @@ def test_make_passes_seeds_to_every_reproduce_target_and_the_slurm_job_list() ->
         assert "seed=42,43,44" in shlex.split(dry.strip().splitlines()[-1])
     listed = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "pipelines.grid", "table5", "scale=smoke",
                              "seed=42,43"], cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines()
-    assert len(listed) == 2 * len(grid.experiment_jobs("table5", ["scale=smoke"]))
+    assert len(listed) == 2 * len(compose.experiment_jobs("table5", ["scale=smoke"]))

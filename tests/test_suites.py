@@ -214,7 +214,7 @@ def test_configured_scale_builds_its_sizes(scale: str, name: str) -> None:
     data seed, train rows disjoint from the eval rows, GLUE labels balanced."""
     from omegaconf import OmegaConf
 
-    from pipelines.grid import job_config
+    from pipelines.compose import job_config
 
     cfg = job_config([f"suite={name}", f"scale={scale}"])
     node = cfg.suite.embedded

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipelines.grid import compose_config, resolve
+from pipelines.compose import compose_config, resolve
 from prism import train as T
 from prism.privacy import epsilon_spent
 

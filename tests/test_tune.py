@@ -9,8 +9,8 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from pipelines import reproduce, tune, tuned_rates
-from pipelines.grid import experiment_jobs, job_config
+from pipelines import launch, tune, tuned_rates
+from pipelines.compose import experiment_jobs, job_config
 from pipelines.run import execute
 from pipelines.validate import load_job
 
@@ -98,7 +98,7 @@ def test_sweep_runs_through_the_store_extends_edges_resumes_and_writes_the_rates
             execute(load_job(job.overrides), trainer)
         return True, ""
 
-    monkeypatch.setattr(reproduce, "launch", in_process)
+    monkeypatch.setattr(launch, "launch", in_process)
     args = ["scale=smoke", f"results_dir={tmp_path}", "logging=disabled", "method=adamw", "privacy=eps6",
             "suite=glue8", "tune.lr_factor=0.1,1,10"]
     assert tune.main(args) == 0
@@ -164,7 +164,7 @@ def test_a_users_task_is_tuned_beside_its_runs_and_only_its_comparison_reads_the
             execute(cfg, trainer)
         return True, ""
 
-    monkeypatch.setattr(reproduce, "launch", in_process)
+    monkeypatch.setattr(launch, "launch", in_process)
     task = _task_file(tmp_path / "parity.jsonl")
     results = tmp_path / "r"
     common = ["labels=yes,no", "backbone=tiny-llama", "suite.cutoff_len=1024", "scale=smoke", f"results_dir={results}",
@@ -218,7 +218,7 @@ def test_a_table_of_tuned_private_runs_says_that_its_epsilon_leaves_out_the_tuni
             execute(load_job(job.overrides), ScoreByRate())
         return True, ""
 
-    monkeypatch.setattr(reproduce, "launch", in_process)
+    monkeypatch.setattr(launch, "launch", in_process)
     common = ["scale=smoke", f"results_dir={tmp_path}", "logging=disabled", "suite=glue8"]
     assert tune.main([*common, "method=adamw", "privacy=eps6", "tune.lr_factor=0.1,1"]) == 0
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines import reproduce, store
-from pipelines.grid import job_config
+from pipelines import launch, store
+from pipelines.compose import job_config
 from prism.models import KeptBackbones, load_backbone
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,12 +23,12 @@ A = ["suite=glue8", "method=prism", "privacy=eps6", *TINY]
 B = ["suite=math10k", "method=adamw", "privacy=nondp", *TINY]
 
 
-def job(overrides: list[str], results: Path) -> reproduce.Job:
+def job(overrides: list[str], results: Path) -> launch.Job:
     cfg = job_config([*overrides, f"results_dir={results}"])
-    return reproduce.Job([*overrides, f"results_dir={results}"], store.runs_root(cfg), store.run_hash(cfg), 3)
+    return launch.Job([*overrides, f"results_dir={results}"], store.runs_root(cfg), store.run_hash(cfg), 3)
 
 
-def outputs(j: reproduce.Job) -> tuple[list[dict], dict]:
+def outputs(j: launch.Job) -> tuple[list[dict], dict]:
     metrics = [json.loads(line) for line in (j.folder / "metrics.jsonl").read_text().splitlines()]
     final = json.loads((j.folder / "final.json").read_text())
     drop = ("step_time_s",)  # wall-clock
@@ -57,7 +57,7 @@ def test_worker_run_is_bitwise_a_fresh_process_run_after_another_job(tmp_path: P
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
     other, same = job(B, tmp_path / "worker"), job(A, tmp_path / "worker")
-    outcome = reproduce.run_local([other, same], 1, tmp_path / "logs")  # one worker: B then A in one process
+    outcome = launch.run_local([other, same], 1, tmp_path / "logs")  # one worker: B then A in one process
     assert [j.run_hash for j in outcome["ok"]] == [other.run_hash, same.run_hash] and not outcome["failed"]
     assert same.run_hash == fresh.run_hash
     (m_fresh, f_fresh), (m_worker, f_worker) = outputs(fresh), outputs(same)
@@ -70,7 +70,7 @@ def test_worker_run_is_bitwise_a_fresh_process_run_after_another_job(tmp_path: P
 def test_a_failing_job_fails_alone_and_the_next_one_runs(tmp_path: Path) -> None:
     broken = job([*A, "train.device=cuda"], tmp_path)
     ok = job(B, tmp_path)
-    outcome = reproduce.run_local([broken, ok], 1, tmp_path / "logs")
+    outcome = launch.run_local([broken, ok], 1, tmp_path / "logs")
     assert [j.run_hash for j in outcome["failed"]] == [broken.run_hash]
     assert [j.run_hash for j in outcome["ok"]] == [ok.run_hash]
     assert store.inspect_run(broken.folder).state == "absent"  # refused before its folder exists
