@@ -28,8 +28,8 @@ from torch import Tensor, nn
 
 from prism.data import build_suite
 from prism.data.prompts import collate, tokenize_example
+from prism.fastpath.prefix import PrefixCache, prefix_depth
 from prism.models import attach_lora, load_backbone
-from prism.prefix import PrefixCache, prefix_depth
 from prism.privacy.per_example import PerExampleGradients, per_example_loss
 
 SUITE = {"name": "glue8", "scale": "embedded", "family": "glue", "train_on_inputs": False, "cutoff_len": 384,

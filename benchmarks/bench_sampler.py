@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from prism.diagnostics import sample_tangent_noise
-from prism.geometry import frame, tangent_project
+from prism.audit.diagnostics import sample_tangent_noise
+from prism.mechanism.geometry import frame, tangent_project
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:

@@ -7,7 +7,7 @@ The overrides after ``--`` are those of ``python -m pipelines.run`` and are vali
 (bad input: one ``error:`` line, exit 2, before any model load). The cell is built and trained by
 :func:`prism.train.build` and :func:`prism.train.train_step` — the same Poisson batches, σ (calibrated
 for ``train.steps``) and updates as the pipeline's run of that config — and scored by
-:func:`prism.evaluate.evaluate_suite` at every step of ``--at`` (default: 0 and ``train.steps``;
+:func:`prism.evaluation.evaluate.evaluate_suite` at every step of ``--at`` (default: 0 and ``train.steps``;
 each ≤ ``train.steps``). ``--eval-tasks`` scores only some tasks; training still uses all of them.
 
 One table row per checkpoint and task: the score, the share of unparsed responses, and the share of
@@ -15,7 +15,7 @@ the most frequent parsed answer with that answer (near 1: the model answers one 
 a collapse that a score alone hides); the mean per-example training loss (mean over supervised tokens)
 of the steps since the previous checkpoint; the CPU seconds of this process spent training up to this
 checkpoint (cumulative) and evaluating at it. Nothing is written to disk except the shared
-frozen-layer caches. Every response is kept by raising ``prism.evaluate.N_SAMPLES`` for the call.
+frozen-layer caches. Every response is kept by raising ``prism.evaluation.evaluate.N_SAMPLES`` for the call.
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipelines.compose import resolve  # noqa: E402
 from pipelines.run import quiet_third_party_warnings  # noqa: E402
 from pipelines.validate import ConfigError, load_job  # noqa: E402
-from prism import evaluate  # noqa: E402
-from prism.metrics import COLUMN_RULES, extract_choice, extract_number, parse_glue_label  # noqa: E402
+from prism.evaluation import evaluate  # noqa: E402
+from prism.evaluation.metrics import COLUMN_RULES, extract_choice, extract_number, parse_glue_label  # noqa: E402
 
 HEADER = ("| step | task | column | score | unparsed | top answer (share) | train loss | train CPU s | eval CPU s |\n"
           "|---|---|---|---|---|---|---|---|---|")
@@ -65,7 +65,7 @@ def top_answer(answers: Sequence[Any]) -> tuple[Any, float]:
 
 def checkpoint_rows(step: int, result: dict[str, Any], columns: dict[str, str], choice_rule: str,
                     loss: float, train_s: float, eval_s: float) -> list[dict[str, Any]]:
-    """One record per task of an :func:`prism.evaluate.evaluate_suite` result whose ``samples`` hold
+    """One record per task of an :func:`prism.evaluation.evaluate.evaluate_suite` result whose ``samples`` hold
     every response; `loss`: the mean training loss of the steps since the previous checkpoint."""
     rows = []
     for task, score in result["scores"].items():

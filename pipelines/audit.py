@@ -18,7 +18,7 @@ direction:
 
 Statistics of each release: the projection of the update ``Z⁺ − Z`` on the canary's image, of the
 privatised direction (the noised lift for PRISM, the noised factor gradient for the baselines) on
-the canary's, and of its span(A) block on the canary's. :func:`prism.privacy.audit.threshold_audit`
+the canary's, and of its span(A) block on the canary's. :func:`prism.audit.step.threshold_audit`
 picks the statistic, threshold and tail on one half of the draws and bounds μ and ε on the other
 with Clopper–Pearson intervals (95 % family-wise: Bonferroni over the audited method × case pairs).
 One step of a correct mechanism is μ-GDP with μ = 1/σ, so the audit fails (exit 1) if any μ lower
@@ -45,15 +45,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from prism import geometry
+from prism.audit.step import ThresholdAudit, gdp_epsilon, snr, threshold_audit
+from prism.mechanism import geometry
 from prism.methods import METHODS, Method, PrivacySpec, build_method
-from prism.privacy.audit import ThresholdAudit, gdp_epsilon, snr, threshold_audit
 
 CASES = ("random", "vertical", "gauge", "near_rank_deficient", "balanced_gauge", "balanced_gauge_outside")
 CONF = Path(__file__).resolve().parents[1] / "conf" / "method"
 M, N, R = 8, 6, 2
 CLIP, DENOMINATOR, DELTA = 1.0, 4.0, 1e-5
-A_NAME, B_NAME = "x.lora_B.default.weight", "x.lora_A.default.weight"  # paper A, paper Bᵀ (prism.lora)
+A_NAME, B_NAME = "x.lora_B.default.weight", "x.lora_A.default.weight"  # paper A, paper Bᵀ (prism.mechanism.lora)
 
 
 PRINT = functools.partial(print, flush=True)

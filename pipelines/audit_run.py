@@ -2,14 +2,14 @@
 
 For each method × privacy level, the normal training loop (:func:`prism.train.build`,
 :func:`prism.train.train_step`: real sampler, backbone, per-example gradients) trains with ``m`` white-box
-gradient canaries (:mod:`prism.privacy.canaries`): a secret fair coin includes each, included ones are
+gradient canaries (:mod:`prism.audit.canaries`): a secret fair coin includes each, included ones are
 Poisson-sampled at the run's rate and clipped and noised by the method's own step. Each canary's score is
 the sum over steps of the released privatised quantity projected on its direction. The auditor guesses
 "in" for the ``k⁺`` highest scores and "out" for the ``k⁻`` lowest, with ``(k⁺, k⁻)`` fixed before any
 score is seen (``--split``: chosen on one half of the canaries, the other half audited), and
-:func:`prism.privacy.one_run.epsilon_lower_bound` turns the correct guesses into an ε lower bound at
+:func:`prism.audit.one_run.epsilon_lower_bound` turns the correct guesses into an ε lower bound at
 95 % (δ of the run). Alongside: the bound an ideal run with the same ``(σ, q, T, m, k⁺, k⁻)`` gives
-(:func:`prism.privacy.one_run.expected_bounds`, mean ± sd over 20 simulated runs). ``--expected-only``
+(:func:`prism.audit.one_run.expected_bounds`, mean ± sd over 20 simulated runs). ``--expected-only``
 prints those expectations for the planned runs without training (σ calibrated as the runs would be).
 
 Default ``k⁻ = 0``: when ``qT`` is about 1 (embedded: q = 0.032, T = 30) a third of the included canaries
@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from pipelines.audit import names
-from prism.privacy.canaries import CanaryMethod, Space, draw_directions
-from prism.privacy.one_run import OneRunAudit, audit, expected_bounds, split_audit
+from prism.audit.canaries import CanaryMethod, Space, draw_directions
+from prism.audit.one_run import OneRunAudit, audit, expected_bounds, split_audit
 
 PRINT = functools.partial(print, flush=True)
 SCALES = ("embedded", "smoke")
@@ -139,7 +139,7 @@ def audit_training_run(cfg, canaries: int, k_pos: int, k_neg: int, split: bool, 
 
 def gdp_equivalent(mu: float, delta: float) -> float:
     """The ε at δ of the μ-GDP curve (0 for μ = 0, NaN for NaN)."""
-    from prism.privacy.audit import gdp_epsilon
+    from prism.audit.step import gdp_epsilon
 
     return mu if math.isnan(mu) or mu == 0 else gdp_epsilon(mu, delta)
 

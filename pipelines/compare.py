@@ -37,8 +37,8 @@ from pipelines.aggregate.records import RunRecord, read_run_folder
 from pipelines.aggregate.render import plot_privacy_utility, to_markdown, write_outputs
 from pipelines.aggregate.specs import TableSpec, method_label, setting_label, suite_columns
 from pipelines.validate import ConfigError, load_job
-from prism.budget import total_steps
 from prism.fileio import sha256_file
+from prism.privacy.budget import total_steps
 
 EXPERIMENT = "compare"
 METHODS = ("prism", "adamw", "loraplus", "lamb", "ffa", "lora_rite")

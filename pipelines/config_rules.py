@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from prism.budget import total_steps
+from prism.privacy.budget import total_steps
 
 DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
 PRIVACY_NAME = re.compile(r"eps(\d+(?:\.\d+)?)")
@@ -241,10 +241,10 @@ def _local_context(cfg: DictConfig) -> None:
 
 def _budget(cfg: DictConfig, n_train: int | None, here: bool) -> None:
     """σ calibration feasible for (ε, δ, q = B/N, T) and its accountant grid within this machine's
-    memory (:func:`prism.dp_limits.calibration_problem`; the memory only for a job run here)."""
+    memory (:func:`prism.privacy.limits.calibration_problem`; the memory only for a job run here)."""
     if n_train is None or math.isinf(float(cfg.privacy.epsilon)):
         return
-    from prism.dp_limits import calibration_problem
+    from prism.privacy.limits import calibration_problem
 
     steps = total_steps(cfg)
     rate = cfg.train.batch_size / n_train

@@ -6,7 +6,7 @@
 One Hydra job = one run folder ``results/runs/diagnostics/<hash>/`` through :func:`pipelines.run.execute`
 (lock, skip-if-finished, ``status.json``, ``final.json``, W&B); :func:`measure` is the job's trainer.
 It drives the training loop of :mod:`prism.train` (``build`` once per LoRA init, ``train_step`` for
-every step) and the measurement functions of :mod:`prism.diagnostics`; every step of every short run
+every step) and the measurement functions of :mod:`prism.audit.diagnostics`; every step of every short run
 is a line of ``metrics.jsonl`` (``part``, ``method``, ``c``, ``epsilon``, ``run_step``), the raw
 series go to ``diagnostics.json``, and :func:`render` turns that file into ``results/figures/*.png``
 and ``results/tables/diagnostics.md`` beside the paper's stated values.
@@ -133,8 +133,8 @@ class Lab:
               method_overrides: dict[str, Any] | None = None) -> tuple[Any, DictConfig]:
         """A Setup at the initial factors rescaled to ``(cA, c⁻¹B)`` with a new method, sampler, accountant
         and noise stream (seeded as :func:`prism.train.build` seeds them) and σ calibrated for ``steps``."""
-        from prism.diagnostics import apply_gauge
-        from prism.lora import lora_pairs
+        from prism.audit.diagnostics import apply_gauge
+        from prism.mechanism.lora import lora_pairs
         from prism.methods import PrivacySpec, build_method
         from prism.privacy import Accountant, PoissonSampler, calibrate_sigma, calibration_steps
 
@@ -159,9 +159,9 @@ class Lab:
 
     def step1_norms(self, s: Any, sub: DictConfig) -> dict[str, list[float]]:
         """Per-example factor and intrinsic norms on the first Poisson batch (the sampler is rewound)."""
+        from prism.audit.diagnostics import factor_example_norms, intrinsic_example_norms
         from prism.data.prompts import collate
-        from prism.diagnostics import factor_example_norms, intrinsic_example_norms
-        from prism.lora import lora_pairs
+        from prism.mechanism.lora import lora_pairs
 
         state = s.sampler.state_dict()
         indices = s.sampler.sample()
@@ -188,8 +188,8 @@ class Lab:
             method_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """A short run; per step: ``S_t`` (before the step), ``‖ΔZ_t‖_F``, the method's statistics and
         the noise amplification after the step (memoised per (method, overrides, c, ε, steps))."""
-        from prism.diagnostics import adam_amplification, delta_z_norm, factor_sum, prism_amplification
-        from prism.lora import lora_pairs, read_pair
+        from prism.audit.diagnostics import adam_amplification, delta_z_norm, factor_sum, prism_amplification
+        from prism.mechanism.lora import lora_pairs, read_pair
         from prism.train import train_step
 
         key = (method, float(c), float(epsilon), int(steps), tuple(sorted((method_overrides or {}).items())))
@@ -224,9 +224,9 @@ class Lab:
 
 def table1(lab: Lab) -> dict[str, Any]:
     """Monte-Carlo ``E_Z`` vs closed forms on every LoRA module of the last adapted layer (PRISM's init)."""
-    from prism import geometry
-    from prism.diagnostics import effective_noise, factor_noise_draws, prism_noise_draws
-    from prism.lora import lora_pairs, read_pair
+    from prism.audit.diagnostics import effective_noise, factor_noise_draws, prism_noise_draws
+    from prism.mechanism import geometry
+    from prism.mechanism.lora import lora_pairs, read_pair
 
     s, initial = lab.setup(str(lab.d.prism))
     sub = sub_config(lab.cfg, str(lab.d.prism), lab.eps0, int(lab.d.gauge_steps))
@@ -276,7 +276,7 @@ def _chunks(total: int) -> list[int]:
 
 def gauge_sweep(lab: Lab) -> dict[str, Any]:
     """Figs. 2, 8–11: a short run per gauge for the baseline and PRISM (step 1 is the first step of each)."""
-    from prism.diagnostics import clip_stats
+    from prism.audit.diagnostics import clip_stats
     from prism.methods.factor import OPACUS_NORM_EPS
 
     C, out = float(lab.cfg.privacy.clip_norm), {}
@@ -317,7 +317,7 @@ def _spread(runs: list[dict[str, Any]]) -> dict[str, list]:
 
 def noise_along_training(lab: Lab) -> dict[str, Any]:
     """Figs. 1, 3: per-step ‖N_Z‖ ratio baseline/PRISM at c = 1, and baseline ‖N_Z‖² against ``S_t``."""
-    from prism.diagnostics import linear_fit
+    from prism.audit.diagnostics import linear_fit
 
     base = lab.run("gauge", str(lab.d.baseline), 1.0, lab.eps0, int(lab.d.gauge_steps))
     prism = lab.run("gauge", str(lab.d.prism), 1.0, lab.eps0, int(lab.d.gauge_steps))
@@ -337,8 +337,8 @@ def noise_along_training(lab: Lab) -> dict[str, Any]:
 
 def optimal_gauge(lab: Lab) -> dict[str, Any]:
     """Figs. 12–13: the gauge scan on the baseline's module with the largest ``S`` at the end of its c = 1 run."""
-    from prism import geometry
-    from prism.diagnostics import gauge_scan
+    from prism.audit.diagnostics import gauge_scan
+    from prism.mechanism import geometry
 
     base = lab.run("gauge", str(lab.d.baseline), 1.0, lab.eps0, int(lab.d.gauge_steps))
     module = max(base["final_S"], key=base["final_S"].get)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from pipelines import store, worker
 from pipelines.validate import load_experiment
-from prism.budget import total_steps
+from prism.privacy.budget import total_steps
 
 POLL_S = 1.0
 WORKER_RSS_GB = 2.2  # a worker's resident memory at embedded scale (backbone, caches, optimizer state)

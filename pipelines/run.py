@@ -45,8 +45,8 @@ from pipelines import store
 from pipelines.compose import resolve
 from pipelines.validate import ConfigError, load_job, load_sweep, validate
 from pipelines.wandb_log import WandbRun
-from prism.budget import total_steps
 from prism.fileio import write_text_atomic
+from prism.privacy.budget import total_steps
 
 log = logging.getLogger("pipelines.run")
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@
    rank vs the narrowest targeted layer, batch vs training-set size, micro-batch ≤ batch, device
    present, room for the label after ``suite.cutoff_len``, paper-scale data present), the method
    node against the method's own schema (:mod:`prism.methods.schema`) and whether σ can be
-   calibrated for (ε, δ, q, T) within this machine's memory (:mod:`prism.dp_limits`).
+   calibrated for (ε, δ, q, T) within this machine's memory (:mod:`prism.privacy.limits`).
 
 :func:`load_grid` / :func:`load_experiment` run the same validation over every job of a grid
 before any is launched (``pipelines.grid``, ``pipelines.reproduce``, ``slurm/submit.sh``,

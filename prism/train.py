@@ -32,15 +32,16 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
-from prism.budget import total_steps
 from prism.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from prism.data import Suite, build_suite
 from prism.data.custom import TASK, answer_room, check_task, validation_rows
 from prism.data.prompts import collate, tokenize_example, tokenize_train_set
-from prism.evaluate import evaluate_suite, new_tokens
-from prism.hf_baseline import HFRecipe, HFTrainerBaseline, holdout_loss, holdout_split
+from prism.evaluation.evaluate import evaluate_suite, new_tokens
+from prism.fastpath.prefix import PrefixCache, prefix_cache
+from prism.fastpath.transfer import batch_to_device
 from prism.methods import PrivacySpec, build_method
 from prism.methods.base import Method
+from prism.methods.hf_baseline import HFRecipe, HFTrainerBaseline, holdout_loss, holdout_split
 from prism.models import (
     BackboneLoader,
     attach_lora,
@@ -51,7 +52,6 @@ from prism.models import (
     trainable_parameters,
 )
 from prism.models.local import describe, speed_paths
-from prism.prefix import PrefixCache, prefix_cache
 from prism.privacy import (
     Accountant,
     PerExampleGradients,
@@ -60,11 +60,11 @@ from prism.privacy import (
     summed_gradients,
 )
 from prism.privacy.accounting import is_private
+from prism.privacy.budget import total_steps
 from prism.privacy.noise import NoiseSource, SecureNoise, SeededNoise
 from prism.privacy.per_example import enable_activation_checkpointing, supervised_positions, token_loss_fn
+from prism.privacy.protocol import dp_caveats, protocol_record
 from prism.privacy.sampling import noise_denominator
-from prism.protocol import dp_caveats, protocol_record
-from prism.transfer import batch_to_device
 
 LogFn = Callable[[dict[str, Any]], None]
 narrate = logging.getLogger("prism.train").info  # one line per phase (pipelines/run.py prints it)

@@ -262,7 +262,7 @@ STATE = {
     "prompt_cache": '''
         import torch
         from prism.models import attach_lora, load_backbone
-        from prism.prompt_cache import FrozenPrompts
+        from prism.fastpath.prompt_cache import FrozenPrompts
         model, _ = load_backbone({"name": "tiny-llama"}, "cpu")
         model = attach_lora(model, {"r": 4, "alpha": 8, "dropout": 0.0, "targets": ["q_proj", "v_proj"]},
                             {"name": "tiny-llama", "lora_layers": 1}, init="peft", generator=torch.Generator().manual_seed(0))

@@ -1,6 +1,6 @@
 """Reference implementations that production does not run, kept as oracles for the tests.
 
-* :func:`retract`: eq. 22 composed from :mod:`prism.geometry`'s pieces for one batch (the method fuses
+* :func:`retract`: eq. 22 composed from :mod:`prism.mechanism.geometry`'s pieces for one batch (the method fuses
   each SVD over all shape groups instead).
 * :func:`lifted_sqnorm_by_differences`: the difference-of-squares form of eq. 15 from factor gradients
   (exact for gradients ``(GB, GᵀA)``, loses everything on gauge-dominated pairs; docs/DECISIONS.md D70).
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prism import geometry
-from prism.adaptive import RankSpaceAdaptive
-from prism.lora import lora_pairs, read_pair
+from prism.mechanism import geometry
+from prism.mechanism.adaptive import RankSpaceAdaptive
+from prism.mechanism.lora import lora_pairs, read_pair
 from prism.methods.prism import PrismMethod, ShapeGroup
 from prism.privacy.noise import as_noise_source
 

@@ -9,7 +9,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-from prism.prefix import PrefixCache
+from prism.fastpath.prefix import PrefixCache
 from prism.privacy import PerExampleGradients
 from prism.privacy.per_example import enable_activation_checkpointing
 

@@ -6,8 +6,9 @@ import pytest
 import scipy.linalg
 import torch
 
-from prism import geometry
-from prism.adaptive import (
+from prism.audit.diagnostics import sample_tangent_noise
+from prism.mechanism import geometry
+from prism.mechanism.adaptive import (
     AdaptiveConfig,
     FactorMoments,
     RankSpaceAdaptive,
@@ -16,7 +17,6 @@ from prism.adaptive import (
     preconditioner,
     update_moments,
 )
-from prism.diagnostics import sample_tangent_noise
 
 F64 = torch.float64
 M, N, R = 9, 7, 3

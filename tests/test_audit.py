@@ -12,9 +12,7 @@ import torch
 from scipy import integrate, stats
 
 from pipelines import audit as AU
-from prism.methods import METHODS, build_method
-from prism.methods.base import PrivacySpec
-from prism.privacy.audit import (
+from prism.audit.step import (
     clopper_pearson,
     dp_epsilon_lower_bound,
     gdp_delta,
@@ -22,6 +20,8 @@ from prism.privacy.audit import (
     gdp_mu_lower_bound,
     threshold_audit,
 )
+from prism.methods import METHODS, build_method
+from prism.methods.base import PrivacySpec
 from tests.oracles import release_lifts
 
 F64 = torch.float64

@@ -1,10 +1,10 @@
-"""One-run audit harness (prism.privacy.canaries, pipelines.audit_run) on mechanisms of known privacy.
+"""One-run audit harness (prism.audit.canaries, pipelines.audit_run) on mechanisms of known privacy.
 
 The methods here are test-only Gaussian mechanisms implementing :class:`prism.methods.base.Method` plus the
 release hook the harness reads: one clips in the flat factor space, one in PRISM's tangent space
 (lift, eq. 14; isotropic tangent noise, eq. 19). With every canary sampled in every step (rate 1) a
 run of T steps is a Gaussian mechanism with μ = √T/σ per canary, so its true ε is the GDP curve's
-(:func:`prism.privacy.audit.gdp_epsilon`). The 'noise ÷ 10' variant exists only in this file.
+(:func:`prism.audit.step.gdp_epsilon`). The 'noise ÷ 10' variant exists only in this file.
 """
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ import torch
 
 from pipelines import audit_run
 from pipelines.audit_run import AuditRow, audit_method, write_table
-from prism import geometry
-from prism.lora import lora_pairs, read_pair
+from prism.audit.canaries import draw_directions, gradients, project, sqnorms
+from prism.audit.step import gdp_epsilon
+from prism.mechanism import geometry
+from prism.mechanism.lora import lora_pairs, read_pair
 from prism.methods.base import Method, PrivacySpec, Release
-from prism.privacy.audit import gdp_epsilon
-from prism.privacy.canaries import draw_directions, gradients, project, sqnorms
 from prism.privacy.noise import SeededNoise
 
 M, N, R = 512, 384, 8
@@ -256,9 +256,9 @@ def test_split_rule_audits_the_unseen_half():
 
 def test_harness_matches_the_ideal_run():
     """The correct flat mechanism with every canary in every step (q = 1) against the simulated ideal run
-    of :func:`prism.privacy.one_run.expected_bounds` at the same σ, T, m, k: the number of correct
+    of :func:`prism.audit.one_run.expected_bounds` at the same σ, T, m, k: the number of correct
     guesses agrees (the real examples and the other canaries interfere little)."""
-    from prism.privacy.one_run import dpsgd_canary_scores, top_bottom_guesses
+    from prism.audit.one_run import dpsgd_canary_scores, top_bottom_guesses
 
     rng = np.random.default_rng(5)
     ideal = []

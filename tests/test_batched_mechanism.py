@@ -13,10 +13,10 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from prism import geometry as geo
-from prism.adaptive import AdaptiveConfig, RankSpaceAdaptive, noise_second_moments
-from prism.diagnostics import sample_tangent_noise
-from prism.lora import lora_pairs, read_pair
+from prism.audit.diagnostics import sample_tangent_noise
+from prism.mechanism import geometry as geo
+from prism.mechanism.adaptive import AdaptiveConfig, RankSpaceAdaptive, noise_second_moments
+from prism.mechanism.lora import lora_pairs, read_pair
 from prism.methods import build_method
 from prism.methods.base import PrivacySpec
 from prism.methods.prism import PrismMethod

@@ -14,8 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from prism.fastpath.prompt_cache import FrozenPrompts  # noqa: E402
 from prism.models import attach_lora, load_backbone  # noqa: E402
-from prism.prompt_cache import FrozenPrompts  # noqa: E402
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "targets": ["q_proj", "v_proj"]}
 
@@ -49,14 +49,14 @@ def test_flipped_bytes_at_the_same_size_are_rebuilt_and_logged(tmp_path: Path, c
     tensors.write_bytes(bytes(tampered))
     assert tensors.stat().st_size == len(original)
 
-    with caplog.at_level(logging.WARNING, logger="prism.prompt_cache"):
+    with caplog.at_level(logging.WARNING, logger="prism.fastpath.prompt_cache"):
         again = FrozenPrompts.build(model, rows, cache_dir=tmp_path)
     assert any("does not match the sha256" in r.getMessage() and "rebuilding" in r.getMessage() for r in caplog.records)
     assert tensors.read_bytes() == original
     assert torch.equal(_inputs(again, rows), expected)
 
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="prism.prompt_cache"):
+    with caplog.at_level(logging.WARNING, logger="prism.fastpath.prompt_cache"):
         third = FrozenPrompts.build(model, rows, cache_dir=tmp_path)  # intact now: reused silently
     assert not caplog.records and again.build_seconds > 0 and third.build_seconds == 0
 

@@ -13,7 +13,7 @@ from pipelines import run
 from pipelines.run import main
 from prism.data import build_suite
 from prism.data.custom import TaskFileError, check_task, load_task
-from prism.metrics import TaskRule, normalize_exact, parse_label, score_task
+from prism.evaluation.metrics import TaskRule, normalize_exact, parse_label, score_task
 
 LABELS = ("positive", "negative", "neutral")
 
@@ -185,12 +185,12 @@ def test_validation_rows_are_held_out_of_the_training_rows_never_the_evaluation_
 
 
 def test_macro_f1_is_scikit_learns_on_rows_and_on_stacks_of_draws() -> None:
-    """:func:`prism.metrics.macro_f1` against scikit-learn's ``f1_score(average="macro")`` over the label
+    """:func:`prism.evaluation.metrics.macro_f1` against scikit-learn's ``f1_score(average="macro")`` over the label
     set: unparsed responses (−1), a label never predicted, a label absent from gold and prediction."""
     import numpy as np
     from sklearn.metrics import f1_score
 
-    from prism.metrics import macro_f1
+    from prism.evaluation.metrics import macro_f1
 
     rng = np.random.default_rng(1)
     cases = [(rng.integers(0, 3, 50), rng.integers(-1, 3, 50), 3), (rng.integers(0, 2, 20), np.zeros(20, int), 2),

@@ -8,10 +8,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from prism.data import Example, Suite
 from prism.data.prompts import encode_prompt_as_trained, eval_prompt, response_text
-from prism.evaluate import common_prefix_length, evaluate_suite, generate_responses
-from prism.metrics import parse_glue_label
+from prism.evaluation.evaluate import common_prefix_length, evaluate_suite, generate_responses
+from prism.evaluation.metrics import parse_glue_label
+from prism.fastpath.prefix import prefix_depth
 from prism.models import attach_lora, load_backbone
-from prism.prefix import prefix_depth
 
 KEYS = {"scores", "columns", "average", "parse_failure", "n", "skipped", "samples", "seconds", "eval_rows", "suite",
         "scale", "per_example"}

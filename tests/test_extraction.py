@@ -7,8 +7,8 @@ import pytest
 
 from prism.data import PAPER_COLUMNS, build_suite
 from prism.data.math10k import MATH_TESTS
-from prism.evaluate import extract_choice, extract_number, math_correct, parse_glue_label
-from prism.metrics import score_outputs
+from prism.evaluation.evaluate import extract_choice, extract_number, math_correct, parse_glue_label
+from prism.evaluation.metrics import score_outputs
 
 
 @pytest.mark.parametrize(

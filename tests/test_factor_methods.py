@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from prism.lora import lora_pairs, read_pair
+from prism.mechanism.lora import lora_pairs, read_pair
 from prism.methods import PrivacySpec, build_method
 from prism.methods.optimizers import build_optimizer
 

@@ -1,4 +1,4 @@
-"""prism.geometry against dense references, closed forms and brute force (paper eqs. 8–23)."""
+"""prism.mechanism.geometry against dense references, closed forms and brute force (paper eqs. 8–23)."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from prism import geometry as geo
-from prism.diagnostics import sample_tangent_noise
+from prism.audit.diagnostics import sample_tangent_noise
 from tests.oracles import prism_noise_energy, retract
 
 F64 = torch.float64

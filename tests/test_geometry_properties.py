@@ -1,4 +1,4 @@
-"""Property tests of prism.geometry over random shapes (m, n ≤ 64, r ≤ 8), float64 dense references."""
+"""Property tests of prism.mechanism.geometry over random shapes (m, n ≤ 64, r ≤ 8), float64 dense references."""
 from __future__ import annotations
 
 import torch
@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prism import geometry as geo
-from prism.diagnostics import sample_tangent_noise
+from prism.audit.diagnostics import sample_tangent_noise
 from tests.oracles import retract
 
 F64 = torch.float64

@@ -9,7 +9,7 @@ from scipy import stats
 from sklearn.metrics import matthews_corrcoef
 
 from pipelines.aggregate import intervals as iv
-from prism.metrics import glue_score, row_outcomes, score_outputs
+from prism.evaluation.metrics import glue_score, row_outcomes, score_outputs
 
 
 def two_way_variance(x: np.ndarray) -> float:

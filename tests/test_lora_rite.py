@@ -5,7 +5,7 @@ import pytest
 import torch
 from pytorch_optimizer import LoRARite as LibraryLoRARite
 
-from prism.lora import paper_factors, peft_factors
+from prism.mechanism.lora import paper_factors, peft_factors
 from prism.methods.lora_rite import LoRARite, bias_corrected_decay
 
 

@@ -1,6 +1,6 @@
 """Method keys are checked from each method's own schema (prism/methods/schema.py), which the
 validator and ``build_method`` both read; accountant limits and budgets are refused before any
-model load (prism/dp_limits.py), and σ calibration cannot run unbounded.
+model load (prism/privacy/limits.py), and σ calibration cannot run unbounded.
 
 Independent expectations: the runtime's own accepted values (the method classes' constants and
 dataclass checks), Opacus (its RDP at integer orders, its PRV grid, its refusals), and the rule that
@@ -18,8 +18,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipelines.validate import ConfigError, load_job
-from prism import dp_limits
 from prism.methods import build_method, schema
+from prism.privacy import limits as dp_limits
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = tuple(schema.SCHEMAS)
@@ -76,7 +76,7 @@ def test_schema_choices_are_the_runtime_choices() -> None:
     """The method classes' own accepted values (their constants) equal the schema's choices, and the
     PRISM dataclasses refuse what the schema refuses."""
     pytest.importorskip("torch")
-    from prism.adaptive import FLOOR_MODES, PRECONDITIONERS, AdaptiveConfig
+    from prism.mechanism.adaptive import FLOOR_MODES, PRECONDITIONERS, AdaptiveConfig
     from prism.methods.prism import COMPUTE_DTYPES, HORIZONTALIZE, RANK_FALLBACKS, PrismConfig
     from prism.models.spectral import SVD_MODES
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy.stats import rankdata
 
-from prism.metrics import glue_score, gold_is_valid, score_outputs
+from prism.evaluation.metrics import glue_score, gold_is_valid, score_outputs
 
 GOLD = [1, 0, 1, 1, 0, 1, 0, 0, 1, 1]
 PRED = [1, 0, 0, 1, 1, 1, 0, 1, 1, 0]

@@ -12,7 +12,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 from prism import models
-from prism.lora import lora_pairs, read_pair
+from prism.mechanism.lora import lora_pairs, read_pair
 from prism.models import (
     BACKBONES,
     attach_lora,

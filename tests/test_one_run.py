@@ -1,4 +1,4 @@
-"""One-run ε lower bound (prism.privacy.one_run) against scipy, exact arithmetic and simulated mechanisms.
+"""One-run ε lower bound (prism.audit.one_run) against scipy, exact arithmetic and simulated mechanisms.
 
 Independent expectations: scipy's binomial law and exact rational sums for the tails; the theorem's
 bound written out term by term from its statement (Steinke, Nasr & Jagielski 2023, main theorem:
@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 from scipy import optimize, stats
 
-from prism.privacy.audit import gdp_epsilon
-from prism.privacy.one_run import (
+from prism.audit.one_run import (
     audit,
     binomial_upper_tail,
     dpsgd_canary_scores,
@@ -29,6 +28,7 @@ from prism.privacy.one_run import (
     split_audit,
     top_bottom_guesses,
 )
+from prism.audit.step import gdp_epsilon
 
 
 @pytest.mark.parametrize("r,p", [(1, 0.5), (17, 0.3), (100, 0.73), (1000, 0.999), (1000, 1e-3)])

@@ -1,4 +1,4 @@
-"""One-run bounds (prism.privacy.one_run) against published numbers.
+"""One-run bounds (prism.audit.one_run) against published numbers.
 
 Independent expectations, all computed by other people:
 
@@ -22,14 +22,14 @@ import numpy as np
 import pytest
 from scipy import optimize, special, stats
 
-from prism.privacy.audit import gdp_epsilon
-from prism.privacy.one_run import (
+from prism.audit.one_run import (
     epsilon_lower_bound,
     fdp_lower_bound,
     fdp_rejects,
     gaussian_curve,
     p_value,
 )
+from prism.audit.step import gdp_epsilon
 
 Counts = tuple[int, int]  # (guesses, correct guesses)
 

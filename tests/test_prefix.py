@@ -25,9 +25,9 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-import prism.prefix as prefix
+import prism.fastpath.prefix as prefix
 from prism.data.prompts import collate
-from prism.prefix import PrefixCache, prefix_cache, prefix_depth, prefix_key, shared_prefix_groups
+from prism.fastpath.prefix import PrefixCache, prefix_cache, prefix_depth, prefix_key, shared_prefix_groups
 from prism.privacy.per_example import (
     IGNORE_INDEX,
     PerExampleGradients,

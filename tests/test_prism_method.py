@@ -9,8 +9,8 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from prism import geometry
-from prism.lora import lora_pairs, read_pair
+from prism.mechanism import geometry
+from prism.mechanism.lora import lora_pairs, read_pair
 from prism.methods import build_method
 from prism.methods.base import PrivacySpec
 from prism.methods.prism import PrismMethod
@@ -64,7 +64,7 @@ def random_G(k: int, seed: int, scales=None) -> list[torch.Tensor]:
 
 
 def dense_P(A: torch.Tensor, B: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    """Eq. 13 from explicit pseudo-inverse projectors (independent of prism.geometry)."""
+    """Eq. 13 from explicit pseudo-inverse projectors (independent of prism.mechanism.geometry)."""
     PiA, PiB = A @ torch.linalg.pinv(A), B @ torch.linalg.pinv(B)
     return PiA @ G + G @ PiB - PiA @ G @ PiB
 

@@ -20,10 +20,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from prism import geometry
 from prism import train as T
-from prism.diagnostics import sample_tangent_noise
-from prism.lora import lora_pairs, read_pair
+from prism.audit.diagnostics import sample_tangent_noise
+from prism.mechanism import geometry
+from prism.mechanism.lora import lora_pairs, read_pair
 from prism.methods import METHODS, build_method
 from prism.methods.base import PrivacySpec
 from prism.privacy import Accountant
@@ -102,7 +102,7 @@ def test_vertical_block_of_the_moments_is_no_sharper_than_the_tangent_noise(vari
 
 def test_horizontal_noise_moments_match_monte_carlo() -> None:
     """Eq. 50 for the horizontalised noise: the closed form against 20,000 draws of H(Ξ_A, Ξ_B)."""
-    from prism.adaptive import horizontal_noise_second_moments  # new with this fix
+    from prism.mechanism.adaptive import horizontal_noise_second_moments  # new with this fix
 
     g = torch.Generator().manual_seed(2)
     A, B = conditioned(M, 5.0, g), conditioned(N, 3.0, g)

@@ -19,8 +19,8 @@ import torch
 from omegaconf import OmegaConf
 
 from pipelines.audit import balanced_factors
-from prism import geometry
 from prism import train as T
+from prism.mechanism import geometry
 from prism.methods import build_method
 from prism.methods.base import PrivacySpec
 from prism.privacy import PoissonSampler

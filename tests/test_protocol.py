@@ -18,15 +18,15 @@ from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipelines.compose import compose_config, job_config, resolve
-from prism import geometry
 from prism import train as T
+from prism.audit.diagnostics import sample_tangent_noise
 from prism.data.prompts import collate
-from prism.diagnostics import sample_tangent_noise
-from prism.hf_baseline import HFRecipe, HFTrainerBaseline, holdout_split, linear_warmup_factor
+from prism.evaluation.metrics import extract_choice, score_outputs
+from prism.mechanism import geometry
 from prism.methods.base import PrivacySpec
 from prism.methods.factor import FactorDPMethod
+from prism.methods.hf_baseline import HFRecipe, HFTrainerBaseline, holdout_split, linear_warmup_factor
 from prism.methods.prism import PrismConfig
-from prism.metrics import extract_choice, score_outputs
 from prism.privacy import (
     PerExampleGradients,
     calibration_rate,
@@ -35,8 +35,8 @@ from prism.privacy import (
     per_example_loss,
 )
 from prism.privacy.per_example import released_weights
+from prism.privacy.protocol import ITEMS, NOT_DP_AS_STATED, protocol_record
 from prism.privacy.sampling import noise_denominator
-from prism.protocol import ITEMS, NOT_DP_AS_STATED, protocol_record
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -339,7 +339,7 @@ def test_aqua_choice_rules(text: str, lookaround: str | None, released: str | No
 
 
 def test_generation_options_reach_generate(monkeypatch: pytest.MonkeyPatch) -> None:
-    from prism.evaluate import generate_responses
+    from prism.evaluation.evaluate import generate_responses
     from prism.models import byte_tokenizer
 
     tok = byte_tokenizer()

@@ -10,7 +10,7 @@ import pytest
 from prism.data import DataUnavailableError, build_suite
 from prism.data.embedded import EMBEDDED_TASKS, train_size
 from prism.data.glue import GLUE_TASKS
-from prism.metrics import extract_choice, extract_number, gold_is_valid
+from prism.evaluation.metrics import extract_choice, extract_number, gold_is_valid
 
 SIZES = {"train_per_task": 24, "eval_per_task": 8}
 

@@ -1,4 +1,4 @@
-"""The last decoder layer at the read positions only (prism/top_layer.py) against the full layer
+"""The last decoder layer at the read positions only (prism/fastpath/top_layer.py) against the full layer
 (float64 tolerance 1e-7: HF computes RMSNorm in float32 even in a float64 model, see test_prefix.py).
 
 References: the full forward of the same tiny random Llama (per-example losses and Opacus
@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from prism import top_layer
-from prism.grouped_attention import grouped_eager
-from prism.hf_baseline import holdout_loss
-from prism.prefix import PrefixCache, _decoder, _top_layers_only
+from prism.fastpath import top_layer
+from prism.fastpath.grouped_attention import grouped_eager
+from prism.fastpath.prefix import PrefixCache, _decoder, _top_layers_only
+from prism.methods.hf_baseline import holdout_loss
 from prism.privacy.per_example import PerExampleGradients, summed_gradients
 from tests.test_prefix import features, tiny_model
 

@@ -35,7 +35,7 @@ from pipelines.aggregate.intervals import (
 from pipelines.aggregate.records import AggregateError, RunRecord
 from pipelines.aggregate.specs import SUITE_TASKS, TableSpec, as_float, norm_name
 from pipelines.tuned_rates import uses_tuned_rate
-from prism.protocol import NOT_DP_AS_STATED
+from prism.privacy.protocol import NOT_DP_AS_STATED
 
 PAPER_DIR = Path(__file__).resolve().parents[1] / "paper_tables"
 SCALES = ("embedded", "paper")

@@ -1,13 +1,13 @@
 """95 % intervals of table cells: a bootstrap over evaluation rows and seeds together.
 
 A cell's value is the mean over its seeds of a column score, and each seed's score is a statistic
-of the fixed evaluation rows (``final.json`` ``per_example``, written by :func:`prism.evaluate.evaluate_suite`).
+of the fixed evaluation rows (``final.json`` ``per_example``, written by :func:`prism.evaluation.evaluate.evaluate_suite`).
 Both are samples: the seeds of the runs that could have been trained, the rows of the task that
 could have been drawn. One bootstrap replicate resamples both at once: S seeds with replacement
 from the cell's S seeds, and n rows with replacement from each task's n rows; the replicate's value
 is the mean over the drawn seeds of the score recomputed on the drawn rows (accuracy: the mean of
-per-row correctness; CoLA/MRPC/QQP/STS-B: :func:`prism.metrics.glue_score` of the drawn rows; a user
-task's Macro-F1: :func:`prism.metrics.macro_f1` of the drawn rows' labels). The
+per-row correctness; CoLA/MRPC/QQP/STS-B: :func:`prism.evaluation.metrics.glue_score` of the drawn rows; a user
+task's Macro-F1: :func:`prism.evaluation.metrics.macro_f1` of the drawn rows' labels). The
 interval is the 2.5 % and 97.5 % percentiles of ``B`` replicates. For an accuracy cell the
 replicates' variance is, in closed form, ``mean(α²)/S + mean(β²)/n + mean(γ²)/(S·n)`` with α, β, γ
 the seed, row and interaction effects of the S×n correctness matrix (``tests/test_intervals.py``).
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prism.metrics import COLUMN_RULES, glue_score, macro_f1
+from prism.evaluation.metrics import COLUMN_RULES, glue_score, macro_f1
 
 B = 2000  # bootstrap replicates per cell
 CHUNK = 4_000_000  # row indices drawn at once

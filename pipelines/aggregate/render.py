@@ -17,7 +17,7 @@ import pandas as pd
 from pipelines.aggregate.build import DIFF_LABEL, FACTS, TableResult, average_label
 from pipelines.aggregate.intervals import METHOD_TEXT
 from pipelines.tuned_rates import TUNING_COST
-from prism.protocol import NOT_DP_AS_STATED
+from prism.privacy.protocol import NOT_DP_AS_STATED
 
 DASH = "—"
 LABELS = {"GLUE8_Avg": "GLUE8 Avg", "Math_Avg": "Math Avg", "Avg_12": "Avg (12 tasks)",

@@ -22,7 +22,7 @@ scored on them, and the evaluation rows are not scored.
 
 A row becomes an :class:`~prism.data.Example` whose instruction is the prompt and whose output is the
 target, so training and evaluation go through the paper suites' prompt template, tokenisation,
-masking, decoding and parsing code; scoring is :func:`prism.metrics.score_task`.
+masking, decoding and parsing code; scoring is :func:`prism.evaluation.metrics.score_task`.
 
 Every problem with a file is one line, ``<file> line <n>: <what is wrong>; <fix>`` (a
 :class:`TaskFileError`), raised by :func:`check_task` during config validation, before any model
@@ -44,8 +44,8 @@ from typing import Any
 
 from prism.data.prompts import train_prompt
 from prism.data.rows import DataUnavailableError, Example, sub_seed
+from prism.evaluation.metrics import MATH_TOLERANCE, TASK_KINDS, TaskRule, extract_number, normalize_exact
 from prism.fileio import sha256_file
-from prism.metrics import MATH_TOLERANCE, TASK_KINDS, TaskRule, extract_number, normalize_exact
 
 TASK = "custom"
 """The suite's one evaluation task (its table columns are the task's metrics)."""

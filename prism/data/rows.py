@@ -45,7 +45,7 @@ class Suite:
     cutoff_len: int
     task_columns: dict[str, str]
     skipped: dict[str, int] = field(default_factory=dict)  # source → malformed rows dropped
-    rules: dict[str, Any] = field(default_factory=dict)  # task → prism.metrics.TaskRule (suite=custom)
+    rules: dict[str, Any] = field(default_factory=dict)  # task → prism.evaluation.metrics.TaskRule (suite=custom)
     source: dict[str, Any] = field(default_factory=dict)  # suite=custom: files, digests, row counts
 
 

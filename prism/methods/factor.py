@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
-from prism.lora import lora_pairs, read_pair
+from prism.mechanism.lora import lora_pairs, read_pair
 from prism.methods.base import Method, PrivacySpec, Release
 from prism.methods.optimizers import build_optimizer
 from prism.privacy.noise import NoiseSource, as_noise_source

@@ -1,7 +1,7 @@
 """LoRA-RITE (Yen et al. 2025, "LoRA done RITE: robust invariant transformation equilibration for LoRA
 optimization"), written from the paper and its reference implementation's defaults (docs/DECISIONS.md D27).
 
-For each LoRA pair ``Z = A Bᵀ`` (paper notation, :mod:`prism.lora`) and each step:
+For each LoRA pair ``Z = A Bᵀ`` (paper notation, :mod:`prism.mechanism.lora`) and each step:
 
 1. thin QR ``A = Q_A R_A``, ``B = Q_B R_B``;
 2. *unmagnified* gradients ``u_A = g_A R_B⁻¹ = G Q_B`` and ``u_B = g_B R_A⁻¹ = Gᵀ Q_A`` — the gradient
@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from prism.lora import lora_pairs, paper_factors
+from prism.mechanism.lora import lora_pairs, paper_factors
 
 
 def bias_corrected_decay(beta: float, t: int) -> float:
@@ -50,7 +50,7 @@ def rms(x: Tensor) -> Tensor:
 
 
 class LoRARite(torch.optim.Optimizer):
-    """LoRA-RITE over peft LoRA factors, paired by module name (:func:`prism.lora.lora_pairs`).
+    """LoRA-RITE over peft LoRA factors, paired by module name (:func:`prism.mechanism.lora.lora_pairs`).
 
     Per-pair state (kept under the paper-A parameter, peft ``lora_B.weight``): ``t`` (steps taken),
     ``V_A``, ``V_B`` (r×r), ``m_A`` (m×r), ``m_B`` (n×r), ``Q_A``, ``Q_B`` (the bases of the last step).

@@ -3,23 +3,23 @@
 Per logical step (paper Alg. 1), as Opacus' three verbs (:mod:`prism.methods.base`):
 
 0. :meth:`PrismMethod.zero_accumulators` snapshots every module's ``(A, B)``, factors it once
-   (:func:`prism.geometry.frames`) and checks full rank (never damp), in one batched check and one host
+   (:func:`prism.mechanism.geometry.frames`) and checks full rank (never damp), in one batched check and one host
    read for all modules.
 1. :meth:`PrismMethod.accumulate` (clip and accumulate) takes each example's global intrinsic norm
    ``s_i``, the norm of the lift (eq. 14) of its factor gradients over all modules (eqs. 15–16,
-   :func:`prism.geometry.lifted_norm_terms`, an upper bound for every factor pair), clips with
+   :func:`prism.mechanism.geometry.lifted_norm_terms`, an upper bound for every factor pair), clips with
    ``α_i = min(1, C/s_i)`` and sums ``Σ α_i (g_A, g_B)_i`` (one product with ``α`` over the examples).
 2. :meth:`PrismMethod.add_noise` lifts that sum once (the lift is linear, so this is ``Σ α_i ΔA_i``,
    ``Σ α_i ΔB_i``), divides by the expected batch size ``B``, adds ``(σC/B)·(Ξ_A, Ξ_B)`` (eqs. 17, 19)
    and horizontalises (Prop. A.11). The result, a :class:`~prism.methods.base.Release`, is the one object
    that leaves the private side.
 3. :meth:`PrismMethod.update` reads the release and the public factors only: the rank-space adaptive
-   transform (eqs. 24–26, :mod:`prism.adaptive`) and the retraction (eq. 22).
+   transform (eqs. 24–26, :mod:`prism.mechanism.adaptive`) and the retraction (eq. 22).
 
 Modules of equal shape ``(m, n, r)`` form a :class:`ShapeGroup` (a transformer has a handful: q, k,
 v, up, down) whose factors, sums and adaptive moments are stacked ``[G, m, r]``, so every step above
 runs as one chain of batched kernels per group, and each ``eigh``/SVD of the step is one call for all
-groups (:func:`prism.geometry.fused`). Nothing synchronises with the host: statistics are 0-dim device
+groups (:func:`prism.mechanism.geometry.fused`). Nothing synchronises with the host: statistics are 0-dim device
 tensors, and a non-finite lift becomes NaN factors (the loop's finite check stops the run).
 
 Privacy of the factor components. The eq.-19 noise has ``AᵀΞ_A = 0`` while the clipped sum's lift
@@ -28,7 +28,7 @@ noise-free function of the clipped sum (paper Alg. 1 as printed feeds it to the 
 the privatised lift is therefore always horizontalised before it is released: the horizontal
 representative depends only on the noised tangent vector ``ΔA Bᵀ + A ΔBᵀ`` and the public ``(A, B)``.
 The geometry floor and the debias (eq. 50) use the exact moments of the horizontalised noise
-(:func:`prism.adaptive.horizontal_noise_second_moments`).
+(:func:`prism.mechanism.adaptive.horizontal_noise_second_moments`).
 
 ``horizontalize``: ``both`` (released code: the lift before the moments and the direction before the
 retraction), ``pre_retract`` (the direction only) or ``none`` (paper Alg. 1). Under DP the lift is
@@ -52,8 +52,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from prism import geometry
-from prism.adaptive import (
+from prism.mechanism import geometry
+from prism.mechanism.adaptive import (
     AdaptiveConfig,
     RankSpaceAdaptive,
     horizontal_noise_second_moments,
@@ -61,7 +61,7 @@ from prism.adaptive import (
     spectral_preconditioner,
     symmetric_part,
 )
-from prism.lora import LoraPair, lora_pairs, read_pair, write_pair
+from prism.mechanism.lora import LoraPair, lora_pairs, read_pair, write_pair
 from prism.methods.base import Method, PrivacySpec, Release
 from prism.privacy.noise import NoiseSource
 

@@ -12,7 +12,7 @@ Modules, one job each:
 * :mod:`~prism.models.export` – an adapter that loads on the original backbone.
 
 Notation: paper ``A`` (m×r) is peft ``lora_B.weight``, paper ``Bᵀ`` (r×n) is peft
-``lora_A.weight``; the conversion goes through :mod:`prism.lora` only.
+``lora_A.weight``; the conversion goes through :mod:`prism.mechanism.lora` only.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ def is_lora_parameter(name: str) -> bool:
 
 
 def lora_modules(peft_model: nn.Module) -> dict[str, LoraLayer]:
-    """LoRA-wrapped layers by module name (the names :func:`prism.lora.lora_pairs` reports)."""
+    """LoRA-wrapped layers by module name (the names :func:`prism.mechanism.lora.lora_pairs` reports)."""
     return {name: module for name, module in peft_model.named_modules()
             if isinstance(module, LoraLayer) and ADAPTER in module.lora_A}
 

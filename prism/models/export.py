@@ -11,7 +11,7 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import save_file
 from torch import Tensor
 
-from prism.lora import lora_pairs, peft_factors, read_pair
+from prism.mechanism.lora import lora_pairs, peft_factors, read_pair
 from prism.models.adapter import ADAPTER, is_lora_parameter
 
 

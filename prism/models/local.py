@@ -9,9 +9,9 @@ the scale exactly as for the registry backbones (the checkpoint's own ``torch_dt
 The three speed paths are exact where they run and switch themselves off elsewhere
 (:func:`speed_paths` says which, for the run log): the frozen-prefix cache and the frozen prompt
 cache need a decoder class verified to replay from stored hidden states
-(:data:`prism.prefix.SUPPORTED`), the top-layer path a Llama decoder layer
-(:func:`prism.top_layer.supported`), grouped attention a Llama-type attention
-(:data:`prism.grouped_attention.MODEL_TYPES`).
+(:data:`prism.fastpath.prefix.SUPPORTED`), the top-layer path a Llama decoder layer
+(:func:`prism.fastpath.top_layer.supported`), grouped attention a Llama-type attention
+(:data:`prism.fastpath.grouped_attention.MODEL_TYPES`).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
-from prism import grouped_attention, top_layer
+from prism.fastpath import grouped_attention, top_layer
 
 
 def load_local(path: str | Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
@@ -45,7 +45,7 @@ def load_local(path: str | Path, dtype: torch.dtype) -> tuple[PreTrainedModel, P
 def speed_paths(model: nn.Module, prefix_mode: str) -> str:
     """One line for the run log: whether the frozen-prefix cache (training) and frozen prompt cache
     (evaluation), the top-layer path and grouped attention run for ``model`` (LoRA attached), and why not."""
-    from prism.prefix import _decoder, _unwrap, prefix_depth
+    from prism.fastpath.prefix import _decoder, _unwrap, prefix_depth
 
     base = _unwrap(model)
     depth = prefix_depth(model)
@@ -67,7 +67,7 @@ def speed_paths(model: nn.Module, prefix_mode: str) -> str:
 
 def describe(model: Any) -> str:
     """Architecture, decoder depth and parameter count of a loaded model (run log)."""
-    from prism.prefix import _unwrap
+    from prism.fastpath.prefix import _unwrap
 
     base = _unwrap(model)
     n = sum(p.numel() for p in base.parameters())

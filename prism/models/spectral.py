@@ -6,7 +6,7 @@ import torch
 from peft import PeftModel
 from torch import Tensor
 
-from prism.lora import peft_factors
+from prism.mechanism.lora import peft_factors
 from prism.models.adapter import ADAPTER, lora_modules
 
 EXACT_SVD_MAX_DIM = 1024

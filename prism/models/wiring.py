@@ -2,7 +2,7 @@
 
 LoRA never touches a multimodal checkpoint's vision tower or projector (peft ``exclude_modules``).
 Notation: paper ``A`` (m×r) is peft ``lora_B.weight``, paper ``Bᵀ`` (r×n) is peft ``lora_A.weight``;
-the conversion goes through :mod:`prism.lora` only.
+the conversion goes through :mod:`prism.mechanism.lora` only.
 """
 from __future__ import annotations
 

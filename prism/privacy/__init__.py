@@ -1,24 +1,25 @@
-"""DP plumbing (docs/DECISIONS.md D1–D3, D21, D22): PRV accounting, Poisson sampling, per-example losses and gradients."""
-from prism.privacy.accounting import (
-    Accountant,
-    calibrate_for_run,
-    calibrate_sigma,
-    calibration_rate,
-    calibration_steps,
-    epsilon_spent,
-)
-from prism.privacy.per_example import PerExampleGradients, per_example_loss, summed_gradients
-from prism.privacy.sampling import PoissonSampler
+"""DP plumbing (docs/DECISIONS.md D1–D3, D21, D22): PRV accounting, Poisson sampling, noise, per-example
+losses and gradients, the torch-free accountant limits and step rule the validator reads
+(:mod:`prism.privacy.limits`, :mod:`prism.privacy.budget`) and the protocol record.
 
-__all__ = [
-    "Accountant",
-    "PerExampleGradients",
-    "PoissonSampler",
-    "calibrate_for_run",
-    "calibrate_sigma",
-    "calibration_rate",
-    "calibration_steps",
-    "epsilon_spent",
-    "per_example_loss",
-    "summed_gradients",
-]
+The names below load their submodule on first use, so ``prism.privacy.budget`` and
+``prism.privacy.limits`` stay importable without torch (the validator imports them before any model).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_SOURCES = {
+    "Accountant": "accounting", "calibrate_for_run": "accounting", "calibrate_sigma": "accounting",
+    "calibration_rate": "accounting", "calibration_steps": "accounting", "epsilon_spent": "accounting",
+    "PerExampleGradients": "per_example", "per_example_loss": "per_example", "summed_gradients": "per_example",
+    "PoissonSampler": "sampling",
+}
+__all__ = sorted(_SOURCES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _SOURCES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_SOURCES[name]}"), name)

@@ -34,8 +34,8 @@ from opacus.accountants.analysis import rdp as rdp_analysis
 from opacus.accountants.analysis.prv import Domain
 from opacus.accountants.utils import get_noise_multiplier
 
-from prism.dp_limits import SIGMA_FLOOR, calibration_problem
 from prism.fileio import write_text_atomic
+from prism.privacy.limits import SIGMA_FLOOR, calibration_problem
 
 ACCOUNTANTS = ("prv", "rdp", "gdp")
 CALIBRATION_MODES = ("exact", "epochs")
@@ -99,7 +99,7 @@ def calibrate_sigma(
     _check_accountant(accountant)
     if math.isinf(epsilon):
         return 0.0
-    # Bounded search (prism/dp_limits.py): refuse what Opacus' search cannot finish, i.e. a target
+    # Bounded search (prism/privacy/limits.py): refuse what Opacus' search cannot finish, i.e. a target
     # reached only below SIGMA_FLOOR (its bisection then stays above SIGMA_FLOOR / 2) or a grid too big.
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     problem = calibration_problem(epsilon, delta, sample_rate, steps, memory) if accountant == "prv" else None

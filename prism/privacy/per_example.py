@@ -13,7 +13,7 @@ touched. Hooks are enabled only inside :meth:`PerExampleGradients.compute`. Non-
 The training forward applies the LM head only where a label is read (:func:`supervised_positions`,
 HF's ``logits_to_keep``): ``ℓ_i`` is unchanged and most of the vocabulary projection is skipped when
 ``train_on_inputs`` is false. Both entry points take either a token micro-batch or a ``loss_fn``
-(:data:`LossFn`), e.g. a forward from cached frozen-prefix states (:mod:`prism.prefix`).
+(:data:`LossFn`), e.g. a forward from cached frozen-prefix states (:mod:`prism.fastpath.prefix`).
 
 ``PerExampleGradients(scale="released")`` reproduces the released trainer's per-sample gradient
 instead (docs/DECISIONS.md D3): it backpropagated the micro-batch token mean ``Σ_i (T_i/T_micro) ℓ_i``
@@ -200,7 +200,7 @@ def released_weights(counts: Tensor, power: int) -> Tensor:
 def _counts(input_ids: Tensor | None, attention_mask: Tensor | None, labels: Tensor | None,
             loss_fn: LossFn | None) -> Tensor:
     """``T_i`` of a token micro-batch, or of a ``loss_fn`` that carries ``labels``/``attention_mask``
-    (:class:`TokenBatch`, :class:`prism.prefix.PrefixBatch`)."""
+    (:class:`TokenBatch`, :class:`prism.fastpath.prefix.PrefixBatch`)."""
     if loss_fn is not None:
         labels, attention_mask = getattr(loss_fn, "labels", None), getattr(loss_fn, "attention_mask", None)
         if labels is None:
@@ -236,7 +236,7 @@ class PerExampleGradients:
         loss_fn: LossFn | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Losses ``[k]`` and per-example gradients ``{name: [k, *shape]}`` of one micro-batch, given
-        as tokens or as a ``loss_fn`` (e.g. :meth:`prism.prefix.PrefixCache.batch`)."""
+        as tokens or as a ``loss_fn`` (e.g. :meth:`prism.fastpath.prefix.PrefixCache.batch`)."""
         forward = _loss_fn(input_ids, attention_mask, labels, loss_fn)
         params = _trainable(self.model)
         if list(params) != list(self.params):

@@ -10,7 +10,7 @@ padded, positions ``0..len−1`` as in training), persists them under
 lower layers are swapped for pass-throughs while the forward runs, so the model's own code computes
 masks, rotary embeddings and per-layer attention types at their true layer indices. In the last
 layer (Llama), only the keys and values run over every token; the rest of the layer and the LM head
-run at the supervised positions alone (:mod:`prism.top_layer`; ``PrefixBatch.read_only_supervised``).
+run at the supervised positions alone (:mod:`prism.fastpath.top_layer`; ``PrefixBatch.read_only_supervised``).
 
 Exactness (checked by ``tests/test_prefix.py``): logits, per-example losses and per-example LoRA
 gradients equal those of the full forward up to float rounding. :func:`prefix_depth` returns
@@ -36,8 +36,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from prism import top_layer
 from prism.backbones import cache_root
+from prism.fastpath import top_layer
+from prism.fastpath.transfer import batch_to_device
 from prism.fileio import atomic_write, sha256_file, write_text_atomic
 from prism.privacy.per_example import (
     IGNORE_INDEX,
@@ -47,7 +48,6 @@ from prism.privacy.per_example import (
     mean_token_loss,
     supervised_positions,
 )
-from prism.transfer import batch_to_device
 
 FORMAT = 1
 """Bump when the stored layout or the key changes."""
@@ -312,7 +312,7 @@ class PrefixBatch:
     attention_mask: Tensor
     labels: Tensor
     positions: Positions | None = None
-    read_only_supervised: bool = True  # last layer at the supervised positions only (prism/top_layer.py)
+    read_only_supervised: bool = True  # last layer at the supervised positions only (prism/fastpath/top_layer.py)
 
     def __call__(self, model: nn.Module) -> Tensor:
         return self.losses(model, training=True)

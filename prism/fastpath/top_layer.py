@@ -5,12 +5,12 @@ position, so a forward that reads the logits of a few positions needs, in that l
 values of every position (each read position attends to them) but the query, attention, output
 projection and MLP only at the read positions. Two such uses:
 
-* training from cached frozen-prefix states (:mod:`prism.prefix`): the loss reads the logits at the
+* training from cached frozen-prefix states (:mod:`prism.fastpath.prefix`): the loss reads the logits at the
   supervised positions only (``prism.privacy.per_example.supervised_positions``: ~2–5 of ~100 tokens
   of an embedded-scale row), so :func:`read_positions` makes the last layer return the hidden states
   at those positions (and the LM head then runs on the supervised ones alone, not on the padding of
   rows with fewer of them);
-* the prompt prefill of :class:`prism.prompt_cache.FrozenPrompts`, which only fills the KV cache of
+* the prompt prefill of :class:`prism.fastpath.prompt_cache.FrozenPrompts`, which only fills the KV cache of
   the first ``T − 1`` prompt tokens: :func:`keys_values_only` makes the last layer write its keys and
   values and compute nothing else.
 

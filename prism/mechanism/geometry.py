@@ -126,7 +126,7 @@ def _check_pair(A: Tensor, B: Tensor) -> None:
         raise ValueError(
             f"expected factors A [..., m, r] and B [..., n, r] with the same r and module dims, got "
             f"{tuple(A.shape)} and {tuple(B.shape)}; pass the paper's A = lora_B.weight and "
-            "B = lora_A.weightᵀ (prism.lora)"
+            "B = lora_A.weightᵀ (prism.mechanism.lora)"
         )
     (m, r), n = A.shape[-2:], B.shape[-2]
     if r > min(m, n):

@@ -3,16 +3,16 @@
 Batched ``model.generate`` with left padding and the KV cache, greedy (``num_beams=1``) or beam
 search, the text after the first ``### Response:`` parsed per task rule; scores per task, per Table 2
 column (MNLI = mean of matched and mismatched) and the suite average (mean over its columns). Parsing
-and metrics are the pure functions of :mod:`prism.metrics`, re-exported here.
+and metrics are the pure functions of :mod:`prism.evaluation.metrics`, re-exported here.
 
 Greedy batches share their prompts' common token prefix (the template and the task instruction, two
 thirds of a GLUE prompt): its KV cache is computed once and repeated over the batch, and each row's
 remainder follows it left-padded, so a row sees exactly its own tokens at its own positions
 (``[prefix | padding | rest]``, padding masked) — the same greedy tokens as generating it alone
 (``tests/test_evaluate.py``). When LoRA sits on the top layers only, the frozen layers' KV cache of
-the prompts comes from :class:`prism.prompt_cache.FrozenPrompts` instead (computed once per grid),
+the prompts comes from :class:`prism.fastpath.prompt_cache.FrozenPrompts` instead (computed once per grid),
 so a run's prefill costs only its LoRA layers. Generation runs HF's eager attention without its
-per-head copy of the KV cache (:mod:`prism.grouped_attention`). ``decoding.shared_prefix`` / ``decoding.frozen_prefix``
+per-head copy of the KV cache (:mod:`prism.fastpath.grouped_attention`). ``decoding.shared_prefix`` / ``decoding.frozen_prefix``
 (default true) switch either off.
 """
 from __future__ import annotations
@@ -27,8 +27,7 @@ import torch
 
 from prism.data import Suite
 from prism.data.prompts import collate, encode_prompt_as_trained, eval_prompt, response_text
-from prism.grouped_attention import grouped_eager
-from prism.metrics import (
+from prism.evaluation.metrics import (
     extract_choice,
     extract_number,
     gold_is_valid,
@@ -39,7 +38,8 @@ from prism.metrics import (
     score_task,
     task_predictions,
 )
-from prism.prompt_cache import FrozenPrompts
+from prism.fastpath.grouped_attention import grouped_eager
+from prism.fastpath.prompt_cache import FrozenPrompts
 
 __all__ = [
     "evaluate_suite", "generate_responses", "parse_glue_label", "extract_number", "math_correct",
@@ -163,11 +163,11 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
     Returns ``scores`` (task → score), ``columns`` (Table 2 column → mean of its tasks' scores),
     ``average`` (mean over the suite's columns; a user task's score), ``parse_failure`` (task → fraction of
     responses the rules could not parse; they are still scored), ``unparseable`` (task → their count),
-    ``metrics`` (user tasks: task → every metric of :func:`prism.metrics.score_task`, the later ones also
+    ``metrics`` (user tasks: task → every metric of :func:`prism.evaluation.metrics.score_task`, the later ones also
     columns), ``data`` (user tasks: the files and their sha256), ``n`` (task → examples scored), ``skipped`` (task →
     rows with an invalid gold answer), ``samples`` (task → first responses), ``seconds`` (task → time),
     ``eval_rows`` (task → evaluation rows of the suite, scored or skipped: what a table header reports),
-    ``per_example`` (task → its ``column``, :func:`prism.metrics.row_outcomes` of the scored rows in order, and ``rows``:
+    ``per_example`` (task → its ``column``, :func:`prism.evaluation.metrics.row_outcomes` of the scored rows in order, and ``rows``:
     the sha256 of their prompts, so the aggregator's bootstrap can resample rows and pair runs on them; a user
     classification task also has ``<task>/Macro-F1``: each row's parsed and gold label and the number of labels).
     """

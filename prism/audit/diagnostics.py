@@ -4,9 +4,9 @@ Monte-Carlo noise energies of factor-space DP (eqs. 7–9, 32–33) and of PRISM
 rescaling ``(cA, c⁻¹B)`` (eq. 4, Thm. 3.3), per-example clip statistics under both norms (eq. 3 vs
 eq. 16), the factor-norm sum ``S_t`` of Fig. 3, ``‖ΔZ_t‖_F`` of Fig. 2 and the noise amplification
 ``‖P^{-1/2}ξ‖/‖ξ‖`` of the adaptive step (Figs. 4, 14–15). The closed forms they are checked against
-live in :mod:`prism.geometry`; the experiment that runs them is ``pipelines/diagnostics.py``.
+live in :mod:`prism.mechanism.geometry`; the experiment that runs them is ``pipelines/diagnostics.py``.
 
-Notation as in :mod:`prism.geometry`: ``A`` [m, r], ``B`` [n, r], ``τ`` the per-coordinate noise
+Notation as in :mod:`prism.mechanism.geometry`: ``A`` [m, r], ``B`` [n, r], ``τ`` the per-coordinate noise
 standard deviation (``σC/b``). Nothing forms an ``m×n`` matrix.
 """
 from __future__ import annotations
@@ -18,15 +18,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from prism import geometry
-from prism.adaptive import (
+from prism.mechanism import geometry
+from prism.mechanism.adaptive import (
     RankSpaceAdaptive,
     moment_estimates,
     noise_floor,
     noise_second_moments,
     preconditioner,
 )
-from prism.lora import LoraPair, read_pair, write_pair
+from prism.mechanism.lora import LoraPair, read_pair, write_pair
 
 
 class FactorNoise(NamedTuple):

@@ -1,16 +1,16 @@
 """The frozen lower layers' KV cache of evaluation prompts, computed once and shared by every run.
 
 Evaluation prompts are fixed per suite, and with LoRA on the last ``K`` decoder layers the layers
-below ``d = L − K`` are frozen (:func:`prism.prefix.prefix_depth`), so their keys and values for a
+below ``d = L − K`` are frozen (:func:`prism.fastpath.prefix.prefix_depth`), so their keys and values for a
 prompt, and the hidden state entering layer ``d``, are the same in every run that shares the
 backbone. :class:`FrozenPrompts` stores them under ``$PRISM_CACHE/prompts/<key>/`` (the key of
-:func:`prism.prefix.prefix_key` over the prompts' token ids). For a left-padded generation batch it
+:func:`prism.fastpath.prefix.prefix_key` over the prompts' token ids). For a left-padded generation batch it
 assembles the KV cache of all but each prompt's last token: layers ``< d`` from the store, layers
 ``≥ d`` by running only the trained top layers on the stored states; ``generate`` then feeds the
 last prompt token through the whole model and decodes as usual. Greedy tokens equal those of the
 plain batched ``generate`` up to float rounding (``tests/test_evaluate.py``). A prompt's prefill
 then costs ``K`` layers instead of ``L`` (the last of them only its keys and values,
-:func:`prism.top_layer.keys_values_only`: nothing reads its output there); decoding is unchanged.
+:func:`prism.fastpath.top_layer.keys_values_only`: nothing reads its output there); decoding is unchanged.
 ``meta.json`` records the sha256 of the stored tensors; a store whose content no longer matches it
 (bytes changed on disk, even at the same size) is rebuilt, and the log says so.
 """
@@ -32,10 +32,8 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from prism import top_layer
-from prism.fileio import atomic_write, sha256_file, write_text_atomic
-from prism.models import cache_root
-from prism.prefix import (
+from prism.fastpath import top_layer
+from prism.fastpath.prefix import (
     _common_length,
     _decoder,
     _pad,
@@ -45,6 +43,8 @@ from prism.prefix import (
     prefix_key,
     shared_prefix_groups,
 )
+from prism.fileio import atomic_write, sha256_file, write_text_atomic
+from prism.models import cache_root
 
 FORMAT = 2  # 2: meta.json records the tensors' sha256 (1 recorded only their byte count)
 _TENSORS, _META = "prompts.safetensors", "meta.json"
@@ -57,7 +57,7 @@ def compute_frozen_prompts(decoder: nn.Module, depth: int, rows: Sequence[Sequen
     """Per row (prompt minus its last token, ``n = len − 1 ≥ 1``): keys and values of layers ``< depth``
     ``[depth, 2, kv_heads, n, head_dim]`` and the hidden states entering layer ``depth`` ``[n, hidden]``.
     Rows sharing leading tokens run them once through the cache (as in
-    :func:`prism.prefix.compute_prefix_states`); the model's own forward, stopped at ``depth``."""
+    :func:`prism.fastpath.prefix.compute_prefix_states`); the model's own forward, stopped at ``depth``."""
     device = decoder.embed_tokens.weight.device
     heads = [list(row[:-1]) for row in rows]
     kv: list[Tensor | None] = [None] * len(rows)

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prism.geometry import Frame
+from prism.mechanism.geometry import Frame
 
 PRECONDITIONERS = ("floor", "ridge", "none")
 FLOOR_MODES = ("scalar", "geometry")
@@ -98,7 +98,7 @@ def noise_second_moments(fr: Frame) -> tuple[Tensor, Tensor]:
 def horizontal_noise_second_moments(fr: Frame) -> tuple[Tensor, Tensor]:
     """Eq. 50 for the horizontalised unit noise ``H(Ξ_A, Ξ_B)`` (what DP feeds the moments).
 
-    ``H`` (:func:`prism.geometry.horizontalize`) adds ``(AΩ, −BΩᵀ)`` with ``MΩ + ΩN = Ξ_BᵀB``. In the
+    ``H`` (:func:`prism.mechanism.geometry.horizontalize`) adds ``(AΩ, −BΩᵀ)`` with ``MΩ + ΩN = Ξ_BᵀB``. In the
     eigenbases ``M = U diag(μ) Uᵀ``, ``N = V diag(ν) Vᵀ`` the entries of ``UᵀΩV`` are independent,
     ``N(0, ν_j/μ_i)/(μ_i + ν_j)``, which gives the closed forms
     ``Σ_A = V diag((m−r)/ν_j + ν_j Σ_i (μ_i+ν_j)⁻²) Vᵀ / m`` and

@@ -26,7 +26,7 @@ tests a whole trade-off curve instead of one (ε, δ) pair: :func:`fdp_lower_bou
 :func:`gaussian_curve` rejects "the run is μ-GDP" (Dong, Roth & Su 2022: trade-off
 ``f_μ(α) = Φ(Φ⁻¹(1 − α) − μ)``, the curve of one Gaussian mechanism with sensitivity/σ = μ) from ``k`` "in"
 guesses (``k⁻ = 0``) of which ``v`` are right, and returns the largest μ rejected at level β;
-:func:`prism.privacy.audit.gdp_epsilon` turns it into the ε of that Gaussian curve at δ. It bounds the run's GDP parameter, not its (ε, δ): a run that is (ε, δ)-DP need not be μ-GDP at the μ
+:func:`prism.audit.step.gdp_epsilon` turns it into the ε of that Gaussian curve at δ. It bounds the run's GDP parameter, not its (ε, δ): a run that is (ε, δ)-DP need not be μ-GDP at the μ
 whose curve passes through (ε, δ), so this column speaks about the Gaussian-shaped hypothesis only.
 
 Guesses must not be chosen by looking at the coins: :func:`top_bottom_guesses` takes ``k⁺``, ``k⁻`` fixed

@@ -26,9 +26,9 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from prism.data.prompts import collate
+from prism.fastpath.prefix import PrefixCache
 from prism.methods.base import Method, Release
 from prism.methods.factor import FactorDPMethod
-from prism.prefix import PrefixCache
 from prism.privacy.accounting import is_private
 from prism.privacy.noise import NoiseSource
 from prism.privacy.per_example import IGNORE_INDEX, per_example_loss
@@ -88,9 +88,9 @@ def holdout_loss(model: nn.Module, features: Sequence[dict], pad_id: int, batch_
                  device: torch.device, prefix: PrefixCache | None = None) -> float:
     """Mean next-token loss over every supervised token of ``features`` (eval mode, no dropout).
 
-    ``prefix``: the frozen-prefix states of ``features`` (:class:`prism.prefix.PrefixCache`, same
+    ``prefix``: the frozen-prefix states of ``features`` (:class:`prism.fastpath.prefix.PrefixCache`, same
     order): each batch then replays from them through the trained top layers only, the last one at
-    the supervised positions (:mod:`prism.top_layer`) — the same loss as the full forward up to float
+    the supervised positions (:mod:`prism.fastpath.top_layer`) — the same loss as the full forward up to float
     rounding, without the frozen layers and the full-vocabulary head over every token."""
     was_training = model.training
     total, tokens = 0.0, 0

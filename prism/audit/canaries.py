@@ -1,4 +1,4 @@
-"""White-box gradient canaries for a one-run audit of a whole training run (:mod:`prism.privacy.one_run`).
+"""White-box gradient canaries for a one-run audit of a whole training run (:mod:`prism.audit.one_run`).
 
 Each of ``m`` canaries is a fixed random direction ``d_c`` in the space where the method clips, scaled so its
 norm there is ``2C`` (≥ C, so its clipped contribution is exactly the clip norm):
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from prism.lora import lora_pairs, read_pair
+from prism.mechanism.lora import lora_pairs, read_pair
 from prism.methods.base import Method, Release
 from prism.privacy.noise import NoiseSource
 
