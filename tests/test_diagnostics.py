@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from pipelines import diagnostics as D
 from pipelines import store
 from pipelines.compose import compose_config, resolve
-from prism import diagnostics as dg
+from prism.audit import diagnostics as dg
 from prism.mechanism import geometry
 from prism.mechanism.adaptive import AdaptiveConfig, RankSpaceAdaptive, noise_second_moments
 from tests.oracles import min_gauge_noise_energy, read_metrics

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from prism import geometry as geo
+from prism.mechanism import geometry as geo
 from prism.audit.diagnostics import sample_tangent_noise
 from tests.oracles import prism_noise_energy, retract
 

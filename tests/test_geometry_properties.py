@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prism import geometry as geo
+from prism.mechanism import geometry as geo
 from prism.audit.diagnostics import sample_tangent_noise
 from tests.oracles import retract
 
