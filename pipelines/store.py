@@ -317,8 +317,9 @@ class RecordError(ValueError):
     """A run record that cannot be trusted: the aggregator refuses it in one line naming the run."""
 
 
-SCORED_FIELDS = ("columns", "epsilon_spent")
-"""``final.json`` fields every scored (non-benchmark) run writes: its columns and its realised ε."""
+SCORED_FIELDS = ("columns", "epsilon_spent", "per_example")
+"""``final.json`` fields every scored (non-benchmark) run writes: its columns, its realised ε and the
+per-row outcomes of its evaluation rows (the tables' intervals are bootstraps over them)."""
 
 
 def final_problem(final: Mapping[str, Any]) -> str:
@@ -328,10 +329,21 @@ def final_problem(final: Mapping[str, Any]) -> str:
         RunBlock.from_final(final)
     except RecordError as err:
         return str(err)
+    return scores_problem(final)
+
+
+def scores_problem(final: Mapping[str, Any]) -> str:
+    """Why the scores of a ``final.json`` (or of a W&B summary, which carries no run block) cannot be
+    averaged ('' when they can): a missing field of :data:`SCORED_FIELDS`, or a column without rows."""
     if final.get("columns"):
         missing = [f for f in SCORED_FIELDS if f not in final]
         if missing:
             return f"final.json lacks `{missing[0]}`"
+        outcomes = final["per_example"] if isinstance(final["per_example"], Mapping) else {}
+        scored = {o.get("column") for o in outcomes.values() if isinstance(o, Mapping)}
+        unscored = [c for c in final["columns"] if c not in scored]
+        if unscored:
+            return f"final.json's `per_example` has no rows of column {unscored[0]}"
     return ""
 
 

@@ -15,7 +15,6 @@ import pandas as pd
 import pytest
 import yaml
 from filelock import FileLock
-from scipy import stats
 
 from pipelines import aggregate as agg
 from pipelines import store
@@ -50,9 +49,15 @@ def make_run(root: Path, run_hash: str, *, method: str, privacy: str, suite: str
                              git_commit=final_extra.pop("git_commit", None),
                              git_dirty=final_extra.pop("git_dirty", None), hostname="test").to_json()
         final = {"scores": {}, "columns": columns or {}, "epsilon_spent": None if eps == math.inf else eps - 0.01,
-                 "run": run, **final_extra}
+                 "per_example": {c: _rows(c, v) for c, v in (columns or {}).items()}, "run": run, **final_extra}
         (folder / "final.json").write_text(final_text if final_text is not None else json.dumps(final))
     return folder
+
+
+def _rows(column: str, score: float, n: int = 200) -> dict:
+    """Per-row outcomes of ``n`` evaluation rows whose mean is ``score`` (to 1/n)."""
+    right = round(score * n)
+    return {"column": column, "correct": [1] * right + [0] * (n - right), "rows": f"rows-{column}"}
 
 
 @pytest.fixture
@@ -93,27 +98,15 @@ def test_table2_values_means_and_deltas(table2_runs: Path) -> None:
     assert prism6["Avg"] == pytest.approx((0.8 + 0.3 + 0.3) / 3)  # every available task of both suites
     assert math.isnan(prism6["MRPC"])  # no stand-in at embedded scale
     assert prism6["SST-2_paper"] == 0.919 and prism6["Avg_paper"] == 0.690
-    # runs without per-row outcomes: Student's t over the two GSM8K seeds (scipy), none for one seed
-    half = stats.t.ppf(0.975, 1) * np.std([0.2, 0.4], ddof=1) / math.sqrt(2)
-    assert (prism6["GSM8K_lo"], prism6["GSM8K_hi"]) == (pytest.approx(0.3 - half), pytest.approx(0.3 + half))
-    assert prism6["GSM8K_ci"] == "t over seeds" and prism6["GSM8K_n"] == 2
-    assert math.isnan(prism6["SST-2_lo"]) and prism6["SST-2_ci"] == "none" and prism6["SST-2_n"] == 1
+    # the interval is the bootstrap over the runs' rows (and, for GSM8K, its two seeds), around the value
+    assert prism6["GSM8K_lo"] < 0.3 < prism6["GSM8K_hi"] and prism6["GSM8K_n"] == 2
+    assert prism6["SST-2_lo"] < 0.8 < prism6["SST-2_hi"] and prism6["SST-2_n"] == 1
+    assert prism6["GSM8K_ci"] == prism6["SST-2_ci"] != "t over seeds"
     assert prism6["eps_spent_glue8"] == pytest.approx(5.99) and prism6["n_runs"] == 3
     adamw6 = _row(f, "ε=6", "AdamW")
     assert adamw6["Avg"] == pytest.approx(0.5)
     assert math.isnan(_row(f, "ε=6", "LoRA+")["Avg"])  # its math10k run failed: no 12-task average
     assert math.isnan(_row(f, "Non-DP", "PRISM")["SST-2"]) and _row(f, "Non-DP", "PRISM")["GSM8K"] == 0.6
-
-
-def test_table2_best_without_intervals_is_a_tie_within_its_block(table2_runs: Path) -> None:
-    f = agg.build_table(agg.SPECS["table2"], agg.read_run_folders(table2_runs, "table2"), "embedded").frame
-    marks = {(s, m): row for (s, m), row in zip(f[["Setting", "Method"]].itertuples(index=False, name=None),
-                                                 f.to_dict("records"))}
-    # one seed and no per-row outcomes: no interval, so the best value is never "best beyond noise"
-    assert [(k, r["SST-2_mark"]) for k, r in marks.items() if r["SST-2_mark"]] == [(("ε=6", "AdamW"), "tie")]
-    assert [(k, r["CoLA_mark"]) for k, r in marks.items() if r["CoLA_mark"]] == [(("ε=6", "PRISM"), "tie")]
-    # GSM8K: the Non-DP block has one value (nothing to beat); ε=6's best is AdamW's 0.5
-    assert [k for k, r in marks.items() if r["GSM8K_mark"]] == [("ε=6", "AdamW")]
 
 
 def _correct(p: float, n: int, rng: np.random.Generator) -> list[int]:
@@ -167,24 +160,25 @@ def test_outputs_written_with_marks_paper_and_scale(table2_runs: Path, tmp_path:
     assert agg.main(["experiment=table2", f"runs_dir={table2_runs}", f"out_dir={out}", "scale=embedded"]) == 0
     md = (out / "table2.embedded.md").read_text()
     assert "NOT comparable" in md and "Scale: embedded" in md
-    assert "| ε=6 | AdamW | 1 | 0.100 | 0.900 (tie) | 0.500 (tie) | 0.500 (tie) |" in md  # one number per cell; no paper number inside
+    # one number and its interval per cell (a binomial ±0.042 on 200 rows at 0.9), no paper number inside
+    assert "| ε=6 | AdamW | 1 | 0.100 [0.060, 0.145] | **0.900** [0.855, 0.940] | **0.500** [0.435, 0.570] | 0.500 [0.470, 0.530] (tie) |" in md
     assert "(paper" not in md
     assert ("Columns without an embedded stand-in: MRPC, STS-B, QQP, MNLI, QNLI. "
             "Columns without a finished run: RTE, AQuA, MAWPS, SVAMP.") in md
-    assert "| ε=6 | PRISM | 1/2 | 0.300 (tie) | 0.800 | 0.300 [" in md  # GSM8K: two seeds, t interval
+    assert "| ε=6 | PRISM | 1/2 | **0.300** [0.240, 0.365] | 0.800 [0.745, 0.850] | 0.300 [0.160, 0.445] |" in md  # GSM8K: two seeds
     assert md.index("## The paper's numbers") > md.index("| ε=3 | PRISM |")
     assert "| ε=6 | PRISM | 0.444 | 0.919 | 0.469 | 0.690 |" in md  # the paper's own table, the shown columns
-    assert "| ε=6 | PRISM − best baseline | 1 | +0.100 | -0.100 | -0.200 | -0.033 |" in md  # CoLA vs LoRA+, …
+    assert "| ε=6 | PRISM − best baseline | 1 | +0.100 [+0.060, +0.140] | -0.100 [-0.145, -0.060] | -0.200 [" in md  # CoLA vs LoRA+, …
     assert "| ε=6 | (best baseline) |  | LoRA+ | AdamW | AdamW | AdamW |" in md
     assert md.index("## Missing") > md.index("## The paper's numbers")
     csv = pd.read_csv(out / "table2.embedded.csv")
     assert {"scale", "row", "SST-2", "SST-2_lo", "SST-2_hi", "SST-2_n", "SST-2_ci", "SST-2_mark", "SST-2_vs"} <= set(
         csv.columns) and "MRPC" not in csv.columns
     assert set(csv["row"]) == {"cell", "paper", "PRISM − best baseline"}
-    assert (csv["SST-2_mark"] == "tie").sum() == 1
+    assert (csv["SST-2_mark"] == "best").sum() == 1
     assert csv[csv["row"] == "paper"].set_index("Method").loc["PRISM", "SST-2"].tolist() == [0.921, 0.919, 0.884]
     tex = (out / "table2.embedded.tex").read_text()
-    assert "0.900 (tie)" in tex and r"$\varepsilon$=6" in tex and "percentile bootstrap" in tex
+    assert r"\textbf{0.900} [0.855, 0.940]" in tex and r"$\varepsilon$=6" in tex and "percentile bootstrap" in tex
     png = out / "table2.embedded_privacy_utility.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(pd.read_csv(out / "table2.embedded_missing.csv")) == 32
@@ -217,7 +211,7 @@ def test_table4_and_table5_layouts(tmp_path: Path) -> None:
     row = _row(t4, 8, "AdamW")
     assert (row["GLUE8_Avg"], row["Math_Avg"]) == (pytest.approx(0.4), pytest.approx(0.3))
     assert row["Avg_12"] == pytest.approx((0.6 + 0.2 + 0.3) / 3) and row["Avg_12_paper"] == 0.614
-    assert _row(t4, 8, "PRISM")["GLUE8_Avg_mark"] == "tie" and not row["GLUE8_Avg_mark"]
+    assert _row(t4, 8, "PRISM")["GLUE8_Avg_mark"] == "best" and not row["GLUE8_Avg_mark"]  # 0.7 vs 0.4 on 200 rows
     assert math.isnan(_row(t4, 8, "PRISM")["Avg_12"])
 
     for name, method, step, mem in (("x", "adamw", 1.5, 900.0), ("y", "prism", 2.5, 800.0)):

@@ -103,6 +103,9 @@ def _finish(job: compare.Job, cfg, accuracy: float, f1: float) -> None:
     dp = math.isfinite(cfg.privacy.epsilon)
     final = {"columns": {"Accuracy": accuracy, "Macro-F1": f1}, "n_train": 64, "eval_rows": {"custom": 16},
              "sample_rate": 0.125, "sigma": 0.6 if dp else 0.0, "epsilon_spent": cfg.privacy.epsilon - 0.01 if dp else math.inf,
+             "per_example": {key: {"column": column, "correct": [1] * round(100 * score) + [0] * (100 - round(100 * score)),
+                                   "rows": "r"} for key, column, score in (("custom", "Accuracy", accuracy),
+                                                                          ("custom/Macro-F1", "Macro-F1", f1))},
              "run": store.RunBlock(hash=folder.name, experiment="compare", attempts=1, versions={}, git_commit=None,
                                    git_dirty=None, hostname="test").to_json()}
     store.write_json_atomic(folder / "final.json", final)
@@ -139,7 +142,7 @@ def test_accuracy_cells_of_a_user_task_carry_the_row_bootstrap_interval(tmp_path
     (job,), (cfg,) = p.jobs, p.configs
     _finish(job, cfg, 0.6, 0.5)
     final = store.read_json(job.folder / "final.json")
-    final["per_example"] = {"custom": {"column": "Accuracy", "correct": [1] * 240 + [0] * 160, "rows": "r400"}}
+    final["per_example"]["custom"] = {"column": "Accuracy", "correct": [1] * 240 + [0] * 160, "rows": "r400"}
     store.write_json_atomic(job.folder / "final.json", final)
     assert compare.main(argv) == 0
     row = pd.read_csv(tmp_path / "results" / "tables" / f"compare-t-{store_sha(task)[:8]}.embedded.csv").iloc[0]

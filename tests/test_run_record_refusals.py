@@ -54,7 +54,7 @@ def _edit(folder: Path, change) -> None:
     (folder / "final.json").write_text(json.dumps(final))
 
 
-@pytest.mark.parametrize("field", ["run", "epsilon_spent", "run.git_commit"])
+@pytest.mark.parametrize("field", ["run", "epsilon_spent", "per_example", "run.git_commit"])
 def test_a_record_missing_a_field_is_refused_in_one_line(tmp_path: Path, field: str) -> None:
     runs = _runs(tmp_path)
     if field == "run.git_commit":

@@ -226,7 +226,8 @@ def test_a_table_of_tuned_private_runs_says_that_its_epsilon_leaves_out_the_tuni
         log_fn({"step": 1})
         eps = float(cfg.privacy.epsilon)
         return {"columns": {"SST-2": 0.5}, "average": 0.5, "n_train": 32,
-                "epsilon_spent": eps - 0.01 if math.isfinite(eps) else math.inf}
+                "epsilon_spent": eps - 0.01 if math.isfinite(eps) else math.inf,
+                "per_example": {"sst2": {"column": "SST-2", "correct": [1, 0], "rows": "r"}}}
 
     for method, privacy in (("adamw", "eps6"), ("prism", "eps6"), ("adamw", "nondp")):
         execute(load_job(["experiment=table2", *common, f"method={method}", f"privacy={privacy}"]), table_run)

@@ -9,6 +9,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from pipelines import store
 from pipelines.aggregate.records import AggregateError, RunRecord
 from pipelines.wandb_log import access_problem
 
@@ -46,6 +47,8 @@ def record_from_wandb(run: Any) -> RunRecord:
         return RunRecord(run_id, state, f"W&B state {run.state}", config)
     if not isinstance(final.get("columns"), Mapping) and "step_time_s" not in final:
         return RunRecord(run_id, "corrupt", "finished but the W&B summary has no `columns`", config)
+    if why := store.scores_problem(final):
+        return RunRecord(run_id, "refused", f"refused: {why}", config)
     return RunRecord(run_id, "finished", "", config, dict(final))
 
 
