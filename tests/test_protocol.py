@@ -88,29 +88,29 @@ def test_presets_set_every_item_and_each_stays_overridable() -> None:
                 "padding_side": "left", "prompt_encoding": "text",
                 "eval_batch_size": 128, "renormalize_logits": True, "remove_invalid_values": True,
                 "choice_regex": "released"}
-    assert protocol_record(released)["items"] == expected
+    assert protocol_record(released, tangent=True)["items"] == expected
     assert job_config(["protocol=released", "suite=math10k"]).train.eval_batch_size == 64
-    assert protocol_record(corrected)["items"] == {
+    assert protocol_record(corrected, tangent=True)["items"] == {
         "calibration": "exact", "denominator": "expected", "per_example_scale": "record", "noise_damping": None,
         "pinv_rcond": None, "init_svd": "auto", "nondp_trainer": "shared",
         "padding_side": "right", "prompt_encoding": "as_trained",
         "eval_batch_size": OmegaConf.load(REPO / "conf" / "scale" / "embedded.yaml").train.eval_batch_size,
         "renormalize_logits": False, "remove_invalid_values": False, "choice_regex": "lookaround"}
     # every item overridden by its own key: all back to the corrected values
-    back = protocol_record(corrected)["items"]
+    back = protocol_record(corrected, tangent=True)["items"]
     cfg = job_config(["protocol=released", *(f"{key}={'null' if back[item] is None else back[item]}"
                                              for item, key in ITEMS.items())])
-    assert protocol_record(cfg)["items"] == back and cfg.protocol.name == "released"
+    assert protocol_record(cfg, tangent=True)["items"] == back and cfg.protocol.name == "released"
 
 
 def test_dp_status_is_recorded() -> None:
-    assert protocol_record(job_config([]))["dp_guarantee"] == "(ε, δ)-DP as accounted"
-    released = protocol_record(job_config(["protocol=released"]))
+    assert protocol_record(job_config([]), tangent=True)["dp_guarantee"] == "(ε, δ)-DP as accounted"
+    released = protocol_record(job_config(["protocol=released"]), tangent=True)
     assert released["dp_guarantee"] == NOT_DP_AS_STATED and len(released["dp_caveats"]) == 3
-    assert protocol_record(job_config(["protocol=released", "privacy=nondp"]))["dp_guarantee"] == "non-private"
+    assert protocol_record(job_config(["protocol=released", "privacy=nondp"]), tangent=True)["dp_guarantee"] == "non-private"
     only_calibration = job_config(["protocol=released", "privacy.per_example_scale=record",
                                    "privacy.denominator=expected", "method.noise_damping=null"])
-    assert protocol_record(only_calibration)["dp_guarantee"] == "(ε, δ)-DP as accounted"
+    assert protocol_record(only_calibration, tangent=True)["dp_guarantee"] == "(ε, δ)-DP as accounted"
 
 
 # ----------------------------------------------------------------------------- D1 calibration

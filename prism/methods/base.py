@@ -25,12 +25,15 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from prism.privacy.noise import NoiseSource, as_noise_source
+
+if TYPE_CHECKING:
+    from prism.methods.schema import MethodConfig
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,26 @@ class Release:
 
 
 class Method(abc.ABC):
-    """Privatiser + update rule over a fixed set of named trainable parameters."""
+    """Privatiser + update rule over a fixed set of named trainable parameters.
+
+    A registered method (:mod:`prism.methods.registry`) states its traits as class attributes, and
+    whatever depends on the method reads them, never its name: ``name`` (the registry key,
+    ``conf/method/<name>.yaml``), ``label`` (its row in the tables), ``config_class`` (the dataclass of
+    :mod:`prism.methods.schema` it receives), ``tangent`` (clips, noises and updates in the tangent
+    space of the fixed-rank manifold, eqs. 14–22, rather than the flat factor vector, eq. 3),
+    ``factors`` (the peft factors it clips and trains; the rest are frozen), ``per_example_power``
+    (the released loops' per-example scaling power, docs/DECISIONS.md D3), ``hf_clips`` (the released
+    non-private HF recipe clips its gradients, D7) and ``compare_by_default`` (in ``make compare``'s
+    default method list)."""
+
+    name: ClassVar[str]
+    label: ClassVar[str]
+    config_class: ClassVar[type[MethodConfig]]
+    tangent: ClassVar[bool] = False
+    factors: ClassVar[tuple[str, ...]] = ("lora_A", "lora_B")
+    per_example_power: ClassVar[int] = 1
+    hf_clips: ClassVar[bool] = True
+    compare_by_default: ClassVar[bool] = True
 
     def __init__(self, params: Mapping[str, nn.Parameter], privacy: PrivacySpec | None) -> None:
         self.params = dict(params)
