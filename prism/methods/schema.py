@@ -39,8 +39,8 @@ class MethodConfig:
 
     name: str = field(metadata={"help": "the method, chosen by method=<name>"})
     lr: float = field(metadata={"help": "learning rate, Table 8", "range": "(0, inf)"})
-    init: Literal["peft", "spectral"] = field(
-        metadata={"help": "LoRA init: peft (B = 0) or spectral residual (docs/DECISIONS.md D14)"})
+    init: Literal["peft", "spectral"] = field(default="peft", metadata={
+        "help": "LoRA init: peft (B = 0) or spectral residual (docs/DECISIONS.md D14)"})
     init_svd: Literal["auto", "randomized"] = field(default="auto", metadata={
         "help": "SVD of the spectral init: exact up to 1024, randomized above (auto) or always randomized"})
     noise_damping: float | None = field(default=None, metadata={
