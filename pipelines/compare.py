@@ -156,8 +156,7 @@ def budgets(keys: dict[str, str]) -> list[float]:
 
 
 def default_methods() -> list[str]:
-    """The registered methods ``make compare`` runs when ``methods=`` is not given (``prism_paper``,
-    a variant of ``prism``, is left out: its ``compare_by_default`` trait)."""
+    """The registered methods ``make compare`` runs without ``methods=`` (trait ``compare_by_default``)."""
     return [n for n in registry.names() if registry.lookup(n).compare_by_default]
 
 

@@ -48,8 +48,7 @@ def norm_name(name: str) -> str:
 # ----------------------------------------------------------------------------------------- row keys
 
 def method_label(record: RunRecord) -> str:
-    """The method's ``label`` (Table 2's Method column, :mod:`prism.methods.registry`); its name for a
-    method this checkout does not have."""
+    """The method's ``label`` (Table 2's Method column); its name for a method this checkout lacks."""
     node = record.get("method")
     try:
         return registry.lookup(node if isinstance(node, Mapping) else str(record.get("method.name"))).label

@@ -35,9 +35,8 @@ gives ``UR``. Everything is computed in the dtype of the inputs.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -178,17 +177,3 @@ class RankSpaceAdaptive:
         update_moments(self.cfg, self.B, dB)
         return [(*moment_estimates(self.cfg, state, self.t, tau, sigma, out=m_hat), noise_floor(self.cfg, tau, sigma))
                 for state, sigma, m_hat in ((self.A, sigma_A, out and out[0]), (self.B, sigma_B, out and out[1]))]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"t": self.t, "mA": self.A.m.clone(), "VA": self.A.V.clone(),
-                "mB": self.B.m.clone(), "VB": self.B.V.clone()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for key, target in (("mA", self.A.m), ("VA", self.A.V), ("mB", self.B.m), ("VB", self.B.V)):
-            if state[key].shape != target.shape:
-                raise ValueError(
-                    f"adaptive state {key} has shape {tuple(state[key].shape)}, expected {tuple(target.shape)}; "
-                    "the checkpoint was written for another LoRA rank or model"
-                )
-            target.copy_(state[key])
-        self.t = int(state["t"])

@@ -63,24 +63,17 @@ class Release:
 class Method(abc.ABC):
     """Privatiser + update rule over a fixed set of named trainable parameters.
 
-    A registered method (:mod:`prism.methods.registry`) states its traits as class attributes, and
-    whatever depends on the method reads them, never its name: ``name`` (the registry key,
-    ``conf/method/<name>.yaml``), ``label`` (its row in the tables), ``config_class`` (the dataclass of
-    :mod:`prism.methods.schema` it receives), ``tangent`` (clips, noises and updates in the tangent
-    space of the fixed-rank manifold, eqs. 14–22, rather than the flat factor vector, eq. 3),
-    ``factors`` (the peft factors it clips and trains; the rest are frozen), ``per_example_power``
-    (the released loops' per-example scaling power, docs/DECISIONS.md D3), ``hf_clips`` (the released
-    non-private HF recipe clips its gradients, D7) and ``compare_by_default`` (in ``make compare``'s
-    default method list)."""
+    A registered method (:mod:`prism.methods.registry`) states its traits as class attributes, which
+    whatever depends on the method reads instead of its name."""
 
-    name: ClassVar[str]
-    label: ClassVar[str]
-    config_class: ClassVar[type[MethodConfig]]
-    tangent: ClassVar[bool] = False
-    factors: ClassVar[tuple[str, ...]] = ("lora_A", "lora_B")
-    per_example_power: ClassVar[int] = 1
-    hf_clips: ClassVar[bool] = True
-    compare_by_default: ClassVar[bool] = True
+    name: ClassVar[str]  # the registry key and conf/method/<name>.yaml
+    label: ClassVar[str]  # its row in the tables
+    config_class: ClassVar[type[MethodConfig]]  # the dataclass it receives (prism.methods.schema)
+    tangent: ClassVar[bool] = False  # clips, noises, updates in the tangent space (eqs. 14–22), not the factors (eq. 3)
+    factors: ClassVar[tuple[str, ...]] = ("lora_A", "lora_B")  # the peft factors it clips and trains
+    per_example_power: ClassVar[int] = 1  # the released loop's per-example scaling power (D3)
+    hf_clips: ClassVar[bool] = True  # the released non-private HF recipe clips its gradient (D7)
+    compare_by_default: ClassVar[bool] = True  # in make compare's default method list
 
     def __init__(self, params: Mapping[str, nn.Parameter], privacy: PrivacySpec | None) -> None:
         self.params = dict(params)
@@ -89,6 +82,10 @@ class Method(abc.ABC):
     @property
     def dp(self) -> bool:
         return self.privacy is not None
+
+    def tau(self, denominator: float) -> float:
+        """Noise standard deviation ``σC/denominator`` of the averaged release (0 without DP)."""
+        return 0.0 if self.privacy is None else self.privacy.sigma * self.privacy.clip_norm / denominator
 
     @abc.abstractmethod
     def zero_accumulators(self) -> None:

@@ -124,7 +124,7 @@ class FactorDPMethod(Method):
         noise = as_noise_source(noise)
         sums = self.summed
         if self.dp:
-            scale = self.privacy.sigma * self.privacy.clip_norm / denominator
+            scale = self.tau(denominator)
             flat = noise.normal((sum(a.numel() for a in sums.values()),), next(iter(sums.values())).device)
             parts = flat.mul_(scale).split([a.numel() for a in sums.values()])
             xi = {n: x.view(a.shape) for (n, a), x in zip(sums.items(), parts)}
@@ -135,9 +135,8 @@ class FactorDPMethod(Method):
     def add_noise(self, denominator: float, noise: NoiseSource, diagnostics: bool = True) -> Release:
         """The :class:`~prism.methods.base.Release` of :meth:`privatize`; ``noise_sq`` is eq. 8's noise energy."""
         tensors, xi = self.privatize(denominator, noise)
-        scale = self.privacy.sigma * self.privacy.clip_norm / denominator if self.dp else 0.0
         noise_sq = self.noise_norm(xi).square() if diagnostics and self.dp else None
-        return Release(tensors=tensors, scale=scale, noise_sq=noise_sq)
+        return Release(tensors=tensors, scale=self.tau(denominator), noise_sq=noise_sq)
 
     def noise_norm(self, noise: Mapping[str, Tensor]) -> Tensor:
         """``sqrt(Σ_modules ‖ξ_A Bᵀ + A ξ_Bᵀ‖²_F)`` at the current factors (Fig. 1 / eq. 8 diagnostic).

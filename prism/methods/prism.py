@@ -281,10 +281,6 @@ class PrismMethod(Method):
         norms = torch.cat(self._norms)
         return {"clip_fraction": (norms > self.privacy.clip_norm).double().mean(), "grad_norm_mean": norms.mean()}
 
-    def tau(self, denominator: float) -> float:
-        """Noise standard deviation ``σC/denominator`` of the averaged lift (0 without DP)."""
-        return 0.0 if self.privacy is None else self.privacy.sigma * self.privacy.clip_norm / denominator
-
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """Per module ``{t, mA, VA, mB, VB}`` (independent of the grouping)."""

@@ -1,17 +1,10 @@
-"""The method registry: a method's name → its class (docs/DECISIONS.md D78).
+"""The method registry: a method's name → its class (docs/DECISIONS.md D78, docs/ARCHITECTURE.md).
 
-A method is one Python class and one yaml. The class, a :class:`prism.methods.base.Method`, carries
-its traits as class attributes (``name``, ``label``, ``config_class``, ``tangent``, ...); the yaml,
-``method=<name>``, gives the values of its config dataclass (:mod:`prism.methods.schema`), which the
-class receives. Everything that depends on the method reads these traits, never its name.
-
-The shipped methods are listed once, in :data:`SHIPPED` (in the order the step audit seeds them),
-with their config dataclasses, so that the pre-run validator reads a node's dataclass without
-importing torch; their classes load on first use. A method defined outside ``prism/`` names its
-class in its yaml, ``_target_: package.module.Class`` (the key lightning-hydra-template uses): the
-first lookup of its name imports that module. Its yaml reaches Hydra through a config directory on
-the search path or the in-process ``ConfigStore`` under ``method/<name>``. The shipped yamls carry no
-``_target_``, so their run hashes (:mod:`pipelines.store`) stayed what they were.
+The shipped methods are listed once, in :data:`SHIPPED` (the step audit's seed order), with their
+config dataclasses, so the validator reads a node's dataclass without importing torch; their classes
+load on first use. A method defined elsewhere names its class in its yaml (``_target_:
+package.module.Class``), imported on the first lookup of its name. The shipped yamls carry no
+``_target_``: their run hashes (:mod:`pipelines.store`) stayed what they were.
 """
 from __future__ import annotations
 

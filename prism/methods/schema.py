@@ -1,16 +1,9 @@
 """Each method's config: one dataclass, the object the method receives (docs/DECISIONS.md D78).
 
-``conf/method/<name>.yaml`` gives the values; the dataclass says which values are valid. A field
-carries its type (``Literal`` for the choices, ``X | None`` where ``null`` is allowed, ``tuple[float,
-float]`` for a pair), its default (none: the yaml must give it) and, in ``metadata``, its ``help`` and
-the ``range`` of a number (``"[0, 1)"``, ``"(0, inf)"``; a pair bounds each entry), which
-:meth:`MethodConfig.__post_init__` checks, one :class:`SchemaError` line per bad value. The keys every
-method node carries (``name``, ``lr``, ``init``, and the protocol's ``init_svd``, ``noise_damping``,
-``pinv_rcond``, D4–D6) are declared once in :class:`MethodConfig`. ``Dnn`` in a help text is the
-entry of docs/DECISIONS.md.
-
-No torch here: the pre-run validator (:mod:`pipelines.config_rules`) calls :func:`check` and reports a
-bad value in about a second; :func:`prism.methods.build_method` builds the same dataclass.
+A field carries its type (``Literal``: the choices; ``X | None``: null allowed; ``tuple[float, float]``:
+a pair), default (none: the yaml must give it), help and numeric range (:func:`key`), which
+:meth:`MethodConfig.__post_init__` checks (one :class:`SchemaError` line per bad value).
+``conf/method/<name>.yaml`` gives the values. No torch here: the pre-run validator calls :func:`check`.
 """
 from __future__ import annotations
 
@@ -33,21 +26,25 @@ class SchemaError(ValueError):
     """A method key with a value its dataclass refuses; one line naming ``method.<key>`` and the fix."""
 
 
+def key(help: str, default: Any = MISSING, range: str | None = None) -> Any:
+    """A config field: its default (none: the yaml must give it), help and numeric ``range``."""
+    return field(default=default, metadata={"help": help, "range": range})
+
+
 @dataclass(frozen=True, kw_only=True)
 class MethodConfig:
     """The keys of every method node; a method's own keys come in a subclass."""
 
-    name: str = field(metadata={"help": "the method, chosen by method=<name>"})
-    lr: float = field(metadata={"help": "learning rate, Table 8", "range": "(0, inf)"})
-    init: Literal["peft", "spectral"] = field(default="peft", metadata={
-        "help": "LoRA init: peft (B = 0) or spectral residual (docs/DECISIONS.md D14)"})
-    init_svd: Literal["auto", "randomized"] = field(default="auto", metadata={
-        "help": "SVD of the spectral init: exact up to 1024, randomized above (auto) or always randomized"})
-    noise_damping: float | None = field(default=None, metadata={
-        "help": "released protocol's (N + δI)^-1/2 whitening, null for exact (PRISM only)", "range": "[0, inf)"})
-    pinv_rcond: float | None = field(default=None, metadata={
-        "help": "released protocol's eigen-cut pseudo-inverses in the lift, null for exact (PRISM only)",
-        "range": "[0, 1)"})
+    name: str = key("the method, chosen by method=<name>")
+    lr: float = key("learning rate, Table 8", range="(0, inf)")
+    init: Literal["peft", "spectral"] = key("LoRA init: peft (B = 0) or spectral residual (docs/DECISIONS.md D14)",
+                                            "peft")
+    init_svd: Literal["auto", "randomized"] = key(
+        "SVD of the spectral init: exact up to 1024, randomized above (auto) or always randomized", "auto")
+    noise_damping: float | None = key(
+        "released protocol's (N + δI)^-1/2 whitening, null for exact (PRISM only)", None, "[0, inf)")
+    pinv_rcond: float | None = key(
+        "released protocol's eigen-cut pseudo-inverses in the lift, null for exact (PRISM only)", None, "[0, 1)")
 
     def __post_init__(self) -> None:
         """Check every field against its type, choices and range; numbers become floats, pairs tuples."""
@@ -68,12 +65,10 @@ class MethodConfig:
         plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
         plain.pop("_target_", None)
         keys = [f.name for f in fields(cls)]
-        for key in plain:
-            if key not in keys:
-                raise SchemaError(f"unknown key method.{key} for method {plain.get('name')}, "
-                                  f"its keys are {', '.join(keys)}")
-        missing = [f.name for f in fields(cls) if f.name not in plain and f.default is MISSING]
-        if missing:
+        if unknown := [k for k in plain if k not in keys]:
+            raise SchemaError(f"unknown key method.{unknown[0]} for method {plain.get('name')}, "
+                              f"its keys are {', '.join(keys)}")
+        if missing := [f.name for f in fields(cls) if f.name not in plain and f.default is MISSING]:
             raise SchemaError(f"method.{missing[0]} is missing, add it to conf/method/{plain.get('name')}.yaml")
         return cls(**plain)
 
@@ -88,52 +83,46 @@ class PrismConfig(MethodConfig):
     """``prism`` / ``prism_paper``: the rank-space adaptive transform (eqs. 24–26, :mod:`prism.mechanism.adaptive`)
     and the lift; the defaults are the released code's (method ``prism``)."""
 
-    init: Literal["spectral"] = field(default="spectral", metadata={
-        "help": "PRISM needs full-rank factors, and peft's B = 0 has rank 0: use the spectral init (D14)"})
-    preconditioner: Literal["floor", "ridge", "none"] = field(default="floor", metadata={
-        "help": "rank-space preconditioner: released floor, eq. 25 ridge, or none"})
-    beta1: float = field(default=0.9, metadata={"help": "first-moment decay", "range": "[0, 1)"})
-    beta2: float = field(default=0.999, metadata={"help": "second-moment decay", "range": "[0, 1)"})
-    eps: float = field(default=1e-8, metadata={"help": "moment offset", "range": "[0, inf)"})
-    floor_mode: Literal["scalar", "geometry"] = field(default="scalar", metadata={
-        "help": "eigenvalue floor: released scalar or eq. 26 geometry"})
-    floor_factor: float = field(default=0.5, metadata={"help": "floor / ridge constant (eq. 26)", "range": "[0, inf)"})
-    cond_max: float | None = field(default=1e4, metadata={
-        "help": "condition-number clamp, null for none", "range": "[1, inf)"})
-    debias: bool = field(default=False, metadata={"help": "eq. 50 noise debias of the second moment (App. A.26)"})
-    bias_correction: bool = field(default=True, metadata={"help": "Adam-style bias correction of the moments"})
-    horizontalize: Literal["both", "pre_retract", "none"] = field(default="both", metadata={
-        "help": "horizontal projection of the lift: both, pre_retract or none"})
-    rank_fallback: Literal["floor"] | None = field(default=None, metadata={
-        "help": "a rank-deficient Gram matrix: null (an error, D20) or floor its spectrum"})
-    compute_dtype: Literal["float32", "float64"] = field(default="float32", metadata={
-        "help": "dtype of snapshots, rank check and moments"})
+    init: Literal["spectral"] = key(
+        "PRISM needs full-rank factors, and peft's B = 0 has rank 0: use the spectral init (D14)", "spectral")
+    preconditioner: Literal["floor", "ridge", "none"] = key(
+        "rank-space preconditioner: released floor, eq. 25 ridge, or none", "floor")
+    beta1: float = key("first-moment decay", 0.9, "[0, 1)")
+    beta2: float = key("second-moment decay", 0.999, "[0, 1)")
+    eps: float = key("moment offset", 1e-8, "[0, inf)")
+    floor_mode: Literal["scalar", "geometry"] = key("eigenvalue floor: released scalar or eq. 26 geometry", "scalar")
+    floor_factor: float = key("floor / ridge constant (eq. 26)", 0.5, "[0, inf)")
+    cond_max: float | None = key("condition-number clamp, null for none", 1e4, "[1, inf)")
+    debias: bool = key("eq. 50 noise debias of the second moment (App. A.26)", False)
+    bias_correction: bool = key("Adam-style bias correction of the moments", True)
+    horizontalize: Literal["both", "pre_retract", "none"] = key(
+        "horizontal projection of the lift: both, pre_retract or none", "both")
+    rank_fallback: Literal["floor"] | None = key(
+        "a rank-deficient Gram matrix: null (an error, D20) or floor its spectrum", None)
+    compute_dtype: Literal["float32", "float64"] = key("dtype of snapshots, rank check and moments", "float32")
 
 
-BETAS = {"help": "Adam's moment decays", "range": "[0, 1)"}
+BETAS = "Adam's moment decays"
 
 
 @dataclass(frozen=True, kw_only=True)
 class AdamWConfig(MethodConfig):
     """``adamw`` / ``ffa``: ``torch.optim.AdamW``'s arguments, every one explicit (D23, D24)."""
 
-    betas: tuple[float, float] = field(metadata=BETAS)
-    eps: float = field(metadata={"help": "Adam's denominator offset", "range": "(0, inf)"})
-    weight_decay: float = field(metadata={"help": "decoupled weight decay", "range": "[0, inf)"})
-    amsgrad: bool = field(metadata={"help": "AMSGrad variant"})
+    betas: tuple[float, float] = key(BETAS, range="[0, 1)")
+    eps: float = key("Adam's denominator offset", range="(0, inf)")
+    weight_decay: float = key("decoupled weight decay", range="[0, inf)")
+    amsgrad: bool = key("AMSGrad variant")
 
 
 @dataclass(frozen=True, kw_only=True)
 class LoraPlusConfig(AdamWConfig):
     """``loraplus``: AdamW with peft ``lora_B``'s rate multiplied (D25)."""
 
-    loraplus_lr_ratio: float = field(metadata={"help": "LoRA+'s ρ, Table 8", "range": "(0, inf)"})
+    loraplus_lr_ratio: float = key("LoRA+'s ρ, Table 8", range="(0, inf)")
 
 
-def _lamb_flag(flag: str) -> Any:
-    return field(metadata={"help": f"pytorch-optimizer Lamb's {flag}"})
-
-
+LAMB_FLAG = "pytorch-optimizer Lamb's "
 RESCALING = "LAMB may not rescale the privatised gradient (D26)"
 
 
@@ -141,34 +130,33 @@ RESCALING = "LAMB may not rescale the privatised gradient (D26)"
 class LambConfig(MethodConfig):
     """``lamb``: pytorch-optimizer ``Lamb``'s arguments, every one explicit (D26)."""
 
-    betas: tuple[float, float] = field(metadata=BETAS)
-    eps: float = field(metadata={"help": "LAMB's denominator offset", "range": "(0, inf)"})
-    weight_decay: float = field(metadata={"help": "weight decay", "range": "[0, inf)"})
-    weight_decouple: bool = _lamb_flag("weight_decouple")
-    fixed_decay: bool = _lamb_flag("fixed_decay")
-    rectify: bool = _lamb_flag("rectify")
-    degenerated_to_sgd: bool = _lamb_flag("degenerated_to_sgd")
-    grad_averaging: bool = _lamb_flag("grad_averaging")
-    adam: bool = _lamb_flag("adam")
-    adam_debias: bool = _lamb_flag("adam_debias")
-    adanorm: bool = _lamb_flag("adanorm")
-    foreach: bool = _lamb_flag("foreach")
-    maximize: bool = _lamb_flag("maximize")
-    n_sma_threshold: int = field(metadata={"help": "RAdam's SMA threshold (rectify only)", "range": "[0, inf)"})
-    max_grad_norm: Literal[0.0] = field(metadata={"help": f"must stay 0: {RESCALING}"})
-    pre_norm: Literal[False] = field(metadata={"help": f"must stay false: {RESCALING}"})
+    betas: tuple[float, float] = key(BETAS, range="[0, 1)")
+    eps: float = key("LAMB's denominator offset", range="(0, inf)")
+    weight_decay: float = key("weight decay", range="[0, inf)")
+    weight_decouple: bool = key(LAMB_FLAG + "weight_decouple")
+    fixed_decay: bool = key(LAMB_FLAG + "fixed_decay")
+    rectify: bool = key(LAMB_FLAG + "rectify")
+    degenerated_to_sgd: bool = key(LAMB_FLAG + "degenerated_to_sgd")
+    grad_averaging: bool = key(LAMB_FLAG + "grad_averaging")
+    adam: bool = key(LAMB_FLAG + "adam")
+    adam_debias: bool = key(LAMB_FLAG + "adam_debias")
+    adanorm: bool = key(LAMB_FLAG + "adanorm")
+    foreach: bool = key(LAMB_FLAG + "foreach")
+    maximize: bool = key(LAMB_FLAG + "maximize")
+    n_sma_threshold: int = key("RAdam's SMA threshold (rectify only)", range="[0, inf)")
+    max_grad_norm: Literal[0.0] = key(f"must stay 0: {RESCALING}")
+    pre_norm: Literal[False] = key(f"must stay false: {RESCALING}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class LoraRiteConfig(MethodConfig):
     """``lora_rite``: :class:`prism.methods.lora_rite.LoRARite`'s arguments (D27)."""
 
-    betas: tuple[float, float] = field(metadata=BETAS)
-    eps: float = field(metadata={"help": "denominator offset", "range": "(0, inf)"})
-    update_skipping: float = field(metadata={
-        "help": "zero an update whose RMS exceeds this, 0 disables (D27)", "range": "[0, inf)"})
-    clip_unmagnified_grad: float = field(metadata={
-        "help": "clip the unmagnified gradients to this norm, 0 disables (D27)", "range": "[0, inf)"})
+    betas: tuple[float, float] = key(BETAS, range="[0, 1)")
+    eps: float = key("denominator offset", range="(0, inf)")
+    update_skipping: float = key("zero an update whose RMS exceeds this, 0 disables (D27)", range="[0, inf)")
+    clip_unmagnified_grad: float = key("clip the unmagnified gradients to this norm, 0 disables (D27)",
+                                       range="[0, inf)")
 
 
 def check(node: Mapping[str, Any]) -> None:
