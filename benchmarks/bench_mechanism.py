@@ -28,9 +28,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from prism.methods import build_method  # noqa: E402
 from prism.methods.base import Method, PrivacySpec  # noqa: E402
-from prism.methods.factor import FactorDPMethod  # noqa: E402
-from prism.methods.prism import PrismMethod  # noqa: E402
 
 HIDDEN, INTERMEDIATE, Q_OUT, KV_OUT = 2560, 10240, 8 * 256, 4 * 256
 MODULES = {  # module -> (m = out features, n = in features): paper A is m×r, B is n×r
@@ -63,9 +62,7 @@ def per_example_grads(params: dict[str, nn.Parameter], k: int, seed: int) -> dic
 
 
 def build(kind: str, params: dict[str, nn.Parameter], privacy: PrivacySpec) -> Method:
-    if kind == "DP-AdamW":
-        return FactorDPMethod(OmegaConf.create(ADAMW), params, privacy)
-    return PrismMethod(OmegaConf.create(PRISM), params, privacy)
+    return build_method(OmegaConf.create(ADAMW if kind == "DP-AdamW" else PRISM), params, privacy)
 
 
 def timed(fn: Callable[[], object]) -> float:

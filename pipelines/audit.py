@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from prism.audit.step import ThresholdAudit, gdp_epsilon, snr, threshold_audit
 from prism.mechanism import geometry
-from prism.methods import METHODS, Method, PrivacySpec, build_method
+from prism.methods import Method, PrivacySpec, build_method, registry
 
 CASES = ("random", "vertical", "gauge", "near_rank_deficient", "balanced_gauge", "balanced_gauge_outside")
 CONF = Path(__file__).resolve().parents[1] / "conf" / "method"
@@ -163,9 +163,10 @@ def _flat_direction(privatised: dict, case: Case) -> tuple[Tensor, Tensor]:
 def _canary_direction(method_name: str, case: Case) -> tuple[Tensor, Tensor]:
     """The canary's contribution to the privatised direction, up to its clip factor."""
     gA, gB = (x[0] for x in case.canary)
-    if method_name.startswith("prism"):
+    method = registry.lookup(method_name)
+    if method.tangent:
         return geometry.lift(case.A, case.B, gA, gB)
-    return gA, (torch.zeros_like(gB) if method_name == "ffa" else gB)
+    return gA, (gB if "lora_A" in method.factors else torch.zeros_like(gB))  # paper B = peft lora_A
 
 
 def release(
@@ -177,7 +178,7 @@ def release(
     gA = torch.cat([case.base[0], case.canary[0]]) if with_canary else case.base[0]
     gB = torch.cat([case.base[1], case.canary[1]]) if with_canary else case.base[1]
     grads = _peft_grads(gA, gB)
-    prism = method_name.startswith("prism")
+    prism = registry.lookup(method_name).tangent
     cA, cB = _canary_direction(method_name, case)
     c_norm = math.sqrt(float(cA.square().sum() + cB.square().sum()))
     image = cA @ case.B.T + case.A @ cB.T
@@ -237,7 +238,7 @@ def audit_one(method_name: str, case_name: str, draws: int, sigma: float, confid
     """Both sides of one (method, case) pair and its bounds (the best statistic by the first half)."""
     tic = time.process_time()
     case = make_case(case_name)
-    seed = 1000 * METHODS.index(method_name) + 10 * CASES.index(case_name)
+    seed = 1000 * registry.names().index(method_name) + 10 * CASES.index(case_name)
     without = release(method_name, case, False, draws, sigma, seed + 1)
     with_ = release(method_name, case, True, draws, sigma, seed + 2)
     best: tuple[str, ThresholdAudit] | None = None
@@ -289,12 +290,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--draws", type=int, default=2000, help="noise draws per side (default 2000)")
     parser.add_argument("--sigma", type=float, default=0.6, help="noise multiplier σ (default 0.6)")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(registry.names()))
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args(argv)
     try:
-        methods = names(args.methods, METHODS, "--methods")
+        methods = names(args.methods, registry.names(), "--methods")
         cases = names(args.cases, CASES, "--cases")
         if args.draws < 8:
             raise ValueError(f"--draws={args.draws} is too few; use at least 8 (2000 for the audit)")

@@ -41,17 +41,17 @@ import numpy as np
 from pipelines.audit import names
 from prism.audit.canaries import CanaryMethod, Space, draw_directions
 from prism.audit.one_run import OneRunAudit, audit, expected_bounds, split_audit
+from prism.methods import registry
 
 PRINT = functools.partial(print, flush=True)
 SCALES = ("embedded", "smoke")
-TANGENT_METHODS = ("prism", "prism_paper")
 COLUMNS = ("method", "claimed_epsilon", "canaries", "guesses", "correct", "epsilon_lower_95", "mu_gdp_lower_95",
            "epsilon_gdp_lower_95", "ideal_epsilon_lower", "config_hash")
 
 
 def space_of(method_name: str) -> Space:
-    """Where the method clips: PRISM's tangent space, else the flat factor vector."""
-    return "tangent" if method_name in TANGENT_METHODS else "factor"
+    """Where the method clips: the tangent space (PRISM), else the flat factor vector."""
+    return "tangent" if registry.lookup(method_name).tangent else "factor"
 
 
 @dataclass(frozen=True)
@@ -214,8 +214,6 @@ def _epsilons(text: str) -> list[float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from prism.methods import METHODS
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", default="embedded", help=f"one of {', '.join(SCALES)} (default embedded)")
     parser.add_argument("--methods", default="prism,adamw")
@@ -234,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.scale not in SCALES:
             raise ValueError(f"--scale={args.scale!r}; choose one of {', '.join(SCALES)}")
-        methods = names(args.methods, METHODS, "--methods")
+        methods = names(args.methods, registry.names(), "--methods")
         epsilons = _epsilons(args.epsilons)
         if args.canaries < 2:
             raise ValueError(f"--canaries={args.canaries} must be ≥ 2 (1000 for the audit)")

@@ -38,10 +38,10 @@ from pipelines.aggregate.render import plot_privacy_utility, to_markdown, write_
 from pipelines.aggregate.specs import TableSpec, method_label, setting_label, suite_columns
 from pipelines.validate import ConfigError, load_job
 from prism.fileio import sha256_file
+from prism.methods import registry
 from prism.privacy.budget import total_steps
 
 EXPERIMENT = "compare"
-METHODS = ("prism", "adamw", "loraplus", "lamb", "ffa", "lora_rite")
 EPSILONS = (math.inf, 6.0, 3.0)
 PRIVACY_GROUPS = {math.inf: "nondp", 6.0: "eps6", 3.0: "eps3"}
 KEYS = ("model", "eval", "type", "labels", "methods", "eps", "seeds", "jobs")
@@ -155,13 +155,18 @@ def budgets(keys: dict[str, str]) -> list[float]:
     return [_epsilon(e) for e in comma_list(keys["eps"], "eps")] if "eps" in keys else list(EPSILONS)
 
 
+def default_methods() -> list[str]:
+    """The registered methods ``make compare`` runs without ``methods=`` (trait ``compare_by_default``)."""
+    return [n for n in registry.names() if registry.lookup(n).compare_by_default]
+
+
 def plan(argv: Sequence[str]) -> Plan:
     """Every job of the comparison, validated; ``ValueError`` / :class:`ConfigError` on one line."""
     keys, overrides = parse_args(argv)
     fixed = [f"experiment={EXPERIMENT}", *task_overrides(keys, overrides), *overrides]
     task = Path(keys["task"]).expanduser().resolve()
     sha = sha256_file(task)
-    methods = comma_list(keys["methods"], "methods") if "methods" in keys else list(METHODS)
+    methods = comma_list(keys["methods"], "methods") if "methods" in keys else default_methods()
     epsilons = budgets(keys)
     seeds_text = comma_list(keys["seeds"], "seeds") if "seeds" in keys else []
     if not all(s.isdigit() for s in seeds_text):

@@ -126,7 +126,7 @@ def task_sweep(keys: dict[str, str], overrides: Sequence[str]) -> list[str]:
     if not keys.get("model") and not any(o.startswith("backbone=") for o in overrides):
         choice = compose_config([f"experiment={compare.EXPERIMENT}", *fixed], with_hydra=True).hydra.runtime.choices
         fixed.append(f"backbone={choice['backbone']}")  # make compare's model, not Table 2's
-    methods = compare.comma_list(keys["methods"], "methods") if "methods" in keys else list(compare.METHODS)
+    methods = compare.comma_list(keys["methods"], "methods") if "methods" in keys else compare.default_methods()
     groups = []
     for epsilon in compare.budgets(keys):
         if epsilon not in compare.PRIVACY_GROUPS:

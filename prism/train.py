@@ -42,6 +42,7 @@ from prism.fastpath.transfer import batch_to_device
 from prism.methods import PrivacySpec, build_method
 from prism.methods.base import Method
 from prism.methods.hf_baseline import HFRecipe, HFTrainerBaseline, holdout_loss, holdout_split
+from prism.methods.registry import lookup
 from prism.models import (
     BackboneLoader,
     attach_lora,
@@ -173,7 +174,7 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
     if dp:
         sigma = calibrate_for_run(cfg.privacy.epsilon, cfg.privacy.delta, sampler.sample_rate, total_steps(cfg),
                                   cfg.privacy.calibration, cache_dir=cache_root() / "sigma")
-        for caveat in dp_caveats(cfg):  # protocol=released: docs/DECISIONS.md
+        for caveat in dp_caveats(cfg, lookup(cfg.method).tangent):  # protocol=released: docs/DECISIONS.md
             log.warning("NOT a valid DP guarantee as stated: %s", caveat)
     params = trainable_parameters(model)
     privacy = PrivacySpec(sigma=sigma, clip_norm=float(cfg.privacy.clip_norm)) if dp else None
@@ -192,7 +193,7 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
         enable_activation_checkpointing(model)
     if dp:
         per_example = PerExampleGradients(model, scale=cfg.privacy.get("per_example_scale", "record"),
-                                          released_power=2 if cfg.method.name.startswith("prism") else 1)
+                                          released_power=method.per_example_power)  # never wrapped under DP
         gradients = lambda batch: per_example.compute(**batch)  # noqa: E731
     else:
         gradients = lambda batch: summed_gradients(model, **batch)  # noqa: E731
@@ -347,7 +348,7 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
         "train_time_s": train_time,
         "prefix_depth": s.prefix.depth if s.prefix is not None else None,
         "prefix_build_s": s.prefix.build_seconds if s.prefix is not None else 0.0,
-        "protocol": protocol_record(cfg),
+        "protocol": protocol_record(cfg, lookup(cfg.method).tangent),
     }
     if benchmark:
         measured = step_times[benchmark.warmup:]

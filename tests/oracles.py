@@ -69,7 +69,7 @@ class PerModulePrism(PrismMethod):
         groups = []
         for pair in [p for g in self.groups for p in g.pairs]:
             A, B = read_pair(self.params, pair)
-            adaptive = RankSpaceAdaptive(self.config.adaptive, A.shape[0], B.shape[0], A.shape[1], self.dtype,
+            adaptive = RankSpaceAdaptive(self.config, A.shape[0], B.shape[0], A.shape[1], self.dtype,
                                          A.device, batch=(1,))
             groups.append(ShapeGroup(pairs=[pair], adaptive=adaptive))
         self.groups = groups

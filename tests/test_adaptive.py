@@ -9,7 +9,6 @@ import torch
 from prism.audit.diagnostics import sample_tangent_noise
 from prism.mechanism import geometry
 from prism.mechanism.adaptive import (
-    AdaptiveConfig,
     FactorMoments,
     RankSpaceAdaptive,
     moment_estimates,
@@ -17,12 +16,20 @@ from prism.mechanism.adaptive import (
     preconditioner,
     update_moments,
 )
+from prism.methods.schema import PrismConfig
 
 F64 = torch.float64
 M, N, R = 9, 7, 3
 
-RELEASED = AdaptiveConfig()
-PAPER = AdaptiveConfig(preconditioner="ridge", floor_mode="geometry", debias=True, cond_max=None)
+
+
+def knobs(**kw) -> PrismConfig:
+    """PRISM's config with the released defaults but for ``kw`` (the adaptive transform's knobs)."""
+    return PrismConfig(name="prism", lr=1.0, **kw)
+
+
+RELEASED = knobs()
+PAPER = knobs(preconditioner="ridge", floor_mode="geometry", debias=True, cond_max=None)
 
 
 def factors(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,7 +37,7 @@ def factors(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(M, R, generator=g, dtype=F64), torch.randn(N, R, generator=g, dtype=F64)
 
 
-def run(cfg: AdaptiveConfig, deltas, tau: float, sigmas) -> tuple[torch.Tensor, torch.Tensor]:
+def run(cfg: PrismConfig, deltas, tau: float, sigmas) -> tuple[torch.Tensor, torch.Tensor]:
     ad = RankSpaceAdaptive(cfg, M, N, R, F64, torch.device("cpu"))
     for dA, dB in deltas:
         UA, UB = ad.step(dA, dB, tau, *sigmas)
@@ -43,8 +50,8 @@ def random_deltas(steps: int, scale: float = 1.0, seed: int = 1):
             for _ in range(steps)]
 
 
-@pytest.mark.parametrize("cfg", [PAPER, AdaptiveConfig(preconditioner="ridge")], ids=["geometry", "scalar"])
-def test_ridge_bound_eq27_is_attained_when_noise_dominates(cfg: AdaptiveConfig) -> None:
+@pytest.mark.parametrize("cfg", [PAPER, knobs(preconditioner="ridge")], ids=["geometry", "scalar"])
+def test_ridge_bound_eq27_is_attained_when_noise_dominates(cfg: PrismConfig) -> None:
     """Thm 3.5: ‖m̂ (V̂+λI)^{-1/2}‖_F ≤ λ^{-1/2}‖m̂‖_F; tight when V̂ ≪ λ."""
     A, B = factors()
     sigmas = noise_second_moments(geometry.frame(A, B))
@@ -79,9 +86,9 @@ def test_floor_bound_is_attained_when_noise_dominates() -> None:
         assert (ratio > 0.999) == tight
 
 
-@pytest.mark.parametrize("cfg", [RELEASED, PAPER, AdaptiveConfig(floor_mode="geometry", bias_correction=False)],
+@pytest.mark.parametrize("cfg", [RELEASED, PAPER, knobs(floor_mode="geometry", bias_correction=False)],
                          ids=["released", "paper", "floor-geometry-nobc"])
-def test_orthogonal_gauge_equivariance_lemma_a30(cfg: AdaptiveConfig) -> None:
+def test_orthogonal_gauge_equivariance_lemma_a30(cfg: PrismConfig) -> None:
     """Feeding (ΔA R, ΔB R) and noise moments RᵀΣR at every step gives (U_A R, U_B R)."""
     A, B = factors()
     sA, sB = noise_second_moments(geometry.frame(A, B))
@@ -135,7 +142,7 @@ def test_condition_clamp_bounds_preconditioner_condition_number() -> None:
     p = torch.linalg.eigvalsh(preconditioner(RELEASED, torch.outer(v, v), 0.0))
     w_max = v.square().sum().item() + 1e-8
     torch.testing.assert_close(p, torch.tensor([w_max**-0.5] + [(w_max / 1e4) ** -0.5] * (R - 1), dtype=F64))
-    unclamped = torch.linalg.eigvalsh(preconditioner(AdaptiveConfig(cond_max=None), torch.outer(v, v), 0.0))
+    unclamped = torch.linalg.eigvalsh(preconditioner(knobs(cond_max=None), torch.outer(v, v), 0.0))
     assert unclamped.max().item() == pytest.approx(1e4)  # eps^{-1/2}: what the clamp prevents
 
 
@@ -145,7 +152,7 @@ def test_debias_removes_the_known_noise_moment(bias_correction: bool) -> None:
     A, B = factors()
     fr = geometry.frame(A, B)
     sigmas = noise_second_moments(fr)
-    cfg = AdaptiveConfig(debias=True, bias_correction=bias_correction)
+    cfg = knobs(debias=True, bias_correction=bias_correction)
     S, T, tau = 4000, 3, 0.7
     g = torch.Generator().manual_seed(3)
     states = [FactorMoments(torch.zeros(S, M, R, dtype=F64), torch.zeros(S, R, R, dtype=F64)),
@@ -158,14 +165,14 @@ def test_debias_removes_the_known_noise_moment(bias_correction: bool) -> None:
         _, V_hat = moment_estimates(cfg, state, T, tau, sigma)
         mean, se = V_hat.mean(0), V_hat.std(0) / S**0.5
         assert ((mean.abs() / se) < 4.0).all(), mean
-        raw = moment_estimates(AdaptiveConfig(bias_correction=bias_correction), state, T, tau, sigma)[1].mean(0)
+        raw = moment_estimates(knobs(bias_correction=bias_correction), state, T, tau, sigma)[1].mean(0)
         assert raw.diagonal().min() > 10 * se.max()  # without debias the noise moment is clearly there
 
 
 def test_config_rejects_unknown_choices() -> None:
     with pytest.raises(ValueError, match="preconditioner"):
-        AdaptiveConfig(preconditioner="adam")
+        knobs(preconditioner="adam")
     with pytest.raises(ValueError, match="floor_mode"):
-        AdaptiveConfig(floor_mode="trace")
-    assert AdaptiveConfig.from_mapping({"cond_max": None, "beta1": "0.5", "lr": 1.0}) == AdaptiveConfig(
+        knobs(floor_mode="trace")
+    assert PrismConfig.from_node({"name": "prism", "lr": 1.0, "cond_max": None, "beta1": 0.5}) == knobs(
         cond_max=None, beta1=0.5)

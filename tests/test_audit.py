@@ -20,7 +20,7 @@ from prism.audit.step import (
     gdp_mu_lower_bound,
     threshold_audit,
 )
-from prism.methods import METHODS, build_method
+from prism.methods import build_method, registry
 from prism.methods.base import PrivacySpec
 from tests.oracles import release_lifts
 
@@ -105,7 +105,7 @@ def _clipped_sum(name: str, case: AU.Case, gA: torch.Tensor, gB: torch.Tensor, C
     return [g.to(F64) for g in method.privatize(1.0, None)[0].values()]
 
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", registry.names())
 def test_one_example_moves_the_clipped_sum_by_at_most_C(name: str) -> None:
     """Adversarial canaries (random, vertical block, gauge, κ = 2,500 with 1e12 gradients) on top of
     three ordinary examples, gradient norms 10 … 1e12: ‖Σ with − Σ without‖ ≤ C(1 + 1e-6), in the method's

@@ -15,11 +15,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from prism.audit.diagnostics import sample_tangent_noise
 from prism.mechanism import geometry as geo
-from prism.mechanism.adaptive import AdaptiveConfig, RankSpaceAdaptive, noise_second_moments
+from prism.mechanism.adaptive import RankSpaceAdaptive, noise_second_moments
 from prism.mechanism.lora import lora_pairs, read_pair
 from prism.methods import build_method
 from prism.methods.base import PrivacySpec
 from prism.methods.prism import PrismMethod
+from prism.methods.schema import PrismConfig
 from tests.oracles import PerModulePrism, example_norms, release_lifts, retract
 
 F64 = torch.float64
@@ -106,7 +107,7 @@ def test_lifted_norm_terms_are_the_norm_of_the_lift_without_forming_it() -> None
 
 @pytest.mark.parametrize("name", ["prism", "prism_paper"])
 def test_adaptive_transform_batched_equals_per_module(name: str) -> None:
-    cfg = AdaptiveConfig.from_mapping(CONFIGS[name])
+    cfg = PrismConfig.from_node(CONFIGS[name])
     G, m, n, tau = 3, 8, 6, 0.2
     A, B = stacked_factors(G, m, n, seed=3)
     sA, sB = noise_second_moments(geo.frame(A, B))
@@ -157,7 +158,7 @@ def per_example_grads(params, k: int, seed: int, dp: bool = True) -> dict[str, t
 
 
 def build(cfg: dict, params, privacy, batched: bool) -> PrismMethod:
-    method = (PrismMethod if batched else PerModulePrism)(OmegaConf.create(cfg), params, privacy)
+    method = (PrismMethod if batched else PerModulePrism)(PrismConfig.from_node(cfg), params, privacy)
     assert len(method.groups) == (3 if batched else len(MIXED))
     return method
 
@@ -210,7 +211,7 @@ def test_batched_noise_law_per_module_and_across_modules() -> None:
     sigma, C, denom, S = 1.3, 0.5, 8.0, 6000
     tau = sigma * C / denom
     params = make_params(shapes)
-    method = PrismMethod(OmegaConf.create(RELEASED), params, PrivacySpec(sigma=sigma, clip_norm=C))
+    method = build_method(OmegaConf.create(RELEASED), params, PrivacySpec(sigma=sigma, clip_norm=C))
     assert [len(g.pairs) for g in method.groups] == [2, 1]
     pairs = lora_pairs(params)
     factors = [tuple(x.detach() for x in read_pair(params, p)) for p in pairs]
@@ -239,7 +240,7 @@ def test_batched_noise_law_per_module_and_across_modules() -> None:
 
 def test_nan_gradient_reaches_the_factors_instead_of_being_clipped() -> None:
     params = make_params()
-    method = PrismMethod(OmegaConf.create(RELEASED), params, PrivacySpec(sigma=1.0, clip_norm=1.0))
+    method = build_method(OmegaConf.create(RELEASED), params, PrivacySpec(sigma=1.0, clip_norm=1.0))
     grads = per_example_grads(params, 3, seed=1)
     grads[lora_pairs(params)[4].a_name][1, 0, 0] = float("nan")
     method.zero_accumulators()
@@ -317,7 +318,7 @@ def test_batched_op_count_is_independent_of_depth() -> None:
         for layers in (1, 2):
             params = make_params(MIXED * layers)
             method = build(RELEASED, params, PrivacySpec(1.0, 1.0), batched) if layers == 1 else (
-                PrismMethod if batched else PerModulePrism)(OmegaConf.create(RELEASED), params, PrivacySpec(1.0, 1.0))
+                PrismMethod if batched else PerModulePrism)(PrismConfig.from_node(RELEASED), params, PrivacySpec(1.0, 1.0))
             method.zero_accumulators()
             grads = per_example_grads(params, 2, seed=3)
             counts[batched, layers] = _top_level_ops(_profile(lambda m=method, g=grads: (

@@ -15,7 +15,8 @@ from pipelines import store
 from pipelines.compose import compose_config, resolve
 from prism.audit import diagnostics as dg
 from prism.mechanism import geometry
-from prism.mechanism.adaptive import AdaptiveConfig, RankSpaceAdaptive, noise_second_moments
+from prism.mechanism.adaptive import RankSpaceAdaptive, noise_second_moments
+from prism.methods.schema import PrismConfig
 from tests.oracles import min_gauge_noise_energy, read_metrics
 
 
@@ -103,7 +104,7 @@ def test_amplification_of_known_preconditioners() -> None:
     A, B = A.float(), B.float()
     tau = 0.05
     for precond, expected in (("floor", math.sqrt(2.0) / tau), ("none", 1.0)):
-        ad = RankSpaceAdaptive(AdaptiveConfig(preconditioner=precond), 12, 9, 2, torch.float32, torch.device("cpu"))
+        ad = RankSpaceAdaptive(PrismConfig(name="prism", lr=1.0, preconditioner=precond), 12, 9, 2, torch.float32, torch.device("cpu"))
         fr = geometry.frame(A, B)
         ad.step(torch.zeros(12, 2), torch.zeros(9, 2), tau, *noise_second_moments(fr))  # V̂ = 0: the floor binds
         assert dg.prism_amplification({"m": ad}, {"m": (A, B)}, tau) == pytest.approx(expected, rel=1e-5)

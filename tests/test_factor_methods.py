@@ -9,7 +9,6 @@ from omegaconf import OmegaConf
 
 from prism.mechanism.lora import lora_pairs, read_pair
 from prism.methods import PrivacySpec, build_method
-from prism.methods.optimizers import build_optimizer
 
 # The explicit hyper-parameters each conf/method/*.yaml carries (Table 8 GLUE learning rates).
 ADAMW = {"lr": 2e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False}
@@ -242,7 +241,7 @@ def test_loraplus_groups_match_peft_create_loraplus_optimizer() -> None:
     reference = create_loraplus_optimizer(
         model, torch.optim.AdamW, lr=2e-4, loraplus_lr_ratio=6.0, loraplus_weight_decay=0.01
     )
-    ours = build_optimizer(cfg("loraplus"), trainable)
+    ours = build_method(cfg("loraplus"), trainable, None).optimizer
 
     def settings(opt) -> dict[int, tuple[float, float]]:
         return {id(p): (grp["lr"], grp["weight_decay"]) for grp in opt.param_groups for p in grp["params"]}
@@ -281,14 +280,15 @@ def test_ffa_never_changes_lora_A() -> None:
 
 def test_lamb_does_not_clip_the_gradient() -> None:
     w = torch.nn.Parameter(torch.randn(4, 3))
-    opt = build_optimizer(cfg("lamb"), {"x.lora_A.default.weight": w})
+    pair = {"x.lora_A.default.weight": w, "x.lora_B.default.weight": torch.nn.Parameter(torch.randn(5, 4))}
+    opt = build_method(cfg("lamb"), pair, None).optimizer  # lora_B has no gradient: not stepped
     huge = 1e6 * torch.randn(4, 3)
     w.grad = huge.clone()
     opt.step()
     assert torch.equal(w.grad, huge)
     assert torch.allclose(opt.state[w]["exp_avg"], 0.1 * huge)  # (1 − β1)·g, no rescaling
-    with pytest.raises(ValueError, match="pre_norm"):
-        build_optimizer(cfg("lamb", pre_norm=True, max_grad_norm=1.0), {"x.lora_A.default.weight": w})
+    with pytest.raises(ValueError, match="may not rescale the privatised gradient"):
+        build_method(cfg("lamb", pre_norm=True, max_grad_norm=1.0), pair, None)
 
 
 @pytest.mark.parametrize(("name", "trust"), [("lamb", True), ("adamw", False)])
@@ -299,7 +299,7 @@ def test_lamb_update_norm_follows_the_weight_norm(name: str, trust: bool) -> Non
     w1 = torch.nn.Parameter(0.1 * torch.randn(6, 3, generator=g))
     w2 = torch.nn.Parameter(2.0 * torch.randn(6, 3, generator=g))
     start = (w1.detach().clone(), w2.detach().clone())
-    opt = build_optimizer(cfg(name, weight_decay=0.0), {"a.lora_A.default.weight": w1, "a.lora_B.default.weight": w2})
+    opt = build_method(cfg(name, weight_decay=0.0), {"a.lora_A.default.weight": w1, "a.lora_B.default.weight": w2}, None).optimizer
     w1.grad, w2.grad = torch.randn(6, 3, generator=g), torch.randn(6, 3, generator=g)
     opt.step()
     d1, d2 = (w1.detach() - start[0]).norm(), (w2.detach() - start[1]).norm()

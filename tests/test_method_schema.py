@@ -1,9 +1,9 @@
-"""Method keys are checked from each method's own schema (prism/methods/schema.py), which the
-validator and ``build_method`` both read; accountant limits and budgets are refused before any
+"""Method keys are checked by each method's config dataclass (prism/methods/schema.py), which the
+validator and ``build_method`` both build; accountant limits and budgets are refused before any
 model load (prism/privacy/limits.py), and σ calibration cannot run unbounded.
 
-Independent expectations: the runtime's own accepted values (the method classes' constants and
-dataclass checks), Opacus (its RDP at integer orders, its PRV grid, its refusals), and the rule that
+Independent expectations: the runtime's own accepted values (the constants the code maps a choice
+with), Opacus (its RDP at integer orders, its PRV grid, its refusals), and the rule that
 the validator never imports torch.
 """
 from __future__ import annotations
@@ -12,17 +12,19 @@ import math
 import subprocess
 import sys
 import time
+import typing
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from pipelines.validate import ConfigError, load_job
-from prism.methods import build_method, schema
+from prism.methods import build_method, registry, schema
 from prism.privacy import limits as dp_limits
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = tuple(schema.SCHEMAS)
+METHODS = registry.names()
 
 # (method, override, the key the one-line error must name)
 BAD = [
@@ -59,7 +61,7 @@ def test_bad_method_values_are_refused_by_the_validator_and_the_method(method: s
     node = OmegaConf.to_container(load_job([f"method={method}"]).method)
     name, _, value = override.partition("=")
     node[name.removeprefix("method.")] = OmegaConf.to_container(OmegaConf.create(f"v: {value}"))["v"]
-    with pytest.raises(schema.SchemaError) as built:  # the method reads the same schema, before any tensor
+    with pytest.raises(schema.SchemaError) as built:  # the method builds the same dataclass, before any tensor
         build_method(OmegaConf.create(node), {}, None)
     assert str(built.value).split(" ", 1)[1] == line.split(" ", 1)[1]  # same rule (the validator makes 0 a 0.0)
 
@@ -68,32 +70,25 @@ def test_bad_method_values_are_refused_by_the_validator_and_the_method(method: s
 @pytest.mark.parametrize("method", METHODS)
 def test_schema_covers_the_shipped_method_nodes(method: str, protocol: str) -> None:
     node = load_job([f"method={method}", f"protocol={protocol}"]).method
-    assert set(node) == set(schema.SCHEMAS[method])
+    assert set(node) == {f.name for f in fields(registry.config_class(method))}
     schema.check(node)
 
 
 def test_schema_choices_are_the_runtime_choices() -> None:
-    """The method classes' own accepted values (their constants) equal the schema's choices, and the
-    PRISM dataclasses refuse what the schema refuses."""
+    """The choices the code maps to behaviour (its constants) are the dataclass's choices, and the
+    dataclass refuses a value out of range."""
     pytest.importorskip("torch")
-    from prism.mechanism.adaptive import FLOOR_MODES, PRECONDITIONERS, AdaptiveConfig
-    from prism.methods.prism import COMPUTE_DTYPES, HORIZONTALIZE, RANK_FALLBACKS, PrismConfig
+    from prism.methods.prism import COMPUTE_DTYPES
     from prism.models.spectral import SVD_MODES
 
-    keys = schema.SCHEMAS["prism"]
-    assert keys["horizontalize"].choices == HORIZONTALIZE
-    assert keys["rank_fallback"].choices == RANK_FALLBACKS
-    assert set(keys["compute_dtype"].choices) == set(COMPUTE_DTYPES)
-    assert keys["preconditioner"].choices == PRECONDITIONERS
-    assert keys["floor_mode"].choices == FLOOR_MODES
-    assert keys["init_svd"].choices == SVD_MODES
+    hints = typing.get_type_hints(schema.PrismConfig)
+    assert set(typing.get_args(hints["compute_dtype"])) == set(COMPUTE_DTYPES)
+    assert typing.get_args(hints["init_svd"]) == SVD_MODES
     base = OmegaConf.to_container(load_job(["method=prism"]).method)
-    PrismConfig.from_mapping(base)
+    assert schema.PrismConfig.from_node(base).cond_max == base["cond_max"]
     for field, value in [("cond_max", 0.5), ("beta1", 1.0), ("floor_factor", -1.0), ("horizontalize", "x")]:
-        with pytest.raises(ValueError):
-            PrismConfig.from_mapping({**base, field: value})
-        assert keys[field].problem(value) is not None
-    assert AdaptiveConfig.from_mapping(base).cond_max == base["cond_max"]
+        with pytest.raises(schema.SchemaError, match=f"^method.{field}="):
+            schema.PrismConfig.from_node({**base, field: value})
 
 
 def test_the_validator_imports_no_torch() -> None:

@@ -24,7 +24,7 @@ from prism import train as T
 from prism.audit.diagnostics import sample_tangent_noise
 from prism.mechanism import geometry
 from prism.mechanism.lora import lora_pairs, read_pair
-from prism.methods import METHODS, build_method
+from prism.methods import build_method, registry
 from prism.methods.base import PrivacySpec
 from prism.privacy import Accountant
 from prism.privacy.noise import SecureNoise, SeededNoise
@@ -160,7 +160,7 @@ def _tiny_params(seed: int) -> dict[str, nn.Parameter]:
     return pair_params(torch.randn(M, R, generator=g), torch.randn(N, R, generator=g))
 
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", registry.names())
 def test_empty_poisson_batch_releases_the_noise_only_step(name: str) -> None:
     """train_step on an empty DP batch = the method's step with nothing accumulated, noise σC/B."""
     B, sigma = 4, 1.5

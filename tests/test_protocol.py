@@ -23,10 +23,10 @@ from prism.audit.diagnostics import sample_tangent_noise
 from prism.data.prompts import collate
 from prism.evaluation.metrics import extract_choice, score_outputs
 from prism.mechanism import geometry
+from prism.methods import build_method
 from prism.methods.base import PrivacySpec
-from prism.methods.factor import FactorDPMethod
 from prism.methods.hf_baseline import HFRecipe, HFTrainerBaseline, holdout_split, linear_warmup_factor
-from prism.methods.prism import PrismConfig
+from prism.methods.schema import PrismConfig
 from prism.privacy import (
     PerExampleGradients,
     calibration_rate,
@@ -88,29 +88,29 @@ def test_presets_set_every_item_and_each_stays_overridable() -> None:
                 "padding_side": "left", "prompt_encoding": "text",
                 "eval_batch_size": 128, "renormalize_logits": True, "remove_invalid_values": True,
                 "choice_regex": "released"}
-    assert protocol_record(released)["items"] == expected
+    assert protocol_record(released, tangent=True)["items"] == expected
     assert job_config(["protocol=released", "suite=math10k"]).train.eval_batch_size == 64
-    assert protocol_record(corrected)["items"] == {
+    assert protocol_record(corrected, tangent=True)["items"] == {
         "calibration": "exact", "denominator": "expected", "per_example_scale": "record", "noise_damping": None,
         "pinv_rcond": None, "init_svd": "auto", "nondp_trainer": "shared",
         "padding_side": "right", "prompt_encoding": "as_trained",
         "eval_batch_size": OmegaConf.load(REPO / "conf" / "scale" / "embedded.yaml").train.eval_batch_size,
         "renormalize_logits": False, "remove_invalid_values": False, "choice_regex": "lookaround"}
     # every item overridden by its own key: all back to the corrected values
-    back = protocol_record(corrected)["items"]
+    back = protocol_record(corrected, tangent=True)["items"]
     cfg = job_config(["protocol=released", *(f"{key}={'null' if back[item] is None else back[item]}"
                                              for item, key in ITEMS.items())])
-    assert protocol_record(cfg)["items"] == back and cfg.protocol.name == "released"
+    assert protocol_record(cfg, tangent=True)["items"] == back and cfg.protocol.name == "released"
 
 
 def test_dp_status_is_recorded() -> None:
-    assert protocol_record(job_config([]))["dp_guarantee"] == "(ε, δ)-DP as accounted"
-    released = protocol_record(job_config(["protocol=released"]))
+    assert protocol_record(job_config([]), tangent=True)["dp_guarantee"] == "(ε, δ)-DP as accounted"
+    released = protocol_record(job_config(["protocol=released"]), tangent=True)
     assert released["dp_guarantee"] == NOT_DP_AS_STATED and len(released["dp_caveats"]) == 3
-    assert protocol_record(job_config(["protocol=released", "privacy=nondp"]))["dp_guarantee"] == "non-private"
+    assert protocol_record(job_config(["protocol=released", "privacy=nondp"]), tangent=True)["dp_guarantee"] == "non-private"
     only_calibration = job_config(["protocol=released", "privacy.per_example_scale=record",
                                    "privacy.denominator=expected", "method.noise_damping=null"])
-    assert protocol_record(only_calibration)["dp_guarantee"] == "(ε, δ)-DP as accounted"
+    assert protocol_record(only_calibration, tangent=True)["dp_guarantee"] == "(ε, δ)-DP as accounted"
 
 
 # ----------------------------------------------------------------------------- D1 calibration
@@ -136,7 +136,7 @@ def test_realised_denominator_scales_the_privatised_gradient_by_the_ratio() -> N
     params = {"m.lora_A.default.weight": nn.Parameter(torch.randn(3, 6, dtype=torch.float64)),
               "m.lora_B.default.weight": nn.Parameter(torch.randn(5, 3, dtype=torch.float64))}
     cfg = job_config(["method=adamw"]).method
-    method = FactorDPMethod(cfg, params, PrivacySpec(sigma=0.7, clip_norm=1.0))
+    method = build_method(cfg, params, PrivacySpec(sigma=0.7, clip_norm=1.0))
     method.accumulate({n: torch.randn(5, *p.shape, dtype=torch.float64) for n, p in params.items()})
     realised, expected = noise_denominator("realised", 5, 8), noise_denominator("expected", 5, 8)
     a, _ = method.privatize(realised, torch.Generator().manual_seed(3))
@@ -215,9 +215,9 @@ def test_pinv_rcond_lift_matches_numpy_pinv_and_cuts_near_null_directions() -> N
 
 
 def test_prism_method_reads_the_released_geometry_keys() -> None:
-    cfg = PrismConfig.from_mapping(job_config(["protocol=released"]).method)
+    cfg = PrismConfig.from_node(job_config(["protocol=released"]).method)
     assert (cfg.noise_damping, cfg.pinv_rcond) == (1e-8, 1e-6)
-    cfg = PrismConfig.from_mapping(job_config([]).method)
+    cfg = PrismConfig.from_node(job_config([]).method)
     assert (cfg.noise_damping, cfg.pinv_rcond) == (None, None)
 
 
@@ -256,7 +256,7 @@ def test_schedule_is_hf_linear_warmup() -> None:
 def _baseline(recipe: HFRecipe, losses: list[float]) -> tuple[HFTrainerBaseline, dict[str, nn.Parameter]]:
     params = {"m.lora_A.default.weight": nn.Parameter(torch.randn(3, 6, dtype=torch.float64)),
               "m.lora_B.default.weight": nn.Parameter(torch.randn(5, 3, dtype=torch.float64))}
-    inner = FactorDPMethod(job_config(["method=adamw"]).method, params, None)
+    inner = build_method(job_config(["method=adamw"]).method, params, None)
     return HFTrainerBaseline(inner, recipe, lambda: losses.pop(0)), params
 
 

@@ -35,6 +35,7 @@ from pipelines.aggregate.intervals import (
 from pipelines.aggregate.records import AggregateError, RunRecord
 from pipelines.aggregate.specs import SUITE_TASKS, TableSpec, as_float, norm_name
 from pipelines.tuned_rates import uses_tuned_rate
+from prism.methods import registry
 from prism.privacy.protocol import NOT_DP_AS_STATED
 
 PAPER_DIR = Path(__file__).resolve().parents[1] / "paper_tables"
@@ -413,8 +414,6 @@ def mark_best(frame: pd.DataFrame, spec: TableSpec, intervals: Mapping[tuple, In
     return frame
 
 
-PRISM = "PRISM"
-NOT_BASELINES = {PRISM, "PRISM (eq. 25–26)"}
 DIFF_LABEL = "PRISM − best baseline"
 
 
@@ -424,11 +423,13 @@ def prism_minus_best(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tu
     baseline. Empty for tables without a Method key or without a PRISM row."""
     if "Method" not in spec.keys:
         return pd.DataFrame()
+    prism_label = registry.lookup("prism").label
+    not_baselines = {registry.lookup(n).label for n in registry.names() if registry.lookup(n).tangent}
     out = []
     blocks = frame.groupby(spec.block, sort=False) if spec.block else [(None, frame)]
     for block, part in blocks:
-        prism = part[part["Method"] == PRISM]
-        baselines = part[~part["Method"].isin(NOT_BASELINES)]
+        prism = part[part["Method"] == prism_label]
+        baselines = part[~part["Method"].isin(not_baselines)]
         if prism.empty or baselines.empty:
             continue
         row: dict[str, Any] = {k: (block if k == spec.block else DIFF_LABEL) for k in spec.keys}

@@ -15,11 +15,10 @@ from typing import Any
 import pandas as pd
 
 from pipelines.aggregate.records import RunRecord
+from prism.methods import registry
 
 GLUE8 = ("CoLA", "SST-2", "MRPC", "STS-B", "QQP", "MNLI", "QNLI", "RTE")
 MATH4 = ("GSM8K", "AQuA", "MAWPS", "SVAMP")
-METHOD_LABELS = {"ffa": "FFA", "lora_rite": "RITE", "adamw": "AdamW", "loraplus": "LoRA+", "lamb": "LAMB",
-                 "prism": "PRISM", "prism_paper": "PRISM (eq. 25–26)"}
 SUITE_TASKS = {"glue8": GLUE8, "math10k": MATH4}
 
 BySuite = Mapping[str, Sequence[RunRecord]]
@@ -49,8 +48,12 @@ def norm_name(name: str) -> str:
 # ----------------------------------------------------------------------------------------- row keys
 
 def method_label(record: RunRecord) -> str:
-    """The paper's method name (Table 2's Method column)."""
-    return METHOD_LABELS.get(record.get("method.name"), str(record.get("method.name")))
+    """The method's ``label`` (Table 2's Method column); its name for a method this checkout lacks."""
+    node = record.get("method")
+    try:
+        return registry.lookup(node if isinstance(node, Mapping) else str(record.get("method.name"))).label
+    except registry.SchemaError:
+        return str(record.get("method.name"))
 
 
 def setting_label(record: RunRecord) -> str:

@@ -35,56 +35,16 @@ gives ``UR``. Everything is computed in the dtype of the inputs.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from prism.mechanism.geometry import Frame
 
-PRECONDITIONERS = ("floor", "ridge", "none")
-FLOOR_MODES = ("scalar", "geometry")
-
-
-@dataclass(frozen=True)
-class AdaptiveConfig:
-    """Knobs of the rank-space adaptive transform; defaults are the released code's (method ``prism``)."""
-
-    preconditioner: str = "floor"
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    floor_factor: float = 0.5
-    floor_mode: str = "scalar"
-    cond_max: float | None = 1e4
-    debias: bool = False
-    bias_correction: bool = True
-
-    def __post_init__(self) -> None:
-        if self.preconditioner not in PRECONDITIONERS:
-            raise ValueError(f"method.preconditioner={self.preconditioner!r}; choose one of {PRECONDITIONERS}")
-        if self.floor_mode not in FLOOR_MODES:
-            raise ValueError(f"method.floor_mode={self.floor_mode!r}; choose one of {FLOOR_MODES}")
-        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0):
-            raise ValueError(f"method.beta1/beta2 must lie in [0, 1), got {self.beta1}, {self.beta2}")
-        if self.eps < 0 or self.floor_factor < 0:
-            raise ValueError("method.eps and method.floor_factor must be ≥ 0")
-        if self.cond_max is not None and self.cond_max < 1:
-            raise ValueError(f"method.cond_max={self.cond_max} must be ≥ 1 or null (no condition clamp)")
-
-    @classmethod
-    def from_mapping(cls, cfg: Mapping[str, Any]) -> AdaptiveConfig:
-        """Pick this dataclass's fields out of a (method) config node; absent fields keep defaults."""
-        kwargs = {f.name: cfg[f.name] for f in fields(cls) if f.name in cfg}
-        for key in ("beta1", "beta2", "eps", "floor_factor"):
-            if key in kwargs:
-                kwargs[key] = float(kwargs[key])
-        if kwargs.get("cond_max") is not None:
-            kwargs["cond_max"] = float(kwargs["cond_max"])
-        return cls(**kwargs)
-
+if TYPE_CHECKING:  # the knobs below are fields of PRISM's method config (annotations only)
+    from prism.methods.schema import PrismConfig
 
 def noise_second_moments(fr: Frame) -> tuple[Tensor, Tensor]:
     """Eq. 50: rank-space moments of the unit tangent noise, ``Σ_A = ((m−r)/m) N⁻¹``, ``Σ_B = M⁻¹``.
@@ -113,7 +73,7 @@ def horizontal_noise_second_moments(fr: Frame) -> tuple[Tensor, Tensor]:
     return (V * diag_A[..., None, :]) @ V.mT / m, (U * diag_B[..., None, :]) @ U.mT / n
 
 
-def noise_floor(cfg: AdaptiveConfig, tau: float, sigma_noise: Tensor) -> float | Tensor:
+def noise_floor(cfg: PrismConfig, tau: float, sigma_noise: Tensor) -> float | Tensor:
     """Eq. 26 DP floor ``λ``: ``floor_factor·τ²`` (scalar) or ``floor_factor·τ²·tr(Σ)/r`` (geometry).
 
     The geometry floor stays on the device, shaped ``[..., 1]`` to broadcast over eigenvalues.
@@ -129,12 +89,12 @@ def symmetric_part(V_hat: Tensor) -> Tensor:
     return 0.5 * (V_hat + V_hat.mT)
 
 
-def preconditioner(cfg: AdaptiveConfig, V_hat: Tensor, floor: float | Tensor) -> Tensor:
+def preconditioner(cfg: PrismConfig, V_hat: Tensor, floor: float | Tensor) -> Tensor:
     """``P(V̂) = E diag(p(w)) Eᵀ`` (eq. 25; ``floor`` or ``ridge`` form, see module docstring)."""
     return spectral_preconditioner(cfg, *torch.linalg.eigh(symmetric_part(V_hat)), floor)
 
 
-def spectral_preconditioner(cfg: AdaptiveConfig, w: Tensor, E: Tensor, floor: float | Tensor) -> Tensor:
+def spectral_preconditioner(cfg: PrismConfig, w: Tensor, E: Tensor, floor: float | Tensor) -> Tensor:
     """:func:`preconditioner` from the eigendecomposition ``(w, E)`` of ``symmetric_part(V̂)``."""
     w = w.clamp_min(0.0)
     w = (w + cfg.eps).clamp_min(floor) if cfg.preconditioner == "floor" else w + floor + cfg.eps
@@ -151,14 +111,14 @@ class FactorMoments:
     V: Tensor
 
 
-def update_moments(cfg: AdaptiveConfig, state: FactorMoments, delta: Tensor) -> None:
+def update_moments(cfg: PrismConfig, state: FactorMoments, delta: Tensor) -> None:
     """Eq. 24 in place: ``m ← β1 m + (1−β1)Δ``, ``V ← β2 V + (1−β2) ΔᵀΔ/rows``."""
     state.m.mul_(cfg.beta1).add_(delta, alpha=1.0 - cfg.beta1)
     state.V.mul_(cfg.beta2).add_(delta.mT @ delta, alpha=(1.0 - cfg.beta2) / delta.shape[-2])
 
 
 def moment_estimates(
-    cfg: AdaptiveConfig, state: FactorMoments, t: int, tau: float, sigma_noise: Tensor, out: Tensor | None = None
+    cfg: PrismConfig, state: FactorMoments, t: int, tau: float, sigma_noise: Tensor, out: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """``(m̂, V̂)`` at step ``t ≥ 1``: bias-corrected moments, ``V̂`` debiased when configured.
 
@@ -181,7 +141,7 @@ class RankSpaceAdaptive:
     ``batch=(G,)`` holds a group of ``G`` modules of one shape that always step together.
     """
 
-    def __init__(self, cfg: AdaptiveConfig, m: int, n: int, r: int, dtype: torch.dtype, device: torch.device,
+    def __init__(self, cfg: PrismConfig, m: int, n: int, r: int, dtype: torch.dtype, device: torch.device,
                  batch: tuple[int, ...] = ()):
         self.cfg = cfg
         self.t = 0
@@ -217,17 +177,3 @@ class RankSpaceAdaptive:
         update_moments(self.cfg, self.B, dB)
         return [(*moment_estimates(self.cfg, state, self.t, tau, sigma, out=m_hat), noise_floor(self.cfg, tau, sigma))
                 for state, sigma, m_hat in ((self.A, sigma_A, out and out[0]), (self.B, sigma_B, out and out[1]))]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"t": self.t, "mA": self.A.m.clone(), "VA": self.A.V.clone(),
-                "mB": self.B.m.clone(), "VB": self.B.V.clone()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for key, target in (("mA", self.A.m), ("VA", self.A.V), ("mB", self.B.m), ("VB", self.B.V)):
-            if state[key].shape != target.shape:
-                raise ValueError(
-                    f"adaptive state {key} has shape {tuple(state[key].shape)}, expected {tuple(target.shape)}; "
-                    "the checkpoint was written for another LoRA rank or model"
-                )
-            target.copy_(state[key])
-        self.t = int(state["t"])

@@ -1,4 +1,5 @@
-"""Methods behind one interface (:class:`prism.methods.base.Method`), chosen by ``method.name``.
+"""Methods behind one interface (:class:`prism.methods.base.Method`), chosen by ``method.name``
+through the registry (:mod:`prism.methods.registry`).
 
 Importing the package loads no torch (:mod:`prism.methods.schema` is read by the pre-run
 validator); ``Method`` and ``PrivacySpec`` load :mod:`prism.methods.base` on first use."""
@@ -9,31 +10,21 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from prism.methods import schema
+from prism.methods import registry
 
 if TYPE_CHECKING:
     from torch import nn
 
     from prism.methods.base import Method, PrivacySpec
 
-METHODS = ("prism", "prism_paper", "adamw", "loraplus", "lamb", "ffa", "lora_rite")
-
 
 def build_method(
     cfg: DictConfig, params: Mapping[str, nn.Parameter], privacy: PrivacySpec | None
 ) -> Method:
-    """Build the method named ``cfg.name`` (a ``conf/method/*.yaml`` node, ``cfg.lr`` a float),
-    after checking the node against the method's schema (:mod:`prism.methods.schema`)."""
-    schema.check(cfg)
-    if cfg.name in ("prism", "prism_paper"):
-        from prism.methods.prism import PrismMethod
-
-        return PrismMethod(cfg, params, privacy)
-    if cfg.name in ("adamw", "loraplus", "lamb", "ffa", "lora_rite"):
-        from prism.methods.factor import FactorDPMethod
-
-        return FactorDPMethod(cfg, params, privacy)
-    raise ValueError(f"unknown method {cfg.name!r}; choose one of {', '.join(METHODS)}")
+    """The method ``cfg.name`` (a ``conf/method/*.yaml`` node, ``cfg.lr`` a float) over ``params``: its
+    registered class given its config dataclass, built (and checked) from the node."""
+    cls = registry.lookup(cfg)
+    return cls(registry.config_class(cfg).from_node(cfg), params, privacy)
 
 
 def __getattr__(name: str) -> Any:
@@ -44,4 +35,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'prism.methods' has no attribute {name!r}")
 
 
-__all__ = ["METHODS", "Method", "PrivacySpec", "build_method"]
+__all__ = ["Method", "PrivacySpec", "build_method", "registry"]

@@ -25,12 +25,15 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from prism.privacy.noise import NoiseSource, as_noise_source
+
+if TYPE_CHECKING:
+    from prism.methods.schema import MethodConfig
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,19 @@ class Release:
 
 
 class Method(abc.ABC):
-    """Privatiser + update rule over a fixed set of named trainable parameters."""
+    """Privatiser + update rule over a fixed set of named trainable parameters.
+
+    A registered method (:mod:`prism.methods.registry`) states its traits as class attributes, which
+    whatever depends on the method reads instead of its name."""
+
+    name: ClassVar[str]  # the registry key and conf/method/<name>.yaml
+    label: ClassVar[str]  # its row in the tables
+    config_class: ClassVar[type[MethodConfig]]  # the dataclass it receives (prism.methods.schema)
+    tangent: ClassVar[bool] = False  # clips, noises, updates in the tangent space (eqs. 14–22), not the factors (eq. 3)
+    factors: ClassVar[tuple[str, ...]] = ("lora_A", "lora_B")  # the peft factors it clips and trains
+    per_example_power: ClassVar[int] = 1  # the released loop's per-example scaling power (D3)
+    hf_clips: ClassVar[bool] = True  # the released non-private HF recipe clips its gradient (D7)
+    compare_by_default: ClassVar[bool] = True  # in make compare's default method list
 
     def __init__(self, params: Mapping[str, nn.Parameter], privacy: PrivacySpec | None) -> None:
         self.params = dict(params)
@@ -67,6 +82,10 @@ class Method(abc.ABC):
     @property
     def dp(self) -> bool:
         return self.privacy is not None
+
+    def tau(self, denominator: float) -> float:
+        """Noise standard deviation ``σC/denominator`` of the averaged release (0 without DP)."""
+        return 0.0 if self.privacy is None else self.privacy.sigma * self.privacy.clip_norm / denominator
 
     @abc.abstractmethod
     def zero_accumulators(self) -> None:

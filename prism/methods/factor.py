@@ -9,23 +9,24 @@ float64 (:mod:`prism.privacy.noise`, the law PRISM's noise has; docs/DECISIONS.m
 average is rounded to the parameters' dtype once: float32 sums of 256 aligned examples differ from their
 neighbour's by more than C, and float32 draws stop at ≈ 5.77 standard deviations.
 
-FFA (Sun et al. 2024): the randomly initialised peft ``lora_A`` (paper ``B``) is frozen and only peft
-``lora_B`` (paper ``A``) is trained, so it gets neither update nor noise and the clipping norm covers
-the ``lora_B`` tensors only. ``lora_A`` parameters handed to an ``ffa`` method are frozen
-(``requires_grad = False``) and kept only to evaluate the noise diagnostic.
+A subclass (:mod:`prism.methods.optimizers`) names its optimizer and its ``factors``, the peft factors
+it trains. FFA (Sun et al. 2024) trains peft ``lora_B`` (paper ``A``) only: the randomly initialised
+peft ``lora_A`` (paper ``B``) gets neither update nor noise and the clipping norm covers the ``lora_B``
+tensors only. Parameters of a factor a method does not train are frozen (``requires_grad = False``)
+and kept only to evaluate the noise diagnostic.
 """
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from prism.mechanism.lora import lora_pairs, read_pair
 from prism.methods.base import Method, PrivacySpec, Release
-from prism.methods.optimizers import build_optimizer
+from prism.methods.schema import MethodConfig
 from prism.privacy.noise import NoiseSource, as_noise_source
 
 OPACUS_NORM_EPS = 1e-6  # opacus.optimizers.optimizer.DPOptimizer.clip_and_accumulate
@@ -50,28 +51,29 @@ def first_order_noise_energy(A: Tensor, B: Tensor, xi_A: Tensor, xi_B: Tensor) -
 
 
 class FactorDPMethod(Method):
-    """Factor-space DP-SGD + the optimizer named by ``cfg.name`` (adamw | loraplus | lamb | ffa | lora_rite)."""
+    """Factor-space DP-SGD + the optimizer of the subclass (:meth:`build_optimizer`)."""
 
-    def __init__(
-        self, cfg: DictConfig, params: Mapping[str, nn.Parameter], privacy: PrivacySpec | None
-    ) -> None:
-        params = dict(params)
-        self.frozen: dict[str, nn.Parameter] = {}
-        if cfg.name == "ffa":
-            self.frozen = {n: p for n, p in params.items() if ".lora_A." in n}
-            for p in self.frozen.values():
-                p.requires_grad_(False)
-            params = {n: p for n, p in params.items() if n not in self.frozen}
+    def __init__(self, config: MethodConfig, params: Mapping[str, nn.Parameter], privacy: PrivacySpec | None) -> None:
+        self.config = config
+        untrained = [f".{f}." for f in ("lora_A", "lora_B") if f not in self.factors]
+        self.frozen: dict[str, nn.Parameter] = {n: p for n, p in params.items() if any(f in n for f in untrained)}
+        for p in self.frozen.values():
+            p.requires_grad_(False)
+        params = {n: p for n, p in params.items() if n not in self.frozen}
         if not params:
-            raise ValueError(f"method {cfg.name!r} got no trainable parameters; pass the LoRA factors of the peft model")
+            raise ValueError(f"method {self.name!r} got no trainable parameters; pass the LoRA factors of the peft model")
         super().__init__(params, privacy)
-        self.optimizer = build_optimizer(cfg, self.params)
+        self.optimizer = self.build_optimizer()
         everything = {**self.params, **self.frozen}
         names = [n for n in everything if ".lora_A." in n or ".lora_B." in n]
         # FFA given only lora_B cannot evaluate the diagnostic (it needs the frozen paper B).
         complete = all(n.replace(".lora_B.", ".lora_A.") in everything for n in names if ".lora_B." in n)
         self.pairs = lora_pairs(names) if complete else None
         self.zero_accumulators()
+
+    @abc.abstractmethod
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer over ``self.params``, from ``self.config``."""
 
     def zero_accumulators(self) -> None:
         dtype = (lambda p: torch.float64) if self.dp else (lambda p: torch.promote_types(p.dtype, torch.float32))
@@ -122,7 +124,7 @@ class FactorDPMethod(Method):
         noise = as_noise_source(noise)
         sums = self.summed
         if self.dp:
-            scale = self.privacy.sigma * self.privacy.clip_norm / denominator
+            scale = self.tau(denominator)
             flat = noise.normal((sum(a.numel() for a in sums.values()),), next(iter(sums.values())).device)
             parts = flat.mul_(scale).split([a.numel() for a in sums.values()])
             xi = {n: x.view(a.shape) for (n, a), x in zip(sums.items(), parts)}
@@ -133,9 +135,8 @@ class FactorDPMethod(Method):
     def add_noise(self, denominator: float, noise: NoiseSource, diagnostics: bool = True) -> Release:
         """The :class:`~prism.methods.base.Release` of :meth:`privatize`; ``noise_sq`` is eq. 8's noise energy."""
         tensors, xi = self.privatize(denominator, noise)
-        scale = self.privacy.sigma * self.privacy.clip_norm / denominator if self.dp else 0.0
         noise_sq = self.noise_norm(xi).square() if diagnostics and self.dp else None
-        return Release(tensors=tensors, scale=scale, noise_sq=noise_sq)
+        return Release(tensors=tensors, scale=self.tau(denominator), noise_sq=noise_sq)
 
     def noise_norm(self, noise: Mapping[str, Tensor]) -> Tensor:
         """``sqrt(Σ_modules ‖ξ_A Bᵀ + A ξ_Bᵀ‖²_F)`` at the current factors (Fig. 1 / eq. 8 diagnostic).

@@ -29,6 +29,7 @@ from prism.data.prompts import collate
 from prism.fastpath.prefix import PrefixCache
 from prism.methods.base import Method, Release
 from prism.methods.factor import FactorDPMethod
+from prism.methods.registry import lookup
 from prism.privacy.accounting import is_private
 from prism.privacy.noise import NoiseSource
 from prism.privacy.per_example import IGNORE_INDEX, per_example_loss
@@ -54,15 +55,15 @@ class HFRecipe:
         trainer = cfg.train.get("nondp_trainer", "shared")
         if trainer not in TRAINERS:
             raise ValueError(f"train.nondp_trainer={trainer!r}; choose one of {TRAINERS}")
-        private = is_private(cfg)
-        if trainer == "shared" or private or str(cfg.method.name).startswith("prism"):
+        method = lookup(cfg.method)
+        if trainer == "shared" or is_private(cfg) or method.tangent:
             return None
         hf, steps = cfg.train.hf_trainer, int(cfg.train.steps)
         holdout = round(float(hf.holdout_fraction) * n_examples)
         if not 1 <= holdout < n_examples:
             raise ValueError(f"train.hf_trainer.holdout_fraction={hf.holdout_fraction} leaves a hold-out of "
                              f"{holdout} of {n_examples} examples; choose a fraction in (0, 1)")
-        clip = 0.0 if cfg.method.name == "lora_rite" else float(hf.max_grad_norm)  # released: no clip for RITE
+        clip = float(hf.max_grad_norm) if method.hf_clips else 0.0  # released: no clip for RITE
         return cls(total_steps=steps, warmup_steps=round(float(hf.warmup_fraction) * steps),
                    eval_every=max(1, round(float(hf.eval_every_fraction) * steps)), holdout=holdout,
                    max_grad_norm=clip, weight_decay=float(hf.weight_decay))

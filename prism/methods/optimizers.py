@@ -1,7 +1,9 @@
-"""The update rules the factor-space baselines apply to their privatised gradient (docs/DECISIONS.md D23–D27, Table 8).
+"""The factor-space baselines: :class:`~prism.methods.factor.FactorDPMethod` with the update rule each
+applies to its privatised gradient (docs/DECISIONS.md D23–D27, Table 8).
 
-Every hyper-parameter is read explicitly from the method config node (``conf/method/<name>.yaml``);
-nothing falls back to a library default, so a library upgrade cannot silently change a baseline.
+Every hyper-parameter is read explicitly from the method's config dataclass (:mod:`prism.methods.schema`,
+values from ``conf/method/<name>.yaml``); nothing falls back to a library default, so a library
+upgrade cannot silently change a baseline.
 """
 from __future__ import annotations
 
@@ -9,34 +11,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
-from pytorch_optimizer import Lamb
 from torch import nn
 
+from prism.methods.factor import FactorDPMethod
 from prism.methods.lora_rite import LoRARite
-
-ADAMW_FIELDS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
-LORAPLUS_FIELDS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "loraplus_lr_ratio")
-LAMB_FIELDS = (
-    "lr", "betas", "eps", "weight_decay", "weight_decouple", "fixed_decay", "rectify",
-    "degenerated_to_sgd", "n_sma_threshold", "grad_averaging", "max_grad_norm", "pre_norm", "adam",
-    "adam_debias", "adanorm", "foreach", "maximize",
-)
-LORA_RITE_FIELDS = ("lr", "betas", "eps", "update_skipping", "clip_unmagnified_grad")
-
-
-def method_fields(cfg: DictConfig, fields: tuple[str, ...]) -> dict[str, Any]:
-    """Read ``fields`` from the method node as plain Python values (lists become tuples).
-
-    Raises ``ValueError`` naming the missing field and the yaml to add it to.
-    """
-    plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    missing = [f for f in fields if plain.get(f) is None]
-    if missing:
-        raise ValueError(
-            f"method {plain.get('name')!r} needs {', '.join(missing)}; add them to conf/method/{plain.get('name')}.yaml"
-        )
-    return {f: tuple(plain[f]) if isinstance(plain[f], list) else plain[f] for f in fields}
+from prism.methods.schema import AdamWConfig, LambConfig, LoraPlusConfig, LoraRiteConfig
 
 
 def loraplus_param_groups(
@@ -59,29 +38,49 @@ def loraplus_param_groups(
     ]
 
 
-def build_optimizer(cfg: DictConfig, params: Mapping[str, nn.Parameter]) -> torch.optim.Optimizer:
-    """The torch optimizer of the baseline ``cfg.name`` over ``params`` (name → trainable parameter).
+class AdamWMethod(FactorDPMethod):
+    """DP-AdamW: ``torch.optim.AdamW`` (D23)."""
 
-    * ``adamw`` / ``ffa``: ``torch.optim.AdamW``.
-    * ``loraplus``: AdamW over :func:`loraplus_param_groups`.
-    * ``lamb``: ``pytorch_optimizer.Lamb`` (You et al. 2020) with its global-norm gradient rescaling
-      switched off (``pre_norm: false``, ``max_grad_norm: 0``) so the privatised gradient reaches the
-      moments unchanged; the layer-wise trust ratio stays on (``adam: false``).
-    * ``lora_rite``: :class:`prism.methods.lora_rite.LoRARite`.
-    """
-    name = cfg.name
-    if name in ("adamw", "ffa"):
-        kw = method_fields(cfg, ADAMW_FIELDS)
-        return torch.optim.AdamW(list(params.values()), **kw)
-    if name == "loraplus":
-        kw = method_fields(cfg, LORAPLUS_FIELDS)
-        groups = loraplus_param_groups(params, kw.pop("lr"), kw.pop("loraplus_lr_ratio"), kw.pop("weight_decay"))
+    name, label, config_class = "adamw", "AdamW", AdamWConfig
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(list(self.params.values()), **self.config.options())
+
+
+class FFAMethod(AdamWMethod):
+    """FFA (Sun et al. 2024): AdamW on peft ``lora_B`` only, the random peft ``lora_A`` frozen (D24)."""
+
+    name, label, factors = "ffa", "FFA", ("lora_B",)
+
+
+class LoraPlusMethod(FactorDPMethod):
+    """LoRA+: AdamW over :func:`loraplus_param_groups` (D25)."""
+
+    name, label, config_class = "loraplus", "LoRA+", LoraPlusConfig
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        kw = self.config.options()
+        groups = loraplus_param_groups(self.params, kw.pop("lr"), kw.pop("loraplus_lr_ratio"), kw.pop("weight_decay"))
         return torch.optim.AdamW(groups, **kw)
-    if name == "lamb":
-        kw = method_fields(cfg, LAMB_FIELDS)
-        if kw["pre_norm"] or kw["max_grad_norm"] != 0:
-            raise ValueError("lamb must not rescale the privatised gradient: set pre_norm: false and max_grad_norm: 0")
-        return Lamb(list(params.values()), **kw)
-    if name == "lora_rite":
-        return LoRARite(params, **method_fields(cfg, LORA_RITE_FIELDS))
-    raise ValueError(f"no factor-space optimizer for method {name!r}; choose adamw, loraplus, lamb, ffa or lora_rite")
+
+
+class LambMethod(FactorDPMethod):
+    """LAMB: ``pytorch_optimizer.Lamb`` (You et al. 2020, D26) with its global-norm gradient rescaling
+    switched off (``pre_norm: false``, ``max_grad_norm: 0``, which the config refuses to change) so the
+    privatised gradient reaches the moments unchanged; the layer-wise trust ratio stays on (``adam: false``)."""
+
+    name, label, config_class = "lamb", "LAMB", LambConfig
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        from pytorch_optimizer import Lamb  # about a second to import: only for a LAMB run
+
+        return Lamb(list(self.params.values()), **self.config.options())
+
+
+class LoraRiteMethod(FactorDPMethod):
+    """LoRA-RITE: :class:`prism.methods.lora_rite.LoRARite` (D27); the released HF recipe does not clip it."""
+
+    name, label, config_class, hf_clips = "lora_rite", "RITE", LoraRiteConfig, False
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return LoRARite(self.params, **self.config.options())

@@ -54,7 +54,6 @@ from torch import Tensor, nn
 
 from prism.mechanism import geometry
 from prism.mechanism.adaptive import (
-    AdaptiveConfig,
     RankSpaceAdaptive,
     horizontal_noise_second_moments,
     noise_second_moments,
@@ -63,52 +62,13 @@ from prism.mechanism.adaptive import (
 )
 from prism.mechanism.lora import LoraPair, lora_pairs, read_pair, write_pair
 from prism.methods.base import Method, PrivacySpec, Release
+from prism.methods.schema import PrismConfig
 from prism.privacy.noise import NoiseSource
 
 log = logging.getLogger(__name__)
 
-HORIZONTALIZE = ("both", "pre_retract", "none")
-RANK_FALLBACKS = (None, "floor")
-COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-# Fields of the method node this class reads besides the AdaptiveConfig ones; "name"/"init"/"init_svd" belong
-# to build_method / prism.models.
-_OWN_FIELDS = {"name", "lr", "init", "init_svd", "horizontalize", "rank_fallback", "compute_dtype", "noise_damping",
-               "pinv_rcond"}
+COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}  # PrismConfig.compute_dtype
 DP_DTYPE = torch.float64  # per-example lifts, norms, clipped sums and noise under DP (module docstring)
-
-
-@dataclass(frozen=True)
-class PrismConfig:
-    """The ``method`` node for ``prism`` / ``prism_paper`` (see ``conf/method/prism*.yaml``)."""
-
-    lr: float
-    horizontalize: str = "both"
-    rank_fallback: str | None = None
-    compute_dtype: str = "float32"
-    adaptive: AdaptiveConfig = AdaptiveConfig()
-    noise_damping: float | None = None  # released protocol: (N + δI)^{-1/2} whitening (geometry.tangent_noise)
-    pinv_rcond: float | None = None  # released protocol: eigen-cut pseudo-inverses in the lift (geometry.lift)
-
-    def __post_init__(self) -> None:
-        if self.horizontalize not in HORIZONTALIZE:
-            raise ValueError(f"method.horizontalize={self.horizontalize!r}; choose one of {HORIZONTALIZE}")
-        if self.rank_fallback not in RANK_FALLBACKS:
-            raise ValueError(f"method.rank_fallback={self.rank_fallback!r}; choose null or 'floor'")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"method.compute_dtype={self.compute_dtype!r}; choose float32 or float64")
-        if not self.lr > 0:
-            raise ValueError(f"method.lr={self.lr} must be a positive float")
-
-    @classmethod
-    def from_mapping(cls, cfg: Mapping[str, Any]) -> PrismConfig:
-        """Read a method node; unknown keys are an error (a typo would otherwise be ignored)."""
-        known = _OWN_FIELDS | set(AdaptiveConfig.__dataclass_fields__)
-        unknown = sorted(set(cfg) - known)
-        if unknown:
-            raise ValueError(f"unknown PRISM method field(s) {unknown}; known fields: {sorted(known)}")
-        own = {k: cfg[k] for k in ("horizontalize", "rank_fallback", "compute_dtype", "noise_damping", "pinv_rcond")
-               if k in cfg}
-        return cls(lr=float(cfg["lr"]), adaptive=AdaptiveConfig.from_mapping(cfg), **own)
 
 
 def floor_spectrum(A: Tensor, B: Tensor, rcond: float) -> tuple[Tensor, Tensor, int]:
@@ -162,11 +122,14 @@ def stack_pairs(tensors: Mapping[str, Tensor], pairs: list[LoraPair], dtype: tor
 
 
 class PrismMethod(Method):
-    """PRISM (paper Alg. 1) over the peft LoRA parameters ``params``."""
+    """PRISM (paper Alg. 1) over the peft LoRA parameters ``params``, the released code's variant (D15)."""
 
-    def __init__(self, cfg: Mapping[str, Any], params: Mapping[str, nn.Parameter], privacy: PrivacySpec | None):
+    name, label, config_class = "prism", "PRISM", PrismConfig
+    tangent, per_example_power = True, 2
+
+    def __init__(self, config: PrismConfig, params: Mapping[str, nn.Parameter], privacy: PrivacySpec | None):
         super().__init__(params, privacy)
-        self.config = PrismConfig.from_mapping(cfg)
+        self.config = config
         pairs: list[LoraPair] = lora_pairs(self.params)
         if not pairs:
             raise ValueError("PRISM found no peft LoRA parameters (…lora_A/lora_B….weight) among the trainable ones")
@@ -177,7 +140,7 @@ class PrismMethod(Method):
         for group in group_by_shape(self.params, pairs):
             A, B = read_pair(self.params, group[0])
             (m, r), n = A.shape, B.shape[0]
-            adaptive = RankSpaceAdaptive(self.config.adaptive, m, n, r, self.dtype, A.device, batch=(len(group),))
+            adaptive = RankSpaceAdaptive(self.config, m, n, r, self.dtype, A.device, batch=(len(group),))
             self.groups.append(ShapeGroup(pairs=group, adaptive=adaptive))
         self._norms: list[Tensor] = []
 
@@ -283,7 +246,7 @@ class PrismMethod(Method):
         Each ``eigh``/SVD is one call for every group (:func:`geometry.fused`). Returns ``update_norm``
         (``‖Z' − Z‖_F`` over all modules) with ``diagnostics``.
         """
-        tau, cfg = release.scale, self.config.adaptive
+        tau, cfg = release.scale, self.config
         moments = horizontal_noise_second_moments if self.horizontal_lift else noise_second_moments
         lifts = [(torch.stack([release.tensors[p.a_name] for p in g.pairs]).to(self.dtype),
                   torch.stack([release.tensors[p.b_name] for p in g.pairs]).mT.to(self.dtype)) for g in self.groups]
@@ -317,10 +280,6 @@ class PrismMethod(Method):
             return {}
         norms = torch.cat(self._norms)
         return {"clip_fraction": (norms > self.privacy.clip_norm).double().mean(), "grad_norm_mean": norms.mean()}
-
-    def tau(self, denominator: float) -> float:
-        """Noise standard deviation ``σC/denominator`` of the averaged lift (0 without DP)."""
-        return 0.0 if self.privacy is None else self.privacy.sigma * self.privacy.clip_norm / denominator
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -378,6 +337,13 @@ class PrismMethod(Method):
                 write_pair(self.params, pair, A, B)
             g.frame = geometry.frame(*(x.to(self.work_dtype) for x in stack_pairs(self.params, g.pairs, self.dtype)))
         self._check_rank()
+
+
+class PrismPaperMethod(PrismMethod):
+    """PRISM with the paper's eqs. 25–26 (ridge, geometry floor, debias; D15): a variant of ``prism``,
+    left out of ``make compare``'s default list."""
+
+    name, label, compare_by_default = "prism_paper", "PRISM (eq. 25–26)", False
 
 
 def _finite_or_zero(X: Tensor) -> Tensor:

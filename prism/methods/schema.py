@@ -1,178 +1,240 @@
-"""The keys of each method's config node: type, range, choices and meaning, declared once.
+"""Each method's config: one dataclass, the object the method receives (docs/DECISIONS.md D78).
 
-``conf/method/<name>.yaml`` gives the values; this table says which values are valid. Both the
-pre-run validator (:mod:`pipelines.config_rules`, before any model load) and the methods
-(:func:`prism.methods.build_method`) call :func:`check`, so a key's rule lives in one place.
-Keys every method node carries (``lr``, ``init``, and the protocol's ``init_svd``,
-``noise_damping``, ``pinv_rcond``, D4–D6) are declared once in :data:`COMMON`. ``Dnn`` in a key's
-doc is the entry of docs/DECISIONS.md.
-
-No torch here: the validator reports a bad value in about a second.
+A field carries its type (``Literal``: the choices; ``X | None``: null allowed; ``tuple[float, float]``:
+a pair), default (none: the yaml must give it), help and numeric range (:func:`key`), which
+:meth:`MethodConfig.__post_init__` checks (one :class:`SchemaError` line per bad value).
+``conf/method/<name>.yaml`` gives the values. No torch here: the pre-run validator calls :func:`check`.
 """
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Literal
 
-__all__ = ["SCHEMAS", "Key", "SchemaError", "check", "schema"]
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["AdamWConfig", "LambConfig", "LoraPlusConfig", "LoraRiteConfig", "MethodConfig", "PrismConfig",
+           "SchemaError", "check"]
 
 
 class SchemaError(ValueError):
-    """A method key with a value its schema refuses; one line naming ``method.<key>`` and the fix."""
+    """A method key with a value its dataclass refuses; one line naming ``method.<key>`` and the fix."""
 
 
-@dataclass(frozen=True)
-class Key:
-    """One key of a method node.
-
-    ``kind``: ``float`` (an int is accepted), ``int``, ``bool``, ``str`` or ``"pair"`` (two floats);
-    ``low``/``high`` bound numbers (``*_open``: the bound itself excluded; a pair bounds each entry);
-    ``choices``: the allowed values; ``nullable``: ``null`` allowed."""
-
-    name: str
-    kind: Any
-    doc: str
-    choices: tuple[Any, ...] | None = None
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    nullable: bool = False
-
-    def problem(self, value: Any) -> str | None:
-        """Why ``value`` is invalid (the fix included), or None."""
-        if value is None:
-            return None if self.nullable else f"may not be null ({self.doc})"
-        if self.kind == "pair":
-            ok = isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2 and all(_is_number(v) for v in value)
-            if not ok:
-                return f"must be two numbers [a, b] ({self.doc})"
-            bad = next((self._range(float(v)) for v in value if self._range(float(v))), None)
-            return None if bad is None else f"must be two numbers each {bad} ({self.doc})"
-        if self.kind is bool and not isinstance(value, bool):
-            return f"must be true or false ({self.doc})"
-        if self.kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-            return f"must be an integer ({self.doc})"
-        if self.kind is float and not _is_number(value):
-            return f"must be a number ({self.doc})"
-        if self.kind is str and not isinstance(value, str):
-            return f"must be a string ({self.doc})"
-        if self.choices is not None and value not in self.choices:
-            names = ", ".join("null" if c is None else str(c).lower() if isinstance(c, bool) else str(c)
-                              for c in self.choices)
-            return f"must be {'one of ' if len(self.choices) > 1 else ''}{names} ({self.doc})"
-        if self.kind in (int, float):
-            bad = self._range(float(value))
-            return None if bad is None else f"must be {bad} ({self.doc})"
-        return None
-
-    def _range(self, x: float) -> str | None:
-        if not math.isfinite(x):
-            return "a finite number"
-        too_low = self.low is not None and (x <= self.low if self.low_open else x < self.low)
-        too_high = self.high is not None and (x >= self.high if self.high_open else x > self.high)
-        if not (too_low or too_high):
-            return None
-        lo = "" if self.low is None else f"{'(' if self.low_open else '['}{self.low:g}"
-        hi = "" if self.high is None else f"{self.high:g}{')' if self.high_open else ']'}"
-        if lo and hi:
-            return f"in {lo}, {hi}"
-        return f"{'>' if self.low_open else '>='} {self.low:g}" if lo else f"{'<' if self.high_open else '<='} {self.high:g}"
+def key(help: str, default: Any = MISSING, range: str | None = None) -> Any:
+    """A config field: its default (none: the yaml must give it), help and numeric ``range``."""
+    return field(default=default, metadata={"help": help, "range": range})
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+@dataclass(frozen=True, kw_only=True)
+class MethodConfig:
+    """The keys of every method node; a method's own keys come in a subclass."""
+
+    name: str = key("the method, chosen by method=<name>")
+    lr: float = key("learning rate, Table 8", range="(0, inf)")
+    init: Literal["peft", "spectral"] = key("LoRA init: peft (B = 0) or spectral residual (docs/DECISIONS.md D14)",
+                                            "peft")
+    init_svd: Literal["auto", "randomized"] = key(
+        "SVD of the spectral init: exact up to 1024, randomized above (auto) or always randomized", "auto")
+    noise_damping: float | None = key(
+        "released protocol's (N + δI)^-1/2 whitening, null for exact (PRISM only)", None, "[0, inf)")
+    pinv_rcond: float | None = key(
+        "released protocol's eigen-cut pseudo-inverses in the lift, null for exact (PRISM only)", None, "[0, 1)")
+
+    def __post_init__(self) -> None:
+        """Check every field against its type, choices and range; numbers become floats, pairs tuples."""
+        hints = _hints(type(self))
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if (why := _problem(hints[f.name], f.metadata, value)) is not None:
+                raise SchemaError(f"method.{f.name}={_shown(value)} {why}")
+            if _is_number(value) and _base(hints[f.name])[0] is float:
+                object.__setattr__(self, f.name, float(value))
+            elif isinstance(value, list | tuple):
+                object.__setattr__(self, f.name, tuple(float(v) for v in value))
+
+    @classmethod
+    def from_node(cls, node: Mapping[str, Any]) -> MethodConfig:
+        """The dataclass of a method node (a yaml's keys, ``_target_`` aside: the registry reads it);
+        an unknown or missing key is a :class:`SchemaError`."""
+        plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        plain.pop("_target_", None)
+        keys = [f.name for f in fields(cls)]
+        if unknown := [k for k in plain if k not in keys]:
+            raise SchemaError(f"unknown key method.{unknown[0]} for method {plain.get('name')}, "
+                              f"its keys are {', '.join(keys)}")
+        if missing := [f.name for f in fields(cls) if f.name not in plain and f.default is MISSING]:
+            raise SchemaError(f"method.{missing[0]} is missing, add it to conf/method/{plain.get('name')}.yaml")
+        return cls(**plain)
+
+    def options(self) -> dict[str, Any]:
+        """``lr`` and the method's own keys (those of the subclass): an optimizer's keyword arguments."""
+        common = {f.name for f in fields(MethodConfig)} - {"lr"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in common}
 
 
-def _keys(*keys: Key) -> dict[str, Key]:
-    return {k.name: k for k in keys}
+@dataclass(frozen=True, kw_only=True)
+class PrismConfig(MethodConfig):
+    """``prism`` / ``prism_paper``: the rank-space adaptive transform (eqs. 24–26, :mod:`prism.mechanism.adaptive`)
+    and the lift; the defaults are the released code's (method ``prism``)."""
+
+    init: Literal["spectral"] = key(
+        "PRISM needs full-rank factors, and peft's B = 0 has rank 0: use the spectral init (D14)", "spectral")
+    preconditioner: Literal["floor", "ridge", "none"] = key(
+        "rank-space preconditioner: released floor, eq. 25 ridge, or none", "floor")
+    beta1: float = key("first-moment decay", 0.9, "[0, 1)")
+    beta2: float = key("second-moment decay", 0.999, "[0, 1)")
+    eps: float = key("moment offset", 1e-8, "[0, inf)")
+    floor_mode: Literal["scalar", "geometry"] = key("eigenvalue floor: released scalar or eq. 26 geometry", "scalar")
+    floor_factor: float = key("floor / ridge constant (eq. 26)", 0.5, "[0, inf)")
+    cond_max: float | None = key("condition-number clamp, null for none", 1e4, "[1, inf)")
+    debias: bool = key("eq. 50 noise debias of the second moment (App. A.26)", False)
+    bias_correction: bool = key("Adam-style bias correction of the moments", True)
+    horizontalize: Literal["both", "pre_retract", "none"] = key(
+        "horizontal projection of the lift: both, pre_retract or none", "both")
+    rank_fallback: Literal["floor"] | None = key(
+        "a rank-deficient Gram matrix: null (an error, D20) or floor its spectrum", None)
+    compute_dtype: Literal["float32", "float64"] = key("dtype of snapshots, rank check and moments", "float32")
 
 
-COMMON = _keys(
-    Key("name", str, "the method, chosen by method=<name>"),
-    Key("lr", float, "learning rate, Table 8", low=0.0, low_open=True),
-    Key("init", str, "LoRA init: peft (B = 0) or spectral residual (docs/DECISIONS.md D14)",
-        choices=("peft", "spectral")),
-    Key("init_svd", str, "SVD of the spectral init: exact up to 1024, randomized above (auto) or always randomized",
-        choices=("auto", "randomized")),
-    Key("noise_damping", float, "released protocol's (N + δI)^-1/2 whitening, null for exact (PRISM only)",
-        low=0.0, nullable=True),
-    Key("pinv_rcond", float, "released protocol's eigen-cut pseudo-inverses in the lift, null for exact (PRISM only)",
-        low=0.0, high=1.0, high_open=True, nullable=True),
-)
-BETAS = Key("betas", "pair", "Adam's moment decays", low=0.0, high=1.0, high_open=True)
-ADAMW = _keys(
-    BETAS,
-    Key("eps", float, "Adam's denominator offset", low=0.0, low_open=True),
-    Key("weight_decay", float, "decoupled weight decay", low=0.0),
-    Key("amsgrad", bool, "AMSGrad variant"),
-)
-PRISM = _keys(
-    Key("init", str, "PRISM needs full-rank factors, and peft's B = 0 has rank 0: use the spectral init (D14)",
-        choices=("spectral",)),
-    Key("preconditioner", str, "rank-space preconditioner: released floor, eq. 25 ridge, or none",
-        choices=("floor", "ridge", "none")),
-    Key("beta1", float, "first-moment decay", low=0.0, high=1.0, high_open=True),
-    Key("beta2", float, "second-moment decay", low=0.0, high=1.0, high_open=True),
-    Key("eps", float, "moment offset", low=0.0),
-    Key("floor_mode", str, "eigenvalue floor: released scalar or eq. 26 geometry", choices=("scalar", "geometry")),
-    Key("floor_factor", float, "floor / ridge constant (eq. 26)", low=0.0),
-    Key("cond_max", float, "condition-number clamp, null for none", low=1.0, nullable=True),
-    Key("debias", bool, "eq. 50 noise debias of the second moment (App. A.26)"),
-    Key("bias_correction", bool, "Adam-style bias correction of the moments"),
-    Key("horizontalize", str, "horizontal projection of the lift: both, pre_retract or none",
-        choices=("both", "pre_retract", "none")),
-    Key("rank_fallback", str, "a rank-deficient Gram matrix: null (an error, D20) or floor its spectrum",
-        choices=(None, "floor"), nullable=True),
-    Key("compute_dtype", str, "dtype of snapshots, rank check and moments", choices=("float32", "float64")),
-)
-LAMB = _keys(
-    BETAS,
-    Key("eps", float, "LAMB's denominator offset", low=0.0, low_open=True),
-    Key("weight_decay", float, "weight decay", low=0.0),
-    *(Key(flag, bool, f"pytorch-optimizer Lamb's {flag}") for flag in (
-        "weight_decouple", "fixed_decay", "rectify", "degenerated_to_sgd", "grad_averaging", "adam", "adam_debias",
-        "adanorm", "foreach", "maximize")),
-    Key("n_sma_threshold", int, "RAdam's SMA threshold (rectify only)", low=0),
-    Key("max_grad_norm", float, "must stay 0: LAMB may not rescale the privatised gradient (D26)", choices=(0.0,)),
-    Key("pre_norm", bool, "must stay false: LAMB may not rescale the privatised gradient (D26)", choices=(False,)),
-)
-LORA_RITE = _keys(
-    BETAS,
-    Key("eps", float, "denominator offset", low=0.0, low_open=True),
-    Key("update_skipping", float, "zero an update whose RMS exceeds this, 0 disables (D27)", low=0.0),
-    Key("clip_unmagnified_grad", float, "clip the unmagnified gradients to this norm, 0 disables (D27)", low=0.0),
-)
-
-SCHEMAS: dict[str, dict[str, Key]] = {
-    "prism": {**COMMON, **PRISM},
-    "prism_paper": {**COMMON, **PRISM},
-    "adamw": {**COMMON, **ADAMW},
-    "ffa": {**COMMON, **ADAMW},
-    "loraplus": {**COMMON, **ADAMW, **_keys(Key("loraplus_lr_ratio", float, "LoRA+'s ρ, Table 8", low=0.0,
-                                                low_open=True))},
-    "lamb": {**COMMON, **LAMB},
-    "lora_rite": {**COMMON, **LORA_RITE},
-}
+BETAS = "Adam's moment decays"
 
 
-def schema(name: str) -> dict[str, Key]:
-    """The keys of method ``name``; :class:`SchemaError` for a method without a schema."""
-    if name not in SCHEMAS:
-        raise SchemaError(f"method.name={name!r} is not a method, choose method=<one of {', '.join(SCHEMAS)}>")
-    return SCHEMAS[name]
+@dataclass(frozen=True, kw_only=True)
+class AdamWConfig(MethodConfig):
+    """``adamw`` / ``ffa``: ``torch.optim.AdamW``'s arguments, every one explicit (D23, D24)."""
+
+    betas: tuple[float, float] = key(BETAS, range="[0, 1)")
+    eps: float = key("Adam's denominator offset", range="(0, inf)")
+    weight_decay: float = key("decoupled weight decay", range="[0, inf)")
+    amsgrad: bool = key("AMSGrad variant")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraPlusConfig(AdamWConfig):
+    """``loraplus``: AdamW with peft ``lora_B``'s rate multiplied (D25)."""
+
+    loraplus_lr_ratio: float = key("LoRA+'s ρ, Table 8", range="(0, inf)")
+
+
+LAMB_FLAG = "pytorch-optimizer Lamb's "
+RESCALING = "LAMB may not rescale the privatised gradient (D26)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LambConfig(MethodConfig):
+    """``lamb``: pytorch-optimizer ``Lamb``'s arguments, every one explicit (D26)."""
+
+    betas: tuple[float, float] = key(BETAS, range="[0, 1)")
+    eps: float = key("LAMB's denominator offset", range="(0, inf)")
+    weight_decay: float = key("weight decay", range="[0, inf)")
+    weight_decouple: bool = key(LAMB_FLAG + "weight_decouple")
+    fixed_decay: bool = key(LAMB_FLAG + "fixed_decay")
+    rectify: bool = key(LAMB_FLAG + "rectify")
+    degenerated_to_sgd: bool = key(LAMB_FLAG + "degenerated_to_sgd")
+    grad_averaging: bool = key(LAMB_FLAG + "grad_averaging")
+    adam: bool = key(LAMB_FLAG + "adam")
+    adam_debias: bool = key(LAMB_FLAG + "adam_debias")
+    adanorm: bool = key(LAMB_FLAG + "adanorm")
+    foreach: bool = key(LAMB_FLAG + "foreach")
+    maximize: bool = key(LAMB_FLAG + "maximize")
+    n_sma_threshold: int = key("RAdam's SMA threshold (rectify only)", range="[0, inf)")
+    max_grad_norm: Literal[0.0] = key(f"must stay 0: {RESCALING}")
+    pre_norm: Literal[False] = key(f"must stay false: {RESCALING}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraRiteConfig(MethodConfig):
+    """``lora_rite``: :class:`prism.methods.lora_rite.LoRARite`'s arguments (D27)."""
+
+    betas: tuple[float, float] = key(BETAS, range="[0, 1)")
+    eps: float = key("denominator offset", range="(0, inf)")
+    update_skipping: float = key("zero an update whose RMS exceeds this, 0 disables (D27)", range="[0, inf)")
+    clip_unmagnified_grad: float = key("clip the unmagnified gradients to this norm, 0 disables (D27)",
+                                       range="[0, inf)")
 
 
 def check(node: Mapping[str, Any]) -> None:
-    """Raise :class:`SchemaError` for the first key of a method node that its schema refuses (an
-    unknown key included); keys the schema has but the node lacks keep the method's defaults."""
-    keys = schema(str(node.get("name")))
-    for name, value in node.items():
-        if name not in keys:
-            raise SchemaError(f"unknown key method.{name} for method {node.get('name')}, "
-                              f"its keys are {', '.join(keys)}")
-        if (why := keys[name].problem(value)) is not None:
-            shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
-            raise SchemaError(f"method.{name}={shown} {why}")
+    """Raise :class:`SchemaError` for the first key of a method node that its method's dataclass refuses
+    (an unknown or missing key included)."""
+    from prism.methods import registry  # the registry names the dataclass; it imports this module
+
+    registry.config_class(node).from_node(node)
+
+
+# ------------------------------------------------------------------------------ field checks
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _base(hint: Any) -> tuple[Any, tuple[Any, ...] | None, bool]:
+    """``(kind, choices, nullable)`` of a field's type: kind ``float``/``int``/``bool``/``str`` or
+    ``"pair"``; choices from a ``Literal`` (``None`` first where ``null`` is allowed)."""
+    args = typing.get_args(hint)
+    nullable = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
+    if nullable:
+        hint = next(a for a in args if a is not type(None))
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        return type(choices[0]), ((None,) if nullable else ()) + choices, nullable
+    return ("pair" if typing.get_origin(hint) is tuple else hint), None, nullable
+
+
+def _problem(hint: Any, meta: Mapping[str, Any], value: Any) -> str | None:
+    """Why ``value`` is invalid for a field (the fix included), or None."""
+    kind, choices, nullable = _base(hint)
+    doc = meta["help"]
+    if value is None:
+        return None if nullable else f"may not be null ({doc})"
+    if kind == "pair":
+        if not (isinstance(value, list | tuple) and len(value) == 2 and all(_is_number(v) for v in value)):
+            return f"must be two numbers [a, b] ({doc})"
+        bad = next((why for v in value if (why := _range(meta.get("range"), float(v)))), None)
+        return None if bad is None else f"must be two numbers each {bad} ({doc})"
+    if kind is bool and not isinstance(value, bool):
+        return f"must be true or false ({doc})"
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        return f"must be an integer ({doc})"
+    if kind is float and not _is_number(value):
+        return f"must be a number ({doc})"
+    if kind is str and not isinstance(value, str):
+        return f"must be a string ({doc})"
+    if choices is not None and value not in choices:
+        names = ", ".join(_shown(c) for c in choices)
+        return f"must be {'one of ' if len(choices) > 1 else ''}{names} ({doc})"
+    if kind in (int, float):
+        bad = _range(meta.get("range"), float(value))
+        return None if bad is None else f"must be {bad} ({doc})"
+    return None
+
+
+INTERVAL = re.compile(r"([\[(])(\S+), (\S+)([\])])")
+
+
+def _range(interval: str | None, x: float) -> str | None:
+    """Why ``x`` lies outside ``interval`` (``"[0, 1)"``; ``inf`` for no bound), or None."""
+    if not math.isfinite(x):
+        return "a finite number"
+    if interval is None:
+        return None
+    left, low, high, right = INTERVAL.fullmatch(interval).groups()
+    lo, hi = float(low), float(high)
+    if (x > lo if left == "(" else x >= lo) and (x < hi if right == ")" else x <= hi):
+        return None
+    if math.isinf(hi):
+        return f"{'>' if left == '(' else '>='} {lo:g}"
+    return f"in {interval}"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)

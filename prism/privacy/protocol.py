@@ -37,8 +37,9 @@ def item_values(cfg: DictConfig) -> dict[str, Any]:
     return {item: OmegaConf.select(cfg, key, default=None) for item, key in ITEMS.items()}
 
 
-def dp_caveats(cfg: DictConfig) -> list[str]:
-    """Why the accounted (ε, δ) does not hold for this run's mechanism as run (empty: it holds)."""
+def dp_caveats(cfg: DictConfig, tangent: bool) -> list[str]:
+    """Why the accounted (ε, δ) does not hold for this run's mechanism as run (empty: it holds);
+    ``tangent``: the method noises in the tangent space, where ``noise_damping`` acts (PRISM)."""
     if not is_private(cfg):
         return []
     caveats = []
@@ -48,24 +49,25 @@ def dp_caveats(cfg: DictConfig) -> list[str]:
     if OmegaConf.select(cfg, "privacy.denominator", default="expected") == "realised":
         caveats.append("denominator=realised: the noise scale σC/|batch| reveals the realised batch size")
     damping = OmegaConf.select(cfg, "method.noise_damping", default=None)
-    if str(cfg.method.name).startswith("prism") and damping:
+    if damping and tangent:
         caveats.append(f"noise_damping={damping}: the tangent noise covariance is (N + {damping}·I)^-1, "
                        "below the N^-1 the accountant assumes")
     return caveats
 
 
-def dp_guarantee(cfg: DictConfig) -> str:
+def dp_guarantee(cfg: DictConfig, tangent: bool) -> str:
     """``non-private``, ``(ε, δ)-DP as accounted`` or :data:`NOT_DP_AS_STATED` (see :func:`dp_caveats`)."""
     if not is_private(cfg):
         return "non-private"
-    return NOT_DP_AS_STATED if dp_caveats(cfg) else "(ε, δ)-DP as accounted"
+    return NOT_DP_AS_STATED if dp_caveats(cfg, tangent) else "(ε, δ)-DP as accounted"
 
 
-def protocol_record(cfg: DictConfig) -> dict[str, Any]:
-    """The ``protocol`` block of ``final.json``: preset name, every item's value, DP status and caveats."""
+def protocol_record(cfg: DictConfig, tangent: bool) -> dict[str, Any]:
+    """The ``protocol`` block of ``final.json``: preset name, every item's value, DP status and caveats
+    (``tangent``: as in :func:`dp_caveats`)."""
     return {
         "name": OmegaConf.select(cfg, "protocol.name", default=None),
         "items": item_values(cfg),
-        "dp_guarantee": dp_guarantee(cfg),
-        "dp_caveats": dp_caveats(cfg),
+        "dp_guarantee": dp_guarantee(cfg, tangent),
+        "dp_caveats": dp_caveats(cfg, tangent),
     }
