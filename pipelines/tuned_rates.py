@@ -33,7 +33,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional  # noqa: UP035 (OmegaConf reads typing's generics)
+from typing import Any
 
 import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -70,16 +70,16 @@ class TunedRate:
     scale: str = _key("suite.scale")
     epsilon: float = _key("privacy.epsilon (.inf: non-private)")
     backbone: str = _key("backbone.name")
-    lora_layers: Optional[int] = _key("backbone.lora_layers")
+    lora_layers: int | None = _key("backbone.lora_layers")
     steps: int = _key("train.steps")
     batch_size: int = _key("train.batch_size")
     lr: float = _key("the chosen learning rate")
-    factor: Optional[float] = _key("lr / default_lr", None)
-    default_lr: Optional[float] = _key("Table 8 × train.lr_multiplier", None)
-    validation_score: Optional[float] = _key("the chosen rate's validation score", None)
-    at_edge: Optional[bool] = _key("the best rate is an end of the swept grid", None)
-    task_sha256: Optional[str] = _key("a user's task: the training file's sha256", None)
-    model_path: Optional[str] = _key("a user's model folder", None)
+    factor: float | None = _key("lr / default_lr", None)
+    default_lr: float | None = _key("Table 8 × train.lr_multiplier", None)
+    validation_score: float | None = _key("the chosen rate's validation score", None)
+    at_edge: bool | None = _key("the best rate is an end of the swept grid", None)
+    task_sha256: str | None = _key("a user's task: the training file's sha256", None)
+    model_path: str | None = _key("a user's model folder", None)
 
     def __post_init__(self) -> None:
         if not 0 < self.lr < math.inf:
@@ -90,8 +90,8 @@ class TunedRate:
 class TunedFile:
     """A tuned-rate file: the sweep's record and one :class:`TunedRate` per cell."""
 
-    generated: Optional[Dict[str, Any]] = _key("command, commit, date, rule and grid of the sweep", None)
-    rates: List[Any] = _key("one entry per cell")
+    generated: dict[str, Any] | None = _key("command, commit, date, rule and grid of the sweep", None)
+    rates: list[Any] = _key("one entry per cell")
 
 
 FIX = "fix it or regenerate the file with `make tune`"
