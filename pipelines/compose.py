@@ -242,8 +242,11 @@ def _resolve(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     try:
         return resolve(cfg)
     except OmegaConfBaseException as err:
-        if isinstance(err.__cause__, ConfigError):  # a tuned-rate file the method_lr resolver refused
-            raise err.__cause__ from None
+        cause = err.__cause__ or err.__context__
+        while cause is not None and not isinstance(cause, ConfigError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:  # a tuned-rate file the method_lr resolver refused
+            raise ConfigError(str(cause)) from None
         key = getattr(err, "full_key", None) or "a key"
         raise ConfigError(f"{key} cannot be resolved ({one_line(err)}), give it a value "
                           f"(overrides: {' '.join(overrides) or 'none'})") from None

@@ -1,4 +1,4 @@
-"""The schema of a job config: one dataclass per config group (Hydra Structured Configs, docs/DECISIONS.md D66).
+"""The schema of a job config: one dataclass per config group (Hydra Structured Configs, docs/DECISIONS.md D78).
 
 Each field carries its type, its help (``metadata["help"]``) and, in ``__post_init__``, its choices and
 range; ``Optional[...]`` says where ``null`` is allowed. The *values* live in ``conf/``: a field without
@@ -482,8 +482,8 @@ def _unknown(key: str, plain: Mapping[str, Any]) -> ConfigError:
 
 def _wrong_type(key: str, err: ValidationError) -> ConfigError:
     text = str(err).splitlines()[0]
-    value = re.search(r"Value '(.*?)'", text)
-    shown = value.group(1) if value else "?"
+    value = re.search(r"Value '(.*?)'(?: of type '(\w+)')?", text)
+    shown = "?" if value is None else repr(value.group(1)) if value.group(2) == "str" else value.group(1)
     if "Incompatible value 'None'" in text or "field of type" in text and "None" in text:
         return ConfigError(f"{key} may not be null, give it a value")
     for name, kind in (("Integer", "an integer"), ("Float", "a number"), ("Boolean", "true or false"),

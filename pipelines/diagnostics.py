@@ -59,13 +59,16 @@ PAPER = {
 
 
 # ------------------------------------------------------------------------------------------ config
+PROTOCOL_METHOD_KEYS = ("noise_damping", "pinv_rcond", "init_svd")  # set in the method node by conf/protocol/*.yaml
 def method_node(cfg: DictConfig, name: str) -> dict[str, Any]:
-    """``conf/method/<name>.yaml`` resolved against ``cfg`` (its lr interpolation reads the suite and scale)."""
+    """``conf/method/<name>.yaml`` resolved against ``cfg`` (its lr interpolation reads the suite and scale),
+    with the protocol's method keys of ``cfg`` (D4-D6: conf/protocol/*.yaml)."""
     path = CONF_DIR / "method" / f"{name}.yaml"
     if not path.exists():
         raise ConfigError(f"train.diagnostics names method {name!r}, which has no conf/method/{name}.yaml")
     root = OmegaConf.create(OmegaConf.to_container(cfg))
-    root.method = OmegaConf.load(path)
+    protocol = {key: cfg.method[key] for key in PROTOCOL_METHOD_KEYS if key in cfg.method}
+    root.method = OmegaConf.merge(OmegaConf.load(path), protocol)
     return OmegaConf.to_container(root.method, resolve=True)
 
 
