@@ -39,7 +39,6 @@ from pipelines.aggregate.specs import TableSpec, method_label, setting_label, su
 from pipelines.validate import ConfigError, load_job
 from prism.fileio import sha256_file
 from prism.methods import registry
-from prism.privacy.budget import total_steps
 
 EXPERIMENT = "compare"
 EPSILONS = (math.inf, 6.0, 3.0)
@@ -184,8 +183,7 @@ def plan(argv: Sequence[str]) -> Plan:
                     cfg = load_job(overrides_)
                 except ConfigError as err:
                     raise ConfigError(f"in the job {' '.join(own)}: {err}") from None
-                jobs.append(launch.Job(overrides_, store.runs_root(cfg), store.run_hash(cfg),
-                                total_steps(cfg)))
+                jobs.append(launch.Job.of(overrides_, cfg))
                 configs.append(cfg)
     launcher = next((o.split("=", 1)[1] for o in overrides if o.startswith("launcher=")), "local")
     return Plan(task, sha, fixed, settings, methods, [s for s in seeds], jobs, configs, launcher, workers)

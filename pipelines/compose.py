@@ -1,6 +1,10 @@
 """Compose run configs and expand an experiment's sweep grid into a job list (a library: no command).
 
-A *job* is a list of Hydra override strings; ``python -m pipelines.run <job...>`` runs it. The grid
+A *job* is a list of Hydra override strings; :func:`compose_job` turns one into its resolved config (not
+yet validated: :mod:`pipelines.validate`), or one :class:`ConfigError` line for an override that does not
+parse or compose. A grid composes each group choice once with Hydra (cached) and applies each job's
+value overrides to it as Hydra does; a value override of a key the composition lacks is added, so the
+schema (:mod:`pipelines.config_schema`) names it as unknown with the key it resembles. The grid
 of ``experiment=tableN`` is the cartesian product of its ``hydra.sweeper.params`` with the user's
 overrides, expanded the way Hydra's basic sweeper does (a user override of a swept key replaces
 the sweep; a user sweep ``key=a,b`` adds an axis), so the local dispatcher
@@ -8,19 +12,24 @@ the sweep; a user sweep ``key=a,b`` adds an axis), so the local dispatcher
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException
+from hydra.core.override_parser.types import Override, OverrideType
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pipelines.config_schema import ConfigError
 from pipelines.tuned_rates import method_lr
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -110,5 +119,142 @@ def _is_sweep(override: str) -> bool:
 
 
 def job_config(job: Sequence[str]) -> DictConfig:
-    """The resolved config of one job."""
+    """The resolved config of one job (Hydra's composition of the whole command line)."""
     return resolve(compose_config(job))
+
+
+LOCKED = {  # key -> the group whose choice sets it
+    "suite.name": "suite", "suite.family": "suite", "suite.scale": "scale",
+    "method.name": "method", "backbone.name": "backbone", "backbone.paper_name": "backbone",
+}
+QUOTING = ("quote the value for Hydra inside one shell word, e.g. 'results_dir=\"/tmp/my runs\"' "
+           "(with make: ARGS=\"'results_dir=\\\"/tmp/my runs\\\"'\")")
+
+
+def compose_job(overrides: Sequence[str]) -> DictConfig:
+    """The resolved, not yet validated config of ``python -m pipelines.run <overrides>``; raises
+    :class:`ConfigError` (one line) for a sweep, a removed group or key, a key that contradicts its group,
+    or overrides that do not parse, compose or resolve."""
+    parsed = parse(overrides)
+    for override in parsed:
+        key = override.key_or_group
+        if not key:
+            raise ConfigError("an override has no key, write key=value, e.g. train.steps=10")
+        if override.is_sweep_override():
+            raise ConfigError(f"{override.input_line} is a sweep, add -m to run one job per value "
+                              f"(or write {key}=[a,b] for a list value)")
+        if _is_group(override) and override.is_delete():
+            raise ConfigError(f"~{key} removes a config group the run needs, choose one of its options instead "
+                              f"({key}=...)")
+        if override.is_delete():
+            raise ConfigError(f"~{key} deletes a key the run reads, set {key}=<value> (or null where allowed) instead")
+    groups = tuple(o.input_line for o in parsed if _is_group(o))
+    values = [o for o in parsed if not _is_group(o)]
+    for override in values:
+        key = override.key_or_group
+        known = OmegaConf.select(_composed(groups), key, default=None, throw_on_missing=False)
+        if key in LOCKED and known is not None and override.value() != known:
+            group = LOCKED[key]
+            raise ConfigError(f"{key}={override.value()} contradicts the {group} group, which sets {key}={known}; "
+                              f"choose the group instead ({group}=...) and leave {key} alone")
+    return _resolve(_compose_values(groups, values, overrides), overrides)
+
+
+def parse(overrides: Sequence[str]) -> list[Override]:
+    """Hydra's parse of ``overrides``; one :class:`ConfigError` line (with the quoting that works) if not."""
+    for arg in overrides:
+        if arg.startswith("-"):
+            raise ConfigError(f"unknown option {arg}, write overrides as key=value (--help: the usage)")
+    try:
+        return OverridesParser.create().parse_overrides(list(overrides))
+    except OverrideParseException as err:
+        lines = str(err).splitlines()
+        detail = f" ({lines[1].split(' expecting ')[0].strip()})" if len(lines) > 1 else ""
+        bad = next((o for o in overrides if o in lines[0]), None)
+        if bad is None:
+            found = re.search(r"'(.*)'", lines[0])
+            bad = found.group(1) if found else lines[0]
+        if "=" not in bad:  # a word of its own: often the rest of a value with a space in it
+            raise ConfigError(f"the override {bad!r} has no '=', write key=value; if it is the rest of a value "
+                              f"with a space in it, {QUOTING}") from None
+        if not bad.isascii() or any(ch.isspace() for ch in bad):
+            raise ConfigError(f"cannot parse the override {bad!r}: a value with spaces or non-ASCII characters "
+                              f"must be quoted, {QUOTING}") from None
+        raise ConfigError(f"cannot parse the override {bad!r}{detail}, write key=value, e.g. train.steps=10 or "
+                          f"method=adamw; {QUOTING} if the value has special characters") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _composed(groups: tuple[str, ...]) -> DictConfig:
+    """The unresolved composition of these group choices alone (read-only; cached)."""
+    cfg = _compose(groups)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def _compose_values(groups: tuple[str, ...], values: Sequence[Override], overrides: Sequence[str]) -> DictConfig:
+    """The job's composition: the groups' (cached) composition with the value overrides applied the way
+    Hydra applies them after the defaults list (a ``key=value`` of an absent key is added, for the
+    schema to name). Hydra's own keys (``hydra.*``) take Hydra's full composition."""
+    if any(o.key_or_group.startswith("hydra") for o in values):
+        return _compose(overrides)
+    cfg = OmegaConf.create(OmegaConf.to_container(_composed(groups), resolve=False))
+    OmegaConf.set_struct(cfg, True)
+    for override in values:
+        if override.type == OverrideType.CHANGE:
+            override.type = OverrideType.FORCE_ADD
+    try:
+        ConfigLoaderImpl._apply_overrides_to_config(list(values), cfg)
+    except (HydraException, OmegaConfBaseException, ValueError, TypeError, KeyError) as err:
+        raise ConfigError(f"the overrides {' '.join(overrides)} do not compose ({one_line(err)}), "
+                          "check them against `python -m pipelines.run --cfg job`") from None
+    return cfg
+
+
+@functools.cache
+def config_groups() -> frozenset[str]:
+    """Every config group under ``conf/`` (``backbone``, ``method``, ...)."""
+    return frozenset(str(p.relative_to(CONF_DIR)) for p in CONF_DIR.rglob("*") if p.is_dir())
+
+
+def _is_group(override: Override) -> bool:
+    key = override.key_or_group
+    return key in config_groups() or key.startswith("hydra/")
+
+
+def _compose(overrides: Sequence[str]) -> DictConfig:
+    try:
+        return compose_config(list(overrides))
+    except MissingConfigException as err:
+        missing = str(getattr(err, "missing_cfg_file", "") or "")
+        group, _, option = missing.rpartition("/")
+        options = getattr(err, "options", None)
+        if group and options:
+            raise ConfigError(f"{group}={option} is not an option of {group}, choose one of: "
+                              f"{', '.join(options)}") from None
+        raise ConfigError(f"{one_line(err)}, check the group names in conf/") from None
+    except (HydraException, OmegaConfBaseException, ValueError, AttributeError, TypeError, KeyError) as err:
+        raise ConfigError(f"the overrides {' '.join(overrides)} do not compose ({one_line(err)}), "
+                          "check them against `python -m pipelines.run --cfg job`") from None
+
+
+def _resolve(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    try:
+        return resolve(cfg)
+    except OmegaConfBaseException as err:
+        cause = err.__cause__ or err.__context__
+        while cause is not None and not isinstance(cause, ConfigError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:  # a tuned-rate file the method_lr resolver refused
+            raise ConfigError(str(cause)) from None
+        key = getattr(err, "full_key", None) or "a key"
+        raise ConfigError(f"{key} cannot be resolved ({one_line(err)}), give it a value "
+                          f"(overrides: {' '.join(overrides) or 'none'})") from None
+    except ValueError as err:  # a resolver's own error (by_family)
+        raise ConfigError(f"{one_line(err)}, check the overrides {' '.join(overrides)}") from None
+
+
+def one_line(err: BaseException) -> str:
+    """The first two lines of an error's message, joined (its type's name if it has none)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return "; ".join(lines[:2]) or type(err).__name__

@@ -1,11 +1,13 @@
-"""Ranges and cross-field rules of a resolved job config (the last step of :mod:`pipelines.validate`).
+"""Cross-field rules of a job config that passed its schema (the last step of :mod:`pipelines.validate`).
 
-Each rule raises :class:`ConfigError` with one line, ``<what>, <how to fix>``, naming the field:
-ranges (ε > 0 or inf, δ in (0, 1), C > 0, steps and batches ≥ 1, ...), the privacy name against ε,
+Types, choices and ranges of single fields are the schema's (:mod:`pipelines.config_schema`). What is
+here needs two groups, the backbone's weights, the data or this machine; each rule raises
+:class:`ConfigError` with one line, ``<what>, <how to fix>``, naming the field:
 the LoRA rank against the narrowest targeted layer of the backbone (widths from
 :mod:`prism.backbones`, no weights loaded; a ``backbone=local`` folder's model_type, safetensors sizes,
-shards and tokenizer too), a ``suite=custom`` task's files line by line, the batch against the training-set size, micro-batch ≤
-batch, the device, room for the label after ``suite.cutoff_len``, and paper-scale data present.
+shards and tokenizer too), a ``suite=custom`` task's files line by line, the batch against the training-set
+size, a GPU present for ``train.device=cuda``, room for the label after ``suite.cutoff_len``, paper-scale
+data present, σ calibration feasible, a W&B key for ``logging=online``.
 Only the GPU check imports torch.
 """
 from __future__ import annotations
@@ -13,31 +15,22 @@ from __future__ import annotations
 import functools
 import math
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
+from pipelines.config_schema import ConfigError, positive_int
 from prism.privacy.budget import total_steps
-
-DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
-PRIVACY_NAME = re.compile(r"eps(\d+(?:\.\d+)?)")
-EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; the message is one line naming the field and the fix."""
 
 
 def validate(cfg: DictConfig, *, here: bool = True) -> None:
-    """Ranges and cross-field rules of a resolved job config; raises :class:`ConfigError`.
-    ``here=False``: the job runs on another machine, so the local device is not checked."""
-    _general(cfg)
-    _privacy(cfg.privacy)
-    _train(cfg.train, here)
-    _method(cfg.method)
+    """Cross-field rules of a job config that passed :func:`pipelines.config_schema.conform`; raises
+    :class:`ConfigError`. ``here=False``: the job runs on another machine, so the local device is not checked."""
+    _results_dir(cfg)
+    if here:
+        _gpu(str(cfg.train.device))
     _lora_and_backbone(cfg)
     n_train = _suite(cfg)
     _local_context(cfg)
@@ -50,59 +43,14 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _positive_int(value: Any, key: str, minimum: int = 1) -> None:
-    _require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-             f"{key}={value!r} must be an integer >= {minimum}")
-
-
-def _general(cfg: DictConfig) -> None:
-    _require(isinstance(cfg.seed, int) and 0 <= cfg.seed < 2**32, f"seed={cfg.seed!r} must be an integer in [0, 2^32)")
-    data_seed = cfg.suite.get("data_seed")  # an int by the reference's type (pipelines/validate.py)
-    _require(data_seed is None or 0 <= data_seed < 2**32, f"suite.data_seed={data_seed!r} must be an integer in [0, 2^32)")
-    _require(isinstance(cfg.experiment, str) and EXPERIMENT_NAME.fullmatch(cfg.experiment) is not None,
-             f"experiment={cfg.experiment!r} names a folder, use letters, digits, '.', '_' or '-'")
+def _results_dir(cfg: DictConfig) -> None:
     results = Path(str(cfg.results_dir)).expanduser()
     _require(bool(str(cfg.results_dir)) and not (results.exists() and not results.is_dir()),
              f"results_dir={cfg.results_dir} is not a folder, point results_dir at a folder")
 
 
-def _privacy(p: DictConfig) -> None:
-    eps, delta, clip = float(p.epsilon), float(p.delta), float(p.clip_norm)
-    _require(eps > 0, f"privacy.epsilon={eps} must be > 0 (or inf), use privacy=nondp for a non-private run")
-    _require(0 < delta < 1, f"privacy.delta={delta} must lie in (0, 1), e.g. 1e-5")
-    _require(0 < clip < math.inf, f"privacy.clip_norm={clip} must be a finite number > 0, e.g. 1.0")
-    _require(p.calibration in ("exact", "epochs"), f"privacy.calibration={p.calibration!r} must be exact or epochs")
-    _require(p.get("noise_source", "seeded") in ("seeded", "os"),
-             f"privacy.noise_source={p.get('noise_source')!r} must be seeded or os (the OS CSPRNG)")
-    named = PRIVACY_NAME.fullmatch(str(p.name))
-    if p.name == "nondp":
-        _require(eps == math.inf, f"privacy.epsilon={eps} contradicts privacy=nondp (ε = inf), "
-                                  f"choose privacy=eps6 or privacy=eps3 for a private run")
-    elif named:
-        _require(eps == float(named.group(1)), f"privacy.epsilon={eps} contradicts privacy={p.name} "
-                 f"(ε = {named.group(1)}), use privacy=nondp for ε = inf or also set privacy.name=eps<ε>")
-    else:
-        raise ConfigError(f"privacy.name={p.name!r} must be nondp or eps<ε> (e.g. eps6), so tables file the run "
-                          "in the right row")
-
-
-def _train(t: DictConfig, here: bool = True) -> None:
-    for key in ("steps", "batch_size", "micro_batch_size", "checkpoint_every", "eval_batch_size"):
-        _positive_int(t[key], f"train.{key}")
-    _require(t.micro_batch_size <= t.batch_size,
-             f"train.micro_batch_size={t.micro_batch_size} exceeds train.batch_size={t.batch_size}, "
-             f"lower it to at most {t.batch_size}")
-    _require(0 < float(t.lr_multiplier) < math.inf, f"train.lr_multiplier={t.lr_multiplier} must be a finite number > 0")
-    _require(str(t.prefix_cache) in ("auto", "off"), f"train.prefix_cache={t.prefix_cache!r} must be auto or off")
-    if t.benchmark is not None:
-        bench = t.benchmark
-        _require(isinstance(bench, Mapping) and set(bench) == {"warmup", "measure"},
-                 f"train.benchmark={bench!r} must be null or {{warmup: W, measure: M}}")
-        _positive_int(bench.warmup, "train.benchmark.warmup", 0)
-        _positive_int(bench.measure, "train.benchmark.measure")
-    device = str(t.device)
-    _require(DEVICES.fullmatch(device) is not None, f"train.device={device!r} must be auto, cpu or cuda")
-    if device.startswith("cuda") and here:
+def _gpu(device: str) -> None:
+    if device.startswith("cuda"):
         import torch  # only here: a GPU check needs it
 
         _require(torch.cuda.is_available(), f"train.device={device} but no GPU is visible, use train.device=auto or cpu")
@@ -111,35 +59,15 @@ def _train(t: DictConfig, here: bool = True) -> None:
                  f"GPU(s) are visible, use train.device=cuda (or cuda:0)")
 
 
-def _method(m: DictConfig) -> None:
-    """Every key of the method node against the method's own schema (:mod:`prism.methods.schema`,
-    which the method reads too)."""
-    from prism.methods import schema
-
-    try:
-        schema.check(m)
-    except schema.SchemaError as err:
-        raise ConfigError(str(err)) from None
-
-
 def _lora_and_backbone(cfg: DictConfig) -> None:
     from prism.backbones import BACKBONES, TextShape, text_shape
 
     lora, backbone = cfg.lora, cfg.backbone
-    _positive_int(lora.r, "lora.r")
-    _require(float(lora.alpha) > 0, f"lora.alpha={lora.alpha} must be > 0")
-    _require(0 <= float(lora.dropout) < 1, f"lora.dropout={lora.dropout} must lie in [0, 1)")
-    _require(backbone.name in BACKBONES, f"backbone.name={backbone.name!r} is not a known backbone, "
-                                         f"choose backbone=<one of {', '.join(BACKBONES)}>")
-    _require(backbone.dtype in ("float32", "bfloat16", "float64"),
-             f"backbone.dtype={backbone.dtype!r} must be float32, bfloat16 or float64")
     linears = sorted(TextShape(1, 1, 1, 1, 1, 1).linear_shapes())
     targets = list(lora.targets)
     _require(bool(targets) and len(set(targets)) == len(targets)
              and (backbone.name == "local" or set(targets) <= set(linears)),
              f"lora.targets={targets} must list distinct layer names out of {', '.join(linears)}")
-    if backbone.lora_layers is not None:
-        _positive_int(backbone.lora_layers, "backbone.lora_layers")
     if backbone.name == "local":  # backbone=local: the folder's own layer names and widths (prism/backbones.py)
         from prism.backbones import local_problem
 
@@ -163,39 +91,15 @@ def _lora_and_backbone(cfg: DictConfig) -> None:
 def _suite(cfg: DictConfig) -> int | None:
     """The suite's rules; returns the training-set size (None where only the data can tell)."""
     suite = cfg.suite
-    _positive_int(suite.cutoff_len, "suite.cutoff_len")
-    if suite.eval_limit is not None:
-        _positive_int(suite.eval_limit, "suite.eval_limit")
-    decoding = suite.decoding
-    for key in ("num_beams", "max_new_tokens", "max_input_length"):
-        if key in decoding:
-            _positive_int(decoding[key], f"suite.decoding.{key}")
-    per_task = decoding.get("max_new_tokens_per_task") or {}
-    _require(isinstance(per_task, Mapping),
-             f"suite.decoding.max_new_tokens_per_task={per_task!r} must map task names to token counts")
-    for task, count in per_task.items():
-        _positive_int(count, f"suite.decoding.max_new_tokens_per_task.{task}")
+    _require(suite.get("eval_split") != "validation" or suite.scale == "embedded" or suite.name == "custom",
+             "suite.eval_split=validation is built at embedded scale only, use scale=embedded")
+    per_task = suite.decoding.get("max_new_tokens_per_task") or {}
     if per_task and suite.scale == "embedded":
         from prism.data.embedded import EMBEDDED_TASKS
 
         unknown = sorted(set(per_task) - set(EMBEDDED_TASKS.get(suite.name, {})))
         _require(not unknown, f"suite.decoding.max_new_tokens_per_task names {unknown}, not tasks of the embedded "
                               f"{suite.name} suite ({', '.join(EMBEDDED_TASKS.get(suite.name, {}))})")
-    if "prompt_encoding" in decoding:
-        _require(decoding.prompt_encoding in ("as_trained", "text"),
-                 f"suite.decoding.prompt_encoding={decoding.prompt_encoding!r} must be as_trained or text")
-    if "math_eval_template" in decoding:
-        from prism.data.prompts import MATH_EVAL_TEMPLATES
-
-        _require(decoding.math_eval_template in MATH_EVAL_TEMPLATES,
-                 f"suite.decoding.math_eval_template={decoding.math_eval_template!r} must be one of "
-                 f"{', '.join(MATH_EVAL_TEMPLATES)}")
-    split = suite.get("eval_split", "test")  # experiment/tune.yaml: score validation rows (prism.data.validation_split)
-    _require(split in ("test", "validation"), f"suite.eval_split={split!r} must be test or validation")
-    if split == "validation":
-        _require(suite.scale == "embedded" or suite.name == "custom",
-                 "suite.eval_split=validation is built at embedded scale only, use scale=embedded")
-        _positive_int(suite.get("validation_per_task"), "suite.validation_per_task")
     if suite.name == "custom":  # suite=custom: the user's files, checked line by line (prism/data/custom.py)
         from prism.backbones import token_counter
         from prism.data.custom import TaskFileError, check_task, validation_rows
@@ -206,12 +110,7 @@ def _suite(cfg: DictConfig) -> int | None:
         except TaskFileError as err:
             raise ConfigError(str(err)) from None
         return
-    from prism.data import SCALES
-
-    _require(suite.scale in SCALES, f"suite.scale={suite.scale!r} is not a data scale, choose scale=<one of "
-                                    f"{', '.join(SCALES)}>")
-    node = suite.get(suite.scale)
-    _require(isinstance(node, Mapping), f"suite.{suite.scale} is missing, restore the suite_scale group's settings")
+    node = suite[suite.scale]
     sizes = {"embedded": _embedded_size, "paper": _paper_size}
     n_train = sizes[suite.scale](suite.name, node) if suite.scale in sizes else None
     if n_train is not None:
@@ -232,7 +131,7 @@ def _local_context(cfg: DictConfig) -> None:
 
     context = local_context(cfg.backbone.path)
     decoding = cfg.suite.decoding
-    generated = max([int(decoding.get("max_new_tokens", 8)), *(decoding.get("max_new_tokens_per_task") or {}).values()])
+    generated = max([decoding.max_new_tokens, *(decoding.get("max_new_tokens_per_task") or {}).values()])
     _require(context is None or cfg.suite.cutoff_len + generated <= context,
              f"suite.cutoff_len={cfg.suite.cutoff_len} plus {generated} generated tokens (suite.decoding.max_new_tokens) "
              f"exceed the {context}-token context of the model in backbone.path={cfg.backbone.path} (config.json), "
@@ -275,8 +174,6 @@ def _embedded_size(name: str, node: Mapping) -> int:
     _require(set(unscored) <= set(EMBEDDED_TASKS[name]) and not set(tasks) <= set(unscored),
              f"suite.embedded.unscored={list(unscored)} must name {name} tasks ({', '.join(EMBEDDED_TASKS[name])}) and "
              f"leave one of suite.embedded.tasks={tasks} scored, e.g. suite.embedded.unscored=[]")
-    if node.get("eval_per_task") is not None:
-        _positive_int(node.eval_per_task, "suite.embedded.eval_per_task")
     from prism.data.embedded import DEFAULT_EVAL_PER_TASK, DEFAULT_TRAIN_PER_TASK
 
     sizes = node.get("train_per_task")
@@ -285,14 +182,11 @@ def _embedded_size(name: str, node: Mapping) -> int:
         unknown = sorted(set(sizes) - set(tasks))
         _require(not unknown, f"suite.embedded.train_per_task names {unknown}, not among suite.embedded.tasks {tasks}")
         for task, count in sizes.items():
-            _positive_int(count, f"suite.embedded.train_per_task.{task}")
+            positive_int(count, f"suite.embedded.train_per_task.{task}")
         total = sum(int(sizes[t]) for t in tasks if t in sizes)
     else:
-        _positive_int(sizes, "suite.embedded.train_per_task")
+        positive_int(sizes, "suite.embedded.train_per_task")
         total = len(tasks) * int(sizes)
-    if node.get("min_confidence") is not None:
-        _require(0 <= float(node.min_confidence) <= 1,
-                 f"suite.embedded.min_confidence={node.min_confidence} must lie in [0, 1]")
     n_eval = int(node.get("eval_per_task") or DEFAULT_EVAL_PER_TASK)
     for task in set(tasks) & set(FINITE_POOLS):
         n_task = int(sizes) if not isinstance(sizes, Mapping) else int(sizes.get(task, 0))
@@ -300,11 +194,6 @@ def _embedded_size(name: str, node: Mapping) -> int:
         _require(got_train >= n_task and got_eval >= n_eval,
                  f"the embedded task {task} yields {got_train} train / {got_eval} eval rows, fewer than the "
                  f"{n_task} / {n_eval} asked for: lower suite.embedded.train_per_task or suite.embedded.eval_per_task")
-    if node.get("target") is not None:
-        from prism.data.embedded import TARGET_STYLES
-
-        _require(node.target in TARGET_STYLES,
-                 f"suite.embedded.target={node.target!r} must be one of {', '.join(TARGET_STYLES)}")
     return total
 
 
@@ -326,8 +215,6 @@ def _paper_size(name: str, node: Mapping) -> int | None:
         from prism.data.glue import GLUE_TASKS
 
         tasks = _tasks(node, "tasks", GLUE_TASKS, "suite.paper")
-        if node.get("train_per_task") is not None:
-            _positive_int(node.train_per_task, "suite.paper.train_per_task")
         for task in tasks:
             for split in ("train", *(s for _, s in GLUE_TASKS[task].eval_splits)):
                 _require(_glue_cached(task, split),
@@ -354,10 +241,7 @@ def _paper_size(name: str, node: Mapping) -> int | None:
         _require(_present(location, cached_path, is_url),
                  f"suite.paper.llm_adapters: the {test} test set is not at {location} nor in the local data "
                  "cache, run `make data` (needs network), give a local checkout, or use scale=embedded")
-    rows = node.get("train_rows")
-    if rows is not None:
-        _positive_int(rows, "suite.paper.train_rows")
-    return rows
+    return node.get("train_rows")
 
 
 def _present(spec: str, cached_path: Any, is_url: Any) -> bool:
@@ -403,8 +287,6 @@ def _label_room(cfg: DictConfig) -> None:
 
 
 def _logging(lg: DictConfig) -> None:
-    _require(lg.mode in ("online", "offline", "disabled"),
-             f"logging.mode={lg.mode!r} must be online, offline or disabled (or choose logging=<one of those>)")
     if lg.mode == "online" and not _wandb_key():
         raise ConfigError("logging=online needs a W&B API key and none is set, run `wandb login` or set "
                           "WANDB_API_KEY, or use logging=offline and `make wandb-sync` later")

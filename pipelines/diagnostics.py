@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipelines import store
 from pipelines.compose import CONF_DIR, resolve
-from pipelines.run import ConfigError, execute
+from pipelines.run import ConfigError, check, execute
 from prism.privacy.accounting import is_private
 
 log = logging.getLogger("pipelines.diagnostics")
@@ -59,13 +59,16 @@ PAPER = {
 
 
 # ------------------------------------------------------------------------------------------ config
+PROTOCOL_METHOD_KEYS = ("noise_damping", "pinv_rcond", "init_svd")  # set in the method node by conf/protocol/*.yaml
 def method_node(cfg: DictConfig, name: str) -> dict[str, Any]:
-    """``conf/method/<name>.yaml`` resolved against ``cfg`` (its lr interpolation reads the suite and scale)."""
+    """``conf/method/<name>.yaml`` resolved against ``cfg`` (its lr interpolation reads the suite and scale),
+    with the protocol's method keys of ``cfg`` (D4-D6: conf/protocol/*.yaml)."""
     path = CONF_DIR / "method" / f"{name}.yaml"
     if not path.exists():
         raise ConfigError(f"train.diagnostics names method {name!r}, which has no conf/method/{name}.yaml")
     root = OmegaConf.create(OmegaConf.to_container(cfg))
-    root.method = OmegaConf.load(path)
+    protocol = {key: cfg.method[key] for key in PROTOCOL_METHOD_KEYS if key in cfg.method}
+    root.method = OmegaConf.merge(OmegaConf.load(path), protocol)
     return OmegaConf.to_container(root.method, resolve=True)
 
 
@@ -80,25 +83,13 @@ def sub_config(cfg: DictConfig, method: str, epsilon: float, steps: int,
 
 
 def validate_diagnostics(cfg: DictConfig) -> None:
-    """Reject a missing or impossible ``train.diagnostics`` node before any model load."""
+    """What the diagnostics need beyond the schema (:class:`pipelines.config_schema.DiagnosticsConfig`
+    checks the budgets): the ``train.diagnostics`` node, a finite ε and the methods it names."""
     d = cfg.train.get("diagnostics")
     if d is None:
         raise ConfigError("train.diagnostics is missing; run with experiment=diagnostics")
     if not is_private(cfg):
         raise ConfigError("privacy.epsilon must be finite for the diagnostics (they measure DP noise); use privacy=eps6")
-    checks = [
-        (len(d.gauges) >= 2 and all(float(c) > 0 for c in d.gauges), "train.diagnostics.gauges needs ≥ 2 positive c"),
-        (1.0 in [float(c) for c in d.gauges], "train.diagnostics.gauges must contain 1.0 (the identity gauge)"),
-        (int(d.gauge_steps) >= 2, "train.diagnostics.gauge_steps must be ≥ 2"),
-        (int(d.plain_steps) >= 0, "train.diagnostics.plain_steps must be ≥ 0 (0 skips the plain-PRISM sweep)"),
-        (len(d.epsilons) >= 1 and all(float(e) > 0 for e in d.epsilons), "train.diagnostics.epsilons must be > 0"),
-        (0 <= int(d.eps_discard) < int(d.eps_steps), "train.diagnostics.eps_discard must lie in [0, eps_steps)"),
-        (int(d.table1_draws) >= 16, "train.diagnostics.table1_draws must be ≥ 16"),
-        (int(d.scan.points) >= 3 and int(d.scan.draws) >= 4, "train.diagnostics.scan needs points ≥ 3, draws ≥ 4"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
     for name in (d.baseline, d.one_sided, d.prism):
         method_node(cfg, str(name))
 
@@ -618,6 +609,7 @@ def reproduce(cfg: DictConfig) -> int:
     """Validate, run the job through :func:`pipelines.run.execute` (skipped when finished), render."""
     try:
         validate_diagnostics(resolve(cfg))
+        cfg = check(resolve(cfg))
         state = execute(cfg, trainer=measure)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -625,7 +617,7 @@ def reproduce(cfg: DictConfig) -> int:
     if state == "busy":
         print("error: the diagnostics run folder is locked by another process; wait for it to finish", file=sys.stderr)
         return 1
-    folder = store.run_dir(resolve(cfg))
+    folder = store.run_dir(cfg)
     final = store.read_json(folder / "final.json")
     paths = render(store.read_json(folder / DATA_FILE), Path(cfg.results_dir), store.RunBlock.from_final(final).wall_time_s)
     for path in paths:

@@ -23,6 +23,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
+from omegaconf import DictConfig
 from tqdm import tqdm
 
 from pipelines import store, worker
@@ -36,14 +37,24 @@ STOP_GRACE_S = 60.0  # how long a stopped worker may take to record its run befo
 
 @dataclass
 class Job:
-    """One grid job: its overrides, run (store root and hash) and planned step count."""
+    """One grid job: its overrides, its validated config (what the worker runs), its run (store root and
+    hash), planned step count, whether it is a timing run (a process of its own) and its cache group (jobs
+    of one group read the frozen-prefix and prompt caches the first of them builds)."""
 
     overrides: list[str]
+    cfg: DictConfig
     root: Path
     run_hash: str
     steps: int
-    benchmark: bool = False  # a timing/memory run (train.benchmark): needs a process of its own
-    cache_group: str = ""  # jobs of one group read the frozen-prefix and prompt caches the first of them builds
+    benchmark: bool = False
+    cache_group: str = ""
+
+    @classmethod
+    def of(cls, overrides: list[str], cfg: DictConfig) -> Job:
+        """The job of ``overrides`` whose validated config is ``cfg``."""
+        return cls(overrides, cfg, store.runs_root(cfg), store.run_hash(cfg), total_steps(cfg),
+                   benchmark=bool(cfg.train.benchmark),
+                   cache_group=f"{cfg.suite.name}/{cfg.backbone.name}/{cfg.backbone.lora_layers}")
 
     @property
     def folder(self) -> Path:
@@ -96,10 +107,8 @@ def plan(experiment: str, overrides: Sequence[str]) -> tuple[list[Job], list[Job
     """(pending, finished) jobs of the grid; finished runs (trained for any experiment, in the
     store or the old layout) are tagged into ``experiment``'s view, as the runner would."""
     pending, finished = [], []
-    for overrides_, cfg in load_experiment(experiment, overrides):  # every job validated before any runs
-        job = Job(overrides_, store.runs_root(cfg), store.run_hash(cfg), total_steps(cfg),
-                  benchmark=bool(cfg.train.get("benchmark")),
-                  cache_group=f"{cfg.suite.name}/{cfg.backbone.name}/{cfg.backbone.lora_layers}")
+    for overrides_, cfg in load_experiment(experiment, overrides):  # every job validated once, before any runs
+        job = Job.of(overrides_, cfg)
         done = store.inspect_run(job.folder).state == "finished" and not cfg.force
         if done:
             store.tag(job.root, experiment, job.run_hash)
@@ -223,7 +232,7 @@ def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list
                                                    max_tasks_per_child=1 if fresh else None)
                     job = queue.pop(next_job(queue, {j.cache_group for _, j in running.values()} - warm))
                     slot = next(i for i in range(workers) if i not in {s for s, _ in running.values()})
-                    running[pool.submit(worker.run_job, job.overrides, str(log_dir / f"{job.run_hash}.log"))] = (
+                    running[pool.submit(worker.run_job, job.cfg, str(log_dir / f"{job.run_hash}.log"))] = (
                         slot, job)
                 for future, (slot, job) in list(running.items()):
                     slots[slot].set_description_str(

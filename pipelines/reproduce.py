@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipelines import launch
-from pipelines.compose import COMPOSE_ERRORS, error_line, job_config
+from pipelines.compose import COMPOSE_ERRORS, error_line
 from pipelines.validate import ConfigError
 
 
@@ -78,13 +78,13 @@ def main(argv: Sequence[str]) -> int:
         return code
     try:
         pending, finished = launch.plan(experiment, overrides)
-        cfg0 = job_config([f"experiment={experiment}", *[o for o in overrides if "," not in o]])
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except COMPOSE_ERRORS as err:
         print(f"error: {error_line(err)}", file=sys.stderr)
         return 2
+    cfg0 = (pending + finished)[0].cfg  # results_dir and scale are one per grid
     print(f"{experiment}: {len(pending) + len(finished)} runs in the grid, {len(finished)} finished, "
           f"{len(pending)} to run", flush=True)
     submitted, failure = True, ""

@@ -43,7 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipelines import store
 from pipelines.compose import resolve
-from pipelines.validate import ConfigError, load_job, load_sweep, validate
+from pipelines.validate import ConfigError, check, load_job, load_sweep
 from pipelines.wandb_log import WandbRun
 from prism.fileio import write_text_atomic
 from prism.privacy.budget import total_steps
@@ -54,7 +54,7 @@ Trainer = Callable[[DictConfig, Path, Callable[[dict[str, Any]], None]], dict[st
 VERSIONED = ("torch", "transformers", "peft", "opacus", "hydra-core", "wandb")
 
 
-__all__ = ["ConfigError", "execute", "main", "validate"]
+__all__ = ["ConfigError", "check", "execute", "main", "run_config"]
 HYDRA_SWITCHES = ("-m", "--multirun", "--help", "-h", "--hydra-help", "--resolve", "--version", "--run", "-r")
 HYDRA_OPTIONS = ("--cfg", "-c", "--package", "-p", "--shell-completion", "-sc", "--experimental-rerun",
                  "--info", "-i")  # take a value (--info: optionally)
@@ -103,11 +103,10 @@ def git_state() -> tuple[str | None, bool | None]:
 
 
 def execute(cfg: DictConfig, trainer: Trainer | None = None) -> str:
-    """Run one job; returns ``finished`` (trained now), ``skipped`` (already finished) or ``busy``
-    (another process holds the run folder's lock). A failing trainer marks the run ``failed`` and
-    re-raises."""
-    cfg = resolve(cfg)
-    validate(cfg)
+    """Run one job of a validated config (:func:`pipelines.validate.load_job`, or a grid's
+    :func:`pipelines.validate.load_experiment`; it is not validated again); returns ``finished`` (trained
+    now), ``skipped`` (already finished) or ``busy`` (another process holds the run folder's lock). A
+    failing trainer marks the run ``failed`` and re-raises."""
     run_hash, folder = store.run_hash(cfg), store.run_dir(cfg)
     lock = FileLock(store.lock_path(folder))
     try:
@@ -274,15 +273,28 @@ def _brief(record: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None, trainer: Trainer | None = None) -> int:
     """``python -m pipelines.run [--debug] [hydra flags] overrides...``; returns the exit code
-    (130 after Ctrl-C, without a traceback unless ``--debug``). ``trainer``: as in :func:`execute`
-    (the local launcher's workers, :mod:`pipelines.worker`)."""
+    (130 after Ctrl-C, without a traceback unless ``--debug``). ``trainer``: as in :func:`execute`."""
+    return _stoppable(lambda: _main(argv, trainer), "--debug" in (sys.argv[1:] if argv is None else argv))
+
+
+def run_config(cfg: DictConfig, trainer: Trainer | None = None) -> int:
+    """Run one job of a grid from its validated config (the local launcher's workers,
+    :mod:`pipelines.worker`) as ``python -m pipelines.run <its overrides>`` would, without composing or
+    validating it again; returns that command's exit code."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    quiet_third_party_warnings()
+    return _stoppable(lambda: _run(cfg, trainer, debug=False), False)
+
+
+def _stoppable(body: Callable[[], int], debug: bool) -> int:
+    """``body()`` with SIGTERM taken as Ctrl-C; an interrupt is exit code 130 (re-raised under ``--debug``)."""
     previous = None
     if threading.current_thread() is threading.main_thread():  # SIGTERM (scancel, preemption) stops as Ctrl-C does
         previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
-        return _main(argv, trainer)
+        return body()
     except KeyboardInterrupt:
-        if "--debug" in (sys.argv[1:] if argv is None else argv):
+        if debug:
             raise
         print("interrupted", file=sys.stderr)
         return 130
@@ -320,6 +332,11 @@ def _main(argv: Sequence[str] | None, trainer: Trainer | None = None) -> int:
         print(f"error: the config could not be validated ({_one_line(err)}), check the overrides "
               "(rerun with --debug for the traceback)", file=sys.stderr)
         return 2
+    return _run(cfg, trainer, debug)
+
+
+def _run(cfg: DictConfig, trainer: Trainer | None, debug: bool) -> int:
+    """Run a validated job: narration on stdout, one ``error:`` line and the exit code on failure."""
     setup_logging()
     try:
         execute(cfg, trainer)
@@ -401,8 +418,8 @@ def untimed_logging() -> None:
 
 
 def _hydra(args: list[str]) -> int:
-    """Hand the command line to Hydra (multirun, ``--cfg``, ``--help``); each job is validated
-    again from its own overrides."""
+    """Hand the command line to Hydra (multirun, ``--cfg``, ``--help``); each job runs the config
+    Hydra composed for it, validated in the process that runs it (a SLURM task checks its own device)."""
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()  # validation initialised it; Hydra's main initialises its own
@@ -413,10 +430,8 @@ def _hydra(args: list[str]) -> int:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> str:
-    from hydra.core.hydra_config import HydraConfig
-
-    del cfg  # composed by Hydra; validated again from the job's overrides
-    return execute(load_job(list(HydraConfig.get().overrides.task)))
+    """One job of a Hydra multirun: the config Hydra composed for it, validated here once."""
+    return execute(check(resolve(cfg)))
 
 
 if __name__ == "__main__":

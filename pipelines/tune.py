@@ -187,7 +187,7 @@ def plan_points(overrides: Sequence[str]) -> tuple[list[Point], list[Point]]:
     out: tuple[list[Point], list[Point]] = ([], [])
     for i, jobs in enumerate((pending_jobs, finished_jobs)):
         for job in jobs:
-            cfg = job_config(job.overrides)
+            cfg = job.cfg
             factor = float(cfg.tune.lr_factor)
             cell = Cell(str(cfg.suite.name), str(cfg.privacy.name), str(cfg.method.name))
             out[i].append(Point(cell, factor, float(cfg.method.lr), float(cfg.method.lr) / factor, job,

@@ -16,18 +16,30 @@ Every method yaml sets ``lr: ${method_lr:<Table 8's rate of the suite family × 
 
 No tuned file is committed by hand: each is written whole by ``make tune`` and records the commit
 and command that produced it. ``PRISM_TUNED_DIR`` points the lookup at another folder (tests).
+
+A file is read through its schema (:class:`TunedFile`, :class:`TunedRate`) with YAML's line marks: a
+value of the wrong type (``epsilon: three``), an unknown or missing key, two entries for one cell, or a
+cell of the file's grid (its methods × ε, per suite and budget) without an entry is one
+:class:`~pipelines.config_schema.ConfigError` line ``<file>:<line>: <what>, <fix>``, never a run at
+the default rate.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
+
+from pipelines.config_schema import ConfigError
 
 TUNED_DIR = Path(__file__).resolve().parents[1] / "conf" / "tuned"
 MATCH = {  # entry field -> config field it must equal
@@ -45,14 +57,129 @@ def tuned_dir() -> Path:
     return Path(os.environ.get("PRISM_TUNED_DIR") or TUNED_DIR)
 
 
+def _key(help_text: str, default: Any = MISSING) -> Any:
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass
+class TunedRate:
+    """One entry of a tuned-rate file's ``rates:`` (:func:`pipelines.tune.tuned_yaml` writes it)."""
+
+    method: str = _key("method.name of the cell")
+    suite: str = _key("suite.name")
+    scale: str = _key("suite.scale")
+    epsilon: float = _key("privacy.epsilon (.inf: non-private)")
+    backbone: str = _key("backbone.name")
+    lora_layers: int | None = _key("backbone.lora_layers")
+    steps: int = _key("train.steps")
+    batch_size: int = _key("train.batch_size")
+    lr: float = _key("the chosen learning rate")
+    factor: float | None = _key("lr / default_lr", None)
+    default_lr: float | None = _key("Table 8 × train.lr_multiplier", None)
+    validation_score: float | None = _key("the chosen rate's validation score", None)
+    at_edge: bool | None = _key("the best rate is an end of the swept grid", None)
+    task_sha256: str | None = _key("a user's task: the training file's sha256", None)
+    model_path: str | None = _key("a user's model folder", None)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.lr < math.inf:
+            raise ConfigError(f"lr={self.lr} must be a finite number > 0")
+
+
+@dataclass
+class TunedFile:
+    """A tuned-rate file: the sweep's record and one :class:`TunedRate` per cell."""
+
+    generated: dict[str, Any] | None = _key("command, commit, date, rule and grid of the sweep", None)
+    rates: list[Any] = _key("one entry per cell")
+
+
+FIX = "fix it or regenerate the file with `make tune`"
+CELL = tuple(MATCH)
+
+
 @functools.lru_cache(maxsize=8)
 def _load(path: str, mtime_ns: int) -> tuple[dict, ...]:
+    """The entries of one file, read through :class:`TunedFile` (one line naming file, line and fix if bad)."""
     del mtime_ns  # part of the cache key only: a rewritten file is read again
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    rates = data.get("rates") if isinstance(data, Mapping) else None
-    if not isinstance(rates, list):
-        raise ValueError(f"{path}: no `rates:` list; regenerate it with `make tune`")
-    return tuple(dict(r) for r in rates)
+    text = Path(path).read_text()
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        raise ConfigError(f"{path}:{mark.line + 1 if mark else 1}: not valid YAML "
+                          f"({getattr(err, 'problem', err)}), {FIX}") from None
+    data = yaml.safe_load(text)
+    if not isinstance(root, yaml.MappingNode) or not isinstance(data, dict):
+        raise ConfigError(f"{path}:1: no `rates:` list, {FIX}")
+    lines = {k.value: (k.start_mark.line + 1, v) for k, v in root.value}
+    try:
+        OmegaConf.merge(OmegaConf.structured(TunedFile), data)
+    except ConfigKeyError as err:
+        raise ConfigError(f"{path}:{lines[err.key][0]}: unknown key {err.key}, a tuned-rate file has generated and "
+                          f"rates; {FIX}") from None
+    except ValidationError as err:
+        raise ConfigError(f"{path}:{lines[err.key][0]}: {err.key} has the wrong type, {FIX}") from None
+    if "rates" not in data or not isinstance(lines["rates"][1], yaml.SequenceNode):
+        raise ConfigError(f"{path}:{lines.get('rates', (1,))[0]}: no `rates:` list, {FIX}")
+    rates_line, rates_node = lines["rates"]
+    entries = [_entry(path, i, node, value) for i, (node, value) in enumerate(zip(rates_node.value, data["rates"]))]
+    seen: dict[tuple, int] = {}
+    for (line, entry) in entries:
+        cell = tuple(entry.get(k) for k in CELL)
+        if cell in seen:
+            raise ConfigError(f"{path}:{line}: a second entry for the cell of line {seen[cell]} "
+                              f"({_describe(entry, ('method', 'suite', 'epsilon'))}), keep one; {FIX}")
+        seen[cell] = line
+    _complete(path, rates_line, [entry for _, entry in entries])
+    return tuple(entry for _, entry in entries)
+
+
+def _entry(path: str, index: int, node: yaml.Node, value: Any) -> tuple[int, dict]:
+    """(line, fields) of ``rates[index]`` read through :class:`TunedRate`."""
+    line = node.start_mark.line + 1
+    if not isinstance(node, yaml.MappingNode) or not isinstance(value, dict):
+        raise ConfigError(f"{path}:{line}: rates[{index}] must be a mapping of {', '.join(CELL[:8])} and lr, {FIX}")
+    key_lines = {k.value: v.start_mark.line + 1 for k, v in node.value}
+    try:
+        rate = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TunedRate), value))
+    except ConfigKeyError as err:
+        raise ConfigError(f"{path}:{key_lines.get(err.key, line)}: unknown key {err.key} in rates[{index}], its keys "
+                          f"are {', '.join(f.name for f in dataclasses.fields(TunedRate))}; {FIX}") from None
+    except MissingMandatoryValue as err:
+        raise ConfigError(f"{path}:{line}: rates[{index}] lacks {err.key}, {FIX}") from None
+    except ValidationError as err:
+        kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+        wanted = TunedRate.__dataclass_fields__[str(err.key)].type
+        shown = next((v for k, v in kind.items() if k.__name__ in str(wanted)), "of its type")
+        raise ConfigError(f"{path}:{key_lines.get(err.key, line)}: rates[{index}].{err.key}={value.get(err.key)!r} "
+                          f"must be {shown}, {FIX}") from None
+    except ConfigError as err:
+        raise ConfigError(f"{path}:{key_lines.get('lr', line)}: rates[{index}].{err}, {FIX}") from None
+    return line, {k: v for k, v in dataclasses.asdict(rate).items() if v is not None or k not in OPTIONAL}
+
+
+def _describe(entry: Mapping[str, Any], keys: tuple[str, ...]) -> str:
+    return " ".join(f"{k}={entry[k]:g}" if isinstance(entry[k], float) else f"{k}={entry[k]}" for k in keys)
+
+
+def _complete(path: str, line: int, entries: list[dict]) -> None:
+    """Every budget of the file (its fields other than method and ε) has an entry for each of the file's
+    methods × ε: a cell left out would run at the default rate."""
+    methods = sorted({e["method"] for e in entries})
+    epsilons = sorted({e["epsilon"] for e in entries})
+    budgets: dict[tuple, set] = {}
+    for e in entries:
+        budget = tuple((k, e.get(k)) for k in CELL if k not in ("method", "epsilon"))
+        budgets.setdefault(budget, set()).add((e["method"], e["epsilon"]))
+    for budget, cells in budgets.items():
+        for method, eps in itertools.product(methods, epsilons):
+            if (method, eps) not in cells:
+                where = _describe({"method": method, "epsilon": eps, **dict(budget)},
+                                  ("method", "epsilon", "suite", "steps", "batch_size"))
+                raise ConfigError(f"{path}:{line}: rates has no entry for {where} (the file tunes "
+                                  f"{', '.join(methods)} at ε {', '.join(f'{x:g}' for x in epsilons)}), so that cell "
+                                  f"would run at the default rate; {FIX}")
 
 
 def entries(*folders: Path) -> list[tuple[Path, dict]]:
@@ -92,7 +219,7 @@ def lookup(cfg: DictConfig, folder: Path | None = None) -> tuple[float, Path] | 
     found = [(float(e["lr"]), path) for path, e in entries(*folders)
              if all(_same(e.get(k), v) for k, v in fields.items())]
     if len(found) > 1:
-        raise ValueError(f"tuned rates for the same cell in {', '.join(str(p) for _, p in found)}: keep one "
+        raise ConfigError(f"tuned rates for the same cell in {', '.join(str(p) for _, p in found)}: keep one "
                          f"(rerun `make tune` for that scale, or delete the stale file)")
     return found[0] if found else None
 

@@ -2,10 +2,11 @@
 backbone loaded.
 
 ``launcher=local`` (:func:`pipelines.launch.run_local`) starts ``jobs=K`` spawned processes and
-hands each one job at a time. A job is exactly ``python -m pipelines.run <overrides>``
-(:func:`pipelines.run.main`: validation, the run folder's lock, skip / resume, the store format,
-W&B), with two differences that change no result: the interpreter, its imports and the composed
-config machinery are already warm, and the frozen backbone comes from
+hands each one job at a time: its resolved config, composed and validated once by the grid process
+(:func:`pipelines.launch.plan`). A job runs as ``python -m pipelines.run <overrides>`` would
+(:func:`pipelines.run.run_config`: the run folder's lock, skip / resume, the store format, W&B), with
+two differences that change no result: the interpreter and its imports are already warm, and the
+frozen backbone comes from
 :class:`prism.models.KeptBackbones`, a deep copy of the weights the process loaded for its first
 job. Every job seeds its own RNGs in :func:`prism.train.build`, so a run's numbers do not depend on
 which worker ran it or what ran before (``tests/test_worker.py`` checks them bitwise against a fresh
@@ -26,8 +27,9 @@ import gc
 import os
 import signal
 import sys
-from collections.abc import Sequence
 from typing import Any
+
+from omegaconf import DictConfig
 
 # set by the launcher before it spawns the workers: torch reads them when it is first imported
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -59,9 +61,10 @@ def _stop(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
 
-def run_job(overrides: Sequence[str], log_path: str) -> int:
-    """Run one job as ``python -m pipelines.run`` would, its output appended to ``log_path``;
-    returns that command's exit code (0 finished or skipped, 1 failed, 2 bad input, 130 interrupted)."""
+def run_job(cfg: DictConfig, log_path: str) -> int:
+    """Run the job of the validated config ``cfg`` as ``python -m pipelines.run`` would, its output appended
+    to ``log_path``; returns that command's exit code (0 finished or skipped, 1 failed, 2 bad input, 130
+    interrupted)."""
     global _kept, _busy
     from pipelines import run
 
@@ -74,8 +77,8 @@ def run_job(overrides: Sequence[str], log_path: str) -> int:
 
                 _kept = KeptBackbones()
             kept = _kept
-            return run.main(list(overrides),
-                            trainer=lambda cfg, folder, log_fn: run.default_trainer(cfg, folder, log_fn, load=kept))
+            return run.run_config(cfg, trainer=lambda job, folder, log_fn: run.default_trainer(job, folder, log_fn,
+                                                                                             load=kept))
     finally:
         if _stopping:  # the run is recorded (the log file is closed); nothing is left for this process to do
             os._exit(128 + signal.SIGTERM)

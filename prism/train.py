@@ -121,13 +121,13 @@ def seed_everything(seed: int) -> None:
 
 def os_noise(cfg: DictConfig) -> bool:
     """Whether the sampler and the noise draw from the OS CSPRNG (``privacy.noise_source: os``)."""
-    return cfg.privacy.get("noise_source", "seeded") == "os"
+    return cfg.privacy.noise_source == "os"
 
 
 def logs_private_stats(cfg: DictConfig) -> bool:
     """``privacy.log_private_stats`` (default on): whether the logs may carry :data:`PRIVATE_STATS`,
     :data:`PRIVATE_FINAL` and any other time or memory figure of the run."""
-    return bool(cfg.privacy.get("log_private_stats", True))
+    return bool(cfg.privacy.log_private_stats)
 
 
 def public_record(record: dict[str, Any], log_private_stats: bool) -> dict[str, Any]:
@@ -164,8 +164,8 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
             log.warning(warning)
     init_generator = torch.Generator().manual_seed(cfg.seed)
     model = attach_lora(model, cfg.lora, cfg.backbone, init=cfg.method.init, generator=init_generator,
-                        init_svd=cfg.method.get("init_svd", "auto"))
-    narrate("%s; %s", describe(model), speed_paths(model, cfg.train.get("prefix_cache", "auto")))
+                        init_svd=cfg.method.init_svd)
+    narrate("%s; %s", describe(model), speed_paths(model, cfg.train.prefix_cache))
     features = tokenize_train_set(tokenizer, suite.train, suite.cutoff_len, suite.train_on_inputs, cfg.backbone.name)
     secure = os_noise(cfg)
     sampler = PoissonSampler(n_train, cfg.train.batch_size, generator_seed=cfg.seed + 1, secure=secure)
@@ -180,19 +180,19 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
     privacy = PrivacySpec(sigma=sigma, clip_norm=float(cfg.privacy.clip_norm)) if dp else None
     method = build_method(cfg.method, params, privacy)
     params = {name: p for name, p in params.items() if p.requires_grad}  # FFA freezes peft lora_A
-    narrate("frozen-prefix cache (train.prefix_cache=%s) for %d training examples", cfg.train.get("prefix_cache", "auto"),
+    narrate("frozen-prefix cache (train.prefix_cache=%s) for %d training examples", cfg.train.prefix_cache,
             len(features))
-    prefix = prefix_cache(model, features, cfg.train.get("prefix_cache", "auto"), name=cfg.backbone.name)
+    prefix = prefix_cache(model, features, cfg.train.prefix_cache, name=cfg.backbone.name)
     if recipe is not None:  # hold-out rows replay from their own frozen-prefix states too
         held = [tokenize_example(tokenizer, ex, suite.cutoff_len, suite.train_on_inputs) for ex in holdout]
-        held_prefix = prefix_cache(model, held, cfg.train.get("prefix_cache", "auto"), name=cfg.backbone.name)
+        held_prefix = prefix_cache(model, held, cfg.train.prefix_cache, name=cfg.backbone.name)
         method = HFTrainerBaseline(method, recipe, lambda: holdout_loss(
             model, held, tokenizer.pad_token_id, cfg.train.eval_batch_size, device, held_prefix))
     noise = SecureNoise() if secure else SeededNoise(torch.Generator(device=device).manual_seed(cfg.seed + 2))
-    if cfg.train.get("activation_checkpointing", False):
+    if cfg.train.activation_checkpointing:
         enable_activation_checkpointing(model)
     if dp:
-        per_example = PerExampleGradients(model, scale=cfg.privacy.get("per_example_scale", "record"),
+        per_example = PerExampleGradients(model, scale=cfg.privacy.per_example_scale,
                                           released_power=method.per_example_power)  # never wrapped under DP
         gradients = lambda batch: per_example.compute(**batch)  # noqa: E731
     else:
@@ -286,10 +286,10 @@ def train_step(s: Setup, cfg: DictConfig, diagnostics: bool = True) -> dict[str,
         return {"batch_size": 0, **stats}
     loss_sum = torch.zeros((), device=s.device)
     for chunk in indices.split(cfg.train.micro_batch_size):
-        loss, grads = s.gradients(_micro_batch(s, chunk.tolist(), cfg.train.get("padding_side", "right")))
+        loss, grads = s.gradients(_micro_batch(s, chunk.tolist(), cfg.train.padding_side))
         s.method.accumulate(grads)
         loss_sum = loss_sum + loss.detach().float().sum()
-    denominator = (noise_denominator(cfg.privacy.get("denominator", "expected"), len(indices), cfg.train.batch_size)
+    denominator = (noise_denominator(cfg.privacy.denominator, len(indices), cfg.train.batch_size)
                    if s.method.dp else len(indices))
     stats = s.method.step(float(denominator), s.noise, diagnostics)
     _check_finite(loss_sum, s.params)
@@ -311,7 +311,7 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
     elif (Path(run_dir) / "metrics.jsonl").exists():
         narrate("no checkpoint in %s: training starts again at step 1", ckpt_dir)
     initial = {name: p.detach().clone() for name, p in s.params.items()}
-    benchmark = cfg.train.get("benchmark")
+    benchmark = cfg.train.benchmark
     steps = total_steps(cfg)
     step_times, empty = [], 0
     log_private = logs_private_stats(cfg)

@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from pipelines import store
 from pipelines.compose import experiment_jobs, job_config
-from pipelines.run import ConfigError, validate
+from pipelines.validate import ConfigError, check
 
 # Independent expectations, written from the paper (Tables 2–5, 7, 8) and docs/ARCHITECTURE.md.
 GRID_SIZES = {"table2": 36, "table3": 9, "table4": 18, "table5": 3}
@@ -150,13 +150,13 @@ def test_unknown_key_is_rejected() -> None:
 ])
 def test_bad_values_fail_with_one_line(override: str, field: str) -> None:
     with pytest.raises(ConfigError) as err:
-        validate(job_config([override]))
+        check(job_config([override]))
     assert field in str(err.value) and "\n" not in str(err.value)
 
 
 def test_non_dp_and_defaults_validate() -> None:
-    validate(job_config(["privacy=nondp"]))
-    validate(job_config([]))
+    check(job_config(["privacy=nondp"]))
+    check(job_config([]))
 
 
 def test_hash_ignores_bookkeeping_and_tracks_results() -> None:

@@ -115,7 +115,7 @@ def test_a_free_worker_skips_jobs_whose_caches_are_still_being_built(tmp_path: P
     """Table 2's queue alternates the suites; with the first GLUE8 job still building its caches, the
     next worker takes the Math jobs in order, and takes a GLUE8 job only once none else is left."""
     def job(i: int, group: str) -> launch.Job:
-        return launch.Job([f"seed={i}"], tmp_path, f"{i:012x}", 2, cache_group=group)
+        return launch.Job([f"seed={i}"], None, tmp_path, f"{i:012x}", 2, cache_group=group)
 
     queue = [job(1, "math10k/smollm2-135m/1"), job(2, "glue8/smollm2-135m/1"), job(3, "math10k/smollm2-135m/1")]
     assert launch.next_job(queue, set()) == 0
@@ -125,7 +125,7 @@ def test_a_free_worker_skips_jobs_whose_caches_are_still_being_built(tmp_path: P
 
 
 def test_local_failure_count_is_the_runs_not_finished(tmp_path: Path, monkeypatch) -> None:
-    jobs = [launch.Job([f"seed={i}"], tmp_path / "runs", f"{i:012x}", 2) for i in range(3)]
+    jobs = [launch.Job([f"seed={i}"], None, tmp_path / "runs", f"{i:012x}", 2) for i in range(3)]
     store.write_status(tmp_path / "runs" / jobs[0].run_hash, "finished", started="t", attempts=1)
     store.write_json_atomic(tmp_path / "runs" / jobs[0].run_hash / "final.json", {"columns": {}})
     store.write_status(tmp_path / "runs" / jobs[1].run_hash, "failed", started="t", attempts=1, error="boom")

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipelines import store
 from pipelines.compose import job_config
-from pipelines.run import ConfigError, execute
+from pipelines.run import ConfigError, check, execute
 from tests.oracles import read_metrics
 
 
@@ -123,7 +123,7 @@ def test_folder_with_a_different_config_is_moved_aside(cfg: DictConfig) -> None:
 def test_invalid_config_fails_before_any_folder(cfg: DictConfig) -> None:
     cfg.privacy.epsilon = 0.0
     with pytest.raises(ConfigError, match="privacy.epsilon"):
-        execute(cfg, FakeTrainer())
+        execute(check(cfg), FakeTrainer())
     assert not (Path(cfg.results_dir) / "runs").exists()
 
 

@@ -13,6 +13,7 @@ import torch
 
 from pipelines import launch, store
 from pipelines.compose import job_config
+from pipelines.validate import load_job
 from prism.models import KeptBackbones, load_backbone
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,9 +24,11 @@ A = ["suite=glue8", "method=prism", "privacy=eps6", *TINY]
 B = ["suite=math10k", "method=adamw", "privacy=nondp", *TINY]
 
 
-def job(overrides: list[str], results: Path) -> launch.Job:
-    cfg = job_config([*overrides, f"results_dir={results}"])
-    return launch.Job([*overrides, f"results_dir={results}"], store.runs_root(cfg), store.run_hash(cfg), 3)
+def job(overrides: list[str], results: Path, here: bool = True) -> launch.Job:
+    """The grid job of ``overrides``, validated as the grid process validates it (``here=False``: as a
+    job that runs on another machine)."""
+    return launch.Job.of([*overrides, f"results_dir={results}"], load_job([*overrides, f"results_dir={results}"],
+                                                                          here=here))
 
 
 def outputs(j: launch.Job) -> tuple[list[dict], dict]:
@@ -68,10 +71,10 @@ def test_worker_run_is_bitwise_a_fresh_process_run_after_another_job(tmp_path: P
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fails a job by asking for a GPU this machine lacks")
 def test_a_failing_job_fails_alone_and_the_next_one_runs(tmp_path: Path) -> None:
-    broken = job([*A, "train.device=cuda"], tmp_path)
+    broken = job([*A, "train.device=cuda"], tmp_path, here=False)  # validated for another machine
     ok = job(B, tmp_path)
     outcome = launch.run_local([broken, ok], 1, tmp_path / "logs")
     assert [j.run_hash for j in outcome["failed"]] == [broken.run_hash]
     assert [j.run_hash for j in outcome["ok"]] == [ok.run_hash]
-    assert store.inspect_run(broken.folder).state == "absent"  # refused before its folder exists
-    assert "error: train.device=cuda but no GPU is visible" in (tmp_path / "logs" / f"{broken.run_hash}.log").read_text()
+    assert store.inspect_run(broken.folder).status["state"] == "failed"
+    assert "error: " in (tmp_path / "logs" / f"{broken.run_hash}.log").read_text()

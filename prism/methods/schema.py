@@ -167,6 +167,13 @@ def check(node: Mapping[str, Any]) -> None:
     registry.config_class(node).from_node(node)
 
 
+def kinds(node: Mapping[str, Any]) -> dict[str, Any]:
+    """Each key of method ``node``'s dataclass → its kind (``float``, ``int``, ``bool``, ``str`` or ``"pair"``)."""
+    from prism.methods import registry
+
+    return {k: _base(hint)[0] for k, hint in _hints(registry.config_class(node)).items()}
+
+
 # ------------------------------------------------------------------------------ field checks
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:

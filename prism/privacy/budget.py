@@ -6,5 +6,5 @@ from typing import Any
 
 def total_steps(cfg: Any) -> int:
     """``train.steps``, or warm-up + measured updates in benchmark mode (``train.benchmark``, Table 5)."""
-    benchmark = cfg.train.get("benchmark")
+    benchmark = cfg.train.benchmark
     return int(benchmark.warmup + benchmark.measure) if benchmark else int(cfg.train.steps)

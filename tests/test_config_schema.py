@@ -1,0 +1,169 @@
+"""The config schema (pipelines/config_schema.py, docs/DECISIONS.md D78): one dataclass per config group
+registered in Hydra's ConfigStore, adding no key to a job config; each job composed and validated once;
+the tuned-rate files read through their schema, a bad file one line naming its line and the fix."""
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from pipelines import compose, config_schema, launch, run, store, validate, worker
+from pipelines.compose import job_config
+from pipelines.config_schema import ConfigError, JobConfig, conform
+
+TUNED = Path(__file__).resolve().parents[1] / "conf" / "tuned" / "embedded.yaml"
+
+
+def _schemas(node: type) -> list[type]:
+    """``node`` and every dataclass its fields hold (nested groups)."""
+    out = [node]
+    for f in fields(node):
+        for kind in re.findall(r"\w+Config", str(f.type)):
+            cls = getattr(config_schema, kind)
+            if is_dataclass(cls) and cls not in out:
+                out += [c for c in _schemas(cls) if c not in out]
+    return out
+
+
+def test_every_group_is_registered_and_every_field_has_help() -> None:
+    repo = ConfigStore.instance().repo
+    assert "job_schema.yaml" in repo
+    assert {"backbone.yaml", "suite.yaml", "privacy.yaml", "lora.yaml", "train.yaml", "protocol.yaml",
+            "logging.yaml", "tune.yaml"} <= set(repo["schema"])
+    for cls in _schemas(JobConfig):
+        for f in fields(cls):
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
+
+
+@pytest.mark.parametrize("job", [[], ["experiment=table5"], ["experiment=tune", "method=lamb"], ["protocol=released"],
+                                 ["experiment=diagnostics"], ["scale=paper", "suite=math10k"]])
+def test_the_schema_adds_no_key_and_changes_no_hash(job: list[str]) -> None:
+    cfg = job_config(job)
+    typed = conform(cfg)
+    assert OmegaConf.to_container(typed) == OmegaConf.to_container(cfg)
+    assert store.run_hash(typed) == store.run_hash(cfg)
+
+
+def test_an_int_for_a_float_is_that_float_and_a_float_for_an_int_is_refused() -> None:
+    assert type(validate.load_job(["privacy.clip_norm=2"]).privacy.clip_norm) is float
+    assert type(validate.load_job(["method=prism", "method.floor_factor=1"]).method.floor_factor) is float
+    with pytest.raises(ConfigError, match=r"^lora.alpha must be an integer"):
+        validate.load_job(["lora.alpha=2.5"])
+
+
+def _stub(cfg: Any, folder: Path, log_fn: Any, load: Any = None) -> dict[str, Any]:
+    log_fn({"step": 1, "loss": 1.0})
+    return {"columns": {"SST-2": 0.5}, "average": 0.5}
+
+
+def test_a_grid_job_and_a_single_run_are_composed_and_validated_once(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grid process composes and validates each job once; its worker runs that config as is. A
+    single ``pipelines.run`` composes and validates once too."""
+    counts: Counter[str] = Counter()
+    compose_job, check = compose.compose_job, validate.check
+
+    def counted_compose(overrides: Any) -> Any:
+        counts["compose"] += 1
+        return compose_job(overrides)
+
+    def counted_check(cfg: Any, *, here: bool = True) -> Any:
+        counts["check"] += 1
+        return check(cfg, here=here)
+
+    monkeypatch.setattr(compose, "compose_job", counted_compose)
+    monkeypatch.setattr(validate, "check", counted_check)
+    monkeypatch.setattr(run, "default_trainer", _stub)
+    monkeypatch.setattr(worker, "_kept", object())  # no backbone: the stub trainer loads none
+    handlers, level = logging.root.handlers[:], logging.root.level
+    try:
+        pending, finished = launch.plan("table2", ["scale=smoke", "method=adamw,prism", "privacy=eps6", "suite=glue8",
+                                                   "logging=disabled", f"results_dir={tmp_path}"])
+        assert (len(pending), len(finished)) == (2, 0) and counts == {"compose": 2, "check": 2}
+        for job in pending:
+            assert worker.run_job(job.cfg, str(tmp_path / f"{job.run_hash}.log")) == 0
+            assert store.inspect_run(job.folder).state == "finished"
+        assert counts == {"compose": 2, "check": 2}
+        counts.clear()
+        assert run.main(["scale=smoke", "method=lamb", "logging=disabled", f"results_dir={tmp_path}"]) == 0
+        assert counts == {"compose": 1, "check": 1}
+    finally:
+        logging.root.handlers[:], logging.root.level = handlers, level
+
+
+# ------------------------------------------------------------------------------------ tuned rates
+def _tuned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit: Any) -> tuple[Path, list[str]]:
+    """conf/tuned/embedded.yaml with ``edit`` applied to its lines, as the only tuned file read."""
+    lines = TUNED.read_text().splitlines()
+    edit(lines)
+    folder = tmp_path / "tuned"
+    folder.mkdir()
+    (folder / "embedded.yaml").write_text("\n".join(lines) + "\n")
+    monkeypatch.setenv("PRISM_TUNED_DIR", str(folder))
+    return folder / "embedded.yaml", lines
+
+
+def _refusal(tmp_path: Path) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate.load_job(["method=adamw", f"results_dir={tmp_path / 'results'}"])
+    message = str(err.value)
+    assert "\n" not in message and "make tune" in message
+    return message
+
+
+def _line(lines: list[str], text: str, start: int = 0) -> int:
+    return next(i for i in range(start, len(lines)) if lines[i] == text) + 1
+
+
+def test_the_committed_tuned_file_reads_clean_and_sets_the_rates() -> None:
+    cfg = validate.load_job(["method=adamw", "privacy=eps3", "suite=glue8"])
+    assert cfg.method.lr == pytest.approx(0.00632)
+
+
+def test_a_tuned_value_of_the_wrong_type_names_its_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def edit(lines: list[str]) -> None:
+        lines[_line(lines, "  epsilon: 6.0") - 1] = "  epsilon: three"
+
+    path, lines = _tuned(tmp_path, monkeypatch, edit)
+    message = _refusal(tmp_path)
+    assert message.startswith(f"{path}:{_line(lines, '  epsilon: three')}: ") and "epsilon='three' must be a number" in message
+
+
+def test_an_unknown_tuned_key_names_its_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def edit(lines: list[str]) -> None:
+        lines.insert(_line(lines, "  lr: 0.00632"), "  learning_rate: 0.1")
+
+    path, lines = _tuned(tmp_path, monkeypatch, edit)
+    message = _refusal(tmp_path)
+    assert message.startswith(f"{path}:{_line(lines, '  learning_rate: 0.1')}: unknown key learning_rate")
+
+
+def test_a_duplicated_tuned_cell_names_its_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def edit(lines: list[str]) -> None:
+        first = _line(lines, "- method: adamw") - 1
+        lines.extend(lines[first:first + 13])  # the first entry again, at the end
+
+    path, lines = _tuned(tmp_path, monkeypatch, edit)
+    copy = max(i for i, text in enumerate(lines) if text == "- method: adamw") + 1
+    message = _refusal(tmp_path)
+    assert message.startswith(f"{path}:{copy}: a second entry for the cell of line {_line(lines, '- method: adamw')}")
+
+
+def test_a_missing_tuned_cell_is_refused_not_run_at_the_default_rate(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    def edit(lines: list[str]) -> None:  # the entry of prism, glue8, ε = 6
+        start = next(i for i in range(len(lines)) if lines[i] == "- method: prism" and lines[i + 3] == "  epsilon: 6.0")
+        del lines[start:start + 13]
+
+    path, lines = _tuned(tmp_path, monkeypatch, edit)
+    message = _refusal(tmp_path)
+    assert message.startswith(f"{path}:{_line(lines, 'rates:')}: rates has no entry for method=prism epsilon=6 "
+                              "suite=glue8")
+    assert "default rate" in message
