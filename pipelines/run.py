@@ -1,18 +1,19 @@
-"""Entry point: one job = one resolved config = one run folder (docs/ARCHITECTURE.md).
+"""The runner: one job = one resolved config = one run folder (docs/ARCHITECTURE.md).
 
-    python -m pipelines.run method=adamw privacy=eps3 suite=math10k        # one run
-    python -m pipelines.run -m experiment=table2                           # Hydra multirun (basic launcher: sequential)
-    python -m pipelines.run -m experiment=table2 scale=paper launcher=slurm   # SLURM array; blocks: use tmux/nohup
+    python -m pipelines run method=adamw privacy=eps3 suite=math10k        # one run
+    python -m pipelines run -m experiment=table2                           # Hydra multirun (basic launcher: sequential)
+    python -m pipelines run -m experiment=table2 scale=paper launcher=slurm   # SLURM array; blocks: use tmux/nohup
 
+:func:`command` is that verb (and what a local-launcher worker runs per job, :mod:`pipelines.worker`).
 Every job's config is validated first (:mod:`pipelines.validate`; a multirun validates all its
 jobs before the first starts): a bad input prints ``error: <what>, <how to fix>`` on one line and
 exits with code 2, before any model load, W&B init or folder. ``--debug`` (or
 ``HYDRA_FULL_ERROR=1``) shows tracebacks instead. A single run does not go through Hydra's run
-mode, so it leaves no ``hydra/`` output folder; Hydra's flags (``-m``, ``--cfg``, ``--help``, ...)
-hand the command line to Hydra.
+mode, so it leaves no ``hydra/`` output folder; Hydra's flags (``-m``, ``--cfg``, ...) hand the
+command line to Hydra.
 
-Each job takes the run folder's lock, skips a finished run (unless ``force=true``), resumes an
-interrupted one, sets aside unreadable files of a corrupt one, then calls
+:func:`execute` runs one job: it takes the run folder's lock, skips a finished run (unless
+``force=true``), resumes an interrupted one, sets aside unreadable files of a corrupt one, then calls
 ``prism.train.train_and_evaluate`` and writes the folder format of :mod:`pipelines.store`. It
 narrates one line per phase on stdout and ends with the scores and the ``final.json`` path.
 """
@@ -54,8 +55,8 @@ Trainer = Callable[[DictConfig, Path, Callable[[dict[str, Any]], None]], dict[st
 VERSIONED = ("torch", "transformers", "peft", "opacus", "hydra-core", "wandb")
 
 
-__all__ = ["ConfigError", "execute", "main", "validate"]
-HYDRA_SWITCHES = ("-m", "--multirun", "--help", "-h", "--hydra-help", "--resolve", "--version", "--run", "-r")
+__all__ = ["ConfigError", "command", "execute", "validate"]
+HYDRA_SWITCHES = ("-m", "--multirun", "--hydra-help", "--resolve", "--version", "--run", "-r")
 HYDRA_OPTIONS = ("--cfg", "-c", "--package", "-p", "--shell-completion", "-sc", "--experimental-rerun",
                  "--info", "-i")  # take a value (--info: optionally)
 OTHER_CONFIG = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")  # not conf/config.yaml
@@ -272,17 +273,17 @@ def _brief(record: dict[str, Any]) -> str:
                     if isinstance(record.get(k), (int, float)) and math.isfinite(record[k]))
 
 
-def main(argv: Sequence[str] | None = None, trainer: Trainer | None = None) -> int:
-    """``python -m pipelines.run [--debug] [hydra flags] overrides...``; returns the exit code
-    (130 after Ctrl-C, without a traceback unless ``--debug``). ``trainer``: as in :func:`execute`
-    (the local launcher's workers, :mod:`pipelines.worker`)."""
+def command(argv: Sequence[str], trainer: Trainer | None = None, debug: bool = False) -> int:
+    """``python -m pipelines run [hydra flags] overrides...``; returns the exit code (130 after Ctrl-C,
+    without a traceback unless ``debug``). ``trainer``: as in :func:`execute` (the local launcher's
+    workers, :mod:`pipelines.worker`)."""
     previous = None
     if threading.current_thread() is threading.main_thread():  # SIGTERM (scancel, preemption) stops as Ctrl-C does
         previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
-        return _main(argv, trainer)
+        return _command(list(argv), trainer, debug or os.environ.get("HYDRA_FULL_ERROR") == "1")
     except KeyboardInterrupt:
-        if "--debug" in (sys.argv[1:] if argv is None else argv):
+        if debug:
             raise
         print("interrupted", file=sys.stderr)
         return 130
@@ -296,10 +297,7 @@ def _stop_on_sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt("SIGTERM")
 
 
-def _main(argv: Sequence[str] | None, trainer: Trainer | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in args or os.environ.get("HYDRA_FULL_ERROR") == "1"
-    args = [a for a in args if a != "--debug"]
+def _command(args: list[str], trainer: Trainer | None, debug: bool) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     quiet_third_party_warnings()
     try:
@@ -354,7 +352,7 @@ def split_flags(args: Sequence[str]) -> tuple[list[str], list[str]]:
             pending = not is_value and "=" not in arg and name in HYDRA_OPTIONS + OTHER_CONFIG
         elif arg.startswith("-"):
             raise ConfigError(f"unknown option {arg}, write overrides as key=value "
-                              "(options: --debug, -m, --cfg job, --help)")
+                              "(options: --debug, -m, --cfg job; --help: the usage)")
         else:
             overrides.append(arg)
     return flags, overrides
@@ -418,6 +416,3 @@ def _hydra_main(cfg: DictConfig) -> str:
     del cfg  # composed by Hydra; validated again from the job's overrides
     return execute(load_job(list(HydraConfig.get().overrides.task)))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,14 +2,14 @@
 backbone loaded.
 
 ``launcher=local`` (:func:`pipelines.launch.run_local`) starts ``jobs=K`` spawned processes and
-hands each one job at a time. A job is exactly ``python -m pipelines.run <overrides>``
-(:func:`pipelines.run.main`: validation, the run folder's lock, skip / resume, the store format,
+hands each one job at a time. A job is exactly ``python -m pipelines run <overrides>``
+(:func:`pipelines.run.command`: validation, the run folder's lock, skip / resume, the store format,
 W&B), with two differences that change no result: the interpreter, its imports and the composed
 config machinery are already warm, and the frozen backbone comes from
 :class:`prism.models.KeptBackbones`, a deep copy of the weights the process loaded for its first
 job. Every job seeds its own RNGs in :func:`prism.train.build`, so a run's numbers do not depend on
 which worker ran it or what ran before (``tests/test_worker.py`` checks them bitwise against a fresh
-``python -m pipelines.run``). What a shared process does change: ``final.json``'s
+``python -m pipelines run``). What a shared process does change: ``final.json``'s
 ``run.peak_rss_mb`` and the CPU ``peak_memory_mb`` are the process's high-water mark so far, so
 timing and memory benchmarks (``train.benchmark``, Table 5) get one fresh process per job.
 
@@ -60,7 +60,7 @@ def _stop(signum: int, _frame: object) -> None:
 
 
 def run_job(overrides: Sequence[str], log_path: str) -> int:
-    """Run one job as ``python -m pipelines.run`` would, its output appended to ``log_path``;
+    """Run one job as ``python -m pipelines run`` would, its output appended to ``log_path``;
     returns that command's exit code (0 finished or skipped, 1 failed, 2 bad input, 130 interrupted)."""
     global _kept, _busy
     from pipelines import run
@@ -74,7 +74,7 @@ def run_job(overrides: Sequence[str], log_path: str) -> int:
 
                 _kept = KeptBackbones()
             kept = _kept
-            return run.main(list(overrides),
+            return run.command(overrides,
                             trainer=lambda cfg, folder, log_fn: run.default_trainer(cfg, folder, log_fn, load=kept))
     finally:
         if _stopping:  # the run is recorded (the log file is closed); nothing is left for this process to do
