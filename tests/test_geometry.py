@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from prism.mechanism import geometry as geo
 from prism.audit.diagnostics import sample_tangent_noise
+from prism.mechanism import geometry as geo
 from tests.oracles import prism_noise_energy, retract
 
 F64 = torch.float64

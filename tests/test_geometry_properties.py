@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prism.mechanism import geometry as geo
 from prism.audit.diagnostics import sample_tangent_noise
+from prism.mechanism import geometry as geo
 from tests.oracles import retract
 
 F64 = torch.float64
