@@ -43,7 +43,7 @@ from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines import store
-from pipelines.compose import resolve
+from pipelines.compose import CONF_DIR, resolve
 from pipelines.validate import ConfigError, load_job, load_sweep, validate
 from pipelines.wandb_log import WandbRun
 from prism.fileio import write_text_atomic
@@ -409,7 +409,7 @@ def _hydra(args: list[str]) -> int:
     return 0
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> str:
     from hydra.core.hydra_config import HydraConfig
 
