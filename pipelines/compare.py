@@ -1,8 +1,6 @@
 """Compare PRISM and the baselines on your own task (and model) in one command.
 
-    python -m pipelines compare task=TASK.jsonl [model=DIR] [eval=EVAL.jsonl] [type=classification|number|exact]
-                                [labels=a,b,...] [methods=prism,adamw,...] [eps=inf,6,3] [seed=42,43]
-                                [launcher=local|slurm] [jobs=K] [overrides...]
+    python -m pipelines compare task=TASK.jsonl [model=DIR] [methods=..] [eps=inf,6,3] [seed=42,43] ...
     make compare TASK=TASK.jsonl [MODEL=DIR] [SEEDS=..] [EPS=..] [METHODS=..] [TYPE=..] [LABELS=..]
 
 The grid is methods × privacy settings (non-DP, ε = 6, ε = 3 by default; ``eps=`` gives the list,
@@ -138,14 +136,17 @@ def budgets(keys: dict[str, str]) -> list[float]:
 
 def plan(keys: dict[str, Any], overrides: Sequence[str], launcher: str) -> Plan:
     """Every job of the comparison, validated; ``ValueError`` / :class:`ConfigError` on one line.
-    ``keys``: ``task`` and the other task keys of ``make compare``, ``seed`` (a list), ``jobs``."""
+    ``keys``: ``task`` and the other task keys of ``make compare``, ``seed`` (comma-separated), ``jobs``."""
     fixed = [f"experiment={EXPERIMENT}", *task_overrides(keys, overrides), *overrides]
     task = Path(keys["task"]).expanduser().resolve()
     sha = sha256_file(task)
     methods = comma_list(keys["methods"], "methods") if "methods" in keys else list(METHODS)
     epsilons = budgets(keys)
     settings = [privacy_overrides(e) for e in epsilons]
-    seeds = list(keys.get("seed", []))
+    seeds_text = comma_list(keys["seed"], "seed") if "seed" in keys else []
+    if not all(s.isdigit() for s in seeds_text):
+        raise ValueError(f"seed={keys['seed']} must list integers, e.g. seed=1,2,3")
+    seeds = [int(s) for s in seeds_text]
     jobs, configs = [], []
     for setting in settings:
         for method in methods:
@@ -235,8 +236,20 @@ def render(p: Plan) -> list[Path]:
     return paths
 
 
-def main(p: Plan) -> int:
-    """Run what is not finished of the plan (:func:`plan`: every job validated), render; exit 0 or 1 (a run failed)."""
+def main(overrides: Sequence[str], *, task: str, model: str | None = None, eval: str | None = None,
+         type: str | None = None, labels: str | None = None, methods: str | None = None, eps: str | None = None,
+         seed: str | None = None, jobs: int | None = None) -> int:
+    """Train ``methods`` (default all six) × the privacy budgets of ``eps`` (default inf,6,3; inf: non-DP)
+    × ``seed`` (a comma-separated list) on the task file ``task`` (.jsonl/.csv of prompt/target rows;
+    ``eval``: its evaluation file, ``type``: classification|number|exact, ``labels``: the classes,
+    ``model``: a local model folder), then render the table. ``jobs``: local worker processes; the
+    overrides (``scale=``, ``launcher=``, ``train.steps=60``, ...) apply to every job. Every job is
+    validated first. Exit 0, 1 (a run failed) or 2 (bad input)."""
+    keys = {k: v for k, v in locals().items() if k != "overrides" and v is not None}
+    launcher = launch.launcher_of(overrides)
+    if (code := launch.launcher_error(launcher)) is not None:  # before every job is validated
+        return code
+    p = plan(keys, overrides, launcher)
     pending = [job for job in p.jobs if store.inspect_run(job.folder).state != "finished" or p.configs[0].force]
     for job in p.jobs:
         if job not in pending:

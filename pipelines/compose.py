@@ -1,6 +1,6 @@
 """Compose run configs and expand an experiment's sweep grid into a job list (a library: no command).
 
-A *job* is a list of Hydra override strings; ``python -m pipelines.run <job...>`` runs it. The grid
+A *job* is a list of Hydra override strings; ``python -m pipelines run <job...>`` runs it. The grid
 of ``experiment=tableN`` is the cartesian product of its ``hydra.sweeper.params`` with the user's
 overrides, expanded the way Hydra's basic sweeper does (a user override of a swept key replaces
 the sweep; a user sweep ``key=a,b`` adds an axis), so the local dispatcher

@@ -24,8 +24,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines import store
-from pipelines.compose import CONF_DIR, resolve
-from pipelines.run import ConfigError, execute
+from pipelines.compose import CONF_DIR, compose_config, resolve
+from pipelines.run import ConfigError, execute, setup_logging
 from prism.privacy.accounting import is_private
 
 log = logging.getLogger("pipelines.diagnostics")
@@ -612,6 +613,16 @@ def _energy_ratio(rows: list[dict[str, Any]]) -> float:
 
 
 # ------------------------------------------------------------------------------------------ entry point
+def main(overrides: Sequence[str]) -> int:
+    """Measure Table 1 and the mechanism figures in one run folder (``experiment=diagnostics`` with the
+    overrides, e.g. ``scale=paper suite=math10k``; skipped when finished) and render them to
+    ``results/figures`` and ``results/tables/diagnostics.md``."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    cfg = compose_config(["experiment=diagnostics", *overrides])
+    setup_logging()
+    return reproduce(cfg)
+
+
 def reproduce(cfg: DictConfig) -> int:
     """Validate, run the job through :func:`pipelines.run.execute` (skipped when finished), render."""
     try:

@@ -103,9 +103,10 @@ def jobs(only: str | None, llm_adapters: str, math_train: str) -> list[tuple[str
     return out
 
 
-def main(only: str | None = None, llm_adapters: str = LLM_ADAPTERS_URL, math_train: str = MATH10K_URL,
+def main(*, only: str | None = None, llm_adapters: str = LLM_ADAPTERS_URL, math_train: str = MATH10K_URL,
          force: bool = False) -> int:
-    """Fetch ``only`` one part (glue, math, models; default all), refetching cached files when ``force``;
+    """Fetch ``only`` one part (glue, math, models; default all; ``llm_adapters``: the raw-file base URL
+    of LLM-Adapters, ``math_train``: the URL of math_10k.json), refetching cached files with ``--force``;
     exit 1 when a file is missing or unexpected."""
     if only not in (None, "glue", "math", "models"):
         raise ValueError(f"only={only} is not a part, use only= one of glue, math, models")

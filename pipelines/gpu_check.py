@@ -299,9 +299,10 @@ def _run_check(profile: Profile, device: torch.device, methods: Sequence[str] | 
     return failures
 
 
-def main(profile: str = "paper", device: str | None = None, methods: str | None = None) -> int:
-    """Run the checks of ``profile`` on ``device`` (default: the profile's) for ``methods`` (comma-separated;
-    default all); exit 1 when one fails. Bad arguments raise a one-line ``ValueError`` before any model."""
+def main(*, profile: str = "paper", device: str | None = None, methods: str | None = None) -> int:
+    """Run the checks of ``profile`` (paper: a GPU; sim, tiny: a CPU) on ``device`` (cuda|cpu, default the
+    profile's) for ``methods`` (a comma-separated subset of adamw,loraplus,prism; default all); exit 1
+    when one fails. Bad arguments raise a one-line ``ValueError`` before any model."""
     known = list(dict.fromkeys(method for _, method, _ in TABLE5))
     chosen = [m for m in (methods or "").split(",") if m] or None
     unknown = sorted(set(chosen or ()) - set(known))

@@ -1,12 +1,5 @@
-"""The job list of an experiment's grid, for the ``slurm/`` scripts.
-
-``python -m pipelines grid experiment=tableN|compare|tune [overrides...] [--pending] [--remote]`` prints
-one job per line (shell-quoted overrides, :func:`pipelines.compose.experiment_jobs`) after validating
-every job as ``python -m pipelines run`` does (:func:`pipelines.validate.load_experiment`; the first bad
-job is one ``error:`` line naming the job and the field, exit code 2); ``--pending`` leaves out
-finished runs (trained for any experiment: the run store is shared) and tags them into this
-experiment's view; ``--remote``: the jobs run on other machines (SLURM), so the local device is not checked.
-"""
+"""The job list of an experiment's grid for the ``slurm/`` scripts: ``python -m pipelines grid`` (:func:`main`;
+jobs from :func:`pipelines.compose.experiment_jobs`, validated by :func:`pipelines.validate.load_experiment`)."""
 from __future__ import annotations
 
 import shlex
@@ -16,8 +9,13 @@ from pipelines import store
 from pipelines.validate import load_experiment
 
 
-def main(experiment: str, overrides: Sequence[str], pending: bool = False, remote: bool = False) -> int:
-    """Print the jobs of ``experiment``'s grid; exit code 0 (bad input raises, one line)."""
+def main(overrides: Sequence[str], *, experiment: str, pending: bool = False, remote: bool = False) -> int:
+    """Print every job of ``experiment``'s grid (tableN, compare or tune), one line of shell-quoted
+    overrides each, after validating all of them as ``python -m pipelines run`` does (the first bad one:
+    one error line, exit code 2). ``--pending``: leave out the runs already finished (they are tagged
+    into the grid's view); ``--remote``: the jobs run on other machines (SLURM), so this machine's
+    device is not checked. A value with spaces or non-ASCII characters is quoted for Hydra inside one
+    shell word, e.g. 'results_dir="/tmp/my runs"'."""
     if experiment == "compare":  # the task files pinned as make compare pins them: the same runs
         from pipelines.compare import pin_task_files
 

@@ -74,6 +74,11 @@ def resolve_jobs(jobs: int | None) -> int:
     return chosen
 
 
+def launcher_of(overrides: Sequence[str]) -> str:
+    """The ``launcher=`` of ``overrides`` (the last one given), else ``local``."""
+    return next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("launcher=")), "local")
+
+
 def launcher_error(launcher: str) -> int | None:
     """Check that ``launcher`` can take jobs here, before a grid is planned: prints one ``error:``
     line and returns the exit code (2 without ``sbatch``/``squeue``, 1 when the controller does not

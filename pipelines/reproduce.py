@@ -33,9 +33,14 @@ from pipelines.compose import job_config
 TABLES = ("table2", "table3", "table4", "table5")
 
 
-def main(experiment: str, overrides: Sequence[str], workers: int | None, launcher: str) -> int:
-    """Plan (every job validated), train the unfinished jobs, render the table; exit 0 or 1 (a run
-    failed, or nothing was submitted). ``workers``: ``jobs=`` (None: the launcher's default)."""
+def main(overrides: Sequence[str], *, experiment: str, jobs: int | None = None) -> int:
+    """Run the unfinished jobs of ``experiment``'s grid (table2..table5; every job validated first) and
+    render the table. ``jobs``: local worker processes (default: what the cores and the memory allow);
+    the overrides (``scale=embedded|paper``, ``launcher=local|slurm|submitit_local``, ``seed=42,43,44``,
+    any key of ``conf/``) apply to every job. Exit 0, 1 (a run failed or nothing was submitted), 2."""
+    launcher = launch.launcher_of(overrides)
+    if (code := launch.launcher_error(launcher)) is not None:  # before the grid's validation, which takes a while
+        return code
     if experiment not in TABLES:
         raise ValueError(f"experiment={experiment} is not a paper table, use experiment= one of {', '.join(TABLES)}")
     pending, finished = launch.plan(experiment, overrides)
@@ -44,7 +49,7 @@ def main(experiment: str, overrides: Sequence[str], workers: int | None, launche
           f"{len(pending)} to run", flush=True)
     submitted, failure = True, ""
     if pending:
-        submitted, failure = launch.launch(experiment, launcher, pending, workers, overrides,
+        submitted, failure = launch.launch(experiment, launcher, pending, jobs, overrides,
                                            Path(cfg0.results_dir) / "logs" / experiment)
     if submitted:
         launch.aggregate(experiment, str(cfg0.results_dir), str(cfg0.suite.scale))

@@ -273,15 +273,17 @@ def _brief(record: dict[str, Any]) -> str:
                     if isinstance(record.get(k), (int, float)) and math.isfinite(record[k]))
 
 
-def command(argv: Sequence[str], trainer: Trainer | None = None, debug: bool = False) -> int:
-    """``python -m pipelines run [hydra flags] overrides...``; returns the exit code (130 after Ctrl-C,
-    without a traceback unless ``debug``). ``trainer``: as in :func:`execute` (the local launcher's
-    workers, :mod:`pipelines.worker`)."""
+def command(overrides: Sequence[str], trainer: Trainer | None = None, debug: bool = False) -> int:
+    """Train one job: ``python -m pipelines run [-m] [--cfg job] key=value...``, the keys of ``conf/``
+    (e.g. ``method=adamw privacy=eps3 suite=math10k``; ``-m``: a Hydra multirun over comma-separated
+    values, ``experiment=tableN`` for a table's grid). Returns the exit code: 0, 1 (the run failed; its
+    traceback is kept in the run folder), 2 (bad input, one line), 130 (interrupted; the same command
+    resumes it). ``trainer``: as in :func:`execute` (the local launcher's workers, :mod:`pipelines.worker`)."""
     previous = None
     if threading.current_thread() is threading.main_thread():  # SIGTERM (scancel, preemption) stops as Ctrl-C does
         previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
-        return _command(list(argv), trainer, debug or os.environ.get("HYDRA_FULL_ERROR") == "1")
+        return _command(list(overrides), trainer, debug or os.environ.get("HYDRA_FULL_ERROR") == "1")
     except KeyboardInterrupt:
         if debug:
             raise

@@ -506,8 +506,8 @@ def trim_metrics(folder: Path, before_step: int) -> int:
     return len(lines) - len(kept)
 
 
-def main(results_dir: str = "results") -> int:
-    """``python -m pipelines migrate [results_dir=results]``: move old-layout run folders into the store."""
+def main(*, results_dir: str = "results") -> int:
+    """Move the old-layout run folders under ``results_dir``/runs into the store (``python -m pipelines migrate``)."""
     root = Path(results_dir)
     if not (root / "runs").is_dir():
         raise ValueError(f"results_dir={root}: no run store at {root / 'runs'}, pass the results_dir that holds runs/")

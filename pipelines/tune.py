@@ -333,12 +333,23 @@ def tuned_yaml(points: Sequence[Point], header: Mapping[str, object]) -> str:
     return note + yaml.safe_dump({"generated": dict(header), "rates": rates}, sort_keys=False, width=120)
 
 
-def main(overrides: Sequence[str], workers: int | None, launcher: str, scale: str, command: Sequence[str]) -> int:
-    """Sweep (:func:`sweep_overrides`' overrides), write the table, the figure and the chosen rates;
-    exit 0, or 1 when a cell lacks a score. ``command``: the command line recorded in the rates file."""
+def main(overrides: Sequence[str], *, jobs: int | None = None, task: str | None = None, eval: str | None = None,
+         type: str | None = None, labels: str | None = None, model: str | None = None, methods: str | None = None,
+         eps: str | None = None) -> int:
+    """Sweep the learning rate of every cell (one seed; ``seed=N``) on validation rows, write the table,
+    the figure and the chosen rates; exit 0, or 1 when a cell lacks a score. ``jobs``: local worker
+    processes. ``task=FILE.jsonl`` and ``make compare``'s keys (``eval``, ``type``, ``labels``, ``model``,
+    ``methods``, ``eps``) sweep the cells of ``python -m pipelines compare`` on that task instead."""
+    given = {k: v for k, v in locals().items() if k not in ("overrides", "jobs") and v is not None}
+    command = ["python", "-m", "pipelines", "tune", *overrides, *(f"{k}={v}" for k, v in given.items()),
+               *([f"jobs={jobs}"] if jobs else [])]
+    launcher = launch.launcher_of(overrides)
+    if (code := launch.launcher_error(launcher)) is not None:  # before the sweep's validation
+        return code
+    overrides = sweep_overrides(given, overrides)
     cfg0 = job_config([f"experiment={EXPERIMENT}", *(o for o in overrides if "," not in o)])
-    results = Path(str(cfg0.results_dir))
-    points, failures = sweep(overrides, launcher, workers, results / "logs" / EXPERIMENT)
+    scale, results = str(cfg0.suite.scale), Path(str(cfg0.results_dir))
+    points, failures = sweep(overrides, launcher, jobs, results / "logs" / EXPERIMENT)
     from pipelines.run import git_state
 
     commit, dirty = git_state()

@@ -18,8 +18,8 @@
    calibrated for (ε, δ, q, T) within this machine's memory (:mod:`prism.privacy.limits`).
 
 :func:`load_grid` / :func:`load_experiment` run the same validation over every job of a grid
-before any is launched (``pipelines.grid``, ``pipelines.reproduce``, ``slurm/submit.sh``,
-``pipelines.run -m``); the first bad job is one line naming the job and the field. A grid composes
+before any is launched (``python -m pipelines grid``, ``... reproduce``, ``slurm/submit.sh``,
+``... run -m``); the first bad job is one line naming the job and the field. A grid composes
 each group choice once with Hydra and applies each job's value overrides to it as Hydra does.
 
 Nothing here imports torch or transformers, so a bad input is reported in about a second.
@@ -53,7 +53,7 @@ LOCKED = {  # key -> the group whose choice sets it
 
 # --------------------------------------------------------------------------------------- composing
 def load_job(overrides: Sequence[str], *, here: bool = True) -> DictConfig:
-    """The validated, resolved job config of ``python -m pipelines.run <overrides>``. ``here=False``
+    """The validated, resolved job config of ``python -m pipelines run <overrides>``. ``here=False``
     for a job that runs on another machine (a SLURM array task): the local device is not checked."""
     parsed = _parse(overrides)
     for override in parsed:
@@ -113,7 +113,7 @@ def _runs_here(job: Sequence[str]) -> bool:
 
 
 def load_sweep(overrides: Sequence[str]) -> list[DictConfig]:
-    """Every job of ``python -m pipelines.run -m <overrides>`` validated (the experiment's
+    """Every job of ``python -m pipelines run -m <overrides>`` validated (the experiment's
     ``hydra.sweeper.params`` expanded with the overrides, as Hydra's basic sweeper does)."""
     from pipelines.compose import expand
 
@@ -182,7 +182,7 @@ def _compose_values(groups: tuple[str, ...], values: Sequence[Override], overrid
         ConfigLoaderImpl._apply_overrides_to_config(list(values), cfg)
     except (HydraException, OmegaConfBaseException, ValueError, TypeError, KeyError) as err:
         raise ConfigError(f"the overrides {' '.join(overrides)} do not compose ({_one_line(err)}), "
-                          "check them against `python -m pipelines.run --cfg job`") from None
+                          "check them against `python -m pipelines run --cfg job`") from None
     return cfg
 
 
@@ -210,7 +210,7 @@ def _compose(overrides: Sequence[str]) -> DictConfig:
         raise ConfigError(f"{_one_line(err)}, check the group names in conf/") from None
     except (HydraException, OmegaConfBaseException, ValueError, AttributeError, TypeError, KeyError) as err:
         raise ConfigError(f"the overrides {' '.join(overrides)} do not compose ({_one_line(err)}), "
-                          "check them against `python -m pipelines.run --cfg job`") from None
+                          "check them against `python -m pipelines run --cfg job`") from None
 
 
 def _resolve(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:

@@ -1,6 +1,6 @@
 """Upload the offline W&B runs of a results folder: ``make wandb-sync`` (``DRY_RUN=1`` previews).
 
-    python -m pipelines wandb-sync [dir=results/wandb] [--dry-run]
+    python -m pipelines wandb-sync [folder=results/wandb] [--dry-run]
 
 Finds every ``offline-run-*`` folder under the given directory that ``wandb sync`` has not marked
 synced (it leaves ``run-<id>.wandb.synced`` beside the log) and passes them to ``wandb sync --yes``
@@ -34,12 +34,12 @@ def wandb_cli() -> str:
     return str(beside) if beside.exists() else (shutil.which("wandb") or "wandb")
 
 
-def main(folder: str = "results/wandb", dry_run: bool = False) -> int:
-    """Upload (``dry_run``: list) the unsynced offline runs under ``folder``; exit 0, 1 (``wandb sync``
+def main(*, folder: str = "results/wandb", dry_run: bool = False) -> int:
+    """Upload (``--dry-run``: list) the unsynced offline runs under ``folder``; exit 0, 1 (``wandb sync``
     failed) or 2 (no folder, no key or no connection)."""
     directory = Path(folder)
     if not directory.is_dir():
-        raise ValueError(f"dir={directory} does not exist, runs log offline W&B data there (logging=offline)")
+        raise ValueError(f"folder={directory} does not exist, runs log offline W&B data there (logging=offline)")
     runs = offline_runs(directory)
     if not runs:
         print(f"no unsynced offline W&B runs under {directory}")

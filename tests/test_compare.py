@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipelines import compare, store
-from pipelines.__main__ import VERBS, parse
+from pipelines.__main__ import function, parse
 from pipelines.__main__ import main as cli
 
 
@@ -29,8 +29,8 @@ def _args(task: Path, results: Path, *extra: str) -> list[str]:
 
 def _plan(argv: list[str]) -> compare.Plan:
     """The plan of ``python -m pipelines compare <argv>``."""
-    args = parse("compare", VERBS["compare"], argv, debug=False)
-    return compare.plan(args.keys, args.overrides, "local")
+    [overrides], keys = parse("compare", function("compare"), argv)
+    return compare.plan(keys, overrides, "local")
 
 
 def test_plan_is_methods_by_settings_by_seeds_and_pins_the_file(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from pipelines import launch, store
-from pipelines.__main__ import VERBS, parse
+from pipelines.__main__ import function, parse
 from pipelines.__main__ import main as cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,7 +163,7 @@ def test_jobs_not_given_is_chosen_and_printed_jobs_given_is_kept(monkeypatch, ca
     assert launch.resolve_jobs(3) == 3 and capsys.readouterr().out == ""
     assert launch.resolve_jobs(None) == 2
     assert capsys.readouterr().out == "JOBS=2 (4 cores, 5.0 GiB free; JOBS= overrides)\n"
-    given = [parse("reproduce", VERBS["reproduce"], ["experiment=table2", *jobs], False).keys for jobs in ([], ["jobs=3"])]
+    given = [parse("reproduce", function("reproduce"), ["experiment=table2", *jobs])[1] for jobs in ([], ["jobs=3"])]
     assert "jobs" not in given[0] and given[1]["jobs"] == 3
 
 

@@ -1,9 +1,6 @@
 """Rebuild the paper's Tables 2–5 from the run store (or W&B) beside the paper's numbers.
 
-    python -m pipelines aggregate experiment=table2 [source=runs|wandb] [runs_dir=results/runs]
-                                  [out_dir=results/tables] [scale=embedded|paper]
-                                  [protocol=corrected|released]
-                                  [wandb_project=prism-dp-lora] [wandb_entity=...]
+    python -m pipelines aggregate experiment=table2 [source=runs|wandb] [scale=embedded|paper] ...
 
 Input: the runs in the view of the experiment (``<runs_dir>/_views/<experiment>/`` over the shared
 store ``<runs_dir>/<hash>/``, plus the old ``<runs_dir>/<experiment>/<hash>/`` layout; see
@@ -52,12 +49,14 @@ __all__ = ["GLUE8", "MATH4", "PAPER_DIR", "SPECS", "AggregateError", "RunRecord"
            "read_run_folders", "read_wandb", "record_from_wandb", "to_latex", "to_markdown", "write_outputs"]
 
 
-def aggregate(experiment: str, source: str = "runs", runs_dir: str = "results/runs", out_dir: str = "results/tables",
-              wandb_project: str = "prism-dp-lora", wandb_entity: str = "", scale: str = "", protocol: str = "") -> None:
-    """Build, print and write each requested table, once per scale and protocol (``scale=`` /
-    ``protocol=`` pick one; by default every scale and protocol the runs have, embedded and
-    corrected when they have none), and the side-by-side protocol table where two have runs.
-    Bad arguments and an unwritable ``out_dir`` are one-line :class:`AggregateError` (exit code 2)."""
+def aggregate(*, experiment: str, source: str = "runs", runs_dir: str = "results/runs", out_dir: str = "results/tables",
+              wandb_project: str = "prism-dp-lora", wandb_entity: str = "", scale: str = "", protocol: str = "") -> int:
+    r"""Build, print and write the table of ``experiment`` (table2..table5 or all) from the run store
+    ``runs_dir`` (``source=wandb``: from the W&B project) into ``out_dir``, once per scale and protocol
+    (``scale=`` embedded|paper / ``protocol=`` corrected|released pick one; by default every scale and
+    protocol the runs have, embedded and corrected when they have none), and the side-by-side protocol
+    table where two have runs. Bad arguments and an unwritable ``out_dir`` are one-line
+    :class:`AggregateError`\ s (exit code 2)."""
     if experiment not in (*SPECS, "all"):
         raise AggregateError(f"experiment={experiment} is not a table, use experiment= one of {', '.join(SPECS)} or all")
     if protocol and protocol not in PROTOCOLS:
@@ -87,3 +86,4 @@ def aggregate(experiment: str, source: str = "runs", runs_dir: str = "results/ru
     except OSError as err:  # out_dir read-only, a file, or full: one line, no traceback
         raise AggregateError(f"cannot write the tables ({err.strerror or type(err).__name__}: {err.filename or ''}), "
                              "point out_dir= at a writable folder") from None
+    return 0
