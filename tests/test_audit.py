@@ -141,4 +141,4 @@ def test_audit_cli_fails_on_a_leak_and_rejects_bad_input(
     assert "FAIL" in capsys.readouterr().out
     assert cli(["audit", "methods=sgd"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: --methods") and "\n" not in err
+    assert err.startswith("error: methods=") and "\n" not in err
