@@ -246,7 +246,7 @@ def main(overrides: Sequence[str], *, task: str, model: str | None = None, eval:
     overrides (``scale=``, ``launcher=``, ``train.steps=60``, ...) apply to every job. Every job is
     validated first. Exit 0, 1 (a run failed) or 2 (bad input)."""
     keys = {k: v for k, v in locals().items() if k != "overrides" and v is not None}
-    launcher = launch.launcher_of(overrides)
+    launcher = launch.override_value(overrides, "launcher", "local")
     if (code := launch.launcher_error(launcher)) is not None:  # before every job is validated
         return code
     p = plan(keys, overrides, launcher)

@@ -74,9 +74,9 @@ def resolve_jobs(jobs: int | None) -> int:
     return chosen
 
 
-def launcher_of(overrides: Sequence[str]) -> str:
-    """The ``launcher=`` of ``overrides`` (the last one given), else ``local``."""
-    return next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("launcher=")), "local")
+def override_value(overrides: Sequence[str], key: str, default: str) -> str:
+    """The value of ``key=`` in ``overrides`` (the last one given), else ``default``."""
+    return next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith(f"{key}=")), default)
 
 
 def launcher_error(launcher: str) -> int | None:

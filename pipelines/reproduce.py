@@ -38,7 +38,7 @@ def main(overrides: Sequence[str], *, experiment: str, jobs: int | None = None) 
     render the table. ``jobs``: local worker processes (default: what the cores and the memory allow);
     the overrides (``scale=embedded|paper``, ``launcher=local|slurm|submitit_local``, ``seed=42,43,44``,
     any key of ``conf/``) apply to every job. Exit 0, 1 (a run failed or nothing was submitted), 2."""
-    launcher = launch.launcher_of(overrides)
+    launcher = launch.override_value(overrides, "launcher", "local")
     if (code := launch.launcher_error(launcher)) is not None:  # before the grid's validation, which takes a while
         return code
     if experiment not in TABLES:

@@ -343,12 +343,12 @@ def main(overrides: Sequence[str], *, jobs: int | None = None, task: str | None 
     given = {k: v for k, v in locals().items() if k not in ("overrides", "jobs") and v is not None}
     command = ["python", "-m", "pipelines", "tune", *overrides, *(f"{k}={v}" for k, v in given.items()),
                *([f"jobs={jobs}"] if jobs else [])]
-    launcher = launch.launcher_of(overrides)
+    launcher = launch.override_value(overrides, "launcher", "local")
     if (code := launch.launcher_error(launcher)) is not None:  # before the sweep's validation
         return code
     overrides = sweep_overrides(given, overrides)
     cfg0 = job_config([f"experiment={EXPERIMENT}", *(o for o in overrides if "," not in o)])
-    scale, results = str(cfg0.suite.scale), Path(str(cfg0.results_dir))
+    scale, results = launch.override_value(overrides, "scale", "embedded"), Path(str(cfg0.results_dir))
     points, failures = sweep(overrides, launcher, jobs, results / "logs" / EXPERIMENT)
     from pipelines.run import git_state
 
