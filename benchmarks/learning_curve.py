@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_curve.py --at 0 15 30 60 \\
         --eval-tasks basic_arithmetic -- method=prism privacy=nondp suite=math10k train.steps=60
 
-The overrides after ``--`` are those of ``python -m pipelines.run`` and are validated the same way
+The overrides after ``--`` are those of ``python -m pipelines run`` and are validated the same way
 (bad input: one ``error:`` line, exit 2, before any model load). The cell is built and trained by
 :func:`prism.train.build` and :func:`prism.train.train_step` — the same Poisson batches, σ (calibrated
 for ``train.steps``) and updates as the pipeline's run of that config — and scored by
@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--at", type=int, nargs="+", help="steps to evaluate at (default: 0 and train.steps)")
     parser.add_argument("--eval-tasks", nargs="+", help="score only these tasks (training uses all)")
-    parser.add_argument("overrides", nargs="*", help="pipelines.run overrides, e.g. suite=math10k privacy=nondp")
+    parser.add_argument("overrides", nargs="*", help="`python -m pipelines run` overrides, e.g. suite=math10k privacy=nondp")
     args = parser.parse_args(argv)
     quiet_third_party_warnings()
     try:

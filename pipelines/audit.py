@@ -24,15 +24,13 @@ with Clopper–Pearson intervals (95 % family-wise: Bonferroni over the audited 
 One step of a correct mechanism is μ-GDP with μ = 1/σ, so the audit fails (exit 1) if any μ lower
 bound exceeds 1/σ. It measures the mechanism alone: no model, tiny factors, the method classes.
 
-    python -m pipelines.audit [--draws 2000] [--sigma 0.6] [--methods prism,adamw] [--cases vertical]
+    python -m pipelines audit [draws=2000] [sigma=0.6] [methods=prism,adamw] [cases=vertical] [workers=2]
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import math
-import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -278,7 +276,7 @@ def run_audit(
 
 
 def names(text: str, allowed: Sequence[str], flag: str) -> list[str]:
-    """The comma-separated names of ``text`` (a CLI flag's value), each one of ``allowed``."""
+    """The comma-separated names of ``text`` (the value of ``flag=``), each one of ``allowed``."""
     names = [n for n in text.split(",") if n]
     unknown = [n for n in names if n not in allowed]
     if unknown or not names:
@@ -286,35 +284,25 @@ def names(text: str, allowed: Sequence[str], flag: str) -> list[str]:
     return names
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--draws", type=int, default=2000, help="noise draws per side (default 2000)")
-    parser.add_argument("--sigma", type=float, default=0.6, help="noise multiplier σ (default 0.6)")
-    parser.add_argument("--methods", default=",".join(registry.names()))
-    parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--workers", type=int, default=2)
-    args = parser.parse_args(argv)
-    try:
-        methods = names(args.methods, registry.names(), "--methods")
-        cases = names(args.cases, CASES, "--cases")
-        if args.draws < 8:
-            raise ValueError(f"--draws={args.draws} is too few; use at least 8 (2000 for the audit)")
-        if not args.sigma > 0:
-            raise ValueError(f"--sigma={args.sigma} must be > 0")
-        if args.workers < 1:
-            raise ValueError(f"--workers={args.workers} must be ≥ 1")
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+def main(*, draws: int = 2000, sigma: float = 0.6, methods: str = ",".join(registry.names()), cases: str = ",".join(CASES),
+         workers: int = 2) -> int:
+    """Audit ``methods`` × ``cases`` (comma-separated) with ``draws`` noise draws per side at noise
+    multiplier ``sigma`` on ``workers`` processes; exit 1 if a μ lower bound exceeds 1/σ. Bad arguments
+    raise a one-line ``ValueError`` before any draw."""
+    method_names = names(methods, registry.names(), "methods")
+    case_names = names(cases, CASES, "cases")
+    if draws < 8:
+        raise ValueError(f"draws={draws} is too few; use at least 8 (2000 for the audit)")
+    if not sigma > 0:
+        raise ValueError(f"sigma={sigma} must be > 0")
+    if workers < 1:
+        raise ValueError(f"workers={workers} must be ≥ 1")
     torch.set_num_threads(1)
     tic = time.perf_counter()
-    rows = run_audit(methods, cases, args.draws, args.sigma, args.workers)
-    failed = [r for r in rows if r.result.mu_lower > 1.0 / args.sigma]
+    rows = run_audit(method_names, case_names, draws, sigma, workers)
+    failed = [r for r in rows if r.result.mu_lower > 1.0 / sigma]
     cpu = sum(r.cpu_seconds for r in rows)
     print(f"{len(rows)} pairs in {time.perf_counter() - tic:.0f} s ({cpu:.0f} CPU-s in the workers); "
           + (f"FAILED: {len(failed)} μ lower bound(s) above 1/σ" if failed else "no μ lower bound above 1/σ"))
     return 1 if failed else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

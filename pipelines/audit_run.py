@@ -19,18 +19,13 @@ right even without noise, while "in" guesses on the highest scores can all be ri
 A lower bound above the claimed ε is a privacy defect (exit 1). Rows: every method at every ε, plus a
 non-private control per method (no clipping, no noise: the bound should be the largest ``m`` and ``k``
 allow). Output: ``results/tables/audit_run.<scale>.md`` and ``.csv``, printed at the end.
-
-    python -m pipelines.audit_run [--scale embedded] [--methods prism,adamw] [--epsilons 6,3]
-                                  [--canaries 1000] [--k-pos 100] [--k-neg 0] [--split] [--seed 0]
-                                  [--no-control] [--expected-only]
+``python -m pipelines audit-run --help`` lists the arguments (:func:`main`).
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import functools
 import math
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -207,47 +202,34 @@ def _epsilons(text: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x]
     except ValueError:
-        raise ValueError(f"--epsilons={text!r} is not a comma-separated list of numbers; e.g. --epsilons 6,3") from None
+        raise ValueError(f"epsilons={text!r} is not a comma-separated list of numbers; e.g. epsilons=6,3") from None
     if not values or not all(0 < v < math.inf for v in values):
-        raise ValueError(f"--epsilons={text!r}: each ε must be finite and > 0 (the non-private control is its own row)")
+        raise ValueError(f"epsilons={text!r}: each ε must be finite and > 0 (the non-private control is its own row)")
     return values
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scale", default="embedded", help=f"one of {', '.join(SCALES)} (default embedded)")
-    parser.add_argument("--methods", default="prism,adamw")
-    parser.add_argument("--epsilons", default="6,3")
-    parser.add_argument("--canaries", type=int, default=1000, help="m (default 1000)")
-    parser.add_argument("--k-pos", type=int, default=100, help="k⁺ 'in' guesses on the highest scores (default 100)")
-    parser.add_argument("--k-neg", type=int, default=0, help="k⁻ 'out' guesses on the lowest scores (default 0)")
-    parser.add_argument("--split", action="store_true",
-                        help="choose (k⁺, k⁻) on one half of the canaries and audit the other half")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the secret coins, directions and canary sampling")
-    parser.add_argument("--no-control", action="store_true", help="skip the non-private control rows")
-    parser.add_argument("--out", default="results/tables")
-    parser.add_argument("--expected-only", action="store_true",
-                        help="print what correct runs' audits give (simulated, no training) and exit")
-    args = parser.parse_args(argv)
-    try:
-        if args.scale not in SCALES:
-            raise ValueError(f"--scale={args.scale!r}; choose one of {', '.join(SCALES)}")
-        methods = names(args.methods, registry.names(), "--methods")
-        epsilons = _epsilons(args.epsilons)
-        if args.canaries < 2:
-            raise ValueError(f"--canaries={args.canaries} must be ≥ 2 (1000 for the audit)")
-        if min(args.k_pos, args.k_neg) < 0 or not 1 <= args.k_pos + args.k_neg <= args.canaries:
-            raise ValueError(f"--k-pos={args.k_pos} --k-neg={args.k_neg}: each must be ≥ 0, their sum in "
-                             f"[1, canaries = {args.canaries}]")
-        if 2 * args.canaries * 1e-5 > 1:
-            raise ValueError(f"--canaries={args.canaries}: at most 50000 (the bound needs 2·m·δ ≤ 1 at δ = 1e-5)")
-        plan = [(m, e) for m in methods for e in epsilons] + ([] if args.no_control else [(m, math.inf) for m in methods])
-        configs = [job_config(m, e, args.scale) for m, e in plan]  # every config checked before any model load
-    except ValueError as exc:
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    if args.expected_only:
-        PRINT("\n".join(expected_lines(configs, args.canaries, args.k_pos, args.k_neg, args.seed)))
+def main(*, scale: str = "embedded", methods: str = "prism,adamw", epsilons: str = "6,3", canaries: int = 1000,
+         k_pos: int = 100, k_neg: int = 0, seed: int = 0, out: str = "results/tables", split: bool = False,
+         no_control: bool = False, expected_only: bool = False) -> int:
+    """Train every method at every ε (scale embedded|smoke) and a non-private control per method (unless
+    ``--no-control``) with ``canaries`` canaries, guess ``k_pos`` in / ``k_neg`` out (``--split``: chosen on
+    one half, audited on the other; ``seed``: the coins and directions) and write the table to ``out``;
+    ``--expected-only``: print what correct runs give, without training. Exit 1 on a lower bound above
+    the claimed ε; bad arguments raise a one-line ``ValueError`` before any model load."""
+    if scale not in SCALES:
+        raise ValueError(f"scale={scale!r}; choose one of {', '.join(SCALES)}")
+    method_names = names(methods, registry.names(), "methods")
+    budgets = _epsilons(epsilons)
+    if canaries < 2:
+        raise ValueError(f"canaries={canaries} must be ≥ 2 (1000 for the audit)")
+    if min(k_pos, k_neg) < 0 or not 1 <= k_pos + k_neg <= canaries:
+        raise ValueError(f"k_pos={k_pos} k_neg={k_neg}: each must be ≥ 0, their sum in [1, canaries = {canaries}]")
+    if 2 * canaries * 1e-5 > 1:
+        raise ValueError(f"canaries={canaries}: at most 50000 (the bound needs 2·m·δ ≤ 1 at δ = 1e-5)")
+    plan = [(m, e) for m in method_names for e in budgets] + ([] if no_control else [(m, math.inf) for m in method_names])
+    configs = [job_config(m, e, scale) for m, e in plan]  # every config checked before any model load
+    if expected_only:
+        PRINT("\n".join(expected_lines(configs, canaries, k_pos, k_neg, seed)))
         return 0
     from pipelines.run import quiet_third_party_warnings, setup_logging
 
@@ -256,17 +238,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     tic = time.perf_counter()
     rows = []
     for i, ((method_name, epsilon), cfg) in enumerate(zip(plan, configs), 1):
-        PRINT(f"[{i}/{len(plan)}] {method_name} at ε = {epsilon:g}: training with {args.canaries} canaries")
-        rows.append(audit_training_run(cfg, args.canaries, args.k_pos, args.k_neg, args.split, args.seed))
+        PRINT(f"[{i}/{len(plan)}] {method_name} at ε = {epsilon:g}: training with {canaries} canaries")
+        rows.append(audit_training_run(cfg, canaries, k_pos, k_neg, split, seed))
         r = rows[-1]
         PRINT(f"  {r.correct}/{r.guesses} correct guesses: ε ≥ {r.epsilon_lower_95:.2f} (95 %); ideal run {r.ideal_epsilon_lower or '–'}")
-    md, csv_path = write_table(rows, args.scale, Path(args.out))
+    md, csv_path = write_table(rows, scale, Path(out))
     PRINT(md.read_text())
     defects = [r for r in rows if r.epsilon_lower_95 > r.claimed_epsilon]
     PRINT(f"{len(rows)} runs in {time.perf_counter() - tic:.0f} s; tables: {md}, {csv_path}; "
           + (f"DEFECT: {len(defects)} lower bound(s) above the claimed ε" if defects else "no lower bound above the claimed ε"))
     return 1 if defects else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,6 @@
 """Compare PRISM and the baselines on your own task (and model) in one command.
 
-    python -m pipelines.compare TASK.jsonl [model=DIR] [eval=EVAL.jsonl] [type=classification|number|exact]
-                                [labels=a,b,...] [methods=prism,adamw,...] [eps=inf,6,3] [seeds=42,43]
-                                [launcher=local|slurm] [jobs=K] [overrides...]
-    python -m pipelines.reproduce custom TASK.jsonl ...          # the same
+    python -m pipelines compare task=TASK.jsonl [model=DIR] [methods=..] [eps=inf,6,3] [seed=42,43] ...
     make compare TASK=TASK.jsonl [MODEL=DIR] [SEEDS=..] [EPS=..] [METHODS=..] [TYPE=..] [LABELS=..]
 
 The grid is methods × privacy settings (non-DP, ε = 6, ε = 3 by default; ``eps=`` gives the list,
@@ -43,7 +40,6 @@ from prism.methods import registry
 EXPERIMENT = "compare"
 EPSILONS = (math.inf, 6.0, 3.0)
 PRIVACY_GROUPS = {math.inf: "nondp", 6.0: "eps6", 3.0: "eps3"}
-KEYS = ("model", "eval", "type", "labels", "methods", "eps", "seeds", "jobs")
 
 
 @dataclasses.dataclass
@@ -109,23 +105,6 @@ def pin_task_files(overrides: Sequence[str]) -> list[str]:
     return out
 
 
-def parse_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
-    """``TASK [key=value ...] [overrides]`` → (this command's keys, the overrides every job gets)."""
-    if not argv or "=" in argv[0]:
-        raise ValueError("the first argument is the task file, usage: python -m pipelines.compare TASK.jsonl "
-                         "[model=DIR] [methods=..] [eps=inf,6,3] [seeds=..] [overrides]")
-    keys, overrides = {"task": argv[0]}, []
-    for arg in argv[1:]:
-        key, sep, value = arg.partition("=")
-        if sep and key in KEYS:
-            keys[key] = value
-        elif sep:
-            overrides.append(arg)
-        else:
-            raise ValueError(f"{arg!r} is not key=value, e.g. methods=prism,adamw or train.steps=60")
-    return keys, overrides
-
-
 def task_overrides(keys: dict[str, str], overrides: Sequence[str]) -> list[str]:
     """The overrides that name the task and model of ``keys`` (``task``, ``eval``, ``type``, ``labels``,
     ``model``), files absolute and pinned by sha256 (:func:`pinned`); ``ValueError`` for a missing file."""
@@ -159,19 +138,18 @@ def default_methods() -> list[str]:
     return [n for n in registry.names() if registry.lookup(n).compare_by_default]
 
 
-def plan(argv: Sequence[str]) -> Plan:
-    """Every job of the comparison, validated; ``ValueError`` / :class:`ConfigError` on one line."""
-    keys, overrides = parse_args(argv)
+def plan(keys: dict[str, Any], overrides: Sequence[str], launcher: str) -> Plan:
+    """Every job of the comparison, validated; ``ValueError`` / :class:`ConfigError` on one line.
+    ``keys``: ``task`` and the other task keys of ``make compare``, ``seed`` (comma-separated), ``jobs``."""
     fixed = [f"experiment={EXPERIMENT}", *task_overrides(keys, overrides), *overrides]
     task = Path(keys["task"]).expanduser().resolve()
     sha = sha256_file(task)
     methods = comma_list(keys["methods"], "methods") if "methods" in keys else default_methods()
     epsilons = budgets(keys)
-    seeds_text = comma_list(keys["seeds"], "seeds") if "seeds" in keys else []
-    if not all(s.isdigit() for s in seeds_text):
-        raise ValueError(f"seeds={keys['seeds']} must list integers, e.g. seeds=1,2,3")
-    workers = launch.parse_jobs(keys["jobs"]) if "jobs" in keys else None
     settings = [privacy_overrides(e) for e in epsilons]
+    seeds_text = comma_list(keys["seed"], "seed") if "seed" in keys else []
+    if not all(s.isdigit() for s in seeds_text):
+        raise ValueError(f"seed={keys['seed']} must list integers, e.g. seed=1,2,3")
     seeds = [int(s) for s in seeds_text]
     jobs, configs = [], []
     for setting in settings:
@@ -185,8 +163,7 @@ def plan(argv: Sequence[str]) -> Plan:
                     raise ConfigError(f"in the job {' '.join(own)}: {err}") from None
                 jobs.append(launch.Job.of(overrides_, cfg))
                 configs.append(cfg)
-    launcher = next((o.split("=", 1)[1] for o in overrides if o.startswith("launcher=")), "local")
-    return Plan(task, sha, fixed, settings, methods, [s for s in seeds], jobs, configs, launcher, workers)
+    return Plan(task, sha, fixed, settings, methods, seeds, jobs, configs, launcher, keys.get("jobs"))
 
 
 # ------------------------------------------------------------------------------------------ table
@@ -262,17 +239,20 @@ def render(p: Plan) -> list[Path]:
     return paths
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Plan (validating every job), run what is not finished, render; exit 0, 1 (a run failed) or 2 (bad input)."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    launcher = next((a.split("=", 1)[1] for a in args[1:] if a.startswith("launcher=")), "local")
+def main(overrides: Sequence[str], *, task: str, model: str | None = None, eval: str | None = None,
+         type: str | None = None, labels: str | None = None, methods: str | None = None, eps: str | None = None,
+         seed: str | None = None, jobs: int | None = None) -> int:
+    """Train ``methods`` (default all six) × the privacy budgets of ``eps`` (default inf,6,3; inf: non-DP)
+    × ``seed`` (a comma-separated list) on the task file ``task`` (.jsonl/.csv of prompt/target rows;
+    ``eval``: its evaluation file, ``type``: classification|number|exact, ``labels``: the classes,
+    ``model``: a local model folder), then render the table. ``jobs``: local worker processes; the
+    overrides (``scale=``, ``launcher=``, ``train.steps=60``, ...) apply to every job. Every job is
+    validated first. Exit 0, 1 (a run failed) or 2 (bad input)."""
+    keys = {k: v for k, v in locals().items() if k != "overrides" and v is not None}
+    launcher = launch.override_value(overrides, "launcher", "local")
     if (code := launch.launcher_error(launcher)) is not None:  # before every job is validated
         return code
-    try:
-        p = plan(args)
-    except (ValueError, ConfigError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    p = plan(keys, overrides, launcher)
     pending = [job for job in p.jobs if store.inspect_run(job.folder).state != "finished" or p.configs[0].force]
     for job in p.jobs:
         if job not in pending:
@@ -305,6 +285,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Compose run configs and expand an experiment's sweep grid into a job list (a library: no command).
 
-A *job* is a list of Hydra override strings; :func:`compose_job` turns one into its resolved config (not
+A *job* is a list of Hydra override strings (``python -m pipelines run <job...>`` runs one); :func:`compose_job` turns one into its resolved config (not
 yet validated: :mod:`pipelines.validate`), or one :class:`ConfigError` line for an override that does not
 parse or compose. A grid composes each group choice once with Hydra (cached) and applies each job's
 value overrides to it as Hydra does; a value override of a key the composition lacks is added, so the

@@ -8,7 +8,7 @@ sweep) and may be absent. :func:`conform` merges a resolved job config into :cla
 mode (an unknown key, a wrong type or a ``null`` where none is allowed is refused; an int given for a
 float becomes that float), builds the dataclasses (running every ``__post_init__``) and returns the job
 config with exactly the keys it had, so the run hash (:func:`pipelines.store.run_hash`) sees no key the
-yaml lacks. The ``method`` node is checked by the method's own schema (:func:`prism.methods.schema.check`).
+yaml lacks. The ``method`` node is checked by the method's own schema (:func:`prism.methods.registry.check`).
 What needs two groups, the backbone's weights, the data or this machine is in :mod:`pipelines.config_rules`.
 
 Every schema is registered in Hydra's ``ConfigStore`` (group ``schema``, one entry per config group,
@@ -397,14 +397,14 @@ class JobConfig:
     diagnostics_budgets: dict[str, DiagnosticsConfig] | None = _help("experiment=diagnostics only", None)
 
     def __post_init__(self) -> None:
-        from prism.methods import schema
+        from prism.methods import registry
 
         _require(0 <= self.seed < 2**32, f"seed={self.seed!r} must be an integer in [0, 2^32)")
         _require(EXPERIMENT_NAME.fullmatch(self.experiment) is not None,
                  f"experiment={self.experiment!r} names a folder, use letters, digits, '.', '_' or '-'")
         try:
-            schema.check(self.method)
-        except schema.SchemaError as err:
+            registry.check(self.method)
+        except registry.SchemaError as err:
             raise ConfigError(str(err)) from None
 
 
@@ -446,9 +446,9 @@ def conform(cfg: DictConfig | Mapping[str, Any]) -> DictConfig:
 
 def _method_floats(node: dict[str, Any]) -> dict[str, Any]:
     """The method node with an int given for a float key (its schema's kind) as that float."""
-    from prism.methods import schema
+    from prism.methods import registry, schema
 
-    kinds = schema.kinds(node)
+    kinds = schema.field_kinds(registry.config_class(node))
     return {k: float(v) if kinds.get(k) is float and type(v) is int else v for k, v in node.items()}
 
 

@@ -1,9 +1,9 @@
 """Experiment ``diagnostics``: the paper's mechanism claims measured (Table 1, Figs. 1–4, 8–15).
 
-    python -m pipelines.diagnostics experiment=diagnostics [scale=paper] [overrides...]
+    python -m pipelines diagnostics [scale=paper] [overrides...]
     make reproduce-diagnostics [SCALE=paper]
 
-One Hydra job = one run folder ``results/runs/diagnostics/<hash>/`` through :func:`pipelines.run.execute`
+One job (``experiment=diagnostics`` and the overrides) = one run folder ``results/runs/diagnostics/<hash>/`` through :func:`pipelines.run.execute`
 (lock, skip-if-finished, ``status.json``, ``final.json``, W&B); :func:`measure` is the job's trainer.
 It drives the training loop of :mod:`prism.train` (``build`` once per LoRA init, ``train_step`` for
 every step) and the measurement functions of :mod:`prism.audit.diagnostics`; every step of every short run
@@ -26,18 +26,17 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import hydra
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines import store
-from pipelines.compose import CONF_DIR, resolve
-from pipelines.run import ConfigError, check, execute
+from pipelines.compose import CONF_DIR, compose_config, resolve
+from pipelines.run import ConfigError, check, execute, setup_logging
 from prism.privacy.accounting import is_private
 
 log = logging.getLogger("pipelines.diagnostics")
@@ -605,6 +604,16 @@ def _energy_ratio(rows: list[dict[str, Any]]) -> float:
 
 
 # ------------------------------------------------------------------------------------------ entry point
+def main(overrides: Sequence[str]) -> int:
+    """Measure Table 1 and the mechanism figures in one run folder (``experiment=diagnostics`` with the
+    overrides, e.g. ``scale=paper suite=math10k``; skipped when finished) and render them to
+    ``results/figures`` and ``results/tables/diagnostics.md``."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    cfg = compose_config(["experiment=diagnostics", *overrides])
+    setup_logging()
+    return reproduce(cfg)
+
+
 def reproduce(cfg: DictConfig) -> int:
     """Validate, run the job through :func:`pipelines.run.execute` (skipped when finished), render."""
     try:
@@ -624,14 +633,3 @@ def reproduce(cfg: DictConfig) -> int:
         print(path)
     return 0
 
-
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    code = reproduce(cfg)
-    if code:
-        sys.exit(code)
-
-
-if __name__ == "__main__":
-    main()

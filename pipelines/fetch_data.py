@@ -6,11 +6,10 @@ count per file), and downloads the paper backbones (Gemma checkpoints, gated: ac
 and ``huggingface-cli login`` first) into the Hugging Face cache. ``<cache>`` is ``$PRISM_CACHE/data`` (default ``~/.cache/prism/data``). Files already
 cached are kept (use ``--force`` to refetch). Offline, it exits with one line naming what is missing.
 
-    python -m pipelines.fetch_data [--only glue|math|models] [--force]
+    python -m pipelines fetch-data [only=glue|math|models] [llm_adapters=URL] [math_train=URL] [--force]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -104,13 +103,13 @@ def jobs(only: str | None, llm_adapters: str, math_train: str) -> list[tuple[str
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["glue", "math", "models"], help="fetch one part only")
-    parser.add_argument("--force", action="store_true", help="refetch files that are already cached")
-    parser.add_argument("--llm-adapters", default=LLM_ADAPTERS_URL, help="raw-file base URL of LLM-Adapters")
-    parser.add_argument("--math-train", default=MATH10K_URL, help="URL of math_10k.json")
-    args = parser.parse_args(argv)
+def main(*, only: str | None = None, llm_adapters: str = LLM_ADAPTERS_URL, math_train: str = MATH10K_URL,
+         force: bool = False) -> int:
+    """Fetch ``only`` one part (glue, math, models; default all; ``llm_adapters``: the raw-file base URL
+    of LLM-Adapters, ``math_train``: the URL of math_10k.json), refetching cached files with ``--force``;
+    exit 1 when a file is missing or unexpected."""
+    if only not in (None, "glue", "math", "models"):
+        raise ValueError(f"only={only} is not a part, use only= one of glue, math, models")
     # This command exists to download: lift the offline switches the Makefile exports for everything
     # else, unless the hub is unreachable (then `datasets` may still answer from a warm HF cache).
     hub_online = reachable("huggingface.co")
@@ -119,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     manifest_path = cache_dir() / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     missing, bad = [], []
-    for name, fetch, rows_expected, sha_expected in jobs(args.only, args.llm_adapters, args.math_train):
+    for name, fetch, rows_expected, sha_expected in jobs(only, llm_adapters, math_train):
         try:
-            path = fetch(args.force)
+            path = fetch(force)
         except Exception as err:  # network, hub or HTTP errors: report the file, keep going
             missing.append(f"{name} ({type(err).__name__})")
             continue
@@ -146,6 +145,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"manifest: {manifest_path}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

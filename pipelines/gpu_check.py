@@ -19,17 +19,15 @@ Profiles: ``paper`` (GPU, ≤ 8 minutes on one A100/H100-class device), ``sim`` 
 layers and a 4k vocabulary, for a CPU), ``tiny`` (a 2-layer multimodal model, seconds on a CPU: the
 default test suite runs it). Exit status 1 when anything fails or a loss is non-finite.
 
-    python -m pipelines.gpu_check [--profile paper|sim|tiny] [--device cuda|cpu] [--methods prism,adamw]
+    python -m pipelines gpu-check [profile=paper|sim|tiny] [device=cuda|cpu] [methods=prism,adamw]
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import gc
 import math
 import random
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -301,31 +299,24 @@ def _run_check(profile: Profile, device: torch.device, methods: Sequence[str] | 
     return failures
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", choices=sorted(PROFILES), default="paper")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: the profile's)")
-    parser.add_argument("--methods", default="", help="comma-separated subset of adamw,loraplus,prism")
-    args = parser.parse_args(argv)
+def main(*, profile: str = "paper", device: str | None = None, methods: str | None = None) -> int:
+    """Run the checks of ``profile`` (paper: a GPU; sim, tiny: a CPU) on ``device`` (cuda|cpu, default the
+    profile's) for ``methods`` (a comma-separated subset of adamw,loraplus,prism; default all); exit 1
+    when one fails. Bad arguments raise a one-line ``ValueError`` before any model."""
     known = list(dict.fromkeys(method for _, method, _ in TABLE5))
-    methods = [m for m in args.methods.split(",") if m] or None
-    unknown = sorted(set(methods or ()) - set(known))
-    if unknown or (args.methods and methods is None):
-        print(f"error: --methods={args.methods} names {', '.join(unknown) or 'no method'}, not a checked method; "
-              f"give a comma-separated subset of "
-              f"{','.join(known)} (or leave --methods out for all)", file=sys.stderr)
-        return 2
-    profile = PROFILES[args.profile]
-    device = torch.device(args.device or profile.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: no CUDA device is visible, run `make gpu-check` on a GPU machine "
-              "(or `python -m pipelines.gpu_check --profile tiny` on a CPU)", file=sys.stderr)
-        return 2
-    profile = replace(profile, device=device.type)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device: {name}  torch {torch.__version__}  profile {args.profile} ({profile.backbone})")
-    return 1 if run_check(profile, device, methods) else 0
+    chosen = [m for m in (methods or "").split(",") if m] or None
+    unknown = sorted(set(chosen or ()) - set(known))
+    if unknown or (methods is not None and chosen is None):
+        raise ValueError(f"methods={methods} names {', '.join(unknown) or 'no method'}, not a checked method; give a "
+                         f"comma-separated subset of {','.join(known)} (or leave methods= out for all)")
+    if profile not in PROFILES:
+        raise ValueError(f"profile={profile} is not a profile, use profile= one of {', '.join(sorted(PROFILES))}")
+    where = torch.device(device or PROFILES[profile].device)
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("no CUDA device is visible, run `make gpu-check` on a GPU machine "
+                         "(or `python -m pipelines gpu-check profile=tiny` on a CPU)")
+    spec = replace(PROFILES[profile], device=where.type)
+    name = torch.cuda.get_device_name(where) if where.type == "cuda" else "cpu"
+    print(f"device: {name}  torch {torch.__version__}  profile {profile} ({spec.backbone})")
+    return 1 if run_check(spec, where, chosen) else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

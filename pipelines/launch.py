@@ -62,14 +62,6 @@ class Job:
         return store.find_run(self.root, self.run_hash)
 
 
-def parse_jobs(value: str) -> int:
-    """``jobs=VALUE`` → the worker count; ``ValueError`` unless an integer >= 1."""
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"jobs={value} must be an integer >= 1, e.g. jobs=2 (leave it out: as many as "
-                         "the cores and the memory allow)")
-    return int(value)
-
-
 def default_jobs(cores: int, available_bytes: int, worker_bytes: float = WORKER_RSS_GB * 1e9) -> int:
     """The local launcher's worker count when ``jobs=`` is not given: one per core, as many as the
     available memory holds (a worker holds :data:`WORKER_RSS_GB`), at least 1."""
@@ -91,6 +83,11 @@ def resolve_jobs(jobs: int | None) -> int:
     chosen = default_jobs(cores, free)
     print(f"JOBS={chosen} ({cores} cores, {free / 2**30:.1f} GiB free; JOBS= overrides)", flush=True)
     return chosen
+
+
+def override_value(overrides: Sequence[str], key: str, default: str) -> str:
+    """The value of ``key=`` in ``overrides`` (the last one given), else ``default``."""
+    return next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith(f"{key}=")), default)
 
 
 def launcher_error(launcher: str) -> int | None:
@@ -319,7 +316,7 @@ def run_hydra_multirun(experiment: str, overrides: Sequence[str], log_path: Path
     in a process group of its own: SIGTERM or SIGINT here stops that whole group (:func:`stop_group`:
     Hydra and the local jobs it started; jobs already handed to SLURM keep running), one line says
     so, and ``SystemExit`` carries 128 + the signal number."""
-    cmd = [sys.executable, "-m", "pipelines.run", "-m", f"experiment={experiment}", *overrides]
+    cmd = [sys.executable, "-m", "pipelines", "run", "-m", f"experiment={experiment}", *overrides]
     print("running:", " ".join(cmd), flush=True)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     reason, in_traceback, stop = "", False, None
@@ -346,10 +343,10 @@ def run_hydra_multirun(experiment: str, overrides: Sequence[str], log_path: Path
 
 
 def aggregate(experiment: str, results_dir: str, scale: str) -> None:
-    """Render the grid's table: ``python -m pipelines.aggregate experiment=tableN``; SIGTERM or SIGINT
+    """Render the grid's table: ``python -m pipelines aggregate experiment=tableN``; SIGTERM or SIGINT
     here ends that process too, with one line (rerunning the command renders the table again)."""
     root = Path(results_dir)
-    with stop_signals(), subprocess.Popen([sys.executable, "-m", "pipelines.aggregate", f"experiment={experiment}",
+    with stop_signals(), subprocess.Popen([sys.executable, "-m", "pipelines", "aggregate", f"experiment={experiment}",
                                            f"runs_dir={root / 'runs'}", f"out_dir={root / 'tables'}",
                                            f"scale={scale}"]) as proc:
         try:

@@ -1,18 +1,19 @@
-"""Entry point: one job = one resolved config = one run folder (docs/ARCHITECTURE.md).
+"""The runner: one job = one resolved config = one run folder (docs/ARCHITECTURE.md).
 
-    python -m pipelines.run method=adamw privacy=eps3 suite=math10k        # one run
-    python -m pipelines.run -m experiment=table2                           # Hydra multirun (basic launcher: sequential)
-    python -m pipelines.run -m experiment=table2 scale=paper launcher=slurm   # SLURM array; blocks: use tmux/nohup
+    python -m pipelines run method=adamw privacy=eps3 suite=math10k        # one run
+    python -m pipelines run -m experiment=table2                           # Hydra multirun (basic launcher: sequential)
+    python -m pipelines run -m experiment=table2 scale=paper launcher=slurm   # SLURM array; blocks: use tmux/nohup
 
+:func:`command` is that verb (and what a local-launcher worker runs per job, :mod:`pipelines.worker`).
 Every job's config is validated first (:mod:`pipelines.validate`; a multirun validates all its
 jobs before the first starts): a bad input prints ``error: <what>, <how to fix>`` on one line and
 exits with code 2, before any model load, W&B init or folder. ``--debug`` (or
 ``HYDRA_FULL_ERROR=1``) shows tracebacks instead. A single run does not go through Hydra's run
-mode, so it leaves no ``hydra/`` output folder; Hydra's flags (``-m``, ``--cfg``, ``--help``, ...)
-hand the command line to Hydra.
+mode, so it leaves no ``hydra/`` output folder; Hydra's flags (``-m``, ``--cfg``, ...) hand the
+command line to Hydra.
 
-Each job takes the run folder's lock, skips a finished run (unless ``force=true``), resumes an
-interrupted one, sets aside unreadable files of a corrupt one, then calls
+:func:`execute` runs one job: it takes the run folder's lock, skips a finished run (unless
+``force=true``), resumes an interrupted one, sets aside unreadable files of a corrupt one, then calls
 ``prism.train.train_and_evaluate`` and writes the folder format of :mod:`pipelines.store`. It
 narrates one line per phase on stdout and ends with the scores and the ``final.json`` path.
 """
@@ -42,7 +43,7 @@ from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines import store
-from pipelines.compose import resolve
+from pipelines.compose import CONF_DIR, resolve
 from pipelines.validate import ConfigError, check, load_job, load_sweep
 from pipelines.wandb_log import WandbRun
 from prism.fileio import write_text_atomic
@@ -54,8 +55,8 @@ Trainer = Callable[[DictConfig, Path, Callable[[dict[str, Any]], None]], dict[st
 VERSIONED = ("torch", "transformers", "peft", "opacus", "hydra-core", "wandb")
 
 
-__all__ = ["ConfigError", "check", "execute", "main", "run_config"]
-HYDRA_SWITCHES = ("-m", "--multirun", "--help", "-h", "--hydra-help", "--resolve", "--version", "--run", "-r")
+__all__ = ["ConfigError", "check", "command", "execute", "run_config"]
+HYDRA_SWITCHES = ("-m", "--multirun", "--hydra-help", "--resolve", "--version", "--run", "-r")
 HYDRA_OPTIONS = ("--cfg", "-c", "--package", "-p", "--shell-completion", "-sc", "--experimental-rerun",
                  "--info", "-i")  # take a value (--info: optionally)
 OTHER_CONFIG = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")  # not conf/config.yaml
@@ -271,15 +272,19 @@ def _brief(record: dict[str, Any]) -> str:
                     if isinstance(record.get(k), (int, float)) and math.isfinite(record[k]))
 
 
-def main(argv: Sequence[str] | None = None, trainer: Trainer | None = None) -> int:
-    """``python -m pipelines.run [--debug] [hydra flags] overrides...``; returns the exit code
-    (130 after Ctrl-C, without a traceback unless ``--debug``). ``trainer``: as in :func:`execute`."""
-    return _stoppable(lambda: _main(argv, trainer), "--debug" in (sys.argv[1:] if argv is None else argv))
+def command(overrides: Sequence[str], trainer: Trainer | None = None, debug: bool = False) -> int:
+    """Train one job: ``python -m pipelines run [-m] [--cfg job] key=value...``, the keys of ``conf/``
+    (e.g. ``method=adamw privacy=eps3 suite=math10k``; ``-m``: a Hydra multirun over comma-separated
+    values, ``experiment=tableN`` for a table's grid). Returns the exit code: 0, 1 (the run failed; its
+    traceback is kept in the run folder), 2 (bad input, one line), 130 (interrupted; the same command
+    resumes it). ``trainer``: as in :func:`execute`."""
+    debug = debug or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    return _stoppable(lambda: _command(list(overrides), trainer, debug), debug)
 
 
 def run_config(cfg: DictConfig, trainer: Trainer | None = None) -> int:
     """Run one job of a grid from its validated config (the local launcher's workers,
-    :mod:`pipelines.worker`) as ``python -m pipelines.run <its overrides>`` would, without composing or
+    :mod:`pipelines.worker`) as ``python -m pipelines run <its overrides>`` would, without composing or
     validating it again; returns that command's exit code."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     quiet_third_party_warnings()
@@ -308,10 +313,7 @@ def _stop_on_sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt("SIGTERM")
 
 
-def _main(argv: Sequence[str] | None, trainer: Trainer | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in args or os.environ.get("HYDRA_FULL_ERROR") == "1"
-    args = [a for a in args if a != "--debug"]
+def _command(args: list[str], trainer: Trainer | None, debug: bool) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     quiet_third_party_warnings()
     try:
@@ -371,7 +373,7 @@ def split_flags(args: Sequence[str]) -> tuple[list[str], list[str]]:
             pending = not is_value and "=" not in arg and name in HYDRA_OPTIONS + OTHER_CONFIG
         elif arg.startswith("-"):
             raise ConfigError(f"unknown option {arg}, write overrides as key=value "
-                              "(options: --debug, -m, --cfg job, --help)")
+                              "(options: --debug, -m, --cfg job; --help: the usage)")
         else:
             overrides.append(arg)
     return flags, overrides
@@ -428,11 +430,8 @@ def _hydra(args: list[str]) -> int:
     return 0
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> str:
     """One job of a Hydra multirun: the config Hydra composed for it, validated here once."""
     return execute(check(resolve(cfg)))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

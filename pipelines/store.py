@@ -20,7 +20,7 @@ r=16 rows reuse Table 2's finished runs instead of training them again.
   finished runs it finds, so an experiment is a view over the shared store.
 * Older checkouts wrote ``<results_dir>/runs/<experiment>/<hash>/``. Those folders are still read
   (:func:`find_run`), moved into the store by the job that next needs them (:func:`adopt`) or all
-  at once by ``python -m pipelines.store migrate <results_dir>``.
+  at once by ``python -m pipelines migrate results_dir=<results_dir>``.
 
 Inside a run folder:
 
@@ -59,7 +59,6 @@ import hashlib
 import json
 import os
 import re
-import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
@@ -519,22 +518,13 @@ def trim_metrics(folder: Path, before_step: int) -> int:
     return len(lines) - len(kept)
 
 
-def main(argv: list[str]) -> int:
-    """``python -m pipelines.store migrate [results_dir]``: move old-layout run folders into the store."""
-    if not argv or argv[0] != "migrate" or len(argv) > 2:
-        print("usage: python -m pipelines.store migrate [results_dir]", file=sys.stderr)
-        return 2
-    results_dir = Path(argv[1] if len(argv) > 1 else "results")
-    if not (results_dir / "runs").is_dir():
-        print(f"error: no run store at {results_dir / 'runs'}, pass the results_dir that holds runs/",
-              file=sys.stderr)
-        return 2
-    moved = migrate(results_dir)
+def main(*, results_dir: str = "results") -> int:
+    """Move the old-layout run folders under ``results_dir``/runs into the store (``python -m pipelines migrate``)."""
+    root = Path(results_dir)
+    if not (root / "runs").is_dir():
+        raise ValueError(f"results_dir={root}: no run store at {root / 'runs'}, pass the results_dir that holds runs/")
+    moved = migrate(root)
     for source, target in moved:
         print(f"moved {source} -> {target}")
-    print(f"{len(moved)} run folder(s) moved into {results_dir / 'runs'}")
+    print(f"{len(moved)} run folder(s) moved into {root / 'runs'}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,6 +1,6 @@
 """Learning-rate selection as an experiment: sweep the Table 2 grid over a log grid of rates.
 
-    python -m pipelines.tune [scale=embedded|smoke] [launcher=local|slurm|submitit_local] [jobs=K] [overrides]
+    python -m pipelines tune [scale=embedded|smoke] [launcher=local|slurm|submitit_local] [jobs=K] [overrides]
     make tune SCALE=embedded JOBS=2
 
 Every cell of the Table 2 grid (method × privacy level × suite) runs at ``tune.lr_factor`` × its
@@ -26,8 +26,8 @@ does not cover (docs/comparison.md, "What tuning costs in privacy").
 
 A user's task (``make tune TASK=file.jsonl``)::
 
-    python -m pipelines.tune task=TASK.jsonl [eval=..] [type=..] [labels=..] [model=DIR]
-                             [methods=prism,adamw] [eps=inf,6,3] [jobs=K] [overrides]
+    python -m pipelines tune task=TASK.jsonl [eval=..] [type=..] [labels=..] [model=DIR]
+                            [methods=prism,adamw] [eps=inf,6,3] [jobs=K] [overrides]
 
 sweeps the cells of ``make compare`` on that task (the same keys, the same model and budget) with
 ``suite.validation_per_task`` rows held out of its training rows as the validation split
@@ -49,7 +49,7 @@ import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from pipelines import compare, launch, store
-from pipelines.compose import COMPOSE_ERRORS, compose_config, error_line, job_config
+from pipelines.compose import compose_config, job_config
 from pipelines.tuned_rates import cell_fields, tuned_dir, user_tuned_dir
 from prism.fileio import write_text_atomic
 
@@ -112,10 +112,6 @@ def extension(scores: Mapping[float, float], base: Sequence[float]) -> float | N
     return None if beyond >= MAX_EXTEND else float(f"{nxt:.6g}")
 
 
-TASK_KEYS = ("task", "eval", "type", "labels", "model", "methods", "eps")
-"""The keys of ``make compare`` that a sweep of a user's task takes (:func:`task_sweep`)."""
-
-
 def task_sweep(keys: dict[str, str], overrides: Sequence[str]) -> list[str]:
     """The overrides that sweep ``make compare``'s cells on a user's task: its task and model
     (:func:`pipelines.compare.task_overrides`), the model ``make compare`` would use, the methods and
@@ -136,20 +132,13 @@ def task_sweep(keys: dict[str, str], overrides: Sequence[str]) -> list[str]:
     return [*fixed, f"method={','.join(methods)}", f"privacy={','.join(groups)}"]
 
 
-def parse_args(argv: Sequence[str]) -> tuple[int | None, list[str]]:
-    """``[jobs=K] [task=FILE and make compare's keys] [overrides]`` → (K or None when not given,
-    overrides); ``ValueError`` naming the bad argument."""
-    jobs: int | None = None
-    overrides, keys = [], {}
+def sweep_overrides(keys: dict[str, str], overrides: Sequence[str]) -> list[str]:
+    """The sweep's overrides: the user's, each ``tune.lr_factor`` a float literal, behind
+    :func:`task_sweep`'s when ``keys`` (``task=`` and ``make compare``'s keys) describe a user's task;
+    ``ValueError`` naming the bad argument."""
+    out = []
     parser = OverridesParser.create()
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if sep and key in TASK_KEYS:
-            keys[key] = value
-            continue
-        if arg.startswith("jobs="):
-            jobs = launch.parse_jobs(arg.split("=", 1)[1])
-            continue
+    for arg in overrides:
         override = parser.parse_override(arg)
         if override.get_key_element() == "seed" and override.is_sweep_override():
             raise ValueError(f"{arg}: the sweep uses one seed; give seed=N (make tune SEEDS=N; a list of seeds is for the tables)")
@@ -159,12 +148,12 @@ def parse_args(argv: Sequence[str]) -> tuple[int | None, list[str]]:
             values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [  # so the
                 override.get_value_element_as_str()]  # planned run hash is the trained one
             arg = f"tune.lr_factor={','.join(_float_text(v) for v in values)}"
-        overrides.append(arg)
+        out.append(arg)
     if keys:
-        if any(o.split("=", 1)[0] in ("suite", "method", "privacy") for o in overrides):
+        if any(o.split("=", 1)[0] in ("suite", "method", "privacy") for o in out):
             raise ValueError("task= sets suite=custom; choose methods with methods= and budgets with eps=")
-        overrides = [*task_sweep(keys, overrides), *overrides]
-    return jobs, overrides
+        out = [*task_sweep(keys, out), *out]
+    return out
 
 
 def _float_text(value: str | float) -> str:
@@ -344,28 +333,28 @@ def tuned_yaml(points: Sequence[Point], header: Mapping[str, object]) -> str:
     return note + yaml.safe_dump({"generated": dict(header), "rates": rates}, sort_keys=False, width=120)
 
 
-def main(argv: Sequence[str]) -> int:
-    try:
-        workers, overrides = parse_args(argv)
-        cfg0 = job_config([f"experiment={EXPERIMENT}", *(o for o in overrides if "," not in o)])
-    except COMPOSE_ERRORS as err:
-        print(f"error: {error_line(err)}", file=sys.stderr)
-        return 2
-    launcher = next((o.split("=", 1)[1] for o in overrides if o.startswith("launcher=")), "local")
+def main(overrides: Sequence[str], *, jobs: int | None = None, task: str | None = None, eval: str | None = None,
+         type: str | None = None, labels: str | None = None, model: str | None = None, methods: str | None = None,
+         eps: str | None = None) -> int:
+    """Sweep the learning rate of every cell (one seed; ``seed=N``) on validation rows, write the table,
+    the figure and the chosen rates; exit 0, or 1 when a cell lacks a score. ``jobs``: local worker
+    processes. ``task=FILE.jsonl`` and ``make compare``'s keys (``eval``, ``type``, ``labels``, ``model``,
+    ``methods``, ``eps``) sweep the cells of ``python -m pipelines compare`` on that task instead."""
+    given = {k: v for k, v in locals().items() if k not in ("overrides", "jobs") and v is not None}
+    command = ["python", "-m", "pipelines", "tune", *overrides, *(f"{k}={v}" for k, v in given.items()),
+               *([f"jobs={jobs}"] if jobs else [])]
+    launcher = launch.override_value(overrides, "launcher", "local")
     if (code := launch.launcher_error(launcher)) is not None:  # before the sweep's validation
         return code
-    scale = next((o.split("=", 1)[1] for o in overrides if o.startswith("scale=")), "embedded")
-    results = Path(str(cfg0.results_dir))
-    try:
-        points, failures = sweep(overrides, launcher, workers, results / "logs" / EXPERIMENT)
-    except COMPOSE_ERRORS as err:
-        print(f"error: {error_line(err)}", file=sys.stderr)
-        return 2
+    overrides = sweep_overrides(given, overrides)
+    cfg0 = job_config([f"experiment={EXPERIMENT}", *(o for o in overrides if "," not in o)])
+    scale, results = launch.override_value(overrides, "scale", "embedded"), Path(str(cfg0.results_dir))
+    points, failures = sweep(overrides, launcher, jobs, results / "logs" / EXPERIMENT)
     from pipelines.run import git_state
 
     commit, dirty = git_state()
     n_validation = int(cfg0.suite.validation_per_task)
-    header = {"command": shlex.join(["python", "-m", "pipelines.tune", *argv]), "commit": commit, "dirty": dirty,
+    header = {"command": shlex.join(command), "commit": commit, "dirty": dirty,
               "date": store.utc_stamp(), "seed": int(cfg0.seed), "validation_per_task": n_validation,
               "validation": f"{n_validation} per task from the training pool, disjoint from the training and "
                             "evaluation rows",
@@ -400,6 +389,3 @@ def main(argv: Sequence[str]) -> int:
           "budget" + (", task and model" if cfg0.suite.name == "custom" else "") + ")")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

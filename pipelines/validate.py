@@ -8,8 +8,8 @@ room, this machine's device). A bad input is one :class:`ConfigError` line, ``<w
 naming the field.
 
 :func:`load_grid` / :func:`load_experiment` / :func:`load_sweep` do the same for every job of a grid
-before any is launched (``pipelines.grid``, ``pipelines.reproduce``, ``slurm/submit.sh``,
-``pipelines.run -m``); the first bad job is one line naming the job and the field. The configs they
+before any is launched (``python -m pipelines grid``, ``... reproduce``, ``slurm/submit.sh``,
+``... run -m``); the first bad job is one line naming the job and the field. The configs they
 return are what the launcher hands to the runs: a job is not composed or validated again.
 
 Nothing here imports torch or transformers, so a bad input is reported in about a second.
@@ -79,7 +79,7 @@ def _runs_here(job: Sequence[str]) -> bool:
 
 
 def load_sweep(overrides: Sequence[str]) -> list[DictConfig]:
-    """Every job of ``python -m pipelines.run -m <overrides>`` validated (the experiment's
+    """Every job of ``python -m pipelines run -m <overrides>`` validated (the experiment's
     ``hydra.sweeper.params`` expanded with the overrides, as Hydra's basic sweeper does)."""
     parsed = compose.parse(overrides)
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]

@@ -1,6 +1,6 @@
 """Upload the offline W&B runs of a results folder: ``make wandb-sync`` (``DRY_RUN=1`` previews).
 
-    python -m pipelines.wandb_sync [results/wandb] [--dry-run]
+    python -m pipelines wandb-sync [folder=results/wandb] [--dry-run]
 
 Finds every ``offline-run-*`` folder under the given directory that ``wandb sync`` has not marked
 synced (it leaves ``run-<id>.wandb.synced`` beside the log) and passes them to ``wandb sync --yes``
@@ -13,7 +13,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 from pipelines.wandb_log import access_problem
@@ -35,24 +34,18 @@ def wandb_cli() -> str:
     return str(beside) if beside.exists() else (shutil.which("wandb") or "wandb")
 
 
-def main(argv: Sequence[str]) -> int:
-    dry_run = "--dry-run" in argv
-    args = [a for a in argv if a != "--dry-run"]
-    if len(args) > 1 or any(a.startswith("-") for a in args):
-        print("usage: python -m pipelines.wandb_sync [results/wandb] [--dry-run]", file=sys.stderr)
-        return 2
-    directory = Path(args[0] if args else "results/wandb")
+def main(*, folder: str = "results/wandb", dry_run: bool = False) -> int:
+    """Upload (``--dry-run``: list) the unsynced offline runs under ``folder``; exit 0, 1 (``wandb sync``
+    failed) or 2 (no folder, no key or no connection)."""
+    directory = Path(folder)
     if not directory.is_dir():
-        print(f"error: {directory} does not exist, runs log offline W&B data there (logging=offline)",
-              file=sys.stderr)
-        return 2
+        raise ValueError(f"folder={directory} does not exist, runs log offline W&B data there (logging=offline)")
     runs = offline_runs(directory)
     if not runs:
         print(f"no unsynced offline W&B runs under {directory}")
         return 0
     if not dry_run and (problem := access_problem()):
-        print(f"error: {len(runs)} offline run(s) not uploaded: {problem}", file=sys.stderr)
-        return 2
+        raise ValueError(f"{len(runs)} offline run(s) not uploaded: {problem}")
     cmd = [wandb_cli(), "sync", "--dry-run" if dry_run else "--yes", *map(str, runs)]
     done = subprocess.run(cmd, stdin=subprocess.DEVNULL)
     if done.returncode != 0:
@@ -62,6 +55,3 @@ def main(argv: Sequence[str]) -> int:
         print(f"synced {len(runs)} offline run(s) from {directory}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -3,14 +3,14 @@ backbone loaded.
 
 ``launcher=local`` (:func:`pipelines.launch.run_local`) starts ``jobs=K`` spawned processes and
 hands each one job at a time: its resolved config, composed and validated once by the grid process
-(:func:`pipelines.launch.plan`). A job runs as ``python -m pipelines.run <overrides>`` would
+(:func:`pipelines.launch.plan`). A job runs as ``python -m pipelines run <overrides>`` would
 (:func:`pipelines.run.run_config`: the run folder's lock, skip / resume, the store format, W&B), with
 two differences that change no result: the interpreter and its imports are already warm, and the
 frozen backbone comes from
 :class:`prism.models.KeptBackbones`, a deep copy of the weights the process loaded for its first
 job. Every job seeds its own RNGs in :func:`prism.train.build`, so a run's numbers do not depend on
 which worker ran it or what ran before (``tests/test_worker.py`` checks them bitwise against a fresh
-``python -m pipelines.run``). What a shared process does change: ``final.json``'s
+``python -m pipelines run``). What a shared process does change: ``final.json``'s
 ``run.peak_rss_mb`` and the CPU ``peak_memory_mb`` are the process's high-water mark so far, so
 timing and memory benchmarks (``train.benchmark``, Table 5) get one fresh process per job.
 
@@ -62,7 +62,7 @@ def _stop(signum: int, _frame: object) -> None:
 
 
 def run_job(cfg: DictConfig, log_path: str) -> int:
-    """Run the job of the validated config ``cfg`` as ``python -m pipelines.run`` would, its output appended
+    """Run the job of the validated config ``cfg`` as ``python -m pipelines run`` would, its output appended
     to ``log_path``; returns that command's exit code (0 finished or skipped, 1 failed, 2 bad input, 130
     interrupted)."""
     global _kept, _busy

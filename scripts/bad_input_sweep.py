@@ -39,8 +39,9 @@ PRELUDE = textwrap.dedent('''
         return {"columns": {"SST-2": 0.5}}
     def run_main(argv):
         from pipelines import run
+        from pipelines.__main__ import main as cli
         run.default_trainer = stub
-        return run.main(argv)
+        return cli(["run", *argv])
     def verdict(cls, note=""):
         print("VERDICT", cls, note)
 ''')
@@ -102,15 +103,17 @@ def _run(*argv: str) -> str:
 
 
 def _grid(*argv: str) -> str:
-    return f"from pipelines import grid\nsys.exit(grid.main([*{list(argv)!r}, 'results_dir=' + RES]))"
+    args = ["grid", f"experiment={argv[0]}", *argv[1:]]
+    return f"from pipelines.__main__ import main as cli\nsys.exit(cli([*{args!r}, 'results_dir=' + RES]))"
 
 
 def _reproduce(*argv: str, results: bool = True) -> str:
     tail = ", 'results_dir=' + RES" if results else ""
-    return ("from pipelines import launch, reproduce\n"
+    args = ["reproduce", f"experiment=table{argv[0]}", *argv[1:]]
+    return ("from pipelines import launch\nfrom pipelines.__main__ import main as cli\n"
             "launch.launch = lambda *a, **k: ((T / 'LAUNCHED').write_text('x'), (True, ''))[1]\n"
             "launch.aggregate = lambda *a, **k: None\n"
-            f"sys.exit(reproduce.main([*{list(argv)!r}{tail}]))")
+            f"sys.exit(cli([*{args!r}{tail}]))")
 
 
 def _shell(cmd: str) -> str:
@@ -166,7 +169,7 @@ STATE = {
         import contextlib, io
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
-            rc = run.main(job)
+            rc = run.command(job)
         folder = store.run_dir(load_job(job))
         state = json.loads((folder / "status.json").read_text())["state"]
         temp = list(folder.rglob(".*tmp*"))
@@ -184,7 +187,7 @@ STATE = {
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             try:
-                rc = run.main(job)
+                rc = run.command(job)
             except Exception as exc:
                 rc = f"raised {type(exc).__name__}"
         state = json.loads((store.run_dir(load_job(job)) / "status.json").read_text())["state"]
@@ -202,7 +205,7 @@ STATE = {
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             try:
-                rc = run.main(job)
+                rc = run.command(job)
             except KeyboardInterrupt:
                 rc = "KeyboardInterrupt traceback"
         state = json.loads((store.run_dir(load_job(job)) / "status.json").read_text())["state"]
@@ -246,8 +249,8 @@ STATE = {
         from test_aggregate import make_run
         make_run(T / "runs", "a1", method="prism", privacy="eps6", suite="glue8", columns={"SST-2": 0.8}, experiment="table2")
         (T / "tables").write_text("not a folder")
-        from pipelines.aggregate import cli
-        sys.exit(cli.main(["experiment=table2", f"runs_dir={T / 'runs'}", f"out_dir={T / 'tables'}"]))
+        from pipelines.__main__ import main as cli
+        sys.exit(cli(["aggregate", "experiment=table2", f"runs_dir={T / 'runs'}", f"out_dir={T / 'tables'}"]))
     ''',
     "aggregate_read_only": '''
         sys.path.insert(0, os.path.join(os.environ["SWEEP_REPO"], "tests"))
@@ -256,8 +259,8 @@ STATE = {
         def ro(self, *a, **k):
             raise PermissionError(errno.EACCES, "Permission denied", str(self))
         Path.mkdir = ro
-        from pipelines.aggregate import cli
-        sys.exit(cli.main(["experiment=table2", f"runs_dir={T / 'runs'}", f"out_dir={T / 'tables'}"]))
+        from pipelines.__main__ import main as cli
+        sys.exit(cli(["aggregate", "experiment=table2", f"runs_dir={T / 'runs'}", f"out_dir={T / 'tables'}"]))
     ''',
     "prompt_cache": '''
         import torch
@@ -402,19 +405,19 @@ def cases() -> list[Case]:
     add(Case("g18", 1, "reproduce 2 'results_dir=/tmp/ü'", _reproduce("2", "results_dir=/tmp/ü", results=False),
              ("quote",), ("Lexer",)))
     add(Case("g19", 1, "reproduce 2 ... --help (ARGS=--help)", textwrap.dedent('''
-        from pipelines import reproduce
+        from pipelines.__main__ import main as cli
         import contextlib, io
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            rc = reproduce.main(["2", "scale=embedded", "launcher=local", "jobs=2", "--help"])
+            rc = cli(["reproduce", "experiment=table2", "scale=embedded", "launcher=local", "jobs=2", "--help"])
         verdict("correct" if rc == 0 and "usage" in out.getvalue() else "unclear", f"rc {rc}")
     '''), expect="verdict"))
     add(Case("g20", 1, "grid table2 --help", textwrap.dedent('''
-        from pipelines import grid
+        from pipelines.__main__ import main as cli
         import contextlib, io
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            rc = grid.main(["table2", "--help"])
+            rc = cli(["grid", "experiment=table2", "--help"])
         verdict("correct" if rc == 0 and "usage" in out.getvalue() else "unclear", f"rc {rc}")
     '''), expect="verdict"))
     # ---- 2. method- and accountant-specific values
@@ -454,8 +457,8 @@ def cases() -> list[Case]:
         ok = rc == 0 and where.startswith(str(home / "x")) and not (T / "~").exists()
         verdict("correct" if ok else "silent", f"rc {rc}: trained into {where[:80]}")
     '''), expect="verdict"))
-    add(Case("w4", 4, "gpu_check --methods nope", _shell(f"{sys.executable} -m pipelines.gpu_check --profile tiny --methods nope"),
-             ("--methods",), timeout=300))
+    add(Case("w4", 4, "gpu-check methods=nope", _shell(f"{sys.executable} -m pipelines gpu-check profile=tiny methods=nope"),
+             ("methods=",), timeout=300))
     add(Case("w5", 4, "math10k mapping train_per_task={basic_arithmetic:100,leg_counting:50}", textwrap.dedent('''
         rc = run_main(["suite=math10k", "suite.embedded.train_per_task={basic_arithmetic:100,leg_counting:50}",
                        "suite.embedded.tasks=[basic_arithmetic,leg_counting]", "results_dir=" + RES, "logging=disabled"])

@@ -4,7 +4,7 @@
 #   slurm/submit.sh [--dry-run] <experiment> [hydra overrides...]   e.g. slurm/submit.sh table2 scale=paper
 #
 # Writes the job list (one line of shell-quoted Hydra overrides per job, from `python -m
-# pipelines.grid`, finished runs left out — also those another table's grid already trained, the
+# pipelines grid`, finished runs left out — also those another table's grid already trained, the
 # run store is shared) to results/slurm/<experiment>-<UTC time>/jobs.txt and runs
 # `sbatch --array=0-(N-1)%K slurm/array.sbatch jobs.txt`. `--dry-run` prints the job list and the
 # sbatch command and writes nothing. A failed sbatch (dead controller, bad partition, ...) prints
@@ -36,8 +36,8 @@ fi
 list=$(mktemp)
 errors=$(mktemp)
 trap 'rm -f "$list" "$errors"' EXIT
-# every job validated as pipelines.run does before anything is submitted (the first bad one: one line, exit 2)
-(cd "$repo" && "$python" -m pipelines.grid "$experiment" "$@" --pending --remote) > "$list" || exit 2
+# every job validated as `python -m pipelines run` does before anything is submitted (the first bad one: one line, exit 2)
+(cd "$repo" && "$python" -m pipelines grid "experiment=$experiment" "$@" --pending --remote) > "$list" || exit 2
 n=$(grep -c . "$list" || true)
 if [[ $n -eq 0 ]]; then
   echo "nothing to submit: every run of $experiment is finished (force=true re-runs)"

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from pipelines import run
+from pipelines.__main__ import main as cli
 from pipelines.validate import ConfigError, load_job
 
 
@@ -48,7 +49,7 @@ def test_a_quoted_tilde_results_dir_is_the_home_folder(tmp_path: Path, monkeypat
     monkeypatch.setattr(run, "default_trainer", trainer)
     handlers, level = logging.root.handlers[:], logging.root.level
     try:
-        assert run.main(["results_dir='~/x'", "logging=disabled"]) == 0
+        assert cli(["run", "results_dir='~/x'", "logging=disabled"]) == 0
     finally:
         logging.root.handlers[:], logging.root.level = handlers, level
     assert list((home / "x" / "runs").glob("*/final.json")) and not (cwd / "~").exists()
@@ -79,7 +80,7 @@ def test_eval_rows_beyond_a_stand_ins_supply_are_refused_before_the_run() -> Non
 def test_no_run_folder_for_any_refused_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for bad in ("suite.embedded.tasks=[]", "suite.embedded.eval_per_task=5000", "method.init=peft",
                 "privacy.delta=1e-30"):
-        assert run.main([bad, f"results_dir={tmp_path}"]) == 2
+        assert cli(["run", bad, f"results_dir={tmp_path}"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: ") and bad.split("=")[0] in err
     assert not os.listdir(tmp_path)

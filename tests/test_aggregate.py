@@ -1,4 +1,4 @@
-"""pipelines.aggregate: tables from fake run folders (the aggregator's input format) vs hand-computed values."""
+"""pipelines.aggregate (`python -m pipelines aggregate`): tables from fake run folders (the aggregator's input format) vs hand-computed values."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from filelock import FileLock
 
 from pipelines import aggregate as agg
 from pipelines import store
+from pipelines.__main__ import main as cli
 from pipelines.aggregate.render import plot_privacy_utility, to_csv_frame
 
 PAPER = agg.PAPER_DIR
@@ -157,7 +158,7 @@ def test_table2_missing_list_reports_failed_corrupt_running_and_absent(table2_ru
 
 def test_outputs_written_with_marks_paper_and_scale(table2_runs: Path, tmp_path: Path) -> None:
     out = tmp_path / "tables"
-    assert agg.main(["experiment=table2", f"runs_dir={table2_runs}", f"out_dir={out}", "scale=embedded"]) == 0
+    assert cli(["aggregate", "experiment=table2", f"runs_dir={table2_runs}", f"out_dir={out}", "scale=embedded"]) == 0
     md = (out / "table2.embedded.md").read_text()
     assert "NOT comparable" in md and "Scale: embedded" in md
     # one number and its interval per cell (a binomial ±0.042 on 200 rows at 0.9), no paper number inside
@@ -276,11 +277,11 @@ def test_wandb_keeps_the_latest_forced_rerun_of_a_folder() -> None:
     assert sorted(r.id for r in agg.latest_generation(runs)) == sorted([f"{a}-f2", b])
 
 
-def test_bad_arguments_name_the_fix() -> None:
-    with pytest.raises(agg.AggregateError, match="use experiment= one of"):
-        agg.parse_args(["experiment=table9"])
-    with pytest.raises(agg.AggregateError, match="unknown argument 'runsdir=x'"):
-        agg.parse_args(["experiment=table2", "runsdir=x"])
+def test_bad_arguments_name_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["aggregate", "experiment=table9"]) == 2
+    assert "use experiment= one of" in capsys.readouterr().err
+    assert cli(["aggregate", "experiment=table2", "runsdir=x"]) == 2
+    assert "unknown argument 'runsdir=x'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name, tasks", [("table2", (*agg.GLUE8, *agg.MATH4)), ("table3", agg.MATH4)])
@@ -365,7 +366,7 @@ def test_header_gives_the_runs_facts_and_labels_stand_in_averages(tmp_path: Path
 
 
 def test_missing_runs_dir_is_a_one_line_error(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "pipelines.aggregate", "experiment=table2",
+    done = subprocess.run([sys.executable, "-m", "pipelines", "aggregate", "experiment=table2",
                            f"runs_dir={tmp_path / 'nope'}", f"out_dir={tmp_path / 'tables'}"],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
@@ -376,20 +377,20 @@ def test_missing_runs_dir_is_a_one_line_error(tmp_path: Path) -> None:
 def test_tables_are_written_per_scale_and_never_replaced_by_an_empty_one(tmp_path: Path, capsys) -> None:
     root, out = tmp_path / "runs", tmp_path / "tables"
     make_run(root, "e1", method="prism", privacy="eps6", suite="glue8", columns={"SST-2": 0.8}, experiment="table2")
-    assert agg.main(["experiment=table2", f"runs_dir={root}", f"out_dir={out}"]) == 0
+    assert cli(["aggregate", "experiment=table2", f"runs_dir={root}", f"out_dir={out}"]) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     assert "table2.embedded.md" in before
     # a failed paper-scale launch has no finished run: nothing written, the embedded table untouched
-    assert agg.main(["experiment=table2", f"runs_dir={root}", f"out_dir={out}", "scale=paper"]) == 0
+    assert cli(["aggregate", "experiment=table2", f"runs_dir={root}", f"out_dir={out}", "scale=paper"]) == 0
     assert "no finished run at scale paper under protocol corrected; no table written" in capsys.readouterr().out
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     make_run(root, "p1", method="prism", privacy="eps6", suite="glue8", columns={"SST-2": 0.9}, experiment="table2",
              scale="paper")
-    assert agg.main(["experiment=table2", f"runs_dir={root}", f"out_dir={out}", "scale=paper"]) == 0
+    assert cli(["aggregate", "experiment=table2", f"runs_dir={root}", f"out_dir={out}", "scale=paper"]) == 0
     assert "0.900" in (out / "table2.paper.md").read_text() and (out / "table2.embedded.md").read_bytes() == before[
         "table2.embedded.md"]
     (out / "table2.paper.md").unlink()
-    assert agg.main(["experiment=table2", f"runs_dir={root}", f"out_dir={out}"]) == 0  # no scale=: every scale
+    assert cli(["aggregate", "experiment=table2", f"runs_dir={root}", f"out_dir={out}"]) == 0  # no scale=: every scale
     assert "0.900" in (out / "table2.paper.md").read_text() and "0.800" in (out / "table2.embedded.md").read_text()
 
 
@@ -408,12 +409,12 @@ def test_source_wandb_without_key_or_network_is_a_one_line_error(tmp_path: Path,
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
-    assert agg.main(["experiment=table2", "source=wandb", f"out_dir={tmp_path / 't'}"]) == 2
+    assert cli(["aggregate", "experiment=table2", "source=wandb", f"out_dir={tmp_path / 't'}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: source=wandb: no W&B API key") and "wandb login" in err
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{_closed_port()}")
-    assert agg.main(["experiment=table2", "source=wandb", f"out_dir={tmp_path / 't'}"]) == 2
+    assert cli(["aggregate", "experiment=table2", "source=wandb", f"out_dir={tmp_path / 't'}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "error: source=wandb: cannot reach the W&B server" in err
     assert not (tmp_path / "t").exists()
@@ -461,7 +462,7 @@ def test_protocols_get_their_own_tables_and_a_side_by_side_one(tmp_path: Path, c
     with pytest.raises(agg.AggregateError, match="protocol=paper is not known"):
         agg.build_table(agg.SPECS["table2"], records, "embedded", protocol="paper")
 
-    assert agg.main(["experiment=table2", f"runs_dir={root}", f"out_dir={out}"]) == 0
+    assert cli(["aggregate", "experiment=table2", f"runs_dir={root}", f"out_dir={out}"]) == 0
     names = {p.name for p in out.iterdir()}
     assert {"table2.embedded.md", "table2.embedded.released.md", "table2.embedded.protocols.md",
             "table2.embedded_privacy_utility.png", "table2.embedded.released_privacy_utility.png"} <= names
@@ -470,10 +471,10 @@ def test_protocols_get_their_own_tables_and_a_side_by_side_one(tmp_path: Path, c
     assert "| ε=6 | PRISM | 0.750 | 0.600 | -0.150 |" in side and "| Non-DP | AdamW | 0.700 | 0.900 | +0.200 |" in side
     # protocol= picks one table; no side-by-side from one protocol
     (out / "table2.embedded.protocols.md").unlink()
-    assert agg.main(["experiment=table2", f"runs_dir={root}", f"out_dir={out}", "protocol=released"]) == 0
+    assert cli(["aggregate", "experiment=table2", f"runs_dir={root}", f"out_dir={out}", "protocol=released"]) == 0
     assert not (out / "table2.embedded.protocols.md").exists()
     capsys.readouterr()
-    assert agg.main(["experiment=table2", f"runs_dir={root}", "protocol=nope"]) == 2
+    assert cli(["aggregate", "experiment=table2", f"runs_dir={root}", "protocol=nope"]) == 2
     assert capsys.readouterr().err.startswith("error: protocol=nope is not known")
 
 

@@ -12,6 +12,7 @@ import torch
 from scipy import integrate, stats
 
 from pipelines import audit as AU
+from pipelines.__main__ import main as cli
 from prism.audit.step import (
     clopper_pearson,
     dp_epsilon_lower_bound,
@@ -136,8 +137,8 @@ def test_audit_cli_fails_on_a_leak_and_rejects_bad_input(
         return {"privatised": rng.standard_normal(draws) + (5.0 if with_canary else 0.0)}
 
     monkeypatch.setattr(AU, "release", leaky)
-    assert AU.main(["--draws", "400", "--methods", "adamw", "--cases", "random", "--workers", "1"]) == 1
+    assert cli(["audit", "draws=400", "methods=adamw", "cases=random", "workers=1"]) == 1
     assert "FAIL" in capsys.readouterr().out
-    assert AU.main(["--methods", "sgd"]) == 2
+    assert cli(["audit", "methods=sgd"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: --methods") and "\n" not in err
+    assert err.startswith("error: methods=") and "\n" not in err

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pipelines import audit_run
+from pipelines.__main__ import main as cli
 from pipelines.audit_run import AuditRow, audit_method, write_table
 from prism.audit.canaries import draw_directions, gradients, project, sqnorms
 from prism.audit.step import gdp_epsilon
@@ -197,10 +198,10 @@ def test_table_round_trips(tmp_path):
     assert "∞ (non-private)" in text
 
 
-@pytest.mark.parametrize("argv,field", [(["--epsilons", "0"], "--epsilons"), (["--methods", "sgd"], "--methods"),
-                                        (["--k-pos", "900", "--k-neg", "200"], "--k-pos"), (["--scale", "paper"], "--scale")])
+@pytest.mark.parametrize("argv,field", [(["epsilons=0"], "epsilons"), (["methods=sgd"], "methods"),
+                                        (["k_pos=900", "k_neg=200"], "k_pos"), (["scale=paper"], "scale")])
 def test_cli_rejects_bad_input_in_one_line(argv, field, capsys, tmp_path):
-    assert audit_run.main([*argv, "--out", str(tmp_path / "t")]) == 2
+    assert cli(["audit-run", *argv, f"out={tmp_path / 't'}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and field in err and not (tmp_path / "t").exists()
 

@@ -1,8 +1,8 @@
 """Bad input through the real command line: one line naming the field, exit code 2, no traceback,
 no folder, no model load (well under 10 s).
 
-Most cases call ``pipelines.run.main(argv)`` in this process (the code path of ``python -m
-pipelines.run`` after interpreter start-up); a handful run as true subprocesses.
+Most cases call ``pipelines.__main__.main(["run", ...])`` in this process (the code path of ``python -m
+pipelines run`` after interpreter start-up); a handful run as true subprocesses.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from pipelines import run
+from pipelines.__main__ import main as cli
 from pipelines.compose import experiment_jobs, job_config
-from pipelines.run import main
 from pipelines.validate import ConfigError, load_job
 from prism.data.prompts import TruncatedLabelError
 
@@ -142,7 +142,7 @@ def test_bad_input_is_one_line(overrides: str, field: str, isolated: Path,
     monkeypatch.setattr(run, "default_trainer", no_training)
     results = isolated / "results"
     started = time.perf_counter()
-    code = main([*overrides.split(), f"results_dir={results}"])
+    code = cli(["run", *overrides.split(), f"results_dir={results}"])
     elapsed = time.perf_counter() - started
     captured = capsys.readouterr()
     assert code == 2
@@ -154,7 +154,7 @@ def test_bad_input_is_one_line(overrides: str, field: str, isolated: Path,
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU is visible")
 def test_missing_gpu_is_one_line(isolated: Path, capsys: pytest.CaptureFixture[str]) -> None:
     results = isolated / "results"
-    assert main(["train.device=cuda", f"results_dir={results}"]) == 2
+    assert cli(["run", "train.device=cuda", f"results_dir={results}"]) == 2
     check_one_line(capsys.readouterr().err, "train.device", results)
 
 
@@ -162,7 +162,7 @@ def test_missing_gpu_is_one_line(isolated: Path, capsys: pytest.CaptureFixture[s
 def test_bad_input_through_a_subprocess(overrides: str, field: str, isolated: Path) -> None:
     results = isolated / "results"
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pipelines.run", *overrides.split(), f"results_dir={results}"],
+    proc = subprocess.run([sys.executable, "-m", "pipelines", "run", *overrides.split(), f"results_dir={results}"],
                           cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=60)
     elapsed = time.perf_counter() - started
     assert proc.returncode == 2, proc.stderr
@@ -180,7 +180,7 @@ def test_debug_raises_instead(switch: str, isolated: Path, monkeypatch: pytest.M
     else:
         monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     with pytest.raises(ConfigError, match="train.steps"):
-        main(args)
+        cli(["run", *args])
     assert not (isolated / "results").exists()
 
 
@@ -215,7 +215,7 @@ def test_a_failing_run_is_one_line_with_its_traceback_kept(raised: Exception, co
     monkeypatch.setattr(run, "default_trainer", trainer)
     handlers, level = logging.root.handlers[:], logging.root.level
     try:
-        assert main(["logging=disabled", f"results_dir={isolated / 'results'}"]) == code
+        assert cli(["run", "logging=disabled", f"results_dir={isolated / 'results'}"]) == code
     finally:
         logging.root.handlers[:], logging.root.level = handlers, level
     err = capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""make compare / pipelines.compare: the grid it plans, bad input refused before any run, and the
+"""make compare / `python -m pipelines compare`: the grid it plans, bad input refused before any run, and the
 table it renders from finished runs (cells = mean over seeds, computed by hand here)."""
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipelines import compare, store
-from pipelines.reproduce import main as reproduce
+from pipelines.__main__ import function, parse
+from pipelines.__main__ import main as cli
 
 
 def _task(path: Path, n: int = 80) -> Path:
@@ -23,12 +24,18 @@ def _task(path: Path, n: int = 80) -> Path:
 
 
 def _args(task: Path, results: Path, *extra: str) -> list[str]:
-    return [str(task), "labels=yes,no", "backbone=tiny-llama", "suite.cutoff_len=1024", f"results_dir={results}", *extra]
+    return [f"task={task}", "labels=yes,no", "backbone=tiny-llama", "suite.cutoff_len=1024", f"results_dir={results}", *extra]
+
+
+def _plan(argv: list[str]) -> compare.Plan:
+    """The plan of ``python -m pipelines compare <argv>``."""
+    [overrides], keys = parse("compare", function("compare"), argv)
+    return compare.plan(keys, overrides, "local")
 
 
 def test_plan_is_methods_by_settings_by_seeds_and_pins_the_file(tmp_path: Path) -> None:
     task = _task(tmp_path / "t.jsonl")
-    p = compare.plan(_args(task, tmp_path / "r", "methods=prism,adamw", "eps=inf,6,1.5", "seeds=1,2"))
+    p = _plan(_args(task, tmp_path / "r", "methods=prism,adamw", "eps=inf,6,1.5", "seed=1,2"))
     got = sorted((c.method.name, c.privacy.epsilon, c.privacy.name, c.seed) for c in p.configs)
     assert got == sorted((m, e, n, s) for m in ("prism", "adamw")
                          for e, n in ((math.inf, "nondp"), (6.0, "eps6"), (1.5, "eps1.5")) for s in (1, 2))
@@ -36,25 +43,24 @@ def test_plan_is_methods_by_settings_by_seeds_and_pins_the_file(tmp_path: Path) 
     assert len({j.run_hash for j in p.jobs}) == 12
     before = {j.run_hash for j in p.jobs}
     _task(task, 81)  # an edited file is a new run, never the old result
-    assert not before & {j.run_hash for j in compare.plan(_args(task, tmp_path / "r", "methods=prism,adamw",
-                                                                "eps=inf,6,1.5", "seeds=1,2")).jobs}
+    assert not before & {j.run_hash for j in _plan(_args(task, tmp_path / "r", "methods=prism,adamw",
+                                                                "eps=inf,6,1.5", "seed=1,2")).jobs}
 
 
 def test_slurm_job_list_of_compare_is_the_runs_of_make_compare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    """``slurm/submit.sh compare`` writes ``python -m pipelines.grid compare`` lines: with the task named
+    """``slurm/submit.sh compare`` writes ``python -m pipelines grid experiment=compare`` lines: with the task named
     by a relative path and no sha256, each line is a run that ``make compare`` plans for the same file."""
-    from pipelines import grid
     from pipelines.compose import job_config
 
     task = _task(tmp_path / "t.jsonl")
     monkeypatch.chdir(tmp_path)
     fixed = ["suite.custom.train=t.jsonl", "suite.custom.labels=[yes,no]", "backbone=tiny-llama",
              "suite.cutoff_len=1024", f"results_dir={tmp_path / 'r'}"]
-    assert grid.main(["compare", *fixed, "method=prism,adamw", "privacy=eps6", "--remote"]) == 0
+    assert cli(["grid", "experiment=compare", *fixed, "method=prism,adamw", "privacy=eps6", "--remote"]) == 0
     lines = [shlex.split(line) for line in capsys.readouterr().out.splitlines()]
     from_grid = {store.run_hash(job_config(line)) for line in lines}
-    planned = {j.run_hash for j in compare.plan(_args(task, tmp_path / "r", "methods=prism,adamw", "eps=6")).jobs}
+    planned = {j.run_hash for j in _plan(_args(task, tmp_path / "r", "methods=prism,adamw", "eps=6")).jobs}
     assert len(from_grid) == 2 and from_grid == planned
 
 
@@ -67,13 +73,13 @@ def store_sha(path: Path) -> str:
 @pytest.mark.parametrize("extra, words", [
     (["eps=0"], "eps=0 must be > 0"),
     (["methods=prism,sgd"], "method=sgd"),
-    (["seeds=a"], "seeds=a must list integers"),
+    (["seed=a"], "seed=a must list integers"),
     (["model=/nonexistent/model"], "model= and backbone= both"),
 ])
 def test_bad_input_is_one_line_before_any_run(extra: list[str], words: str, tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     results = tmp_path / "results"
-    assert reproduce(["custom", *_args(_task(tmp_path / "t.jsonl"), results, *extra)]) == 2
+    assert cli(["compare", *_args(_task(tmp_path / "t.jsonl"), results, *extra)]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and words in err, err
     assert not results.exists()
@@ -81,7 +87,7 @@ def test_bad_input_is_one_line_before_any_run(extra: list[str], words: str, tmp_
 
 def test_missing_model_folder_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     task = _task(tmp_path / "t.jsonl")
-    assert compare.main([str(task), "labels=yes,no", "model=/nonexistent/model", f"results_dir={tmp_path / 'r'}"]) == 2
+    assert cli(["compare", f"task={task}", "labels=yes,no", "model=/nonexistent/model", f"results_dir={tmp_path / 'r'}"]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "backbone.path=/nonexistent/model: no such folder" in err, err
     assert not (tmp_path / "r").exists()
@@ -90,7 +96,7 @@ def test_missing_model_folder_is_one_line(tmp_path: Path, capsys: pytest.Capture
 def test_bad_file_is_one_line_before_any_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "target": "yes"}\n{"prompt": "b", "target": "maybe"}\n')
-    assert compare.main(_args(bad, tmp_path / "results")) == 2
+    assert cli(["compare", *_args(bad, tmp_path / "results")]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and f"{bad} line 2: label 'maybe'" in err, err
     assert not (tmp_path / "results").exists()
@@ -114,13 +120,13 @@ def _finish(job: compare.Job, cfg, accuracy: float, f1: float) -> None:
 
 def test_table_cells_are_means_over_seeds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     task = _task(tmp_path / "t.jsonl")
-    argv = _args(task, tmp_path / "results", "methods=prism,adamw", "eps=inf,6", "seeds=1,2")
-    p = compare.plan(argv)
+    argv = _args(task, tmp_path / "results", "methods=prism,adamw", "eps=inf,6", "seed=1,2")
+    p = _plan(argv)
     score = {("prism", 1): 0.5, ("prism", 2): 0.7, ("adamw", 1): 0.4, ("adamw", 2): 0.2}
     for job, cfg in zip(p.jobs, p.configs):
         base = score[cfg.method.name, cfg.seed] - (0.1 if math.isfinite(cfg.privacy.epsilon) else 0.0)
         _finish(job, cfg, base, base / 2)
-    assert compare.main(argv) == 0  # everything finished: nothing runs, the table is rendered
+    assert cli(["compare", *argv]) == 0  # everything finished: nothing runs, the table is rendered
     out = capsys.readouterr().out
     assert "0 to run" in out and f"sha256 `{store_sha(task)}`" in out
     csv = pd.read_csv(tmp_path / "results" / "tables" / f"compare-t-{store_sha(task)[:8]}.embedded.csv")
@@ -138,13 +144,13 @@ def test_accuracy_cells_of_a_user_task_carry_the_row_bootstrap_interval(tmp_path
     0.01 of the binomial normal interval 0.6 ± 1.96·√(0.6·0.4/400) = [0.552, 0.648]."""
     task = _task(tmp_path / "t.jsonl")
     argv = _args(task, tmp_path / "results", "methods=prism", "eps=inf")
-    p = compare.plan(argv)
+    p = _plan(argv)
     (job,), (cfg,) = p.jobs, p.configs
     _finish(job, cfg, 0.6, 0.5)
     final = store.read_json(job.folder / "final.json")
     final["per_example"]["custom"] = {"column": "Accuracy", "correct": [1] * 240 + [0] * 160, "rows": "r400"}
     store.write_json_atomic(job.folder / "final.json", final)
-    assert compare.main(argv) == 0
+    assert cli(["compare", *argv]) == 0
     row = pd.read_csv(tmp_path / "results" / "tables" / f"compare-t-{store_sha(task)[:8]}.embedded.csv").iloc[0]
     half = 1.96 * math.sqrt(0.6 * 0.4 / 400)
     assert row["Accuracy_ci"] == "bootstrap"
@@ -164,7 +170,7 @@ def test_macro_f1_cells_of_a_user_task_carry_the_row_bootstrap_interval(tmp_path
     f1 = f1_score(gold, pred, labels=[0, 1], average="macro", zero_division=0.0)
     task = _task(tmp_path / "t.jsonl")
     argv = _args(task, tmp_path / "results", "methods=prism", "eps=inf")
-    p = compare.plan(argv)
+    p = _plan(argv)
     (job,), (cfg,) = p.jobs, p.configs
     _finish(job, cfg, float(np.mean(pred == gold)), f1)
     final = store.read_json(job.folder / "final.json")
@@ -172,7 +178,7 @@ def test_macro_f1_cells_of_a_user_task_carry_the_row_bootstrap_interval(tmp_path
                             "custom/Macro-F1": {"column": "Macro-F1", "pred": pred.tolist(), "gold": gold.tolist(),
                                                 "labels": 2, "rows": "r300"}}
     store.write_json_atomic(job.folder / "final.json", final)
-    assert compare.main(argv) == 0
+    assert cli(["compare", *argv]) == 0
     row = pd.read_csv(tmp_path / "results" / "tables" / f"compare-t-{store_sha(task)[:8]}.embedded.csv").iloc[0]
     brute = [f1_score(gold[idx], pred[idx], labels=[0, 1], average="macro", zero_division=0.0)
              for draws in row_draws("r300", 300, B) for idx in draws]
@@ -185,10 +191,10 @@ def test_the_comparison_states_the_tables_bold_and_tie_rule(tmp_path: Path) -> N
     """A user's table says what bold means as Table 2 does: better beyond noise, else (tie)."""
     task = _task(tmp_path / "t.jsonl")
     argv = _args(task, tmp_path / "results", "methods=prism,adamw", "eps=inf")
-    p = compare.plan(argv)
+    p = _plan(argv)
     for job, cfg, score in zip(p.jobs, p.configs, (0.6, 0.5)):
         _finish(job, cfg, score, score)
-    assert compare.main(argv) == 0
+    assert cli(["compare", *argv]) == 0
     md = (tmp_path / "results" / "tables" / f"compare-t-{store_sha(task)[:8]}.embedded.md").read_text()
     assert "in **bold** only where the 95 % interval of its paired difference from the runner-up excludes 0" in md
     assert "otherwise the best value is marked (tie)" in md

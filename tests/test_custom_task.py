@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipelines import run
-from pipelines.run import main
+from pipelines.__main__ import main as cli
 from prism.data import build_suite
 from prism.data.custom import TaskFileError, check_task, load_task
 from prism.evaluation.metrics import TaskRule, normalize_exact, parse_label, score_task
@@ -122,7 +122,7 @@ def test_bad_file_is_one_line_naming_file_and_line(case: str, tmp_path: Path) ->
 
 def _cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], *overrides: str) -> str:
     results = tmp_path / "results"
-    code = main(["suite=custom", "backbone=tiny-llama", f"results_dir={results}", *overrides])
+    code = cli(["run", "suite=custom", "backbone=tiny-llama", f"results_dir={results}", *overrides])
     err = capsys.readouterr().err
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
     assert not results.exists(), "a bad file created the results folder"
@@ -237,7 +237,7 @@ def test_the_embedded_backbones_tokenizer_counts_before_any_model_load(tmp_path:
     monkeypatch.setattr(run, "default_trainer", no_training)
     path = _write(tmp_path / "long.jsonl", [*_rows(80), {"prompt": "word " * 600, "target": "positive"}])
     results = tmp_path / "results"
-    code = main(["suite=custom", f"results_dir={results}", f"suite.custom.train={path}",
+    code = cli(["run", "suite=custom", f"results_dir={results}", f"suite.custom.train={path}",
                  f"suite.custom.labels=[{','.join(LABELS)}]"])
     err = capsys.readouterr().err
     assert code == 2 and len(err.splitlines()) == 1 and "line 81:" in err and "suite.cutoff_len=384" in err, err

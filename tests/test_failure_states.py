@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 from test_aggregate import make_run
 
-from pipelines import reproduce, run, store
-from pipelines.aggregate import cli as aggregate_cli
+from pipelines import run, store
+from pipelines.__main__ import main as cli
 from pipelines.validate import load_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ def test_garbage_status_beside_a_valid_result_sets_the_result_aside(tmp_path: Pa
     earlier = (folder / "final.json").read_bytes()
     (folder / "status.json").write_text("{garbage")
     monkeypatch.setattr(run, "default_trainer", lambda cfg, folder, log_fn: {"columns": {"SST-2": 0.5}})
-    assert run.main(_job(tmp_path)) == 0
+    assert cli(["run", *_job(tmp_path)]) == 0
     kept = list(folder.glob("final.json.unconfirmed-*"))
     assert len(kept) == 1 and kept[0].read_bytes() == earlier
     assert list(folder.glob("status.json.corrupt-*")) and _status(folder)["state"] == "finished"
@@ -85,7 +85,7 @@ def test_a_full_disk_frees_the_temporary_checkpoint_and_records_the_failure(tmp_
 
     monkeypatch.setattr(run, "default_trainer", trainer)
     monkeypatch.setattr(store, "write_json_atomic", full_disk)
-    assert run.main(_job(tmp_path)) == 2
+    assert cli(["run", *_job(tmp_path)]) == 2
     err = capsys.readouterr().err
     folder = _folder(tmp_path)
     assert err.count("\n") == 1 and "no space left" in err and str(folder) in err and "Traceback" not in err
@@ -100,7 +100,7 @@ def test_an_unreachable_wandb_server_leaves_a_failed_status(tmp_path: Path, monk
 
     monkeypatch.setattr(run, "WandbRun", unreachable)
     monkeypatch.setattr(run, "default_trainer", lambda *a: pytest.fail("trained without W&B"))
-    assert run.main(_job(tmp_path)) == 1
+    assert cli(["run", *_job(tmp_path)]) == 1
     status = _status(_folder(tmp_path))
     assert status["state"] == "failed" and "unreachable" in status["error"]
     assert "Traceback" not in capsys.readouterr().err
@@ -113,7 +113,7 @@ def test_ctrl_c_marks_the_run_interrupted_without_a_traceback(tmp_path: Path, mo
         raise KeyboardInterrupt
 
     monkeypatch.setattr(run, "default_trainer", trainer)
-    assert run.main(_job(tmp_path)) == 130
+    assert cli(["run", *_job(tmp_path)]) == 130
     err = capsys.readouterr().err
     folder = _folder(tmp_path)
     assert err.count("\n") == 1 and "interrupted" in err and "Traceback" not in err
@@ -134,11 +134,11 @@ def test_a_read_only_store_still_reports_a_finished_run(tmp_path: Path, monkeypa
 
     monkeypatch.setattr(run.FileLock, "acquire", read_only)
     monkeypatch.setattr(run, "default_trainer", lambda *a: pytest.fail("retrained"))
-    assert run.main(_job(tmp_path)) == 0
+    assert cli(["run", *_job(tmp_path)]) == 0
     assert "already finished, skipped" in capsys.readouterr().out
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
-    assert run.main([*_job(tmp_path), "seed=7"]) == 2  # not finished: one line, no traceback.txt promised
+    assert cli(["run", *_job(tmp_path), "seed=7"]) == 2  # not finished: one line, no traceback.txt promised
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "results_dir=" in err and "writable" in err and "traceback" not in err
 
@@ -157,7 +157,7 @@ def test_the_aggregator_with_an_unwritable_out_dir_is_one_line(kind: str, tmp_pa
             raise PermissionError(errno.EACCES, "Permission denied", str(out))
 
         monkeypatch.setattr(Path, "mkdir", read_only)
-    assert aggregate_cli.main(["experiment=table2", f"runs_dir={runs}", f"out_dir={out}"]) == 2
+    assert cli(["aggregate", "experiment=table2", f"runs_dir={runs}", f"out_dir={out}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot write the tables") and err.count("\n") == 1 and "out_dir=" in err
 
@@ -184,7 +184,7 @@ def test_slurm_installed_but_not_configured_says_how_to_fix(tmp_path: Path, monk
     assert done.returncode == 1 and "configuration source" in done.stderr and "SLURM_CONF=" in done.stderr
     assert done.stderr.count("\n") == 1 and not list((tmp_path / "slurm").glob("*"))  # no submission folder left
     monkeypatch.setenv("PATH", env["PATH"])
-    assert reproduce.main(["5", "method=prism", "logging=disabled", "launcher=slurm",
+    assert cli(["reproduce", "experiment=table5", "method=prism", "logging=disabled", "launcher=slurm",
                            f"results_dir={tmp_path / 'r2'}"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: launcher=slurm: squeue failed") and "SLURM_CONF=" in err

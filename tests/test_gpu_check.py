@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pipelines import gpu_check as G
+from pipelines.__main__ import main as cli
 from prism.data.prompts import tokenize_example
 from prism.models import byte_tokenizer
 
@@ -54,14 +55,14 @@ def test_count_step_counts_value_reads_and_ops_on_cpu() -> None:
 def test_without_a_gpu_the_paper_profile_says_how_to_run(capsys: pytest.CaptureFixture[str],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert G.main(["--profile", "paper"]) == 2
+    assert cli(["gpu-check", "profile=paper"]) == 2
     assert capsys.readouterr().err.startswith("error: no CUDA device")
 
 
 @pytest.mark.parametrize("methods", ["nope", "prism,nope", ","])
 def test_unknown_methods_are_refused_before_any_check(methods: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Before: an unknown name checked nothing (the resume check skipped too) and printed "ok"."""
-    assert G.main(["--profile", "tiny", "--methods", methods]) == 2
+    assert cli(["gpu-check", "profile=tiny", f"methods={methods}"]) == 2
     out = capsys.readouterr()
     assert out.out == "" and out.err.count("\n") == 1 and "adamw,loraplus,prism" in out.err
 
@@ -133,7 +134,7 @@ def test_gpu_check_runs_with_only_torch_transformers_peft_and_the_listed_wheels(
                 (site / top).symlink_to(source)
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{site}", "PYTHONNOUSERSITE": "1"}
-    result = subprocess.run([sys.executable, "-S", "-m", "pipelines.gpu_check", "--profile", "tiny"], cwd=repo,
+    result = subprocess.run([sys.executable, "-S", "-m", "pipelines", "gpu-check", "profile=tiny"], cwd=repo,
                             env=env, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "bitwise identical" in result.stdout

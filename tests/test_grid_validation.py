@@ -1,7 +1,7 @@
 """Every grid entry point validates every job with the runner's validator before launching any.
 
-Entry points: ``pipelines.grid`` (the job list of ``slurm/submit.sh``), ``pipelines.reproduce``
-(local pool and the submitit path), ``slurm/submit.sh`` (also ``--dry-run``) and ``pipelines.run -m``
+Entry points: ``python -m pipelines grid`` (the job list of ``slurm/submit.sh``), ``... reproduce``
+(local pool and the submitit path), ``slurm/submit.sh`` (also ``--dry-run``) and ``... run -m``
 (Hydra multirun, e.g. ``launcher=slurm``). The expectation each test checks: the first bad job is
 one ``error:`` line naming that job (its overrides) and the field, exit code 2, nothing on stdout
 that looks like a job, and no folder under ``results_dir``.
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from pipelines import grid, launch, reproduce, run
+from pipelines import launch
+from pipelines.__main__ import main as cli
 from pipelines.compose import experiment_jobs, job_config
 from pipelines.validate import ConfigError, load_grid, load_job
 
@@ -32,7 +33,7 @@ def _one_error_line(err: str) -> str:
 def test_grid_stops_at_the_first_bad_job_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Table 2's grid: PRISM jobs come first (method is the outer axis); an override only PRISM
     takes is unknown to the first AdamW job, which must be the one named (job 7 of 36)."""
-    assert grid.main(["table2", "method.horizontalize=none", f"results_dir={tmp_path}"]) == 2
+    assert cli(["grid", "experiment=table2", "method.horizontalize=none", f"results_dir={tmp_path}"]) == 2
     out = capsys.readouterr()
     line = _one_error_line(out.err)
     assert out.out == ""
@@ -41,22 +42,22 @@ def test_grid_stops_at_the_first_bad_job_naming_it(tmp_path: Path, capsys: pytes
 
 
 def test_grid_bad_value_for_every_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert grid.main(["table2", "train.steps=abc", f"results_dir={tmp_path}"]) == 2
+    assert cli(["grid", "experiment=table2", "train.steps=abc", f"results_dir={tmp_path}"]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "job 1 of 36" in line and "train.steps" in line
     assert not any(tmp_path.iterdir())
 
 
 def test_grid_typo_says_did_you_mean_not_plus(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert grid.main(["table2", "train.stpes=5", f"results_dir={tmp_path}"]) == 2
+    assert cli(["grid", "experiment=table2", "train.stpes=5", f"results_dir={tmp_path}"]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "did you mean train.steps" in line and "+train" not in line
 
 
 def test_grid_help_and_unknown_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    assert grid.main(["table2", "--help"]) == 0
+    assert cli(["grid", "experiment=table2", "--help"]) == 0
     assert "usage:" in capsys.readouterr().out
-    assert grid.main(["table2", "--frobnicate"]) == 2
+    assert cli(["grid", "experiment=table2", "--frobnicate"]) == 2
     assert "--frobnicate" in _one_error_line(capsys.readouterr().err)
 
 
@@ -66,7 +67,7 @@ def test_reproduce_launches_nothing_for_a_bad_job(tmp_path: Path, capsys: pytest
     monkeypatch.setattr(launch, "launch", lambda *a, **k: launched.append(a) or (True, ""))
     monkeypatch.setattr(launch, "slurm_problem", lambda: None)  # a reachable cluster: the grid is validated
     for launcher in ("local", "slurm"):
-        assert reproduce.main(["2", "train.steps=abc", f"launcher={launcher}", f"results_dir={tmp_path}"]) == 2
+        assert cli(["reproduce", "experiment=table2", "train.steps=abc", f"launcher={launcher}", f"results_dir={tmp_path}"]) == 2
         line = _one_error_line(capsys.readouterr().err)
         assert "job 1 of 36" in line and "train.steps" in line
     assert launched == [] and not any(tmp_path.iterdir())
@@ -76,20 +77,20 @@ def test_reproduce_paper_scale_without_data_is_one_line(tmp_path: Path, capsys: 
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PRISM_CACHE", str(tmp_path / "no-cache"))
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "no-hf"))
-    assert reproduce.main(["2", "scale=paper", f"results_dir={tmp_path / 'r'}"]) == 2
+    assert cli(["reproduce", "experiment=table2", "scale=paper", f"results_dir={tmp_path / 'r'}"]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "job 1 of 36" in line and "make data" in line and "runs_dir" not in line
     assert not (tmp_path / "r").exists()
 
 
 def test_reproduce_help_is_usage(capsys: pytest.CaptureFixture[str]) -> None:
-    assert reproduce.main(["2", "scale=embedded", "--help"]) == 0
-    assert "usage: python -m pipelines.reproduce" in capsys.readouterr().out
+    assert cli(["reproduce", "experiment=table2", "scale=embedded", "--help"]) == 0
+    assert "usage: python -m pipelines reproduce" in capsys.readouterr().out
 
 
 def test_multirun_validates_every_job_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``pipelines.run -m`` (the path reproduce takes for launcher=slurm/submitit_local)."""
-    assert run.main(["-m", "experiment=table2", "method.horizontalize=none", "launcher=submitit_local",
+    """``python -m pipelines run -m`` (the path reproduce takes for launcher=slurm/submitit_local)."""
+    assert cli(["run", "-m", "experiment=table2", "method.horizontalize=none", "launcher=submitit_local",
                      f"results_dir={tmp_path}"]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "job 7 of 36" in line and "method.horizontalize" in line
@@ -143,7 +144,7 @@ def test_a_remote_job_is_not_checked_against_this_machines_device() -> None:
 def test_unquoted_values_say_how_to_quote(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """A value split at a space by the shell, or with non-ASCII characters, is refused with the
     quoting that works (Hydra's quotes inside one shell word), not "write key=value"."""
-    assert run.main(argv) == 2
+    assert cli(["run", *argv]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "quote" in line and 'results_dir="/tmp/my runs"' in line and "Lexer" not in line
 

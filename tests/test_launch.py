@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import launch, reproduce, store
+from pipelines import launch, store
+from pipelines.__main__ import function, parse
+from pipelines.__main__ import main as cli
 
 REPO = Path(__file__).resolve().parents[1]
 DEAD = "Unable to contact slurm controller (connect failure)"
@@ -84,7 +86,7 @@ def test_reproduce_on_a_dead_controller_submits_nothing_and_keeps_tables(tmp_pat
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     table, before = _tables_untouched(tmp_path)
     # embedded scale: paper scale without its data is refused by validation before SLURM is asked
-    rc = reproduce.main(["5", *ONE_JOB, "scale=embedded", "launcher=slurm", f"results_dir={tmp_path}"])
+    rc = cli(["reproduce", "experiment=table5", *ONE_JOB, "scale=embedded", "launcher=slurm", f"results_dir={tmp_path}"])
     out = capsys.readouterr()
     assert rc == 1
     assert out.err.strip() == (f"error: launcher=slurm: squeue failed: slurm_load_jobs error: {DEAD}; "
@@ -101,7 +103,7 @@ def test_reproduce_when_sbatch_fails_inside_submitit(tmp_path: Path, monkeypatch
                        sbatch=f'echo "sbatch: error: Batch job submission failed: {DEAD}" >&2; exit 1')
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     table, before = _tables_untouched(tmp_path)
-    rc = reproduce.main(["5", *ONE_JOB, "scale=embedded", "launcher=slurm", f"results_dir={tmp_path}"])
+    rc = cli(["reproduce", "experiment=table5", *ONE_JOB, "scale=embedded", "launcher=slurm", f"results_dir={tmp_path}"])
     out = capsys.readouterr()
     assert rc == 1
     assert out.err.startswith("0 of 1 submitted: ") and out.err.count("\n") == 1
@@ -137,7 +139,7 @@ def test_local_failure_count_is_the_runs_not_finished(tmp_path: Path, monkeypatc
 
 @pytest.mark.parametrize("bad", ["scale=papr", "method=prism,nosuchmethod", "jobs=0"])
 def test_reproduce_bad_overrides_are_one_line_errors(bad: str, tmp_path: Path, capsys) -> None:
-    assert reproduce.main(["5", bad, "launcher=local", f"results_dir={tmp_path}"]) == 2
+    assert cli(["reproduce", "experiment=table5", bad, "launcher=local", f"results_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and bad.split("=")[0] in err
     assert not any(tmp_path.iterdir())
@@ -161,13 +163,14 @@ def test_jobs_not_given_is_chosen_and_printed_jobs_given_is_kept(monkeypatch, ca
     assert launch.resolve_jobs(3) == 3 and capsys.readouterr().out == ""
     assert launch.resolve_jobs(None) == 2
     assert capsys.readouterr().out == "JOBS=2 (4 cores, 5.0 GiB free; JOBS= overrides)\n"
-    assert reproduce.parse_args(["2"])[1] is None and reproduce.parse_args(["2", "jobs=3"])[1] == 3
+    given = [parse("reproduce", function("reproduce"), ["experiment=table2", *jobs])[1] for jobs in ([], ["jobs=3"])]
+    assert "jobs" not in given[0] and given[1]["jobs"] == 3
 
 
 def test_slurm_missing_is_refused_before_any_job_is_validated(tmp_path: Path, monkeypatch, capsys) -> None:
     """Without sbatch the answer comes before the grid is planned (Table 2's 36 jobs take ~20 s to
     validate): each launcher's validation is replaced by a failure."""
-    from pipelines import compare, tune
+    from pipelines import compare
 
     def validated(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("the grid was validated before the launcher was checked")
@@ -177,9 +180,9 @@ def test_slurm_missing_is_refused_before_any_job_is_validated(tmp_path: Path, mo
     monkeypatch.setattr(compare, "plan", validated)
     task = tmp_path / "task.jsonl"
     task.write_text('{"prompt": "a", "target": "b"}\n')
-    for run in (lambda: reproduce.main(["2", "launcher=slurm", f"results_dir={tmp_path}"]),
-                lambda: tune.main(["launcher=slurm", f"results_dir={tmp_path}"]),
-                lambda: compare.main([str(task), "launcher=slurm", f"results_dir={tmp_path}"])):
+    for run in (lambda: cli(["reproduce", "experiment=table2", "launcher=slurm", f"results_dir={tmp_path}"]),
+                lambda: cli(["tune", "launcher=slurm", f"results_dir={tmp_path}"]),
+                lambda: cli(["compare", f"task={task}", "launcher=slurm", f"results_dir={tmp_path}"])):
         t0 = time.monotonic()
         assert run() == 2
         assert time.monotonic() - t0 < 2.0
@@ -209,14 +212,14 @@ def test_make_passes_every_value_as_one_verbatim_argument(tmp_path: Path) -> Non
     done = make(tmp_path, "compare", f"TASK={odd}", "MODEL=/tmp/my model", "LABELS=very good,bad", "SEEDS=1,2",
                 "JOBS=3")
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == ["-m", "pipelines.compare", odd, "model=/tmp/my model", "seeds=1,2",
+    assert json.loads(done.stdout) == ["-m", "pipelines", "compare", f"task={odd}", "model=/tmp/my model", "seed=1,2",
                                        "labels=very good,bad", "scale=embedded", "launcher=local", "jobs=3"]
     done = make(tmp_path, "tune", "SEEDS=7", "TASK=a b.jsonl")
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == ["-m", "pipelines.reproduce", "tune", "scale=embedded", "launcher=local",
+    assert json.loads(done.stdout) == ["-m", "pipelines", "tune", "scale=embedded", "launcher=local",
                                        "seed=7", "task=a b.jsonl"]  # no jobs=: the launcher chooses
     done = make(tmp_path, "reproduce-table2", "SEEDS=42,43", "ARGS=train.steps=2 'results_dir=/tmp/a b'")
-    assert json.loads(done.stdout) == ["-m", "pipelines.reproduce", "2", "scale=embedded", "launcher=local",
+    assert json.loads(done.stdout) == ["-m", "pipelines", "reproduce", "experiment=table2", "scale=embedded", "launcher=local",
                                        "seed=42,43", "train.steps=2", "results_dir=/tmp/a b"]  # ARGS: shell words
 
 
@@ -251,7 +254,7 @@ def test_a_signal_ends_every_process_of_the_local_launcher_and_marks_its_runs_in
     (workers, the multiprocessing resource tracker) alive, the runs it cut off marked failed as
     interrupted (resumable), a queued run not started, and one line saying so."""
     psutil = pytest.importorskip("psutil")
-    cmd = [sys.executable, "-m", "pipelines.reproduce", "2", f"jobs={workers}", *LONG_TINY, f"results_dir={tmp_path}"]
+    cmd = [sys.executable, "-m", "pipelines", "reproduce", "experiment=table2", f"jobs={workers}", *LONG_TINY, f"results_dir={tmp_path}"]
     launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
     try:
@@ -317,7 +320,7 @@ def test_a_signal_ends_the_hydra_multirun_and_its_local_jobs(tmp_path: Path) -> 
     be marked interrupted."""
     psutil = pytest.importorskip("psutil")
     overrides = [o for o in LONG_TINY if not o.startswith("method=")]
-    cmd = [sys.executable, "-m", "pipelines.reproduce", "2", "launcher=submitit_local", "method=prism", *overrides,
+    cmd = [sys.executable, "-m", "pipelines", "reproduce", "experiment=table2", "launcher=submitit_local", "method=prism", *overrides,
            f"results_dir={tmp_path}"]
     launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
@@ -342,10 +345,8 @@ def test_a_signal_ends_the_hydra_multirun_and_its_local_jobs(tmp_path: Path) -> 
 
 
 def test_make_tune_seeds_sets_its_one_seed_and_a_list_is_a_one_line_error(tmp_path: Path, capsys) -> None:
-    from pipelines import tune
-
     assert json.loads(make(tmp_path, "tune", "SEEDS=1,2").stdout)[-1] == "seed=1,2"  # forwarded, not dropped
-    assert tune.main(["seed=1,2", f"results_dir={tmp_path / 'r'}"]) == 2
+    assert cli(["tune", "seed=1,2", f"results_dir={tmp_path / 'r'}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: seed=1,2: the sweep uses one seed") and "SEEDS=N" in err and err.count("\n") == 1
     assert not (tmp_path / "r").exists()

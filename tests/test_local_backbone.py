@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from pipelines import run
-from pipelines.run import main
+from pipelines.__main__ import main as cli
 from prism.backbones import causal_lm_types, config_types, local_linear_shapes, local_problem
 from prism.models import attach_lora, load_backbone
 from prism.models.local import speed_paths
@@ -161,7 +161,7 @@ def test_a_damaged_folder_exits_2_without_a_run_folder(llama: tuple[Path, nn.Mod
     with (short / "model.safetensors").open("r+b") as fh:
         fh.truncate(fh.seek(0, 2) // 2)
     results = tmp_path / "results"
-    code = main(["backbone=local", f"backbone.path={short}", f"results_dir={results}", "logging=disabled"])
+    code = cli(["run", "backbone=local", f"backbone.path={short}", f"results_dir={results}", "logging=disabled"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, err
     assert "model.safetensors is truncated" in err and not results.exists()
@@ -197,7 +197,7 @@ def test_speed_paths_say_which_ran(llama: tuple[Path, nn.Module], tmp_path: Path
 def test_bad_targets_exit_2_listing_the_names(llama: tuple[Path, nn.Module], tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     results = tmp_path / "results"
-    code = main(["backbone=local", f"backbone.path={llama[0]}", "lora.targets=[q_proj,c_attn]", f"results_dir={results}"])
+    code = cli(["run", "backbone=local", f"backbone.path={llama[0]}", "lora.targets=[q_proj,c_attn]", f"results_dir={results}"])
     err = capsys.readouterr().err
     assert code == 2 and len(err.splitlines()) == 1 and "c_attn" in err and "gate_proj" in err, err
     assert not results.exists()
@@ -211,7 +211,7 @@ def test_end_to_end_result_does_not_depend_on_the_speed_path(llama: tuple[Path, 
     finals = []
     for mode in ("auto", "off"):
         results = tmp_path / mode
-        code = main(["suite=custom", f"suite.custom.train={task}", "suite.custom.labels=[yes,no]", "backbone=local",
+        code = cli(["run", "suite=custom", f"suite.custom.train={task}", "suite.custom.labels=[yes,no]", "backbone=local",
                      f"backbone.path={llama[0]}", "scale=smoke", "method=adamw", "privacy=eps6",
                      f"train.prefix_cache={mode}", f"results_dir={results}", "logging=disabled"])
         out = capsys.readouterr().out

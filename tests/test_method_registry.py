@@ -51,11 +51,11 @@ def test_traits_decide_what_names_used_to() -> None:
 
 def test_an_unknown_method_or_target_is_one_line_naming_the_fix() -> None:
     with pytest.raises(schema.SchemaError, match=r"^method.name='nope' is not a method, choose method="):
-        schema.check({"name": "nope", "lr": 1.0})
+        registry.check({"name": "nope", "lr": 1.0})
     with pytest.raises(schema.SchemaError, match=r"^method._target_=no.such.Class cannot be imported"):
-        schema.check({"name": "nope", "lr": 1.0, "_target_": "no.such.Class"})
+        registry.check({"name": "nope", "lr": 1.0, "_target_": "no.such.Class"})
     with pytest.raises(schema.SchemaError, match=r"is the method 'prism', not 'nope'"):
-        schema.check({"name": "nope", "lr": 1.0, "_target_": "prism.methods.prism.PrismMethod"})
+        registry.check({"name": "nope", "lr": 1.0, "_target_": "prism.methods.prism.PrismMethod"})
 
 
 def test_a_method_outside_prism_trains_through_the_runner_and_is_its_own_row(

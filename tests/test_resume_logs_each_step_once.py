@@ -39,7 +39,7 @@ def _numbers(records: list[dict]) -> list[tuple]:
 
 @pytest.fixture
 def uninterrupted(tmp_path: Path) -> list[tuple]:
-    assert R.main(_args(tmp_path, tmp_path / "whole")) == 0
+    assert R.command(_args(tmp_path, tmp_path / "whole")) == 0
     return _numbers(_steps(tmp_path / "whole")[1])
 
 
@@ -53,12 +53,12 @@ def test_a_run_interrupted_after_a_logged_step_resumes_with_each_step_logged_onc
         return R.default_trainer(cfg, folder, log_then_stop)
 
     results = tmp_path / "results"
-    assert R.main(_args(tmp_path, results), trainer=interrupted) == 130
+    assert R.command(_args(tmp_path, results), trainer=interrupted) == 130
     folder, records = _steps(results)
     assert json.loads((folder / "status.json").read_text())["state"] == "stopped"
     assert [r["step"] for r in records] == [1, 2, 3]
     capsys.readouterr()
-    assert R.main(_args(tmp_path, results)) == 0
+    assert R.command(_args(tmp_path, results)) == 0
     out = capsys.readouterr().out
     folder, records = _steps(results)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
@@ -82,7 +82,7 @@ def test_a_full_disk_fails_in_one_line_naming_the_folder_and_the_rerun_continues
 
     monkeypatch.setattr(C, "write_bytes_atomic", full_on_second)
     results = tmp_path / "results"
-    assert R.main(_args(tmp_path, results)) == 2
+    assert R.command(_args(tmp_path, results)) == 2
     err = capsys.readouterr().err
     folder, records = _steps(results)
     assert len(err.strip().splitlines()) == 1 and "no space left" in err and str(folder) in err
@@ -90,7 +90,7 @@ def test_a_full_disk_fails_in_one_line_naming_the_folder_and_the_rerun_continues
     assert status["state"] == "failed" and "no space left" in status["error"]
     assert [r["step"] for r in records] == [1, 2, 3, 4]  # step 4's checkpoint failed after its line
     monkeypatch.setattr(C, "write_bytes_atomic", real)
-    assert R.main(_args(tmp_path, results)) == 0
+    assert R.command(_args(tmp_path, results)) == 0
     folder, records = _steps(results)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert _numbers(records) == uninterrupted

@@ -2,7 +2,7 @@
 Table 2 lacks (its r=16 rows are Table 2's ε=6 runs), and Table 4's view shows all of them.
 
 The fast test drives the real planner and runner (`pipelines.launch.plan`,
-`pipelines.run.execute`) with a stand-in trainer; the slow one runs `python -m pipelines.reproduce`
+`pipelines.run.execute`) with a stand-in trainer; the slow one runs `python -m pipelines reproduce`
 end to end on the random-config tiny-llama.
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_reproduce_table4_after_table2_end_to_end(tmp_path: Path) -> None:
             "suite.eval_limit=2", "suite.cutoff_len=1024", "suite.embedded.train_per_task=16", f"results_dir={tmp_path}"]
 
     def reproduce_(n: str, overrides: list[str]) -> str:
-        done = subprocess.run([sys.executable, "-m", "pipelines.reproduce", n, "jobs=2", *overrides, *tiny],
+        done = subprocess.run([sys.executable, "-m", "pipelines", "reproduce", f"experiment=table{n}", "jobs=2", *overrides, *tiny],
                               capture_output=True, text=True, cwd=REPO, timeout=1800)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         return done.stdout

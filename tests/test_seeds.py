@@ -40,6 +40,6 @@ def test_make_passes_seeds_to_every_reproduce_target_and_the_slurm_job_list() ->
         dry = subprocess.run(["make", "-n", "--no-print-directory", "-o", ".venv/.setup-stamp", "-o", "setup-gemma3", target, "SEEDS=42,43,44"],
                              cwd=REPO, capture_output=True, text=True, check=True).stdout
         assert "seed=42,43,44" in shlex.split(dry.strip().splitlines()[-1])
-    listed = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "pipelines.grid", "table5", "scale=smoke",
+    listed = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "pipelines", "grid", "experiment=table5", "scale=smoke",
                              "seed=42,43"], cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines()
     assert len(listed) == 2 * len(compose.experiment_jobs("table5", ["scale=smoke"]))

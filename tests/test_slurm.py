@@ -3,7 +3,7 @@
 The same 2-job tiny grid (Table 2 layout on the random-config `tiny-llama`, PRISM and DP-AdamW at
 ε = 6, GLUE8 stand-in, a 2-step budget) goes through both cluster paths — the plain
 `slurm/submit.sh` job array and hydra-submitit-launcher (`launcher=slurm`) — and both run folders
-must end `finished`, written by the real `python -m pipelines.run`. Both jobs of an array run at once
+must end `finished`, written by the real `python -m pipelines run`. Both jobs of an array run at once
 (parallelism 2), so the array's scheduling is exercised; non-private runs of the same runner are
 tested without SLURM (`tests/test_worker.py`).
 """
@@ -90,7 +90,7 @@ def test_submitit_launcher_runs_the_real_runner(cluster: LocalSlurm, tmp_path: P
     launcher = ["launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher.cpus_per_task=1",
                 "hydra.launcher.mem_gb=2", "hydra.launcher.timeout_min=20", "hydra.launcher.array_parallelism=2"]
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "pipelines.run", "-m", "experiment=table2", *TINY_GRID,
+    done = subprocess.run([sys.executable, "-m", "pipelines", "run", "-m", "experiment=table2", *TINY_GRID,
                            *launcher, f"results_dir={tmp_path}"], env=env, capture_output=True, text=True,
                           cwd=REPO, timeout=JOB_TIMEOUT_S)
     print(f"\nsubmitit path: 2 jobs in {time.monotonic() - t0:.0f} s")

@@ -12,6 +12,7 @@ import pytest
 from filelock import FileLock
 
 from pipelines import store
+from pipelines.__main__ import main as cli
 from tests.oracles import read_metrics
 
 
@@ -152,10 +153,10 @@ def test_adopt_moves_an_old_layout_run_into_the_store_and_keeps_its_views(tmp_pa
 def test_migrate_cli_moves_every_old_layout_run(tmp_path: Path) -> None:
     for experiment, run_hash in (("table2", "aaaaaaaaaaaa"), ("table2", "bbbbbbbbbbbb"), ("table4", "aaaaaaaaaaaa")):
         make_run(tmp_path / "runs" / experiment / run_hash)
-    assert store.main(["migrate", str(tmp_path)]) == 0
+    assert cli(["migrate", f"results_dir={tmp_path}"]) == 0
     root = tmp_path / "runs"
     assert sorted(p.name for p in root.iterdir() if p.is_dir() and store.HASH_RE.fullmatch(p.name)) == [
         "aaaaaaaaaaaa", "bbbbbbbbbbbb"]
     assert store.view(root, "table4") == ["aaaaaaaaaaaa"]  # its own copy stays readable, and tagged
     assert store.view(root, "table2") == ["aaaaaaaaaaaa", "bbbbbbbbbbbb"]
-    assert store.main(["migrate", str(tmp_path / "nowhere")]) == 2
+    assert cli(["migrate", f"results_dir={tmp_path / 'nowhere'}"]) == 2

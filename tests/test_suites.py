@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from pipelines.__main__ import main as cli
 from prism.data import DataUnavailableError, build_suite
 from prism.data.embedded import EMBEDDED_TASKS, train_size
 from prism.data.glue import GLUE_TASKS
@@ -185,7 +186,7 @@ def test_fetch_data_offline_fails_in_one_line(tmp_path, monkeypatch, capsys) -> 
 
     monkeypatch.setenv("PRISM_CACHE", str(tmp_path))
     monkeypatch.setattr(fetch_data, "reachable", lambda host, timeout=5.0: False)
-    assert fetch_data.main(["--only", "math"]) == 1
+    assert cli(["fetch-data", "only=math"]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "math_10k.json" in err and "SVAMP/test.json" in err and "make data" in err
 

@@ -10,6 +10,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from pipelines import launch, tune, tuned_rates
+from pipelines.__main__ import main as cli
 from pipelines.compose import experiment_jobs, job_config
 from pipelines.run import execute
 from pipelines.validate import load_job
@@ -101,7 +102,7 @@ def test_sweep_runs_through_the_store_extends_edges_resumes_and_writes_the_rates
     monkeypatch.setattr(launch, "launch", in_process)
     args = ["scale=smoke", f"results_dir={tmp_path}", "logging=disabled", "method=adamw", "privacy=eps6",
             "suite=glue8", "tune.lr_factor=0.1,1,10"]
-    assert tune.main(args) == 0
+    assert cli(["tune", *args]) == 0
     assert trainer.calls == 3 + 2  # base grid, then past the right edge twice (×100, ×1000)
     out = capsys.readouterr().out
     assert "edge extension 2: 1 runs" in out and "wrote" in out
@@ -109,7 +110,7 @@ def test_sweep_runs_through_the_store_extends_edges_resumes_and_writes_the_rates
     assert "| glue8 | eps6 | adamw | 0.002 | 0.001 | 0.010 | 0.100 | **0.500** | 0.500 | 0.2 | 0.500 |" in table
     assert (tmp_path / "tables" / "tune.smoke.png").read_bytes()[:4] == b"\x89PNG"
     conf = yaml.safe_load((tmp_path / "tuned" / "smoke.yaml").read_text())
-    assert conf["generated"]["command"].startswith("python -m pipelines.tune scale=smoke")
+    assert conf["generated"]["command"].startswith("python -m pipelines tune scale=smoke")
     assert "commit" in conf["generated"] and conf["generated"]["validation_per_task"] == 50
     by_method = {e["method"]: e for e in conf["rates"]}
     assert list(by_method) == ["adamw"] and by_method["adamw"]["factor"] == 100.0
@@ -122,13 +123,13 @@ def test_sweep_runs_through_the_store_extends_edges_resumes_and_writes_the_rates
     assert jobs["method=prism", "privacy=eps6", "suite=glue8"].method.lr == pytest.approx(2e-3)  # not tuned
     assert jobs["method=adamw", "privacy=eps3", "suite=glue8"].method.lr == pytest.approx(2e-3)  # not tuned
     # rerunning resumes from the store: nothing is trained again, the same file comes back
-    assert tune.main(args) == 0 and trainer.calls == 5
+    assert cli(["tune", *args]) == 0 and trainer.calls == 5
     assert yaml.safe_load((tmp_path / "tuned" / "smoke.yaml").read_text())["rates"] == conf["rates"]
 
 
 def test_a_seed_sweep_is_refused() -> None:
     with pytest.raises(ValueError, match="one seed"):
-        tune.parse_args(["seed=42,43"])
+        tune.sweep_overrides({}, ["seed=42,43"])
 
 
 def test_a_bad_validation_size_is_a_config_error_before_any_model_load() -> None:
@@ -169,7 +170,7 @@ def test_a_users_task_is_tuned_beside_its_runs_and_only_its_comparison_reads_the
     results = tmp_path / "r"
     common = ["labels=yes,no", "backbone=tiny-llama", "suite.cutoff_len=1024", "scale=smoke", f"results_dir={results}",
               "logging=disabled"]
-    assert tune.main([f"task={task}", *common, "methods=adamw", "eps=6", "tune.lr_factor=0.1,1,10"]) == 0
+    assert cli(["tune", f"task={task}", *common, "methods=adamw", "eps=6", "tune.lr_factor=0.1,1,10"]) == 0
     assert trainer.calls == 5 and {(c.suite.name, c.method.name, c.privacy.name) for c in seen} == {
         ("custom", "adamw", "eps6")}
     assert all(c.suite.eval_split == "validation" and c.suite.custom.train == str(task) for c in seen)
@@ -181,13 +182,15 @@ def test_a_users_task_is_tuned_beside_its_runs_and_only_its_comparison_reads_the
     assert "held out of the training rows" in (results / "tables" / files[0].name.replace("custom-", "tune-")
                                                .replace(".yaml", ".md")).read_text()
     (entry,) = conf["rates"]
-    plan = compare.plan([str(task), *common[:-1], "methods=adamw,prism", "eps=6"])
+    plan = compare.plan({"task": str(task), "labels": "yes,no", "methods": "adamw,prism", "eps": "6"}, common[1:-1],
+                        "local")
     lr = {c.method.name: c.method.lr for c in plan.configs}
     default = job_config(["scale=smoke", "suite=custom", "method=prism", "privacy=eps6"]).method.lr
     assert lr["adamw"] == pytest.approx(entry["lr"]) == pytest.approx(100 * default)  # ScoreByRate's optimum
     assert lr["prism"] == pytest.approx(default)  # not tuned
     other = _task_file(tmp_path / "other.jsonl", 81)
-    assert compare.plan([str(other), *common[:-1], "methods=adamw", "eps=6"]).configs[0].method.lr == pytest.approx(default)
+    assert compare.plan({"task": str(other), "labels": "yes,no", "methods": "adamw", "eps": "6"}, common[1:-1],
+                        "local").configs[0].method.lr == pytest.approx(default)
     assert job_config(["experiment=table2", "scale=smoke", "method=adamw", "privacy=eps6", "suite=glue8",
                        f"results_dir={results}"]).method.lr == pytest.approx(2e-3)  # Table 2 reads no user's rate
     from types import SimpleNamespace
@@ -200,17 +203,15 @@ def test_a_users_task_is_tuned_beside_its_runs_and_only_its_comparison_reads_the
 
 def test_task_keys_without_a_task_or_with_a_suite_are_refused() -> None:
     with pytest.raises(ValueError, match="give task=FILE.jsonl"):
-        tune.parse_args(["labels=a,b"])
+        tune.sweep_overrides({"labels": "a,b"}, [])
     with pytest.raises(ValueError, match="task= sets suite=custom"):
-        tune.parse_args(["task=x.jsonl", "suite=glue8"])
+        tune.sweep_overrides({"task": "x.jsonl"}, ["suite=glue8"])
 
 
 def test_a_table_of_tuned_private_runs_says_that_its_epsilon_leaves_out_the_tuning(tmp_path: Path,
                                                                                    monkeypatch) -> None:
     """The rates come from a real sweep (stub scores), the table's runs from the runner; the table's
     Markdown, LaTeX and CSV then state the tuning's cost, counting only the private runs at tuned rates."""
-    from pipelines.aggregate.cli import main as aggregate_main
-
     monkeypatch.setenv("PRISM_TUNED_DIR", str(tmp_path / "conf_tuned"))
 
     def in_process(experiment, launcher, pending, workers, overrides, log_dir):
@@ -220,7 +221,7 @@ def test_a_table_of_tuned_private_runs_says_that_its_epsilon_leaves_out_the_tuni
 
     monkeypatch.setattr(launch, "launch", in_process)
     common = ["scale=smoke", f"results_dir={tmp_path}", "logging=disabled", "suite=glue8"]
-    assert tune.main([*common, "method=adamw", "privacy=eps6", "tune.lr_factor=0.1,1"]) == 0
+    assert cli(["tune", *common, "method=adamw", "privacy=eps6", "tune.lr_factor=0.1,1"]) == 0
 
     def table_run(cfg, folder, log_fn) -> dict:
         log_fn({"step": 1})
@@ -232,7 +233,7 @@ def test_a_table_of_tuned_private_runs_says_that_its_epsilon_leaves_out_the_tuni
     for method, privacy in (("adamw", "eps6"), ("prism", "eps6"), ("adamw", "nondp")):
         execute(load_job(["experiment=table2", *common, f"method={method}", f"privacy={privacy}"]), table_run)
     out = tmp_path / "tables"
-    assert aggregate_main(["experiment=table2", f"runs_dir={tmp_path / 'runs'}", f"out_dir={out}",
+    assert cli(["aggregate", "experiment=table2", f"runs_dir={tmp_path / 'runs'}", f"out_dir={out}",
                            "scale=embedded"]) == 0
     line = tuned_rates.TUNING_COST.format(n=1)  # adamw at ε = 6 only: PRISM untuned, the non-DP run has no ε
     assert line in (out / "table2.embedded.md").read_text()

@@ -17,7 +17,7 @@ import pytest
 import torch
 import wandb
 
-from pipelines.run import main
+from pipelines.__main__ import main as cli
 
 CLOCK = re.compile(r"\d\d:\d\d:\d\d|\d{4}-\d\d-\d\dT\d\d")  # a wall-clock time or an ISO-8601 stamp
 DURATION = re.compile(r"\bin \d+(\.\d+)? s\b")  # "finished in 12 s"
@@ -69,7 +69,7 @@ def test_a_dp_run_without_private_stats_writes_and_prints_no_time(
     results = tmp_path / "results"
     fake = FakeWandb(results / "runs")
     monkeypatch.setattr(wandb, "init", fake.init)
-    code = main(["suite=custom", f"suite.custom.train={task}", "suite.custom.labels=[yes,no]", "backbone=tiny-llama",
+    code = cli(["run", "suite=custom", f"suite.custom.train={task}", "suite.custom.labels=[yes,no]", "backbone=tiny-llama",
                  "scale=smoke", "method=prism", "privacy=eps6", "privacy.noise_source=os",
                  f"privacy.log_private_stats={str(switch).lower()}", f"results_dir={results}", "logging=offline",
                  f"logging.dir={tmp_path / 'wandb'}"])

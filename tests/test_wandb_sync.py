@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipelines import wandb_sync
+from pipelines.__main__ import main as cli
 
 
 @pytest.fixture
@@ -36,13 +37,13 @@ def offline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_dry_run_lists_the_offline_run_through_the_pinned_wandb(offline_run: Path, capfd) -> None:
     runs = wandb_sync.offline_runs(offline_run)
     assert [p.name.endswith("table2-0123456789ab") for p in runs] == [True]
-    assert wandb_sync.main([str(offline_run), "--dry-run"]) == 0
+    assert cli(["wandb-sync", f"folder={offline_run}", "--dry-run"]) == 0
     out = capfd.readouterr()
     assert "Would sync 1 run(s)" in out.out + out.err and "run-table2-0123456789ab.wandb" in out.out + out.err
 
 
 def test_upload_without_key_or_server_is_one_line(offline_run: Path, monkeypatch: pytest.MonkeyPatch, capfd) -> None:
-    assert wandb_sync.main([str(offline_run)]) == 2
+    assert cli(["wandb-sync", f"folder={offline_run}"]) == 2
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: 1 offline run(s) not uploaded: no W&B API key")
     with socket.socket() as s:
@@ -50,7 +51,7 @@ def test_upload_without_key_or_server_is_one_line(offline_run: Path, monkeypatch
         port = s.getsockname()[1]
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
-    assert wandb_sync.main([str(offline_run)]) == 2
+    assert cli(["wandb-sync", f"folder={offline_run}"]) == 2
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and "cannot reach the W&B server http://127.0.0.1:" in err
 
@@ -58,6 +59,6 @@ def test_upload_without_key_or_server_is_one_line(offline_run: Path, monkeypatch
 def test_synced_runs_and_missing_folders(offline_run: Path, tmp_path: Path, capfd) -> None:
     log = next(offline_run.rglob("run-*.wandb"))
     log.with_name(log.name + ".synced").touch()  # what `wandb sync` leaves after an upload
-    assert wandb_sync.main([str(offline_run)]) == 0
+    assert cli(["wandb-sync", f"folder={offline_run}"]) == 0
     assert "no unsynced offline W&B runs" in capfd.readouterr().out
-    assert wandb_sync.main([str(tmp_path / "nowhere")]) == 2
+    assert cli(["wandb-sync", f"folder={tmp_path / 'nowhere'}"]) == 2

@@ -1,5 +1,5 @@
 """The local launcher's workers (pipelines/worker.py): a job run in a worker that keeps its backbone
-loaded gives bitwise the numbers of a fresh ``python -m pipelines.run`` of the same job, whatever
+loaded gives bitwise the numbers of a fresh ``python -m pipelines run`` of the same job, whatever
 ran in that worker before; a failing job fails alone."""
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_kept_backbone_copies_are_fresh_loads_and_independent() -> None:
 
 def test_worker_run_is_bitwise_a_fresh_process_run_after_another_job(tmp_path: Path) -> None:
     fresh = job(A, tmp_path / "fresh")
-    done = subprocess.run([sys.executable, "-m", "pipelines.run", *fresh.overrides], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "pipelines", "run", *fresh.overrides], capture_output=True, text=True,
                           cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 

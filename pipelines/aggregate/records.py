@@ -17,7 +17,7 @@ import yaml
 from pipelines import store
 
 
-class AggregateError(Exception):
+class AggregateError(ValueError):
     """Bad input to the aggregator; the message names the argument and the fix (exit code 2)."""
 
 

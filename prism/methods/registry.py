@@ -70,3 +70,9 @@ def config_class(node: Mapping[str, Any] | str) -> type[MethodConfig]:
     """The config dataclass of method ``node``; a shipped method's without importing its class (no torch)."""
     name = node if isinstance(node, str) else str(node.get("name"))
     return SHIPPED[name][1] if name in SHIPPED else lookup(node).config_class
+
+
+def check(node: Mapping[str, Any]) -> None:
+    """Raise :class:`SchemaError` for the first key of a method node that its method's dataclass refuses
+    (an unknown or missing key included)."""
+    config_class(node).from_node(node)

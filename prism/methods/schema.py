@@ -159,19 +159,9 @@ class LoraRiteConfig(MethodConfig):
                                        range="[0, inf)")
 
 
-def check(node: Mapping[str, Any]) -> None:
-    """Raise :class:`SchemaError` for the first key of a method node that its method's dataclass refuses
-    (an unknown or missing key included)."""
-    from prism.methods import registry  # the registry names the dataclass; it imports this module
-
-    registry.config_class(node).from_node(node)
-
-
-def kinds(node: Mapping[str, Any]) -> dict[str, Any]:
-    """Each key of method ``node``'s dataclass → its kind (``float``, ``int``, ``bool``, ``str`` or ``"pair"``)."""
-    from prism.methods import registry
-
-    return {k: _base(hint)[0] for k, hint in _hints(registry.config_class(node)).items()}
+def field_kinds(cls: type) -> dict[str, Any]:
+    """Each field of a method's config dataclass → its kind (``float``, ``int``, ``bool``, ``str`` or ``"pair"``)."""
+    return {k: _base(hint)[0] for k, hint in _hints(cls).items()}
 
 
 # ------------------------------------------------------------------------------ field checks

@@ -1,0 +1,158 @@
+"""The one command line of the pipelines: ``python -m pipelines <verb> [key=value ...] [--flags]``.
+
+``python -m pipelines --help`` lists the verbs, ``python -m pipelines <verb> --help`` describes one.
+A verb is a function (:data:`VERBS`) whose keyword-only parameters are its ``key=value`` arguments
+(typed by their defaults; one without a default is required) and whose ``False``-default ones are its
+``--flags``; a function that takes ``overrides`` gets every other ``key=value`` argument as a Hydra
+override of ``conf/`` (``run`` also hands Hydra's own flags, ``-m``, ``--cfg job``, ..., to Hydra).
+Bad input is one line ``error: <what>, <how to fix>`` on stderr with exit code 2 and no traceback
+(:func:`one_line`); ``--debug`` (or ``HYDRA_FULL_ERROR=1``) lets the error and its traceback through.
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import importlib
+import inspect
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+VERBS = {  # verb -> (its function, one line of help)
+    "run": ("pipelines.run:command", "train one job (one run folder); -m: a Hydra multirun"),
+    "reproduce": ("pipelines.reproduce:main", "a paper table: run its grid's unfinished jobs, then render it"),
+    "tune": ("pipelines.tune:main", "learning-rate sweep on validation rows -> conf/tuned/<scale>.yaml"),
+    "compare": ("pipelines.compare:main", "PRISM and the baselines on your task file, then the table"),
+    "grid": ("pipelines.grid:main", "print a grid's jobs, one line of overrides each (slurm/submit.sh)"),
+    "diagnostics": ("pipelines.diagnostics:main", "Table 1 and the mechanism figures (Figs. 1-4, 8-15)"),
+    "aggregate": ("pipelines.aggregate:aggregate", "rebuild a table from the run store (or W&B) beside the paper's"),
+    "audit": ("pipelines.audit:main", "step-level empirical privacy audit of every method"),
+    "audit-run": ("pipelines.audit_run:main", "one-run audit of trained runs with canaries"),
+    "gpu-check": ("pipelines.gpu_check:main", "Table 5, generate and resume on a random-init gemma-3-4b-pt"),
+    "fetch-data": ("pipelines.fetch_data:main", "download and hash the paper-scale data and models (network)"),
+    "wandb-sync": ("pipelines.wandb_sync:main", "upload the unsynced offline W&B runs"),
+    "migrate": ("pipelines.store:main", "move old-layout run folders into the shared run store"),
+}
+HYDRA_FLAGS = {"run"}  # verbs whose --options go to Hydra
+
+
+class Outcome:
+    """The exit code of the block :func:`one_line` wraps (2 after a bad input)."""
+
+    code: int = 0
+
+
+@contextlib.contextmanager
+def one_line(debug: bool = False) -> Iterator[Outcome]:
+    """Within: a bad input (``ValueError``, :class:`pipelines.validate.ConfigError` among them, or a
+    Hydra/OmegaConf error) is printed as ``error: <message>`` on one line and the outcome's code is 2;
+    with ``debug`` it propagates with its traceback."""
+    from pipelines.compose import COMPOSE_ERRORS, error_line
+
+    outcome = Outcome()
+    try:
+        yield outcome
+    except COMPOSE_ERRORS as err:
+        if debug:
+            raise
+        print(f"error: {error_line(err)}", file=sys.stderr)
+        outcome.code = 2
+
+
+def function(verb: str) -> Callable[..., int]:
+    """The function of ``verb`` (its module imported now: ``--help`` of the verb list imports none)."""
+    module, name = VERBS[verb][0].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def keys_of(fn: Callable[..., int]) -> dict[str, Any]:
+    """``fn``'s command-line keys and flags: its keyword-only parameters and their defaults."""
+    return {n: p.default for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY}
+
+
+def convert(key: str, value: str, default: Any) -> Any:
+    """``key=value`` text as the type of ``default`` (int, float; else the text); ``jobs=`` is the local
+    launcher's worker count, an integer >= 1."""
+    if key == "jobs":
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"jobs={value} must be an integer >= 1, e.g. jobs=2 (leave it out: as many as "
+                             "the cores and the memory allow)")
+        return int(value)
+    if type(default) not in (int, float):
+        return value
+    try:
+        return type(default)(value)
+    except ValueError:
+        raise ValueError(f"{key}={value} is not {'an integer' if type(default) is int else 'a number'}, "
+                         f"e.g. {key}={default}") from None
+
+
+def usage(verb: str, fn: Callable[..., int]) -> str:
+    """``python -m pipelines <verb> ...`` with every key (its default), flag and the overrides."""
+    words = [f"{k}=.." if d is inspect.Parameter.empty else f"[--{k.replace('_', '-')}]" if d is False
+             else f"[{k}={'..' if d is None else d}]" for k, d in keys_of(fn).items()]
+    overrides = ["[overrides]"] if "overrides" in inspect.signature(fn).parameters else []
+    return " ".join(["usage: python -m pipelines", verb, *words, *overrides])
+
+
+def parse(verb: str, fn: Callable[..., int], argv: Sequence[str]) -> tuple[list[Any], dict[str, Any]]:
+    """``argv`` (after the verb, without ``--debug``) → ``fn``'s positional and keyword arguments;
+    ``ValueError`` names the bad argument and what the verb takes."""
+    keys = keys_of(fn)
+    flags = {f"--{k.replace('_', '-')}": k for k, d in keys.items() if d is False}
+    takes_overrides = "overrides" in inspect.signature(fn).parameters
+    given: dict[str, Any] = {}
+    overrides: list[str] = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key in keys and keys[key] is not False:
+            given[key] = convert(key, value, keys[key])
+        elif arg in flags:
+            given[flags[arg]] = True
+        elif takes_overrides and (verb in HYDRA_FLAGS or not arg.startswith("-")):
+            overrides.append(arg)
+        else:
+            known = [f"{k}=" for k in keys if k not in flags.values()] + list(flags)
+            raise ValueError(f"unknown argument {arg!r} for {verb}, it takes "
+                             f"{', '.join(known + ['overrides'] * takes_overrides) or 'no arguments'} "
+                             f"(python -m pipelines {verb} --help)")
+    if missing := [k for k, d in keys.items() if d is inspect.Parameter.empty and k not in given]:
+        raise ValueError(f"{verb} needs {missing[0]}=, {usage(verb, fn).removeprefix('usage: ')}")
+    return [overrides] if takes_overrides else [], given
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch ``argv`` (default ``sys.argv[1:]``) to its verb; returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        print("error: no verb, e.g. python -m pipelines reproduce experiment=table2 (--help lists the verbs)",
+              file=sys.stderr)
+        return 2
+    verb, rest = args[0], args[1:]
+    if verb in ("-h", "--help"):
+        width = max(map(len, VERBS))
+        print("usage: python -m pipelines <verb> [key=value ...] [--flags]   (<verb> --help: its arguments)\n\nverbs:",
+              *(f"  {name:<{width}}  {summary}" for name, (_, summary) in VERBS.items()),
+              "\n--debug (any verb): the traceback of an error instead of one line", sep="\n")
+        return 0
+    if verb not in VERBS:
+        close = difflib.get_close_matches(verb.replace("_", "-"), VERBS, n=1)
+        print(f"error: unknown verb {verb!r}, " + (f"did you mean {close[0]}? " if close else "")
+              + f"use one of {', '.join(VERBS)} (python -m pipelines --help)", file=sys.stderr)
+        return 2
+    fn = function(verb)
+    if {"-h", "--help"} & set(rest):
+        print(f"{usage(verb, fn)}\n\n{VERBS[verb][1]}.\n\n{inspect.getdoc(fn)}")
+        return 0
+    debug = "--debug" in rest or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    with one_line(debug) as outcome:
+        positional, keywords = parse(verb, fn, [a for a in rest if a != "--debug"])
+        if "debug" in inspect.signature(fn).parameters:
+            keywords["debug"] = debug
+        outcome.code = fn(*positional, **keywords)
+    return outcome.code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
