@@ -19,7 +19,7 @@ from typing import Any, Literal
 from omegaconf import DictConfig, OmegaConf
 
 __all__ = ["AdamWConfig", "LambConfig", "LoraPlusConfig", "LoraRiteConfig", "MethodConfig", "PrismConfig",
-           "SchemaError", "check"]
+           "SchemaError", "field_kinds"]
 
 
 class SchemaError(ValueError):
