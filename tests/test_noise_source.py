@@ -26,7 +26,7 @@ from prism.methods.base import PrivacySpec
 from prism.privacy import PoissonSampler
 from prism.privacy import noise as noise_mod
 from tests.oracles import release_lifts
-from tests.test_privacy_fixes import (
+from tests.test_clip_bound import (
     M,
     N,
     R,
