@@ -1,131 +1,22 @@
-"""The DP mechanism's defects found by audit, each checked against an independent expectation.
-
-1. The vertical (gauge) block of the privatised lift carries noise like every other linear
-   statistic of the noised tangent vector (it was an exact function of the clipped sum).
-2. Every clipped per-example contribution has intrinsic norm ≤ C(1 + 1e-6), measured in exact
-   rational arithmetic, for factors at the rank check's admission limit.
-3. An empty Poisson batch releases the noise-only step of the method (it was skipped).
-4. ``privacy.log_private_stats: false`` keeps the statistics of un-noised data out of the logs.
-5. ``privacy.noise_source: os`` draws the sampler's coins and the noise from the OS CSPRNG and keeps no
-   RNG state in checkpoints.
-"""
+"""PRISM's clip norm bounds every clipped contribution: for every factor pair the rank check admits
+under DP, gauge-dominated ones included, in both compute dtypes, each released clipped contribution has
+exact (rational-arithmetic) intrinsic norm ≤ C(1 + 1e-6) (docs/DECISIONS.md D70); gradients are clipped to
+exactly C; beyond the admission limit the rank check refuses the factors."""
 from __future__ import annotations
 
-from fractions import Fraction
-from pathlib import Path
-from types import SimpleNamespace
+import math
 
 import pytest
 import torch
-from omegaconf import DictConfig, OmegaConf
-from torch import nn
+from conftest import F64, M, N, R, conditioned, method_cfg, pair_params
 
-from prism import train as T
-from prism.audit.diagnostics import sample_tangent_noise
+from pipelines.audit import balanced_factors
 from prism.mechanism import geometry
-from prism.mechanism.lora import lora_pairs, read_pair
-from prism.methods import METHODS, build_method
+from prism.methods import build_method
 from prism.methods.base import PrivacySpec
-from prism.privacy import Accountant
-from prism.privacy.noise import SecureNoise, SeededNoise
-from tests.oracles import release_lifts
+from tests.oracles import exact_sqnorm, grads_of, release_lifts
 
-F64 = torch.float64
-M, N, R = 7, 6, 3
-
-CONF = Path(__file__).resolve().parents[1] / "conf" / "method"
-
-
-def method_cfg(name: str, **overrides) -> DictConfig:
-    """``conf/method/<name>.yaml`` with a fixed float lr (the yaml's lr interpolates the suite)."""
-    cfg = OmegaConf.load(CONF / f"{name}.yaml")
-    cfg.lr = 0.05
-    return OmegaConf.merge(cfg, overrides)
-
-
-PRISM_VARIANTS = {
-    "prism": method_cfg("prism"),
-    "prism-pre_retract": method_cfg("prism", horizontalize="pre_retract"),
-    "prism-none": method_cfg("prism", horizontalize="none"),
-    "prism_paper": method_cfg("prism_paper"),
-}
-
-
-def pair_params(A: torch.Tensor, B: torch.Tensor) -> dict[str, nn.Parameter]:
-    """peft names for one module: lora_B = A [m, r], lora_A = Bᵀ [r, n]."""
-    return {"x.lora_A.default.weight": nn.Parameter(B.T.clone()),
-            "x.lora_B.default.weight": nn.Parameter(A.clone())}
-
-
-def grads_of(A: torch.Tensor, B: torch.Tensor, G: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Per-example factor grads of ⟨G_i, ABᵀ⟩ for G [k, m, n]: g_A = G B, g_Bᵀ = Aᵀ G."""
-    A, B = A.to(F64), B.to(F64)
-    return {"x.lora_B.default.weight": (G @ B).to(dtype), "x.lora_A.default.weight": (A.T @ G).to(dtype)}
-
-
-def conditioned(rows: int, kappa: float, g: torch.Generator) -> torch.Tensor:
-    """A random [rows, R] matrix with singular values log-spaced from 1 down to 1/kappa."""
-    Q, _ = torch.linalg.qr(torch.randn(rows, R, generator=g, dtype=F64))
-    P, _ = torch.linalg.qr(torch.randn(R, R, generator=g, dtype=F64))
-    return (Q * torch.logspace(0.0, -torch.log10(torch.tensor(kappa)).item(), R, dtype=F64)) @ P.T
-
-
-# ------------------------------------------------------------------------------ defect 1
-@pytest.mark.parametrize("variant", list(PRISM_VARIANTS))
-def test_vertical_block_of_the_moments_is_no_sharper_than_the_tangent_noise(variant: str) -> None:
-    """The moment state after one step: each entry of its r×r vertical block ``Aᵀ m_A`` must have
-    mean shift / noise std ≤ 1/σ between neighbouring batches (true of every linear statistic of
-    the noised tangent vector: the canary moves it by ≤ C/B, the isotropic noise has std σC/B).
-    The canary lies inside span(A)×span(B), where eq. 14 puts half of it in the vertical block."""
-    sigma, C, denom, draws = 2.0, 1.0, 4.0, 150
-    g = torch.Generator().manual_seed(0)
-    A, B = torch.randn(M, R, generator=g, dtype=F64), torch.randn(N, R, generator=g, dtype=F64)
-    QA, QB = torch.linalg.qr(A).Q, torch.linalg.qr(B).Q
-    base = 0.1 * torch.randn(2, M, N, generator=g, dtype=F64)
-    canary = 1e6 * QA @ torch.randn(R, R, generator=g, dtype=F64) @ QB.T
-    blocks = {}
-    for side, G in (("without", base), ("with", torch.cat([base, canary[None]]))):
-        noise = torch.Generator().manual_seed(1)  # the same draws on both sides
-        out = []
-        for _ in range(draws):
-            meth = build_method(PRISM_VARIANTS[variant], pair_params(A, B),
-                                PrivacySpec(sigma=sigma, clip_norm=C))
-            meth.zero_accumulators()
-            meth.accumulate(grads_of(A, B, G, F64))
-            meth.step(denom, noise)
-            out.append(A.T @ meth.state_dict()["adaptive"]["x"]["mA"].to(F64))
-        blocks[side] = torch.stack(out)
-    shift = (blocks["with"].mean(0) - blocks["without"].mean(0)).abs()
-    std = blocks["without"].std(0)
-    assert (shift / std).max() <= 1.35 / sigma, (shift / std).max()
-
-
-def test_horizontal_noise_moments_match_monte_carlo() -> None:
-    """Eq. 50 for the horizontalised noise: the closed form against 20,000 draws of H(Ξ_A, Ξ_B)."""
-    from prism.mechanism.adaptive import horizontal_noise_second_moments  # new with this fix
-
-    g = torch.Generator().manual_seed(2)
-    A, B = conditioned(M, 5.0, g), conditioned(N, 3.0, g)
-    fr = geometry.frame(A, B)
-    XiA, XiB = sample_tangent_noise(A, B, generator=g, frame=fr, sample_shape=(20000,))
-    HA, HB = geometry.horizontalize(A, B, XiA, XiB, frame=fr)
-    sigma_A, sigma_B = horizontal_noise_second_moments(fr)
-    for H, sig, rows in ((HA, sigma_A, M), (HB, sigma_B, N)):
-        samples = H.mT @ H / rows
-        se = samples.std(0) / 20000**0.5
-        assert ((samples.mean(0) - sig).abs() <= 4 * se + 1e-12).all()
-
-
-# ------------------------------------------------------------------------------ defect 2
-def exact_sqnorm(A: torch.Tensor, B: torch.Tensor, dA: torch.Tensor, dB: torch.Tensor) -> Fraction:
-    """‖ΔA Bᵀ + A ΔBᵀ‖²_F of the stored floats, in exact rational arithmetic."""
-    A, B, dA, dB = ([[Fraction(float(v)) for v in row] for row in t.tolist()] for t in (A, B, dA, dB))
-    total = Fraction(0)
-    for i in range(len(A)):
-        for j in range(len(B)):
-            entry = sum(dA[i][k] * B[j][k] + A[i][k] * dB[j][k] for k in range(R))
-            total += entry * entry
-    return total
+LIMITS = {"float32": 2890.0, "float64": 9.9e3}  # just inside each DP rank check (κ ≤ 2,896 and 1e4)
 
 
 @pytest.mark.parametrize(("compute_dtype", "kappa"), [("float32", 2800.0), ("float64", 9.9e3)])
@@ -154,100 +45,95 @@ def test_clipped_contribution_norm_at_the_admission_limit(compute_dtype: str, ka
     assert worst <= 1.0 + 1e-6, worst
 
 
-# ------------------------------------------------------------------------------ defect 3
-def _tiny_params(seed: int) -> dict[str, nn.Parameter]:
-    g = torch.Generator().manual_seed(seed)
-    return pair_params(torch.randn(M, R, generator=g), torch.randn(N, R, generator=g))
+def _pairs(A: torch.Tensor, B: torch.Tensor, g: torch.Generator, balanced_W: torch.Tensor | None):
+    """Adversarial factor pairs (g_A [1, m, r], g_B [1, n, r]): gauge (commuting on balanced factors or
+    generic), the same with an outside-span(A) part of relative size 1e-3 … 1e-12, and autograd-shaped
+    ones along the weakest singular directions; each at scales 1 and 1e8."""
+    QA = torch.linalg.qr(A).Q
+    Omegas = [torch.randn(R, R, generator=g, dtype=F64)]
+    if balanced_W is not None:
+        Omegas.append(balanced_W.T @ torch.diag(torch.randn(R, generator=g, dtype=F64)) @ balanced_W)
+    Y = torch.randn(M, R, generator=g, dtype=F64)
+    outside = Y - QA @ (QA.T @ Y)
+    UA, UB = torch.linalg.svd(A, full_matrices=True).U, torch.linalg.svd(B, full_matrices=True).U
+    for Omega in Omegas:
+        gauge = (A @ Omega, -B @ Omega.T)
+        size = float(gauge[0].norm())
+        yield gauge
+        for rel_size in (1e-3, 1e-6, 1e-9, 1e-12):
+            yield gauge[0] + outside * (rel_size * size / float(outside.norm())), gauge[1]
+    for i, j in ((R - 1, R - 1), (R - 1, 0), (R, R - 1)):
+        G = torch.outer(UA[:, i], UB[:, j])
+        yield G @ B, G.T @ A
 
 
-@pytest.mark.parametrize("name", METHODS)
-def test_empty_poisson_batch_releases_the_noise_only_step(name: str) -> None:
-    """train_step on an empty DP batch = the method's step with nothing accumulated, noise σC/B."""
-    B, sigma = 4, 1.5
-    privacy = PrivacySpec(sigma=sigma, clip_norm=1.0)
-    cfg = OmegaConf.create({"train": {"batch_size": B, "micro_batch_size": 2}})
-    params = _tiny_params(3)
-    setup = SimpleNamespace(
-        sampler=SimpleNamespace(sample=lambda: torch.zeros(0, dtype=torch.long), sample_rate=0.5),
-        method=build_method(method_cfg(name), params, privacy),
-        accountant=Accountant(), sigma=sigma, params=params,
-        noise=torch.Generator().manual_seed(5),
-    )
-    record = T.train_step(setup, cfg)
-
-    twin_params = _tiny_params(3)
-    twin = build_method(method_cfg(name), twin_params, privacy)
-    twin.zero_accumulators()
-    twin.step(float(B), torch.Generator().manual_seed(5))
-    assert record["batch_size"] == 0
-    assert any(not torch.equal(p, _tiny_params(3)[n]) for n, p in params.items())  # the noise moved it
-    for n, p in params.items():
-        torch.testing.assert_close(p, twin_params[n], rtol=0, atol=0)
-
-
-def test_empty_non_dp_batch_changes_nothing() -> None:
-    params = _tiny_params(4)
-    before = {n: p.detach().clone() for n, p in params.items()}
-    setup = SimpleNamespace(
-        sampler=SimpleNamespace(sample=lambda: torch.zeros(0, dtype=torch.long), sample_rate=0.5),
-        method=build_method(method_cfg("prism"), params, None), accountant=Accountant(), sigma=0.0,
-        params=params, noise=torch.Generator().manual_seed(5),
-    )
-    assert T.train_step(setup, OmegaConf.create({"train": {"batch_size": 4, "micro_batch_size": 2}})) == {"batch_size": 0}
-    assert all(torch.equal(p, before[n]) for n, p in params.items())
+@pytest.mark.parametrize("compute_dtype", ["float32", "float64"])
+@pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "generic"])
+def test_clipped_contribution_is_at_most_C_for_every_factor_pair(compute_dtype: str, balanced: bool) -> None:
+    """Adversarial search over non-gradient factor pairs at each admission limit (and κ = 30): the
+    released lift of one clipped example (σ = 0, so the release is the clipped sum itself) has exact
+    intrinsic norm ≤ C(1 + 1e-6). The difference-of-squares norm gave up to 100 C here (D70)."""
+    dtype = getattr(torch, compute_dtype)
+    C, worst = 1.0, 0.0
+    for kappa in (30.0, LIMITS[compute_dtype]):
+        for seed in range(2):
+            g = torch.Generator().manual_seed(seed)
+            if balanced:
+                A, B, W = _balanced(kappa, g)
+            else:
+                A, B, W = conditioned(M, kappa, g), conditioned(N, kappa, g), None
+            A, B = A.to(dtype), B.to(dtype)
+            geometry.check_full_rank(A, B, "x")
+            meth = build_method(method_cfg("prism", compute_dtype=compute_dtype), pair_params(A, B),
+                                PrivacySpec(sigma=0.0, clip_norm=C))
+            for gA, gB in _pairs(A.to(F64), B.to(F64), g, W):
+                for scale in (1.0, 1e8):
+                    meth.zero_accumulators()
+                    meth.accumulate({"x.lora_B.default.weight": (scale * gA)[None].to(dtype),
+                                     "x.lora_A.default.weight": (scale * gB).T[None].to(dtype)})
+                    dA, dB = release_lifts(meth, 1.0)[0]["x"]
+                    worst = max(worst, float(exact_sqnorm(A.to(F64), B.to(F64), dA, dB)) ** 0.5 / C)
+    assert worst <= 1.0 + 1e-6, worst
 
 
-# ------------------------------------------------------------------------------ defects 4 and 5
-def _fake_setup(params: dict[str, nn.Parameter], secure: bool = False) -> SimpleNamespace:
-    """What train_step / train_and_evaluate read from a Setup, around a real method, sampler and
-    accountant; per-example gradients of ⟨G_i, ABᵀ⟩ for random G_i stand in for the model."""
-    from prism.privacy import PoissonSampler
-
-    g = torch.Generator().manual_seed(9)
-    A, B = (x.detach() for x in read_pair(params, lora_pairs(params)[0]))
-
-    def gradients(indices: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        G = torch.randn(len(indices), M, N, generator=g, dtype=F64)
-        return G.square().mean((1, 2)), grads_of(A, B, G, torch.float32)
-
-    return SimpleNamespace(
-        sampler=PoissonSampler(16, 4, generator_seed=1, secure=secure), accountant=Accountant(), sigma=1.0, params=params,
-        method=build_method(method_cfg("prism"), params, PrivacySpec(sigma=1.0, clip_norm=1.0)),
-        noise=SecureNoise() if secure else SeededNoise(torch.Generator().manual_seed(2)), gradients=gradients,
-        device=torch.device("cpu"), prefix=None, suite=SimpleNamespace(train=list(range(16))), secure=secure,
-    )
+def _balanced(kappa: float, g: torch.Generator):
+    """:func:`pipelines.audit.balanced_factors` at this file's shapes (AᵀA = BᵀB)."""
+    QA, _ = torch.linalg.qr(torch.randn(M, R, generator=g, dtype=F64))
+    QB, _ = torch.linalg.qr(torch.randn(N, R, generator=g, dtype=F64))
+    W, _ = torch.linalg.qr(torch.randn(R, R, generator=g, dtype=F64))
+    S = torch.diag(torch.logspace(0.0, -math.log10(kappa), R, dtype=F64))
+    return QA @ S @ W, QB @ S @ W, W
 
 
-@pytest.mark.parametrize("log_private_stats", [True, False])
-def test_log_private_stats_false_drops_unnoised_statistics(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, log_private_stats: bool
-) -> None:
-    """Every record handed to the metrics/W&B writer, and final.json, lack the private statistics."""
-    monkeypatch.setattr(T, "build", lambda cfg, **_: _fake_setup(_tiny_params(6)))
-    monkeypatch.setattr(T, "_micro_batch", lambda s, indices, *_: indices)
-    cfg = OmegaConf.create({
-        "train": {"batch_size": 4, "micro_batch_size": 2, "steps": 4, "benchmark": {"warmup": 0, "measure": 4}},
-        "privacy": {"epsilon": 6.0, "delta": 1e-5, "log_private_stats": log_private_stats},
-        "method": {"name": "prism"},
-    })
-    records: list[dict] = []
-    final = T.train_and_evaluate(cfg, tmp_path, records.append)
-    logged = {key for record in records for key in record}
-    assert len(records) == 4 and {"step", "sigma", "epsilon_spent", "update_norm"} <= logged
-    private = {"loss", "clip_fraction", "grad_norm_mean", "noise_norm", "batch_size", "step_time_s"}
-    if log_private_stats:
-        # a benchmark run has no evaluation, hence no evaluation seconds
-        assert private <= logged and set(T.PRIVATE_FINAL) - {"step_time_s", "seconds"} <= set(final)
-    else:
-        assert not private & logged and not set(T.PRIVATE_FINAL) & set(final)
+def test_the_audit_case_factors_are_balanced_and_its_gauge_commutes() -> None:
+    A, B, W = balanced_factors(2890.0, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(A.T @ A, B.T @ B, rtol=1e-12, atol=1e-15)
+    Omega = W.T @ torch.diag(torch.tensor([1.0, -2.0], dtype=F64)) @ W
+    torch.testing.assert_close(A.T @ A @ Omega, Omega @ (B.T @ B), rtol=1e-12, atol=1e-15)
+    sq, err, _ = geometry.lifted_norm_terms(geometry.frame(A, B), A @ Omega, -B @ Omega.T)
+    assert float(sq.sqrt()) < 1e-12 * float((A @ Omega).norm()) + float(err)  # the pure gauge has no image
 
 
-def test_os_noise_keeps_rng_states_out_of_checkpoints() -> None:
-    for is_secure in (False, True):
-        s = _fake_setup(_tiny_params(7), secure=is_secure)
-        state = T._state(s, 3)
-        assert ("noise_rng" in state and "sampler" in state) is not is_secure
-        resumed = _fake_setup(_tiny_params(7), secure=is_secure)
-        T._restore(resumed, state)
-        if not is_secure:  # seeded: the noise stream continues where it stopped
-            assert torch.equal(resumed.noise.generator.get_state(), s.noise.generator.get_state())
+@pytest.mark.parametrize("compute_dtype", ["float32", "float64"])
+def test_autograd_gradients_are_clipped_to_exactly_C_at_the_limit(compute_dtype: str) -> None:
+    """The clip norm equals the image norm for gradients (GB, GᵀA): a huge one is clipped to C within 1e-6."""
+    g = torch.Generator().manual_seed(3)
+    dtype = getattr(torch, compute_dtype)  # measured at the factors as the snapshot rounds them
+    A, B = (conditioned(rows, LIMITS[compute_dtype], g).to(dtype).double() for rows in (M, N))
+    meth = build_method(method_cfg("prism", compute_dtype=compute_dtype), pair_params(A, B), PrivacySpec(0.0, 1.0))
+    for G in (1e3 * torch.randn(1, M, N, generator=g, dtype=F64), 1e3 * torch.ones(1, M, N, dtype=F64)):
+        meth.zero_accumulators()
+        meth.accumulate(grads_of(A, B, G, getattr(torch, compute_dtype)))
+        dA, dB = release_lifts(meth, 1.0)[0]["x"]
+        assert abs(float(exact_sqnorm(A, B, dA, dB)) ** 0.5 - 1.0) <= 1e-6
+
+
+def test_dp_admits_no_factor_beyond_kappa_1e4_in_float64() -> None:
+    """At κ = 6.5e7 the float64 lift rounds at eps·κ² ≈ 0.5, so under DP the rank check refuses
+    κ > 1e4 (√eps64 stays the non-private limit)."""
+    g = torch.Generator().manual_seed(4)
+    A, B = conditioned(M, 2e4, g), conditioned(N, 2e4, g)
+    cfg = method_cfg("prism", compute_dtype="float64")
+    with pytest.raises(geometry.RankDeficientError, match="rank-deficient"):
+        build_method(cfg, pair_params(A, B), PrivacySpec(1.0, 1.0)).zero_accumulators()
+    build_method(cfg, pair_params(A, B), None).zero_accumulators()

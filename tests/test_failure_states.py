@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_aggregate import make_run
+from conftest import make_run
 
 from pipelines import reproduce, run, store
 from pipelines.aggregate import cli as aggregate_cli
