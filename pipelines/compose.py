@@ -132,7 +132,7 @@ QUOTING = ("quote the value for Hydra inside one shell word, e.g. 'results_dir=\
 
 
 def compose_job(overrides: Sequence[str]) -> DictConfig:
-    """The resolved, not yet validated config of ``python -m pipelines.run <overrides>``; raises
+    """The resolved, not yet validated config of ``python -m pipelines run <overrides>``; raises
     :class:`ConfigError` (one line) for a sweep, a removed group or key, a key that contradicts its group,
     or overrides that do not parse, compose or resolve."""
     parsed = parse(overrides)
@@ -207,7 +207,7 @@ def _compose_values(groups: tuple[str, ...], values: Sequence[Override], overrid
         ConfigLoaderImpl._apply_overrides_to_config(list(values), cfg)
     except (HydraException, OmegaConfBaseException, ValueError, TypeError, KeyError) as err:
         raise ConfigError(f"the overrides {' '.join(overrides)} do not compose ({one_line(err)}), "
-                          "check them against `python -m pipelines.run --cfg job`") from None
+                          "check them against `python -m pipelines run --cfg job`") from None
     return cfg
 
 
@@ -235,7 +235,7 @@ def _compose(overrides: Sequence[str]) -> DictConfig:
         raise ConfigError(f"{one_line(err)}, check the group names in conf/") from None
     except (HydraException, OmegaConfBaseException, ValueError, AttributeError, TypeError, KeyError) as err:
         raise ConfigError(f"the overrides {' '.join(overrides)} do not compose ({one_line(err)}), "
-                          "check them against `python -m pipelines.run --cfg job`") from None
+                          "check them against `python -m pipelines run --cfg job`") from None
 
 
 def _resolve(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:

@@ -166,7 +166,7 @@ def _unlocked(cfg: DictConfig, run_hash: str, err: OSError) -> str:
 def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer: Trainer) -> str:
     from prism.train import logs_private_stats
 
-    timed = logs_private_stats(cfg)  # off: no time of any kind in the folder, W&B or the log (README)
+    timed = logs_private_stats(cfg)  # off: no time of any kind in the folder, W&B or the log (docs/PRIVACY.md)
     if not timed:
         untimed_logging()
     folder.mkdir(parents=True, exist_ok=True)

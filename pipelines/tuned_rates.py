@@ -234,7 +234,7 @@ def uses_tuned_rate(config: Mapping[str, Any]) -> bool:
 
 TUNING_COST = ("ε covers one training run per cell, not the rate tuning: {n} private run(s) here use rates "
                "`make tune` chose after one DP run per candidate rate (5 or more) on the same training rows, "
-               "by un-noised validation scores (README \"What ε does not cover\").")
+               "by un-noised validation scores (docs/PRIVACY.md, \"What ε does not cover\").")
 """The one line every table, CSV and figure built from tuned private runs carries (``{n}``: their count)."""
 
 

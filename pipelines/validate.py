@@ -37,7 +37,7 @@ def check(cfg: DictConfig, *, here: bool = True) -> DictConfig:
 
 
 def load_job(overrides: Sequence[str], *, here: bool = True) -> DictConfig:
-    """The validated, resolved job config of ``python -m pipelines.run <overrides>``: composed once and
+    """The validated, resolved job config of ``python -m pipelines run <overrides>``: composed once and
     validated once."""
     return check(compose.compose_job(overrides), here=here)
 

@@ -4,7 +4,7 @@ All six methods receive their privacy from the same Poisson sampler, the same σ
 for the exact number of steps), the same clipping norm C and the same number of steps; they differ
 only in the :class:`~prism.methods.base.Method` that clips, noises and updates.
 
-Two privacy switches (``conf/privacy/*.yaml``, README "What a run guarantees"):
+Two privacy switches (``conf/privacy/*.yaml``, docs/PRIVACY.md):
 
 * ``privacy.noise_source``: ``seeded`` (the sampler and the noise from ``seed + 1``, ``seed + 2``:
   anyone who knows the config can regenerate the noise and the batches) or ``os`` (both from the OS
@@ -14,7 +14,7 @@ Two privacy switches (``conf/privacy/*.yaml``, README "What a run guarantees"):
 * ``privacy.log_private_stats``: off, the per-step statistics computed from un-noised data
   (:data:`PRIVATE_STATS`) are dropped from ``metrics.jsonl`` and W&B, and from ``final.json`` the
   fields that grow with the realised batch sizes and every other time (:data:`PRIVATE_FINAL`);
-  ``pipelines/run.py`` drops the run's own times (README "What ε does not cover").
+  ``pipelines/run.py`` drops the run's own times (docs/PRIVACY.md, "What ε does not cover").
 """
 from __future__ import annotations
 

@@ -8,11 +8,14 @@
 * :class:`PerModulePrism`: PRISM with one shape group per module (one decomposition call per module).
 * :func:`release_lifts`, :func:`example_norms`: read a method's release and clip norms in tests.
 * :func:`read_metrics`: a run's ``metrics.jsonl`` as a reader takes it after a resume.
+* :func:`grads_of`: per-example factor gradients of ``⟨G_i, ABᵀ⟩`` in closed form (what autograd gives).
+* :func:`exact_sqnorm`: the intrinsic norm ``‖ΔA Bᵀ + A ΔBᵀ‖²_F`` in exact rational arithmetic.
 """
 from __future__ import annotations
 
 import json
 import math
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -103,3 +106,21 @@ def read_metrics(folder: Path) -> list[dict[str, Any]]:
         if isinstance(record, dict):
             by_step[record.get("step")] = record
     return sorted(by_step.values(), key=lambda r: (r.get("step") is None, r.get("step") or 0))
+
+
+def grads_of(A: Tensor, B: Tensor, G: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Per-example factor grads of ⟨G_i, ABᵀ⟩ for G [k, m, n] under peft's names: g_A = G B, g_Bᵀ = Aᵀ G."""
+    A, B = A.to(torch.float64), B.to(torch.float64)
+    return {"x.lora_B.default.weight": (G @ B).to(dtype), "x.lora_A.default.weight": (A.T @ G).to(dtype)}
+
+
+def exact_sqnorm(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor) -> Fraction:
+    """‖ΔA Bᵀ + A ΔBᵀ‖²_F of the stored floats, in exact rational arithmetic."""
+    A, B, dA, dB = ([[Fraction(float(v)) for v in row] for row in t.tolist()] for t in (A, B, dA, dB))
+    rank = len(A[0])
+    total = Fraction(0)
+    for i in range(len(A)):
+        for j in range(len(B)):
+            entry = sum(dA[i][k] * B[j][k] + A[i][k] * dB[j][k] for k in range(rank))
+            total += entry * entry
+    return total

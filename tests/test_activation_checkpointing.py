@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TARGETS
 from peft import LoraConfig, get_peft_model
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
@@ -13,7 +14,6 @@ from prism.fastpath.prefix import PrefixCache
 from prism.privacy import PerExampleGradients
 from prism.privacy.per_example import enable_activation_checkpointing
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
 VOCAB = 96
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=64)

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from conftest import make_run
 from filelock import FileLock
 
 from pipelines import aggregate as agg
@@ -23,42 +24,6 @@ from pipelines.aggregate.render import plot_privacy_utility, to_csv_frame
 
 PAPER = agg.PAPER_DIR
 REPO = Path(__file__).resolve().parents[1]
-
-
-def make_run(root: Path, run_hash: str, *, method: str, privacy: str, suite: str, columns: dict | None = None,
-             state: str = "finished", scale: str = "embedded", r: int = 16, backbone: str = "smollm2-135m",
-             paper_name: str = "gemma-3-4b-pt", final_text: str | None = None, status_text: str | None = None,
-             experiment: str | None = None, seed: int = 42, steps: int = 30, epsilon: float | None = None,
-             extra_config: dict | None = None, **final_extra) -> Path:
-    """A run folder at ``root/<run_hash>``; with ``experiment`` (``root`` = the store) it is tagged
-    into that view, without it ``root`` is an old-layout ``runs/<experiment>/`` folder."""
-    folder = root / run_hash
-    folder.mkdir(parents=True)
-    if experiment:
-        store.tag(root, experiment, run_hash)
-    eps = {"nondp": math.inf, "eps6": 6.0, "eps3": 3.0}[privacy] if epsilon is None else epsilon
-    config = {"seed": seed, "backbone": {"name": backbone, "paper_name": paper_name},
-              "suite": {"name": suite, "scale": scale}, "method": {"name": method},
-              "privacy": {"name": privacy, "epsilon": eps}, "lora": {"r": r},
-              "train": {"steps": steps, "batch_size": 16}, "experiment": experiment or root.name,
-              **(extra_config or {})}
-    (folder / "config.yaml").write_text(yaml.safe_dump(config))
-    status = {"state": state} if state != "failed" else {"state": "failed", "error": "CUDA out of memory"}
-    (folder / "status.json").write_text(status_text if status_text is not None else json.dumps(status))
-    if state == "finished":
-        run = store.RunBlock(hash=run_hash, experiment=experiment or root.name, attempts=1, versions={},
-                             git_commit=final_extra.pop("git_commit", None),
-                             git_dirty=final_extra.pop("git_dirty", None), hostname="test").to_json()
-        final = {"scores": {}, "columns": columns or {}, "epsilon_spent": None if eps == math.inf else eps - 0.01,
-                 "per_example": {c: _rows(c, v) for c, v in (columns or {}).items()}, "run": run, **final_extra}
-        (folder / "final.json").write_text(final_text if final_text is not None else json.dumps(final))
-    return folder
-
-
-def _rows(column: str, score: float, n: int = 200) -> dict:
-    """Per-row outcomes of ``n`` evaluation rows whose mean is ``score`` (to 1/n)."""
-    right = round(score * n)
-    return {"column": column, "correct": [1] * right + [0] * (n - right), "rows": f"rows-{column}"}
 
 
 @pytest.fixture

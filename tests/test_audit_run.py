@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_cfg
 
 from pipelines import audit_run
 from pipelines.__main__ import main as cli
@@ -277,7 +278,6 @@ def test_canaries_ride_the_real_training_loop():
     gradients) with the test mechanism on the run's own LoRA parameters: the canaries are sampled at the
     run's rate alongside real examples, enter the same accumulate, and every canary is scored each step."""
     from prism import train as T
-    from tests.test_train import tiny_cfg
 
     cfg = tiny_cfg("method=adamw", "privacy=eps6")
     s = T.build(cfg)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_prompts import char_tokenizer
+from conftest import char_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from prism.data import Example, Suite

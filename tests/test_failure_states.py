@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_aggregate import make_run
+from conftest import make_run
 
 from pipelines import run, store
 from pipelines.__main__ import main as cli

@@ -82,7 +82,7 @@ def test_paper_width_simulation_through_the_real_loop(capsys: pytest.CaptureFixt
 
 OFFLINE_WHEELS = ("scipy", "scikit-learn", "pytorch_optimizer", "opacus", "joblib", "hydra-core",
                   "antlr4-python3-runtime", "omegaconf", "opt_einsum", "threadpoolctl")
-"""The extra wheels the README lists for a GPU machine without network."""
+"""The extra wheels docs/GPU.md lists for a GPU machine without network."""
 
 
 def _closure(roots: tuple[str, ...]) -> set[str]:
@@ -113,7 +113,7 @@ def _closure(roots: tuple[str, ...]) -> set[str]:
 @pytest.mark.slow
 def test_gpu_check_runs_with_only_torch_transformers_peft_and_the_listed_wheels(tmp_path) -> None:
     """A site directory holding only those distributions (symlinks; no site-packages): the tiny
-    profile must import and pass, so the README's wheel list is complete."""
+    profile must import and pass, so the wheel list of docs/GPU.md is complete."""
     import importlib.metadata as md
     import os
     import subprocess

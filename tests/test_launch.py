@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import TINY_JOB
 
 from pipelines import launch, store
 from pipelines.__main__ import function, parse
@@ -239,9 +240,8 @@ def test_make_refuses_a_variable_its_goal_does_not_use(goal: str, variable: str,
                                         "leave it out.  Stop.") and done.stderr.count("\n") == 1
 
 
-LONG_TINY = ["backbone=tiny-llama", "backbone.lora_layers=null", "method=prism,adamw", "privacy=nondp", "suite=glue8",
-             "train.steps=100000", "train.batch_size=4", "train.micro_batch_size=4", "train.checkpoint_every=50",
-             "suite.eval_limit=2", "suite.cutoff_len=1024", "suite.embedded.train_per_task=16", "logging=disabled"]
+LONG_TINY = ["method=prism,adamw", "privacy=nondp", "suite=glue8", "train.steps=100000", "train.micro_batch_size=4",
+             "train.checkpoint_every=50", *TINY_JOB]
 
 
 @pytest.mark.parametrize(("sig", "workers", "to_group"), [

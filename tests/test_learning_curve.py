@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_RUN, adapter_tensors, tiny_cfg
 
 from prism import train as T
-from tests.test_train import TINY, adapter_tensors, tiny_cfg
 
 _SPEC = importlib.util.spec_from_file_location(
     "learning_curve", Path(__file__).resolve().parents[1] / "benchmarks" / "learning_curve.py")
@@ -52,7 +52,7 @@ def test_curve_trains_the_pipeline_run_and_scores_it(tmp_path: Path, monkeypatch
 ])
 def test_bad_input_is_one_line_exit_2(args, fragment, capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert curve.main([*args, "--", *TINY]) == 2
+    assert curve.main([*args, "--", *TINY_RUN]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and fragment in err and err.count("\n") == 1
     assert not any(tmp_path.iterdir())  # no run folder

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TARGETS
 from safetensors.torch import load_file
 from torch import nn
 
@@ -21,8 +22,6 @@ from prism.models import attach_lora, load_backbone
 from prism.models.local import speed_paths
 from prism.models.tiny import _tiny_model, byte_tokenizer
 from prism.models.wiring import lora_config, validate_lora
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
 
 
 def _save(arch: str, folder: Path) -> nn.Module:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TARGETS
 from peft import PeftModel
 from safetensors.torch import load_file
 
@@ -24,7 +25,6 @@ from prism.models import (
     trainable_parameters,
 )
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
 TINY = ["tiny-llama", "tiny-gemma"]
 PROMPTS = ["Below is an instruction. ### Instruction:\nIs the sentence positive?\n### Response:\n",
            "Q: 12 apples + 30 apples = ?"]

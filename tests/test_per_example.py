@@ -9,13 +9,13 @@ import math
 
 import pytest
 import torch
+from conftest import TARGETS
 from peft import LoraConfig, get_peft_model
 from torch import Tensor, nn
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from prism.privacy import PerExampleGradients, per_example_loss, summed_gradients
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
 VOCAB = 128
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, attn_implementation="sdpa")

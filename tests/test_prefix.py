@@ -14,16 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from conftest import LENGTHS, N_LAYERS, TARGETS, VOCAB, features, tiny_model
 from torch import Tensor, nn
-from transformers import (
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-)
 
 import prism.fastpath.prefix as prefix
 from prism.data.prompts import collate
@@ -36,47 +28,6 @@ from prism.privacy.per_example import (
     summed_gradients,
     supervised_positions,
 )
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
-VOCAB = 96
-N_LAYERS = 4
-LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
-LENGTHS = [11, 6, 14, 9, 7, 12]
-
-
-def tiny_model(family: str, dtype: torch.dtype = torch.float64, lora_layers: list[int] | None = None,
-               **config: object) -> nn.Module:
-    """Random 4-layer causal LM with LoRA (lora_B non-zero) on ``lora_layers`` (default: the top 2)."""
-    attn = "sdpa" if dtype == torch.float64 and family != "gemma2" else "eager"  # Gemma-2 has no SDPA
-    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=N_LAYERS,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                 attn_implementation=attn, **config)
-    torch.manual_seed(7)
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**shape))
-    elif family == "gemma3":  # sliding window 3 < sequence lengths: both attention types exercised above d
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**shape, sliding_window=3, layer_types=LAYER_TYPES))
-    else:  # eager: window 10 > any padding run (a fully masked padding row is NaN in float64), < longest row
-        model = Gemma2ForCausalLM(Gemma2Config(**shape, sliding_window=10, layer_types=LAYER_TYPES))
-    layers = lora_layers if lora_layers is not None else [2, 3]
-    model = get_peft_model(model.to(dtype), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS,
-                                                        layers_to_transform=layers, layers_pattern="layers"))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.2)
-    return model
-
-
-def features(lengths: list[int] = LENGTHS, seed: int = 0) -> list[dict[str, list[int]]]:
-    """Token rows whose last 3 tokens are supervised (row 1: none)."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for i, n in enumerate(lengths):
-        ids = torch.randint(3, VOCAB, (n,), generator=gen).tolist()
-        labels = [IGNORE_INDEX] * n if i == 1 else [IGNORE_INDEX] * (n - 3) + ids[n - 3:]
-        rows.append({"input_ids": ids, "labels": labels})
-    return rows
 
 
 def replay_logits(model: nn.Module, cache: PrefixCache, indices: list[int]) -> Tensor:

@@ -1,11 +1,10 @@
 """Prompt strings (docs/DECISIONS.md D31, D39), label masking and the collator, with an in-test character tokenizer."""
 from __future__ import annotations
 
-import string
-
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from conftest import char_tokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from prism.data import Example
@@ -19,18 +18,6 @@ from prism.data.prompts import (
     tokenize_train_set,
     train_prompt,
 )
-
-
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per printable ASCII character; <pad>=0, <eos>=1, <unk>=2; no BOS; exact round trip."""
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
-    vocab.update({c: i + 3 for i, c in enumerate(sorted(set(string.printable)))})
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
-                                   unk_token="<unk>", clean_up_tokenization_spaces=False)
-
 
 # The released code's literal strings (docs/DECISIONS.md D31, D39), written out independently of prism.data.prompts.
 WITH_INPUT = (

@@ -11,13 +11,14 @@ from pathlib import Path
 import dp_accounting
 import pytest
 import torch
+from conftest import TARGETS, tiny_cfg
 from omegaconf import OmegaConf
 from opacus import GradSampleModule
 from peft import LoraConfig, get_peft_model
 from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipelines.compose import compose_config, job_config, resolve
+from pipelines.compose import job_config
 from prism import train as T
 from prism.audit.diagnostics import sample_tangent_noise
 from prism.data.prompts import collate
@@ -43,14 +44,6 @@ REPO = Path(__file__).resolve().parents[1]
 VOCAB = 64
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, attn_implementation="sdpa")
-TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
-LOOP = ["backbone=tiny-llama", "suite=glue8", "suite.cutoff_len=1024", "suite.embedded.train_per_task=16",
-        "suite.embedded.eval_per_task=2", "suite.decoding.max_new_tokens=2", "train.steps=3", "train.batch_size=8",
-        "train.micro_batch_size=4", "train.checkpoint_every=1", "logging=disabled"]  # as tests/test_train.py
-
-
-def tiny_cfg(*overrides: str):
-    return resolve(compose_config([*LOOP, *overrides]))
 
 
 def tiny_lora_llama() -> nn.Module:
@@ -111,6 +104,23 @@ def test_dp_status_is_recorded() -> None:
     only_calibration = job_config(["protocol=released", "privacy.per_example_scale=record",
                                    "privacy.denominator=expected", "method.noise_damping=null"])
     assert protocol_record(only_calibration, tangent=True)["dp_guarantee"] == "(ε, δ)-DP as accounted"
+
+
+def test_wandb_summary_keeps_the_not_dp_flag() -> None:
+    """The W&B summary gets the DP status strings of final.json (numbers-only summaries dropped them)."""
+    from types import SimpleNamespace
+
+    from pipelines.wandb_log import WandbRun
+
+    final = {"columns": {"SST-2": 0.5}, "epsilon_spent": 6.0,
+             "protocol": {"name": "released", "dp_guarantee": "not a valid DP guarantee as stated",
+                          "dp_caveats": ["denominator=realised: …", "noise_damping=1e-08: …"]}}
+    written: dict = {}
+    run = WandbRun.__new__(WandbRun)
+    run.run, run.deferred = SimpleNamespace(summary=SimpleNamespace(update=written.update), finish=lambda exit_code: None), False
+    run.finish(final)
+    assert written["protocol/dp_guarantee"] == "not a valid DP guarantee as stated"
+    assert "denominator=realised" in written["protocol/dp_caveats"] and written["epsilon_spent"] == 6.0
 
 
 # ----------------------------------------------------------------------------- D1 calibration

@@ -17,15 +17,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import TINY_JOB
 
 sys.path.insert(0, str(Path(__file__).parent))
 from slurm_harness import HarnessUnavailableError, LocalSlurm  # noqa: E402
 
 pytestmark = [pytest.mark.slurm]
 REPO = Path(__file__).resolve().parents[1]
-TINY_GRID = ["backbone=tiny-llama", "backbone.lora_layers=null", "method=prism,adamw", "privacy=eps6", "suite=glue8",
-             "train.steps=2", "train.batch_size=4", "train.micro_batch_size=4", "train.checkpoint_every=1",
-             "suite.eval_limit=2", "suite.cutoff_len=1024", "suite.embedded.train_per_task=16", "logging=disabled"]
+TINY_GRID = ["method=prism,adamw", "privacy=eps6", "suite=glue8", "train.steps=2", "train.micro_batch_size=4",
+             "train.checkpoint_every=1", *TINY_JOB]
 JOB_TIMEOUT_S = 900
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import features, tiny_model
 from transformers import DynamicCache
 
 from prism.fastpath import top_layer
@@ -19,7 +20,6 @@ from prism.fastpath.grouped_attention import grouped_eager
 from prism.fastpath.prefix import PrefixCache, _decoder, _top_layers_only
 from prism.methods.hf_baseline import holdout_loss
 from prism.privacy.per_example import PerExampleGradients, summed_gradients
-from tests.test_prefix import features, tiny_model
 
 
 @pytest.mark.parametrize(("dtype", "lora_layers", "tol"), [(torch.float64, [2, 3], 1e-7),

@@ -6,34 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from conftest import adapter_tensors, tiny_cfg
 
-from pipelines.compose import compose_config, resolve
 from prism import train as T
 from prism.privacy import epsilon_spent
-
-TINY = [
-    "backbone=tiny-llama",
-    "suite=glue8",
-    "suite.cutoff_len=1024",  # the byte tokenizer needs room for the response after the prompt
-    "suite.embedded.train_per_task=16",
-    "suite.embedded.eval_per_task=2",
-    "suite.decoding.max_new_tokens=2",
-    "train.steps=3",
-    "train.batch_size=8",
-    "train.micro_batch_size=4",
-    "train.checkpoint_every=1",
-    "train.eval_batch_size=4",
-    "logging=disabled",
-]
-
-
-def tiny_cfg(*overrides: str):
-    return resolve(compose_config([*TINY, *overrides]))
-
-
-def adapter_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
 
 
 @pytest.mark.parametrize("method", ["prism", "adamw"])

@@ -2,7 +2,7 @@
 
 A step's duration grows with its realised Poisson batch size, which the accountant assumes secret, so
 with the switch off no file of the run folder, no W&B call made during training, and no line of the
-run's output may carry a time (README "What ε does not cover"). The positive control runs the same
+run's output may carry a time (docs/PRIVACY.md, "What ε does not cover"). The positive control runs the same
 job with the switch on and finds each kind of time the check looks for.
 """
 from __future__ import annotations

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_JOB
 
 from pipelines import launch, store
 from pipelines.compose import job_config
@@ -17,9 +18,7 @@ from pipelines.validate import load_job
 from prism.models import KeptBackbones, load_backbone
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["backbone=tiny-llama", "backbone.lora_layers=null", "train.steps=3", "train.batch_size=4",
-        "train.micro_batch_size=2", "train.checkpoint_every=1", "suite.eval_limit=2", "suite.cutoff_len=1024",
-        "suite.embedded.train_per_task=16", "logging=disabled"]
+TINY = [*TINY_JOB, "train.steps=3", "train.micro_batch_size=2", "train.checkpoint_every=1"]
 A = ["suite=glue8", "method=prism", "privacy=eps6", *TINY]
 B = ["suite=math10k", "method=adamw", "privacy=nondp", *TINY]
 

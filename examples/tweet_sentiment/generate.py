@@ -1,4 +1,4 @@
-"""Generate the example task of README "Your own task": three-way tweet sentiment.
+"""Generate the example task of docs/custom-task.md: three-way tweet sentiment.
 
     python examples/tweet_sentiment/generate.py            # rewrites train.jsonl and eval.jsonl here
 

@@ -9,7 +9,7 @@ sampler its inclusion coins through :func:`os_uniform` when the source is the OS
   enumerated). Each unit normal is the sum of four inverse-CDF normals divided by two, the float
   arithmetic that Opacus' secure mode uses against attacks that read the input off the low bits of a
   single transform's output (Mironov 2012; Jin et al. 2022). That sum is a mitigation, not a proof:
-  README "What a run guarantees" states what it does and does not defend against.
+  docs/PRIVACY.md states what it does and does not defend against.
 
 Uniforms are ``(b + ½)·2⁻⁵²`` for 52 random bits ``b``: every one is exact in float64 (``b + ½`` needs
 53 significant bits), lies in ``[2⁻⁵³, 1 − 2⁻⁵³]``, never 0 or 1, and the grid is symmetric (``1 − u`` is

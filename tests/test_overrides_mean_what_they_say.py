@@ -1,6 +1,7 @@
-"""Inputs that used to be accepted and mean something else: each is now either refused in one line
-or means what it says. (``gpu_check --methods``: tests/test_gpu_check.py; quoting hints:
-tests/test_grid_validation.py.)"""
+"""An override either means what it says or is refused in one line before any run folder: an empty or
+all-unscored task list, a bad data seed, more evaluation rows than a stand-in holds; a quoted ``~`` is
+the home folder, a per-task mapping of training rows is read as written. (``gpu_check --methods``:
+tests/test_gpu_check.py; quoting hints: tests/test_grid_validation.py.)"""
 from __future__ import annotations
 
 import logging
@@ -56,8 +57,8 @@ def test_a_quoted_tilde_results_dir_is_the_home_folder(tmp_path: Path, monkeypat
 
 
 def test_a_train_per_task_mapping_is_accepted_and_read() -> None:
-    """The README's mapping form, for the suite whose default is a count: accepted, and its sum is
-    the training-set size the batch is checked against (40 rows < B = 64)."""
+    """The mapping form of conf/suite_scale/glue8_embedded.yaml, for the suite whose default is a count:
+    accepted, and its sum is the training-set size the batch is checked against (40 rows < B = 64)."""
     cfg = load_job(["suite=math10k", "suite.embedded.train_per_task={basic_arithmetic:100,leg_counting:50}",
                     "suite.embedded.tasks=[basic_arithmetic,leg_counting]"])
     assert cfg.suite.embedded.train_per_task == {"basic_arithmetic": 100, "leg_counting": 50}
