@@ -297,8 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scale", default="embedded", help=f"one of {', '.join(SCALES)} (default embedded)")
     parser.add_argument("--methods", default="prism,adamw")
     parser.add_argument("--epsilons", default="6,3")
-    parser.add_argument("--canaries", type=int, default=20000, help="m (default 20000)")
-    parser.add_argument("--k-pos", type=int, default=2000, help="k⁺ 'in' guesses on the highest scores (default 2000)")
+    parser.add_argument("--canaries", type=int, default=30000, help="m (default 30000)")
+    parser.add_argument("--k-pos", type=int, help="k⁺ 'in' guesses on the highest scores (default m/4)")
     parser.add_argument("--k-neg", type=int, default=0, help="k⁻ 'out' guesses on the lowest scores (default 0)")
     parser.add_argument("--split", action="store_true",
                         help="choose (k⁺, k⁻) on one half of the canaries and audit the other half")
@@ -309,13 +309,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--expected-only", action="store_true",
                         help="print what correct runs' audits give (simulated, no training) and exit")
     args = parser.parse_args(argv)
+    args.k_pos = args.canaries // 4 if args.k_pos is None else args.k_pos
     try:
         if args.scale not in SCALES:
             raise ValueError(f"--scale={args.scale!r}; choose one of {', '.join(SCALES)}")
         methods = names(args.methods, METHODS, "--methods")
         epsilons = _epsilons(args.epsilons)
         if args.canaries < 2:
-            raise ValueError(f"--canaries={args.canaries} must be ≥ 2 (20000 for the audit)")
+            raise ValueError(f"--canaries={args.canaries} must be ≥ 2 (30000 for the audit)")
         if min(args.k_pos, args.k_neg) < 0 or not 1 <= args.k_pos + args.k_neg <= args.canaries:
             raise ValueError(f"--k-pos={args.k_pos} --k-neg={args.k_neg}: each must be ≥ 0, their sum in "
                              f"[1, canaries = {args.canaries}]")

@@ -1,19 +1,26 @@
 """White-box gradient canaries for a one-run audit of a whole training run (:mod:`prism.audit.one_run`).
 
-Each of ``m`` canaries is a fixed random direction ``d_c`` in the space where the method clips, supported
-on one block (one LoRA tensor, or one module for PRISM; canary ``c`` on block ``c mod blocks``) and scaled so
-its norm there is ``2C`` (≥ C, so its clipped contribution is exactly the clip norm):
+Each of ``m`` canaries is a fixed rank-1 direction ``d_c = u vᵀ`` in the space where the method clips,
+supported on one block (one LoRA tensor, or one module for PRISM) and scaled so its norm there is ``2C``
+(≥ C, so its clipped contribution is exactly the clip norm):
 
-* ``factor`` (the factor-space baselines, eq. 3): the flat vector of the trainable LoRA tensors; on each
-  tensor ``W`` ``[a, b]`` the direction is ``x yᵀ`` with ``x``, ``y`` standard normal;
-* ``tangent`` (PRISM, eqs. 13–16): on each module the ambient matrix ``G = u vᵀ`` (``u`` ``[m]``, ``v`` ``[n]``);
+* ``factor`` (the factor-space baselines, eq. 3): the flat vector of the trainable LoRA tensors; on a
+  tensor ``W`` ``[a, b]`` the direction is ``u vᵀ``, zero on every other tensor;
+* ``tangent`` (PRISM, eqs. 13–16): on a module the ambient matrix ``G = u vᵀ`` (``u`` ``[m]``, ``v`` ``[n]``);
   the canary's per-example factor gradients at the step's factors are ``(G B, Aᵀ G)`` (the chain rule for
   a loss whose gradient in ``Z = A Bᵀ`` is ``G``), whose lift is ``P_{A,B}(G)`` (eq. 14, Lemma A.14), of
   intrinsic norm ``‖P_{A,B}(G)‖_F``.
 
-Independent rank-1 directions on one block are nearly orthogonal (``⟨x₁y₁ᵀ, x₂y₂ᵀ⟩ = (x₁·x₂)(y₁·y₂)``, of
-relative size ``1/√(ab)`` like dense ones), on different blocks exactly so, and each costs the ``a + b``
-numbers of its block to keep, so 10⁴–10⁵ canaries are projected every step. A secret fair coin includes
+On a block of shape ``[a, b]`` the directions are cells of a random orthonormal basis: ``u = Q_a e_i``,
+``v = Q_b e_j`` with ``Q_a``, ``Q_b`` random orthogonal matrices and distinct cells ``(i, j)`` per canary,
+so two canaries are exactly orthogonal (``⟨u_i v_jᵀ, u_k v_lᵀ⟩ = δ_ik δ_jl``; on different blocks too):
+one canary's hits put nothing on another's score in the factor space, and in the tangent space only
+through canaries that share ``i`` or ``j``. Independent random rank-1 directions would each add about
+``1/√(ab)`` of every hit on the block, with tens of hits a block each step as large as a tenth of the
+noise (docs/MEASUREMENTS.md, 2026-12-03). The rotation spreads every direction over the whole block,
+so the real examples' gradients project on it as on a random direction. The canaries are shared out
+equally over the blocks, a block taking at most its ``a·b`` cells; a canary costs the ``a + b`` numbers
+of its ``u`` and ``v``, so 10⁴–10⁵ of them are projected every step. A secret fair coin includes
 each canary; an included canary joins each step's batch with the Poisson sampler's rate ``q``,
 independently of the real records (Poisson sampling is per record), and its gradient goes through the
 method's own ``accumulate`` (in chunks of :data:`CHUNK`) with the real micro-batches, so it is clipped,
@@ -53,10 +60,10 @@ CHUNK = 64  # canaries per accumulate call: bounds the per-example gradients hel
 class CanaryDirections:
     """``m`` rank-1 directions, each supported on one block (float64).
 
-    Canary ``c`` lives on block ``keys[block[c]]`` as row ``slot[c]`` of ``left[key]`` ``[m_key, a]`` and
-    ``right[key]`` ``[m_key, b]``. ``factor``: blocks are the trainable tensors ``W`` ``[a, b]`` (direction
-    ``x yᵀ``, zero on every other tensor). ``tangent``: blocks are the modules (keyed by module name),
-    ``u`` ``[m_key, rows of A]``, ``v`` ``[m_key, rows of B]``.
+    Canary ``c`` lives on block ``keys[block[c]]`` as row ``slot[c]`` of ``left[key]`` ``[m_key, a]`` (``uᵀ``)
+    and ``right[key]`` ``[m_key, b]`` (``vᵀ``). ``factor``: blocks are the trainable tensors ``W`` ``[a, b]``
+    (direction ``u vᵀ``, zero on every other tensor). ``tangent``: blocks are the modules (keyed by module
+    name), ``u`` ``[rows of A]``, ``v`` ``[rows of B]``.
     """
 
     space: Space
@@ -76,11 +83,9 @@ class CanaryDirections:
 
 
 def draw_directions(space: Space, params: Mapping[str, Tensor], count: int, seed: int) -> CanaryDirections:
-    """Random directions for ``count`` canaries over ``params`` (the method's trainable parameters).
-
-    Canary ``c`` goes to block ``c mod (number of blocks)``: a canary costs the ``a + b`` numbers of one
-    block, so 10⁴–10⁵ canaries fit in memory, and two canaries on different blocks are exactly orthogonal.
-    """
+    """Orthonormal-basis directions (module docstring) for ``count`` canaries over ``params`` (the method's
+    trainable parameters): blocks in order, each taking an equal share of the canaries not yet placed, at
+    most its ``a·b`` cells, drawn without replacement."""
     if count < 2:
         raise ValueError(f"need at least 2 canaries (got {count})")
     g = torch.Generator().manual_seed(seed)
@@ -96,15 +101,24 @@ def draw_directions(space: Space, params: Mapping[str, Tensor], count: int, seed
             shapes[pair.module] = (A.shape[0], B.shape[0])
     else:
         raise ValueError(f"unknown canary space {space!r}; choose factor or tangent")
-    keys = tuple(shapes)
-    block = torch.arange(count) % len(keys)
-    slot = torch.arange(count) // len(keys)
-    left, right = {}, {}
+    if count > sum(a * b for a, b in shapes.values()):
+        raise ValueError(f"{count} canaries: at most {sum(a * b for a, b in shapes.values())} orthogonal ones fit")
+    keys = tuple(sorted(shapes, key=lambda k: shapes[k][0] * shapes[k][1]))  # the smallest blocks fill first
+    counts, left, right = [], {}, {}
     for i, key in enumerate(keys):
-        rows = int((block == i).sum())
-        left[key] = torch.randn(rows, shapes[key][0], generator=g, dtype=torch.float64)
-        right[key] = torch.randn(rows, shapes[key][1], generator=g, dtype=torch.float64)
+        a, b = shapes[key]
+        counts.append(min(a * b, -(-(count - sum(counts)) // (len(keys) - i))))
+        cells = torch.randperm(a * b, generator=g)[:counts[-1]]
+        left[key] = _orthogonal(a, g)[:, cells // b].T.contiguous()
+        right[key] = _orthogonal(b, g)[:, cells % b].T.contiguous()
+    block = torch.repeat_interleave(torch.arange(len(keys)), torch.tensor(counts))
+    slot = torch.cat([torch.arange(n) for n in counts])
     return CanaryDirections(space, keys, block, slot, left, right)
+
+
+def _orthogonal(n: int, g: torch.Generator) -> Tensor:
+    """A random orthogonal ``[n, n]`` matrix (float64): the Q factor of a standard normal one."""
+    return torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64)).Q
 
 
 def _pairs(params: Mapping[str, Tensor]) -> list:

@@ -245,8 +245,10 @@ def filtered_scores(trace: np.ndarray, block: np.ndarray) -> np.ndarray:
     gradients' projection, which drifts slowly in time and differs in size between blocks (``block[c]``:
     the canary's block). So each step's scores are high-passed in time (``x_t − (x_{t−1} + x_{t+1})/2``,
     one-sided at the ends), standardised per step and block by the median and the median absolute
-    deviation over that block's canaries, and the positive parts summed over steps. Every canary's coin
-    is unseen, so guesses from these scores keep the audit valid. Needs a sampling rate well below ½.
+    deviation over that block's canaries, and a canary's score is its largest standardised step: a scan
+    for one jump, which a single hit makes when the noise is small, where a sum over steps would add up
+    every step's noise and interference. Every canary's coin is unseen, so guesses from these scores keep
+    the audit valid. Needs a sampling rate well below ½.
     """
     x = np.asarray(trace, dtype=np.float64)
     h = np.empty_like(x)
@@ -257,7 +259,7 @@ def filtered_scores(trace: np.ndarray, block: np.ndarray) -> np.ndarray:
         med = np.median(h[:, cols], axis=1, keepdims=True)
         mad = 1.4826 * np.median(np.abs(h[:, cols] - med), axis=1, keepdims=True)
         h[:, cols] = (h[:, cols] - med) / np.where(mad > 0, mad, 1.0)
-    return np.clip(h, 0.0, None).sum(0)
+    return h.max(0)
 
 
 def dpsgd_canary_scores(included: np.ndarray, sample_rate: float, steps: int, sigma: float,
