@@ -6,23 +6,27 @@ gradient canaries (:mod:`prism.audit.canaries`): a secret fair coin includes eac
 Poisson-sampled at the run's rate and clipped and noised by the method's own step. Each step's released
 privatised quantity is projected on every canary's direction, and a canary's score is
 :func:`prism.audit.one_run.filtered_scores` of its per-step projections: high-passed in time, standardised
-per step and block, positive parts summed, since the real examples' gradients project on every canary
+per step and block, the largest step kept, since the real examples' gradients project on every canary
 with a spread per step above a tenth of the noise that drifts in time and differs between blocks
-(docs/MEASUREMENTS.md, 2026-12-03). The auditor guesses "in" for the ``k⁺`` highest scores and "out" for the ``k⁻`` lowest, with ``(k⁺, k⁻)`` fixed before any
-score is seen (``--split``: chosen on one half of the canaries, the other half audited). Two ε lower
-bounds at 95 % (δ of the run) come from the correct guesses: Steinke, Nasr & Jagielski (2023)
-(:func:`prism.audit.one_run.epsilon_lower_bound`) and, with "in" guesses only, the f-DP audit of
-Mahloujifar, Melis & Chaudhuri (2025) against the (ε, δ) trade-off curve
+(docs/MEASUREMENTS.md, 2026-12-03). The auditor guesses "in" for the ``k⁺`` highest scores and "out"
+for the ``k⁻`` lowest, with ``(k⁺, k⁻)`` fixed before any score is seen (``--split``: chosen on one half
+of the canaries, the other half audited). Two ε lower bounds at 95 % (δ of the run) come from the correct
+guesses: Steinke, Nasr & Jagielski (2023) (:func:`prism.audit.one_run.epsilon_lower_bound`) and, with "in"
+guesses only, the f-DP audit of Mahloujifar, Melis & Chaudhuri (2025) against the (ε, δ) trade-off curve
 (:func:`prism.audit.one_run.approx_dp_curve`), much tighter at large ``m``. Alongside: the f-DP bound an
 ideal run with the same ``(σ, q, T, m, k⁺, k⁻)`` gives (:func:`prism.audit.one_run.expected_bounds`,
 mean ± sd over 20 simulated runs). ``--expected-only`` prints those expectations for the planned runs
-without training (σ calibrated as the runs would be).
+without training (σ calibrated as the runs would be). docs/audit.md explains the rows and what they prove.
 
-Default ``m = 20,000`` and ``k⁺ = 2,000`` (the Steinke bound needs ``2mδ ≤ 1``: at most 50,000 at δ = 1e-5):
-each canary lives on one LoRA tensor (PRISM: one module), so the directions take about 100 MB and no canary
-costs a forward pass; its cost is its per-example clipping in the method's ``accumulate`` (``m/2 · q · T``
-canary gradients a run) and the per-step projection. An ideal run with a tenth of the noise then gives
-≈ 6.5 (f-DP) when all 2,000 guesses are right; ``--expected-only`` shows the bounds for other ``m`` and ``k⁺``.
+Default ``m = 30,000`` (the Steinke bound needs ``2mδ ≤ 1``: at most 50,000 at δ = 1e-5) and ``k⁺ = m/4``,
+a rule fixed before any run: with ``qT`` about 1 (embedded: q = 0.032, T = 30) about 62 % of the included
+canaries, 31 % of ``m``, are sampled at least once, so ``m/4`` guesses can all fall on sampled canaries.
+The canaries are exactly orthogonal cells of a random basis per LoRA tensor (PRISM: per module); no
+canary costs a forward pass, and their directions take 170 MB (DP-AdamW) to 330 MB (PRISM). A canary's
+cost is its per-example clipping in the method's ``accumulate`` (``m/2 · q · T`` canary gradients a run)
+and the per-step projection. An ideal run with a tenth of the noise then gives ≈ 7.8 (f-DP) when all
+7,500 guesses are right, and still above 6 with 10 of them wrong; ``--expected-only`` shows the bounds
+for other ``m`` and ``k⁺``.
 
 Default ``k⁻ = 0``: when ``qT`` is about 1 (embedded: q = 0.032, T = 30) a third of the included canaries
 is never sampled, so its scores look like the excluded ones' and "out" guesses are at best about 70 %
@@ -39,7 +43,7 @@ both stay at or below its claimed ε (the audit lacks the power to see a mechani
 noise). Output: ``results/tables/audit_run.<scale>.md`` and ``.csv``, printed at the end.
 
     python -m pipelines.audit_run [--scale embedded] [--methods prism,adamw] [--epsilons 6,3]
-                                  [--canaries 20000] [--k-pos 2000] [--k-neg 0] [--split] [--seed 0]
+                                  [--canaries 30000] [--k-pos m/4] [--k-neg 0] [--split] [--seed 0]
                                   [--no-control] [--no-broken-control] [--expected-only]
 """
 from __future__ import annotations

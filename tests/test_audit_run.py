@@ -144,6 +144,23 @@ def test_canary_gradients_have_the_stated_norm_and_pass_through_accumulate():
     assert torch.equal(wrapped.sampled[wrapped.included], torch.full((len(wrapped.included),), 2))
 
 
+def test_canaries_are_orthogonal_and_shared_out_up_to_each_blocks_cells():
+    """Factor canaries are cells of a random orthonormal basis per tensor: their directions, embedded in the
+    flat factor vector, are orthonormal; a [3, 2] tensor takes its 6 cells, a [8, 4] one the other 14 of 20;
+    more canaries than cells is refused."""
+    params = {"x.lora_B.default.weight": torch.zeros(3, 2), "x.lora_A.default.weight": torch.zeros(8, 4)}
+    d = draw_directions("factor", params, 20, seed=3)
+    counts = {key: len(d.members(key)) for key in d.keys}
+    assert counts == {"x.lora_B.default.weight": 6, "x.lora_A.default.weight": 14}
+    flat = torch.zeros(20, 6 + 32, dtype=torch.float64)
+    for key, (start, stop) in {"x.lora_B.default.weight": (0, 6), "x.lora_A.default.weight": (6, 38)}.items():
+        ids = d.members(key)
+        flat[ids, start:stop] = (d.left[key][:, :, None] * d.right[key][:, None, :]).flatten(1)
+    torch.testing.assert_close(flat @ flat.T, torch.eye(20, dtype=torch.float64))
+    with pytest.raises(ValueError, match="at most 38"):
+        draw_directions("factor", params, 39, seed=3)
+
+
 def test_tangent_projection_against_the_dense_lift():
     """⟨ΔZ, P(G_c)⟩/‖P(G_c)‖ from the rank-1 formula equals the dense computation, and the lift of a
     canary's own gradient scores its norm (2C) on it."""
