@@ -26,12 +26,13 @@ independently of the real records (Poisson sampling is per record), and its grad
 method's own ``accumulate`` (in chunks of :data:`CHUNK`) with the real micro-batches, so it is clipped,
 summed and noised by the same code.
 
-Score of canary ``c``: ``Σ_t ⟨R_t, d_c(t)⟩ / ‖d_c(t)‖`` over steps, ``R_t`` the released privatised quantity
+Score of canary ``c`` at step ``t``: ``⟨R_t, d_c(t)⟩ / ‖d_c(t)‖``, ``R_t`` the released privatised quantity
 of step ``t`` in the clipping space's inner product: for ``factor``, the noised factor gradient
-(``⟨R, x yᵀ⟩ = xᵀ R y``); for ``tangent``, the noised tangent vector ``ΔZ = ΔA Bᵀ + A ΔBᵀ`` at the factors
+(``⟨R, u vᵀ⟩ = uᵀ R v``); for ``tangent``, the noised tangent vector ``ΔZ = ΔA Bᵀ + A ΔBᵀ`` at the factors
 the step started from (public), ``⟨ΔZ, P(G)⟩ = ⟨ΔZ, u vᵀ⟩ = (uᵀΔA)(Bᵀv) + (uᵀA)(ΔBᵀv)``. For a correct
-mechanism a score is ``(C/B)·(number of times sampled) + N(0, T(σC/B)²)`` plus the (small) projections of
-the other canaries and the real examples.
+mechanism it is ``C/B`` if the canary was sampled at step ``t``, plus ``N(0, (σC/B)²)`` and the projections
+of the real examples (and, for ``tangent``, the small ones of canaries sharing ``i`` or ``j``);
+:class:`CanaryMethod` sums the steps or filters them (:func:`~prism.audit.one_run.filtered_scores`).
 
 The released quantity is the :class:`~prism.methods.base.Release` of the method's ``add_noise`` (the
 DP boundary, docs/DECISIONS.md D71): its tensors are keyed and shaped like the parameters.
@@ -189,38 +190,15 @@ def _outer(X: Tensor, Y: Tensor, dtype: torch.dtype) -> Tensor:
     return X.to(dtype)[:, :, None] * Y.to(dtype)[:, None, :]
 
 
-def released(d: CanaryDirections, release: Mapping[str, Tensor], params_before: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """The step's privatised quantity per block, float64 on the CPU: ``factor``, the noised factor gradient
-    ``R`` of each tensor; ``tangent``, the noised tangent vector ``ΔZ = ΔA Bᵀ + A ΔBᵀ`` of each module at the
-    factors the step started from (``release``: ``ΔA`` under peft ``lora_B``'s name, ``ΔBᵀ`` under ``lora_A``'s)."""
-    if d.space == "factor":
-        return {key: release[key].detach().double().cpu() for key in d.keys}
-    factors = _factors(params_before)
-    out = {}
-    for pair in _pairs(params_before):
-        A, B = factors[pair.module]
-        dA, dB = (x.detach().double().cpu() for x in read_pair(release, pair))
-        out[pair.module] = dA @ B.T + A @ dB.T
-    return out
-
-
-def project_blocks(d: CanaryDirections, blocks: Mapping[str, Tensor], params: Mapping[str, Tensor]) -> Tensor:
-    """``⟨S, d_c⟩ / ‖d_c‖`` for every canary ``[m]``, float64: ``S`` per block as :func:`released` gives it (or a
-    sum of them), ``⟨S, x yᵀ⟩ = xᵀ S y``, and ``‖d_c‖`` in the clipping space at the factors of ``params``
-    (:func:`sqnorms`)."""
-    inner = torch.zeros(d.count, dtype=torch.float64)
-    for key in d.keys:
-        inner[d.members(key)] = ((d.left[key] @ blocks[key]) * d.right[key]).sum(1)
-    return inner / sqnorms(d, params).sqrt()
-
-
 def project(d: CanaryDirections, release: Mapping[str, Tensor], params_before: Mapping[str, Tensor]) -> Tensor:
     """``⟨R, d_c⟩ / ‖d_c‖`` for every canary ``[m]`` (module docstring) of one step's ``release`` keyed like the
-    parameters, ``params_before`` the parameters the step started from; for ``tangent`` in factored form,
-    ``⟨ΔZ, u vᵀ⟩ = (uᵀΔA)(Bᵀv) + (uᵀA)(ΔBᵀv)``, without forming ``ΔZ``."""
-    if d.space == "factor":
-        return project_blocks(d, released(d, release, params_before), params_before)
+    parameters, ``params_before`` the parameters the step started from: ``⟨R, u vᵀ⟩ = uᵀ R v`` for ``factor``;
+    for ``tangent`` in factored form, ``⟨ΔZ, u vᵀ⟩ = (uᵀΔA)(Bᵀv) + (uᵀA)(ΔBᵀv)``, without forming ``ΔZ``."""
     inner = torch.zeros(d.count, dtype=torch.float64)
+    if d.space == "factor":
+        for key in d.keys:
+            inner[d.members(key)] = ((d.left[key] @ release[key].detach().double().cpu()) * d.right[key]).sum(1)
+        return inner / sqnorms(d, params_before).sqrt()
     factors = _factors(params_before)
     for pair in _pairs(params_before):
         A, B = factors[pair.module]
@@ -233,15 +211,12 @@ def project(d: CanaryDirections, release: Mapping[str, Tensor], params_before: M
 
 class CanaryMethod(Method):
     """``inner`` with canaries: ``add_noise`` first accumulates the canaries sampled this step through
-    ``inner.accumulate`` (the real examples' path) and releases ``inner``'s step; ``update`` adds that
+    ``inner.accumulate`` (the real examples' path) and releases ``inner``'s step; ``update`` projects that
     :class:`~prism.methods.base.Release` (the factor methods' noised flat factor gradient ``(Σ clip(g_i) + σCξ)/B``;
     PRISM's noised, horizontalised lift of eq. 17 as the tangent vector ``ΔZ`` at the factors the step started
-    from) to a running sum per block, then applies ``inner``'s update from it. :attr:`scores` projects the sum
-    once: exactly the sum of the per-step scores for ``factor`` (fixed directions and norms); for ``tangent``
-    each step's ``⟨ΔZ_t, u vᵀ⟩`` divided by ``‖P(u vᵀ)‖`` at the run's first factors (public), so a canary
-    sampled at step ``t`` adds ``C‖P_t(u vᵀ)‖/‖P_1(u vᵀ)‖``, about ``C`` (any score that never sees the coins
-    gives a valid audit). With ``filtered``, each step's scores are kept and :attr:`scores` is
-    :func:`~prism.audit.one_run.filtered_scores` of them.
+    from) on every canary (:func:`project`), keeps those per-step scores in :attr:`trace`, then applies
+    ``inner``'s update from it. :attr:`scores` is their sum over steps or, with ``filtered``,
+    :func:`~prism.audit.one_run.filtered_scores` of them (any score that never sees the coins gives a valid audit).
     """
 
     def __init__(self, inner: Method, directions: CanaryDirections, included: np.ndarray, sample_rate: float,
@@ -252,21 +227,18 @@ class CanaryMethod(Method):
         self.sample_rate = float(sample_rate)
         self.generator = torch.Generator().manual_seed(seed)  # the canaries' own Poisson draws
         self.sampled = torch.zeros(directions.count, dtype=torch.long)
-        self.first = {n: p.detach().clone() for n, p in self.params.items()}  # the norms' reference factors
-        self.total: dict[str, Tensor] = {}
-        self.filtered, self.trace = filtered, []  # filtered: per-step scores (:func:`filtered_scores`)
+        self.filtered, self.trace = filtered, []  # per-step scores [m] each
         self._before: Mapping[str, Tensor] = self.params
 
     @property
     def scores(self) -> Tensor:
         """Every canary's score so far ``[m]`` (float64)."""
-        if self.filtered:
-            if not self.trace:
-                return torch.zeros(self.directions.count, dtype=torch.float64)
-            return torch.from_numpy(filtered_scores(torch.stack(self.trace).numpy(), self.directions.block.numpy()))
-        if not self.total:
+        if not self.trace:
             return torch.zeros(self.directions.count, dtype=torch.float64)
-        return project_blocks(self.directions, self.total, self.first)
+        trace = torch.stack(self.trace)
+        if self.filtered:
+            return torch.from_numpy(filtered_scores(trace.numpy(), self.directions.block.numpy()))
+        return trace.sum(0)
 
     def zero_accumulators(self) -> None:
         self.inner.zero_accumulators()
@@ -286,11 +258,7 @@ class CanaryMethod(Method):
         return self.inner.add_noise(denominator, noise, diagnostics)
 
     def update(self, release: Release, diagnostics: bool = True) -> dict[str, Tensor]:
-        if self.filtered:
-            self.trace.append(project(self.directions, release.tensors, self._before))
-            return self.inner.update(release, diagnostics)
-        for key, x in released(self.directions, release.tensors, self._before).items():
-            self.total[key] = self.total[key] + x if key in self.total else x
+        self.trace.append(project(self.directions, release.tensors, self._before))
         return self.inner.update(release, diagnostics)
 
     def clip_stats(self) -> dict[str, Tensor]:
