@@ -64,8 +64,8 @@ from torch import Tensor
 
 from pipelines.audit import names
 from prism.audit.canaries import CanaryMethod, Space, draw_directions
-from prism.privacy.noise import NoiseSource
 from prism.audit.one_run import OneRunAudit, audit, expected_bounds, split_audit
+from prism.privacy.noise import NoiseSource
 
 PRINT = functools.partial(print, flush=True)
 SCALES = ("embedded", "smoke")

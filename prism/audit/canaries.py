@@ -47,10 +47,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from prism.audit.one_run import filtered_scores
 from prism.mechanism.lora import lora_pairs, read_pair
 from prism.methods.base import Method, Release
 from prism.privacy.noise import NoiseSource
-from prism.audit.one_run import filtered_scores
 
 Space = Literal["factor", "tangent"]
 CANARY_NORM = 2.0  # canary norm in units of C: ≥ 1, so clipping always scales it to exactly C
