@@ -64,7 +64,7 @@ test: setup  ## fast test suite (CPU, tiny models)
 audit: setup  ## step-level empirical privacy audit of every method; exit 1 if a μ lower bound exceeds 1/σ
 	$(PY) -m pipelines audit $(ARGS)
 
-audit-run: setup  ## one-run audit of trained runs with canaries (PRISM, DP-AdamW at eps 6, 3 + non-private); exit 1 if a bound exceeds eps
+audit-run: setup  ## one-run audit of trained runs with canaries (PRISM, DP-AdamW at eps 6, 3, their noise/10 controls + non-private); exit 1 if a DP run's bound exceeds eps or a control is missed
 	$(PY) -m pipelines audit-run $(call arg,scale,SCALE) $(ARGS)
 
 test-all: setup  ## every test, including real checkpoints and end-to-end runs

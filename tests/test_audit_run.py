@@ -4,7 +4,8 @@ The methods here are test-only Gaussian mechanisms implementing :class:`prism.me
 release hook the harness reads: one clips in the flat factor space, one in PRISM's tangent space
 (lift, eq. 14; isotropic tangent noise, eq. 19). With every canary sampled in every step (rate 1) a
 run of T steps is a Gaussian mechanism with μ = √T/σ per canary, so its true ε is the GDP curve's
-(:func:`prism.audit.step.gdp_epsilon`). The 'noise ÷ 10' variant exists only in this file.
+(:func:`prism.audit.step.gdp_epsilon`). The test-only 'noise ÷ 10' variants live in this file; the
+audit's own broken-noise control is :class:`pipelines.audit_run.BrokenNoise`.
 """
 from __future__ import annotations
 
@@ -145,6 +146,23 @@ def test_canary_gradients_have_the_stated_norm_and_pass_through_accumulate():
     assert torch.equal(wrapped.sampled[wrapped.included], torch.full((len(wrapped.included),), 2))
 
 
+def test_canaries_are_orthogonal_and_shared_out_up_to_each_blocks_cells():
+    """Factor canaries are cells of a random orthonormal basis per tensor: their directions, embedded in the
+    flat factor vector, are orthonormal; a [3, 2] tensor takes its 6 cells, a [8, 4] one the other 14 of 20;
+    more canaries than cells is refused."""
+    params = {"x.lora_B.default.weight": torch.zeros(3, 2), "x.lora_A.default.weight": torch.zeros(8, 4)}
+    d = draw_directions("factor", params, 20, seed=3)
+    counts = {key: len(d.members(key)) for key in d.keys}
+    assert counts == {"x.lora_B.default.weight": 6, "x.lora_A.default.weight": 14}
+    flat = torch.zeros(20, 6 + 32, dtype=torch.float64)
+    for key, (start, stop) in {"x.lora_B.default.weight": (0, 6), "x.lora_A.default.weight": (6, 38)}.items():
+        ids = d.members(key)
+        flat[ids, start:stop] = (d.left[key][:, :, None] * d.right[key][:, None, :]).flatten(1)
+    torch.testing.assert_close(flat @ flat.T, torch.eye(20, dtype=torch.float64))
+    with pytest.raises(ValueError, match="at most 38"):
+        draw_directions("factor", params, 39, seed=3)
+
+
 def test_tangent_projection_against_the_dense_lift():
     """⟨ΔZ, P(G_c)⟩/‖P(G_c)‖ from the rank-1 formula equals the dense computation, and the lift of a
     canary's own gradient scores its norm (2C) on it."""
@@ -187,20 +205,35 @@ def test_tangent_noise_divided_by_ten_is_caught():
 
 
 def test_table_round_trips(tmp_path):
-    rows = [AuditRow("prism", 6.0, 1000, 200, 120, 0.31, 0.12, 0.5, "0.20 ± 0.10", "abc123"),
-            AuditRow("adamw", math.inf, 1000, 200, 200, 3.1, math.nan, math.nan, "", "def456")]
+    rows = [AuditRow("prism", audit_run.GENUINE, 6.0, 1000, 200, 120, 0.31, 0.35, 0.12, 0.5, "0.20 ± 0.10", "abc123"),
+            AuditRow("prism", audit_run.BROKEN, 6.0, 1000, 200, 200, 5.2, 6.4, 2.0, 8.0, "6.50 ± 0.10", "abc123"),
+            AuditRow("adamw", audit_run.NONPRIVATE, math.inf, 1000, 200, 200, 3.1, math.nan, math.nan, math.nan, "",
+                     "def456")]
     md, csv_path = write_table(rows, "embedded", tmp_path)
     with csv_path.open() as fh:
         read = list(csv.DictReader(fh))
-    assert [r["method"] for r in read] == ["prism", "adamw"] and float(read[1]["claimed_epsilon"]) == math.inf
+    assert [r["method"] for r in read] == ["prism", "prism", "adamw"] and float(read[2]["claimed_epsilon"]) == math.inf
+    assert [r["row"] for r in read] == ["DP run", "control: noise ÷ 10", "control: non-private"]
     text = md.read_text()
-    assert "| prism | 6 | 1000 | 200 | 120 | 0.31 | 0.12 (0.50) | 0.20 ± 0.10 | `abc123` |" in text
-    assert "| adamw | ∞ (non-private) | 1000 | 200 | 200 | 3.10 | – | – | `def456` |" in text
-    assert "∞ (non-private)" in text
+    assert "| prism | DP run | 6 | 1000 | 200 | 120 | 0.31 | 0.35 | 0.12 (0.50) | 0.20 ± 0.10 | pass | `abc123` |" in text
+    assert "| prism | control: noise ÷ 10 | 6 | 1000 | 200 | 200 | 5.20 | 6.40 | 2.00 (8.00) | 6.50 ± 0.10 | caught |" in text
+    assert "| adamw | control: non-private | ∞ (non-private) | 1000 | 200 | 200 | 3.10 | – | – | – | – | `def456` |" in text
+
+
+def test_verdicts_flag_a_defect_and_a_missed_control():
+    """A DP run passes at or below its ε and is a defect above it (either bound); a broken control is caught
+    above its claimed ε and missed at or below it."""
+    def row(kind, steinke, fdp):
+        return AuditRow("prism", kind, 3.0, 10, 5, 5, steinke, fdp, 0.0, 0.0, "", "h")
+
+    assert [audit_run.verdict(row(audit_run.GENUINE, *b)) for b in ((2.9, 3.0), (3.1, 2.0), (1.0, 3.2))] == \
+        ["pass", "DEFECT", "DEFECT"]
+    assert [audit_run.verdict(row(audit_run.BROKEN, *b)) for b in ((2.9, 3.0), (2.0, 3.2), (3.5, math.nan))] == \
+        ["MISSED", "caught", "caught"]
 
 
 @pytest.mark.parametrize("argv,field", [(["epsilons=0"], "epsilons"), (["methods=sgd"], "methods"),
-                                        (["k_pos=900", "k_neg=200"], "k_pos"), (["scale=paper"], "scale")])
+                                        (["k_pos=40000", "k_neg=20000"], "k_pos"), (["scale=paper"], "scale")])
 def test_cli_rejects_bad_input_in_one_line(argv, field, capsys, tmp_path):
     assert cli(["audit-run", *argv, f"out={tmp_path / 't'}"]) == 2
     err = capsys.readouterr().err
@@ -296,3 +329,51 @@ def test_canaries_ride_the_real_training_loop():
     assert method.examples == sum(seen) and int(wrapped.sampled.sum()) > 0
     assert int(wrapped.sampled[~np.isin(np.arange(60), wrapped.included.numpy())].sum()) == 0  # excluded never enter
     assert torch.isfinite(wrapped.scores).all() and result.guesses == 5
+
+
+@pytest.mark.parametrize("name,space", [("adamw", "factor"), ("prism", "tangent")])
+def test_the_audits_broken_noise_control_is_caught_and_the_genuine_run_passes(name, space):
+    """The audit's own control (:class:`pipelines.audit_run.BrokenNoise` around the run's noise source) on the
+    production methods with 1,000 canaries and 300 "in" guesses: 16 steps of σ = 5 with every canary in every
+    step (true ε 3.39, the GDP curve) pass with either bound; the same run with the control's noise is caught."""
+    from omegaconf import OmegaConf
+
+    from prism.methods import build_method
+    eps_true = gdp_epsilon(math.sqrt(16) / 5.0, 1e-5)
+    verdicts = []
+    for broken in (False, True):
+        cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "method" / f"{name}.yaml")
+        cfg.lr = 1e-3
+        g = torch.Generator().manual_seed(5)
+        method = build_method(cfg, _params(0), PrivacySpec(sigma=5.0, clip_norm=1.0))
+        noise = SeededNoise(torch.Generator().manual_seed(6))
+        noise = audit_run.BrokenNoise(noise) if broken else noise
+
+        def step_fn(wrapped, g=g, noise=noise):
+            wrapped.zero_accumulators()
+            _real_examples(wrapped, g)
+            wrapped.step(64.0, noise)
+
+        result, _ = audit_method(method, space, 1000, 300, 0, 1.0, 16, step_fn, 1e-5, 0, report=lambda _: None)
+        row = AuditRow(name, audit_run.BROKEN if broken else audit_run.GENUINE, eps_true, result.canaries,
+                       result.guesses, result.correct, result.epsilon_lower, result.epsilon_fdp_lower, result.mu_lower,
+                       0.0, "", "h")
+        verdicts.append(audit_run.verdict(row))
+    assert verdicts == ["pass", "caught"]
+
+
+def test_broken_noise_control_is_reachable_only_from_the_audit():
+    """The control's noise wrapper is named in no module but the audit's, no config holds a noise scale, and an
+    override that tries to add one is an unknown key."""
+    from pipelines.config_rules import ConfigError
+    from pipelines.validate import load_job
+
+    root = Path(__file__).resolve().parents[1]
+    users = {p.relative_to(root).as_posix() for d in ("prism", "pipelines") for p in (root / d).rglob("*.py")
+             if "BrokenNoise" in p.read_text() or "BROKEN_NOISE_SCALE" in p.read_text()}
+    assert users == {"pipelines/audit_run.py"}
+    assert not any("noise_scale" in p.read_text() or "broken" in p.read_text().lower()
+                   for p in (root / "conf").rglob("*.yaml"))
+    for override in ("+privacy.noise_scale=0.1", "privacy.noise_scale=0.1", "++privacy.broken=true"):
+        with pytest.raises(ConfigError):
+            load_job(["method=prism", "scale=smoke", "privacy=eps6", override])

@@ -205,3 +205,20 @@ def test_gdp_bound_on_gaussian_mechanisms():
         assert gdp_eps > np.mean([r.epsilon_lower for r in results])
     rejected = [fdp_rejects(m, k, 80, gaussian_curve(mu), 0.05) for mu in np.linspace(0.01, 3, 300)]
     assert rejected == sorted(rejected, reverse=True)  # True up to the bound, then False
+
+
+def test_filtered_scores_see_hits_through_drift_and_unequal_blocks():
+    """Per-step scores with a slow drift per canary, ten times larger on one block than the other, and
+    one-step hits of size 1: the summed scores mistake the drift for hits, the filtered ones find the hits."""
+    from prism.audit.one_run import filtered_scores
+
+    rng = np.random.default_rng(0)
+    m, steps = 4000, 30
+    block = np.arange(m) % 2
+    included = rng.random(m) < 0.5
+    hits = (rng.random((steps, m)) < 0.05) * included
+    drift = np.linspace(0, 1, steps)[:, None] * rng.standard_normal(m) * np.where(block == 1, 10.0, 1.0)
+    trace = hits + drift + 0.05 * rng.standard_normal((steps, m))
+    top = np.argsort(-filtered_scores(trace, block))[:400]
+    assert included[top].all()
+    assert not included[np.argsort(-trace.sum(0))[:400]].all()

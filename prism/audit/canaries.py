@@ -1,28 +1,38 @@
 """White-box gradient canaries for a one-run audit of a whole training run (:mod:`prism.audit.one_run`).
 
-Each of ``m`` canaries is a fixed random direction ``d_c`` in the space where the method clips, scaled so its
-norm there is ``2C`` (≥ C, so its clipped contribution is exactly the clip norm):
+Each of ``m`` canaries is a fixed rank-1 direction ``d_c = u vᵀ`` in the space where the method clips,
+supported on one block (one LoRA tensor, or one module for PRISM) and scaled so its norm there is ``2C``
+(≥ C, so its clipped contribution is exactly the clip norm):
 
-* ``factor`` (the factor-space baselines, eq. 3): the flat vector of the trainable LoRA tensors; on each
-  tensor ``W`` ``[a, b]`` the direction is ``x yᵀ`` with ``x``, ``y`` standard normal;
-* ``tangent`` (PRISM, eqs. 13–16): on each module the ambient matrix ``G = u vᵀ`` (``u`` ``[m]``, ``v`` ``[n]``);
+* ``factor`` (the factor-space baselines, eq. 3): the flat vector of the trainable LoRA tensors; on a
+  tensor ``W`` ``[a, b]`` the direction is ``u vᵀ``, zero on every other tensor;
+* ``tangent`` (PRISM, eqs. 13–16): on a module the ambient matrix ``G = u vᵀ`` (``u`` ``[m]``, ``v`` ``[n]``);
   the canary's per-example factor gradients at the step's factors are ``(G B, Aᵀ G)`` (the chain rule for
   a loss whose gradient in ``Z = A Bᵀ`` is ``G``), whose lift is ``P_{A,B}(G)`` (eq. 14, Lemma A.14), of
-  intrinsic norm ``‖P_{A,B}(G)‖_F`` summed over modules in quadrature.
+  intrinsic norm ``‖P_{A,B}(G)‖_F``.
 
-Independent rank-1 directions are nearly orthogonal (``⟨x₁y₁ᵀ, x₂y₂ᵀ⟩ = (x₁·x₂)(y₁·y₂)``, of relative
-size ``1/√(ab)`` like dense ones) and cost ``a + b`` numbers each to keep, so all ``m`` are projected every
-step. A secret fair coin includes each canary; an included canary joins each step's batch with the
-Poisson sampler's rate ``q``, independently of the real records (Poisson sampling is per record), and
-its gradient goes through the method's own ``accumulate`` with the real micro-batches, so it is clipped,
+On a block of shape ``[a, b]`` the directions are cells of a random orthonormal basis: ``u = Q_a e_i``,
+``v = Q_b e_j`` with ``Q_a``, ``Q_b`` random orthogonal matrices and distinct cells ``(i, j)`` per canary,
+so two canaries are exactly orthogonal (``⟨u_i v_jᵀ, u_k v_lᵀ⟩ = δ_ik δ_jl``; on different blocks too):
+one canary's hits put nothing on another's score in the factor space, and in the tangent space only
+through canaries that share ``i`` or ``j``. Independent random rank-1 directions would each add about
+``1/√(ab)`` of every hit on the block, with tens of hits a block each step as large as a tenth of the
+noise (docs/MEASUREMENTS.md, 2026-12-03). The rotation spreads every direction over the whole block,
+so the real examples' gradients project on it as on a random direction. The canaries are shared out
+equally over the blocks, a block taking at most its ``a·b`` cells; a canary costs the ``a + b`` numbers
+of its ``u`` and ``v``, so 10⁴–10⁵ of them are projected every step. A secret fair coin includes
+each canary; an included canary joins each step's batch with the Poisson sampler's rate ``q``,
+independently of the real records (Poisson sampling is per record), and its gradient goes through the
+method's own ``accumulate`` (in chunks of :data:`CHUNK`) with the real micro-batches, so it is clipped,
 summed and noised by the same code.
 
-Score of canary ``c``: ``Σ_t ⟨R_t, d_c(t)⟩ / ‖d_c(t)‖`` over steps, ``R_t`` the released privatised quantity
+Score of canary ``c`` at step ``t``: ``⟨R_t, d_c(t)⟩ / ‖d_c(t)‖``, ``R_t`` the released privatised quantity
 of step ``t`` in the clipping space's inner product: for ``factor``, the noised factor gradient
-(``⟨R, x yᵀ⟩ = xᵀ R y``); for ``tangent``, the noised tangent vector ``ΔZ = ΔA Bᵀ + A ΔBᵀ`` at the factors
+(``⟨R, u vᵀ⟩ = uᵀ R v``); for ``tangent``, the noised tangent vector ``ΔZ = ΔA Bᵀ + A ΔBᵀ`` at the factors
 the step started from (public), ``⟨ΔZ, P(G)⟩ = ⟨ΔZ, u vᵀ⟩ = (uᵀΔA)(Bᵀv) + (uᵀA)(ΔBᵀv)``. For a correct
-mechanism a score is ``(C/B)·(number of times sampled) + N(0, T(σC/B)²)`` plus the (small) projections of
-the other canaries and the real examples.
+mechanism it is ``C/B`` if the canary was sampled at step ``t``, plus ``N(0, (σC/B)²)`` and the projections
+of the real examples (and, for ``tangent``, the small ones of canaries sharing ``i`` or ``j``);
+:class:`CanaryMethod` sums the steps or filters them (:func:`~prism.audit.one_run.filtered_scores`).
 
 The released quantity is the :class:`~prism.methods.base.Release` of the method's ``add_noise`` (the
 DP boundary, docs/DECISIONS.md D71): its tensors are keyed and shaped like the parameters.
@@ -37,51 +47,79 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from prism.audit.one_run import filtered_scores
 from prism.mechanism.lora import lora_pairs, read_pair
 from prism.methods.base import Method, Release
 from prism.privacy.noise import NoiseSource
 
 Space = Literal["factor", "tangent"]
 CANARY_NORM = 2.0  # canary norm in units of C: ≥ 1, so clipping always scales it to exactly C
+CHUNK = 64  # canaries per accumulate call: bounds the per-example gradients held at once
 
 
 @dataclass(frozen=True)
 class CanaryDirections:
-    """``m`` rank-1 directions per block: ``left[name]`` ``[m, a]``, ``right[name]`` ``[m, b]`` (float64).
+    """``m`` rank-1 directions, each supported on one block (float64).
 
-    ``factor``: blocks are the trainable tensors ``W`` ``[a, b]`` (direction ``x yᵀ``). ``tangent``: blocks
-    are the modules (keyed by module name), ``u`` ``[m, rows of A]``, ``v`` ``[m, rows of B]``.
+    Canary ``c`` lives on block ``keys[block[c]]`` as row ``slot[c]`` of ``left[key]`` ``[m_key, a]`` (``uᵀ``)
+    and ``right[key]`` ``[m_key, b]`` (``vᵀ``). ``factor``: blocks are the trainable tensors ``W`` ``[a, b]``
+    (direction ``u vᵀ``, zero on every other tensor). ``tangent``: blocks are the modules (keyed by module
+    name), ``u`` ``[rows of A]``, ``v`` ``[rows of B]``.
     """
 
     space: Space
+    keys: tuple[str, ...]
+    block: Tensor  # [m] index into keys
+    slot: Tensor  # [m] row within the block's arrays
     left: dict[str, Tensor]
     right: dict[str, Tensor]
 
     @property
     def count(self) -> int:
-        return next(iter(self.left.values())).shape[0]
+        return len(self.block)
+
+    def members(self, key: str) -> Tensor:
+        """Canary ids on block ``key``, in the order of its rows."""
+        return torch.nonzero(self.block == self.keys.index(key)).squeeze(1)
 
 
 def draw_directions(space: Space, params: Mapping[str, Tensor], count: int, seed: int) -> CanaryDirections:
-    """Random directions for ``count`` canaries over ``params`` (the method's trainable parameters)."""
+    """Orthonormal-basis directions (module docstring) for ``count`` canaries over ``params`` (the method's
+    trainable parameters): blocks in order, each taking an equal share of the canaries not yet placed, at
+    most its ``a·b`` cells, drawn without replacement."""
     if count < 2:
         raise ValueError(f"need at least 2 canaries (got {count})")
     g = torch.Generator().manual_seed(seed)
-    left, right = {}, {}
     if space == "factor":
         for name, p in params.items():
             if p.dim() != 2:
                 raise ValueError(f"{name}: factor canaries need 2-D LoRA tensors, got shape {tuple(p.shape)}")
-            left[name] = torch.randn(count, p.shape[0], generator=g, dtype=torch.float64)
-            right[name] = torch.randn(count, p.shape[1], generator=g, dtype=torch.float64)
+        shapes = {name: (p.shape[0], p.shape[1]) for name, p in params.items()}
     elif space == "tangent":
+        shapes = {}
         for pair in _pairs(params):
             A, B = read_pair(params, pair)
-            left[pair.module] = torch.randn(count, A.shape[0], generator=g, dtype=torch.float64)
-            right[pair.module] = torch.randn(count, B.shape[0], generator=g, dtype=torch.float64)
+            shapes[pair.module] = (A.shape[0], B.shape[0])
     else:
         raise ValueError(f"unknown canary space {space!r}; choose factor or tangent")
-    return CanaryDirections(space, left, right)
+    if count > sum(a * b for a, b in shapes.values()):
+        raise ValueError(f"{count} canaries: at most {sum(a * b for a, b in shapes.values())} orthogonal ones fit")
+    keys = tuple(sorted(shapes, key=lambda k: shapes[k][0] * shapes[k][1]))  # the smallest blocks fill first
+    counts, left, right = [], {}, {}
+    for i, key in enumerate(keys):
+        a, b = shapes[key]
+        counts.append(min(a * b, -(-(count - sum(counts)) // (len(keys) - i))))
+        cells = torch.randperm(a * b, generator=g)[:counts[-1]]
+        left[key] = _orthogonal(a, g)[:, cells // b].T.contiguous()
+        right[key] = _orthogonal(b, g)[:, cells % b].T.contiguous()
+    block = torch.repeat_interleave(torch.arange(len(keys)), torch.tensor(counts))
+    slot = torch.cat([torch.arange(n) for n in counts])
+    return CanaryDirections(space, keys, block, slot, left, right)
+
+
+def _orthogonal(n: int, g: torch.Generator) -> Tensor:
+    """A random orthogonal ``[n, n]`` matrix (float64): the Q factor of a standard normal one."""
+    return torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64)).Q
 
 
 def _pairs(params: Mapping[str, Tensor]) -> list:
@@ -96,25 +134,34 @@ def _factors(params: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
     return {pair.module: tuple(x.detach().double() for x in read_pair(params, pair)) for pair in _pairs(params)}
 
 
+def _by_block(d: CanaryDirections, ids: Tensor) -> list[tuple[str, Tensor, Tensor]]:
+    """``(key, positions in ids, rows of the block's arrays)`` for every block with canaries among ``ids``."""
+    out = []
+    for i, key in enumerate(d.keys):
+        pos = torch.nonzero(d.block[ids] == i).squeeze(1)
+        if len(pos):
+            out.append((key, pos, d.slot[ids[pos]]))
+    return out
+
+
 def sqnorms(d: CanaryDirections, params: Mapping[str, Tensor], ids: Tensor | None = None) -> Tensor:
     """Squared norms of the canaries' directions in the clipping space ``[len(ids)]`` (all canaries if None).
 
-    ``factor``: ``Σ_W ‖x‖²‖y‖²``. ``tangent``: ``Σ_modules ‖P_{A,B}(u vᵀ)‖²_F =
-    ‖u‖²‖v‖² − ‖(I − Π_A)u‖²‖(I − Π_B)v‖²`` (eq. 13: ``G − P(G) = (I − Π_A) G (I − Π_B)``).
+    ``factor``: ``‖x‖²‖y‖²``. ``tangent``: ``‖P_{A,B}(u vᵀ)‖²_F = ‖u‖²‖v‖² − ‖(I − Π_A)u‖²‖(I − Π_B)v‖²``
+    (eq. 13: ``G − P(G) = (I − Π_A) G (I − Π_B)``) on the canary's module at the factors of ``params``.
     """
-    total = 0.0
+    ids = torch.arange(d.count) if ids is None else ids
+    total = torch.zeros(len(ids), dtype=torch.float64)
     factors = _factors(params) if d.space == "tangent" else None
-    for key, X in d.left.items():
-        Y = d.right[key]
-        if ids is not None:
-            X, Y = X[ids], Y[ids]
+    for key, pos, rows in _by_block(d, ids):
+        X, Y = d.left[key][rows], d.right[key][rows]
         xx, yy = X.square().sum(1), Y.square().sum(1)
         if factors is None:
-            total = total + xx * yy
+            total[pos] = xx * yy
             continue
         A, B = factors[key]
         QA, QB = torch.linalg.qr(A).Q, torch.linalg.qr(B).Q
-        total = total + xx * yy - (xx - (X @ QA).square().sum(1)) * (yy - (Y @ QB).square().sum(1))
+        total[pos] = xx * yy - (xx - (X @ QA).square().sum(1)) * (yy - (Y @ QB).square().sum(1))
     return total
 
 
@@ -123,62 +170,75 @@ def gradients(d: CanaryDirections, params: Mapping[str, Tensor], ids: Tensor, cl
     """Per-example gradients ``[k, *shape]`` of canaries ``ids`` (their sum ``[*shape]`` if not
     ``per_example``), each of norm ``CANARY_NORM · C`` in the clipping space, in the parameters' dtypes."""
     scale = CANARY_NORM * clip_norm / sqnorms(d, params, ids).sqrt()  # [k]
-    out: dict[str, Tensor] = {}
-    if d.space == "factor":
-        for name, X in d.left.items():
-            out[name] = torch.einsum("k,ka,kb->kab", scale, X[ids], d.right[name][ids])
-    else:
-        factors = _factors(params)
-        for pair in _pairs(params):
-            A, B = factors[pair.module]
-            U, V = d.left[pair.module][ids] * scale[:, None], d.right[pair.module][ids]
-            out[pair.a_name] = U[:, :, None] * (V @ B)[:, None, :]  # G B = u (vᵀB)       [k, m, r]
-            out[pair.b_name] = (U @ A)[:, :, None] * V[:, None, :]  # (AᵀG) = (Aᵀu) vᵀ   [k, r, n]
-    ref = {n: p for n, p in params.items()}
-    return {n: (g if per_example else g.sum(0)).to(ref[n].dtype).to(ref[n].device) for n, g in out.items()
-            if n in ref}
+    out = {n: torch.zeros(len(ids), *p.shape, dtype=p.dtype) for n, p in params.items()}
+    factors = _factors(params) if d.space == "tangent" else None
+    pairs = {pair.module: pair for pair in _pairs(params)} if factors is not None else {}
+    for key, pos, rows in _by_block(d, ids):
+        X, Y = d.left[key][rows] * scale[pos, None], d.right[key][rows]
+        if factors is None:
+            out[key][pos] = _outer(X, Y, out[key].dtype)
+            continue
+        A, B = factors[key]
+        pair = pairs[key]
+        out[pair.a_name][pos] = _outer(X, Y @ B, out[pair.a_name].dtype)  # G B = u (vᵀB)       [k, m, r]
+        out[pair.b_name][pos] = _outer(X @ A, Y, out[pair.b_name].dtype)  # (AᵀG) = (Aᵀu) vᵀ   [k, r, n]
+    return {n: (g if per_example else g.sum(0)).to(p.device) for (n, g), p in zip(out.items(), params.values())}
+
+
+def _outer(X: Tensor, Y: Tensor, dtype: torch.dtype) -> Tensor:
+    """Row-wise outer products ``[k, a, b]`` of ``X`` ``[k, a]`` and ``Y`` ``[k, b]`` in ``dtype``."""
+    return X.to(dtype)[:, :, None] * Y.to(dtype)[:, None, :]
 
 
 def project(d: CanaryDirections, release: Mapping[str, Tensor], params_before: Mapping[str, Tensor]) -> Tensor:
-    """``⟨R, d_c⟩ / ‖d_c‖`` for every canary ``[m]`` (module docstring), float64.
-
-    ``release``: the step's privatised quantity keyed like the parameters (``factor``: the noised factor
-    gradient; ``tangent``: the noised lift, ``ΔA`` under peft ``lora_B``'s name and ``ΔBᵀ`` under ``lora_A``'s),
-    ``params_before``: the parameters the step started from.
-    """
-    inner = 0.0
+    """``⟨R, d_c⟩ / ‖d_c‖`` for every canary ``[m]`` (module docstring) of one step's ``release`` keyed like the
+    parameters, ``params_before`` the parameters the step started from: ``⟨R, u vᵀ⟩ = uᵀ R v`` for ``factor``;
+    for ``tangent`` in factored form, ``⟨ΔZ, u vᵀ⟩ = (uᵀΔA)(Bᵀv) + (uᵀA)(ΔBᵀv)``, without forming ``ΔZ``."""
+    inner = torch.zeros(d.count, dtype=torch.float64)
     if d.space == "factor":
-        for name, X in d.left.items():
-            R = release[name].detach().double().cpu()
-            inner = inner + ((X @ R) * d.right[name]).sum(1)
-    else:
-        factors = _factors(params_before)
-        for pair in _pairs(params_before):
-            A, B = factors[pair.module]
-            dA, dB = (x.detach().double().cpu() for x in read_pair(release, pair))
-            U, V = d.left[pair.module], d.right[pair.module]
-            inner = inner + ((U @ dA) * (V @ B)).sum(1) + ((U @ A) * (V @ dB)).sum(1)
+        for key in d.keys:
+            inner[d.members(key)] = ((d.left[key] @ release[key].detach().double().cpu()) * d.right[key]).sum(1)
+        return inner / sqnorms(d, params_before).sqrt()
+    factors = _factors(params_before)
+    for pair in _pairs(params_before):
+        A, B = factors[pair.module]
+        dA, dB = (x.detach().double().cpu() for x in read_pair(release, pair))
+        r = A.shape[1]
+        UA, VB = d.left[pair.module] @ torch.cat([dA, A], 1), d.right[pair.module] @ torch.cat([B, dB], 1)
+        inner[d.members(pair.module)] = (UA[:, :r] * VB[:, :r]).sum(1) + (UA[:, r:] * VB[:, r:]).sum(1)
     return inner / sqnorms(d, params_before).sqrt()
 
 
 class CanaryMethod(Method):
     """``inner`` with canaries: ``add_noise`` first accumulates the canaries sampled this step through
-    ``inner.accumulate`` (the real examples' path) and releases ``inner``'s step; ``update`` scores every
-    canary on that :class:`~prism.methods.base.Release` (the factor methods' noised flat factor gradient
-    ``(Σ clip(g_i) + σCξ)/B``; PRISM's noised, horizontalised lift of eq. 17 at the factors the step started
-    from, ``ΔA`` under peft ``lora_B``, ``ΔBᵀ`` under ``lora_A``), then applies ``inner``'s update from it.
+    ``inner.accumulate`` (the real examples' path) and releases ``inner``'s step; ``update`` projects that
+    :class:`~prism.methods.base.Release` (the factor methods' noised flat factor gradient ``(Σ clip(g_i) + σCξ)/B``;
+    PRISM's noised, horizontalised lift of eq. 17 as the tangent vector ``ΔZ`` at the factors the step started
+    from) on every canary (:func:`project`), keeps those per-step scores in :attr:`trace`, then applies
+    ``inner``'s update from it. :attr:`scores` is their sum over steps or, with ``filtered``,
+    :func:`~prism.audit.one_run.filtered_scores` of them (any score that never sees the coins gives a valid audit).
     """
 
     def __init__(self, inner: Method, directions: CanaryDirections, included: np.ndarray, sample_rate: float,
-                 seed: int) -> None:
+                 seed: int, filtered: bool = False) -> None:
         super().__init__(inner.params, inner.privacy)
         self.inner, self.directions = inner, directions
         self.included = torch.as_tensor(np.flatnonzero(included), dtype=torch.long)
         self.sample_rate = float(sample_rate)
         self.generator = torch.Generator().manual_seed(seed)  # the canaries' own Poisson draws
-        self.scores = torch.zeros(directions.count, dtype=torch.float64)
         self.sampled = torch.zeros(directions.count, dtype=torch.long)
+        self.filtered, self.trace = filtered, []  # per-step scores [m] each
         self._before: Mapping[str, Tensor] = self.params
+
+    @property
+    def scores(self) -> Tensor:
+        """Every canary's score so far ``[m]`` (float64)."""
+        if not self.trace:
+            return torch.zeros(self.directions.count, dtype=torch.float64)
+        trace = torch.stack(self.trace)
+        if self.filtered:
+            return torch.from_numpy(filtered_scores(trace.numpy(), self.directions.block.numpy()))
+        return trace.sum(0)
 
     def zero_accumulators(self) -> None:
         self.inner.zero_accumulators()
@@ -189,16 +249,16 @@ class CanaryMethod(Method):
     def add_noise(self, denominator: float, noise: NoiseSource, diagnostics: bool = True) -> Release:
         hit = torch.rand(len(self.included), generator=self.generator, dtype=torch.float64) < self.sample_rate
         ids = self.included[hit]
-        if len(ids):
-            clip = self.privacy.clip_norm if self.dp else 1.0
-            self.inner.accumulate(gradients(self.directions, self.params, ids, clip, per_example=self.dp))
-            self.sampled[ids] += 1
+        clip = self.privacy.clip_norm if self.dp else 1.0
+        for chunk in ids.split(CHUNK):
+            self.inner.accumulate(gradients(self.directions, self.params, chunk, clip, per_example=self.dp))
+        self.sampled[ids] += 1
         tangent = self.directions.space == "tangent"
         self._before = {n: p.detach().clone() for n, p in self.params.items()} if tangent else self.params
         return self.inner.add_noise(denominator, noise, diagnostics)
 
     def update(self, release: Release, diagnostics: bool = True) -> dict[str, Tensor]:
-        self.scores += project(self.directions, release.tensors, self._before)
+        self.trace.append(project(self.directions, release.tensors, self._before))
         return self.inner.update(release, diagnostics)
 
     def clip_stats(self) -> dict[str, Tensor]:

@@ -124,6 +124,14 @@ def pure_dp_curve(epsilon: float) -> Callable[[float], float]:
     return lambda t: max(0.0, 1.0 - math.exp(epsilon) * (1.0 - t), math.exp(-epsilon) * t)
 
 
+def approx_dp_curve(delta: float) -> Callable[[float], Callable[[float], float]]:
+    """``ε ↦ (t ↦ f_{ε,δ}(1 − t))`` for the (ε, δ)-DP trade-off curve
+    ``f_{ε,δ}(α) = max(0, 1 − δ − e^ε α, e^{−ε}(1 − δ − α))`` (Dong, Roth & Su 2022): with
+    :func:`fdp_lower_bound`, an (ε, δ) lower bound from the f-DP audit of Mahloujifar, Melis & Chaudhuri (2025)."""
+    return lambda epsilon: (lambda t: max(0.0, 1.0 - delta - math.exp(epsilon) * (1.0 - t),
+                                          math.exp(-epsilon) * (t - delta)))
+
+
 def fdp_rejects(m: int, k: int, v: int, curve: Callable[[float], float], beta: float) -> bool:
     """Whether ``v`` right of ``k`` "in" guesses about ``m`` canaries reject "f-DP" at level β (Mahloujifar et al.).
 
@@ -184,8 +192,9 @@ def top_bottom_guesses(scores: np.ndarray, k_pos: int, k_neg: int) -> np.ndarray
 
 @dataclass(frozen=True)
 class OneRunAudit:
-    """The outcome of one audit: canaries audited, guesses made, correct guesses, the ε lower bound and,
-    for "in" guesses only (``k⁻ = 0``), the μ-GDP lower bound (NaN otherwise)."""
+    """The outcome of one audit: canaries audited, guesses made, correct guesses, the ε lower bound
+    (Steinke et al.) and, for "in" guesses only (``k⁻ = 0``), the μ-GDP lower bound and the f-DP audit's
+    (ε, δ) lower bound (:func:`approx_dp_curve`; NaN otherwise)."""
 
     canaries: int
     guesses: int
@@ -194,6 +203,7 @@ class OneRunAudit:
     k_pos: int
     k_neg: int
     mu_lower: float = math.nan
+    epsilon_fdp_lower: float = math.nan
 
 
 def audit(scores: np.ndarray, included: np.ndarray, k_pos: int, k_neg: int, delta: float = 1e-5,
@@ -207,7 +217,9 @@ def audit(scores: np.ndarray, included: np.ndarray, k_pos: int, k_neg: int, delt
     r = int(np.count_nonzero(guesses))
     v = int(np.count_nonzero(guesses == truth))
     mu = fdp_lower_bound(len(scores), r, v, gaussian_curve, confidence, tol=1e-4) if k_neg == 0 else math.nan
-    return OneRunAudit(len(scores), r, v, epsilon_lower_bound(len(scores), r, v, delta, confidence), k_pos, k_neg, mu)
+    eps_fdp = fdp_lower_bound(len(scores), r, v, approx_dp_curve(delta), confidence, tol=1e-3) if k_neg == 0 else math.nan
+    return OneRunAudit(len(scores), r, v, epsilon_lower_bound(len(scores), r, v, delta, confidence), k_pos, k_neg, mu,
+                       eps_fdp)
 
 
 def split_audit(scores: np.ndarray, included: np.ndarray, candidates: Sequence[tuple[int, int]],
@@ -226,30 +238,61 @@ def split_audit(scores: np.ndarray, included: np.ndarray, candidates: Sequence[t
     return audit(scores[half:], included[half:], *pick, delta, confidence)
 
 
+def filtered_scores(trace: np.ndarray, block: np.ndarray) -> np.ndarray:
+    """Scores ``[m]`` from per-step scores ``trace`` ``[T, m]`` that resist the real examples' interference.
+
+    A hit adds one step's jump to a canary; the real examples add to every canary, every step, their
+    gradients' projection, which drifts slowly in time and differs in size between blocks (``block[c]``:
+    the canary's block). So each step's scores are high-passed in time (``x_t − (x_{t−1} + x_{t+1})/2``,
+    one-sided at the ends), standardised per step and block by the median and the median absolute
+    deviation over that block's canaries, and a canary's score is its largest standardised step: a scan
+    for one jump, which a single hit makes when the noise is small, where a sum over steps would add up
+    every step's noise and interference. Every canary's coin is unseen, so guesses from these scores keep
+    the audit valid. Needs a sampling rate well below ½.
+    """
+    x = np.asarray(trace, dtype=np.float64)
+    h = np.empty_like(x)
+    h[1:-1] = x[1:-1] - 0.5 * (x[:-2] + x[2:])
+    h[0], h[-1] = x[0] - x[1], x[-1] - x[-2]
+    for b in np.unique(block):
+        cols = block == b
+        med = np.median(h[:, cols], axis=1, keepdims=True)
+        mad = 1.4826 * np.median(np.abs(h[:, cols] - med), axis=1, keepdims=True)
+        h[:, cols] = (h[:, cols] - med) / np.where(mad > 0, mad, 1.0)
+    return h.max(0)
+
+
 def dpsgd_canary_scores(included: np.ndarray, sample_rate: float, steps: int, sigma: float,
-                        rng: np.random.Generator) -> np.ndarray:
+                        rng: np.random.Generator, filtered: bool = False) -> np.ndarray:
     """White-box scores of an ideal DP-SGD run in units of ``C/B``: ``Σ_t (b_it + σ ξ_it)``.
 
     Included canary ``i`` is in step ``t``'s Poisson batch with ``b_it ~ Bernoulli(q)``; ``ξ_it ~ N(0, 1)``
     is the released noise projected on its (exactly orthogonal) direction. The expected audit of a
-    correct mechanism at ``(σ, q, T)`` with no interference between canaries or from real examples.
+    correct mechanism at ``(σ, q, T)`` with no interference between canaries or from real examples. With
+    ``filtered``: :func:`filtered_scores` of the per-step scores (one block).
     """
     included = np.asarray(included, dtype=bool)
+    if filtered:
+        trace = (rng.random((steps, *included.shape)) < sample_rate) * included
+        trace = trace + sigma * rng.standard_normal(trace.shape)
+        return filtered_scores(trace, np.zeros(included.shape, dtype=np.int64))
     hits = rng.binomial(steps, sample_rate, size=included.shape) * included
     return hits + sigma * math.sqrt(steps) * rng.standard_normal(included.shape)
 
 
 def expected_bounds(canaries: int, k_pos: int, k_neg: int, sigma: float, sample_rate: float, steps: int,
                     trials: int = 20, delta: float = 1e-5, confidence: float = 0.95,
-                    seed: int = 0) -> tuple[float, float, float]:
+                    seed: int = 0, fdp: bool = False, filtered: bool = False) -> tuple[float, float, float]:
     """What a correct DP-SGD run at ``(σ, q, T)`` gives with ``canaries`` ideal white-box canaries
     (:func:`dpsgd_canary_scores`) and guesses ``k⁺``, ``k⁻``: the mean and standard deviation of the ε bound
-    and the mean μ-GDP bound (NaN unless ``k⁻ = 0``) over ``trials`` simulated runs."""
+    and the mean μ-GDP bound (NaN unless ``k⁻ = 0``) over ``trials`` simulated runs; with ``fdp`` the ε bound
+    is the f-DP audit's (:attr:`OneRunAudit.epsilon_fdp_lower`, ``k⁻ = 0``); ``filtered``: the scores of
+    :func:`dpsgd_canary_scores` with ``filtered``."""
     rng = np.random.default_rng(seed)
     results = []
     for _ in range(trials):
         included = rng.random(canaries) < 0.5
-        results.append(audit(dpsgd_canary_scores(included, sample_rate, steps, sigma, rng), included, k_pos, k_neg,
-                             delta, confidence))
-    eps = [r.epsilon_lower for r in results]
+        results.append(audit(dpsgd_canary_scores(included, sample_rate, steps, sigma, rng, filtered), included, k_pos,
+                             k_neg, delta, confidence))
+    eps = [r.epsilon_fdp_lower if fdp else r.epsilon_lower for r in results]
     return float(np.mean(eps)), float(np.std(eps)), float(np.mean([r.mu_lower for r in results]))
