@@ -92,7 +92,7 @@ def test_a_grid_job_and_a_single_run_are_composed_and_validated_once(tmp_path: P
             assert store.inspect_run(job.folder).state == "finished"
         assert counts == {"compose": 2, "check": 2}
         counts.clear()
-        assert run.main(["scale=smoke", "method=lamb", "logging=disabled", f"results_dir={tmp_path}"]) == 0
+        assert run.command(["scale=smoke", "method=lamb", "logging=disabled", f"results_dir={tmp_path}"]) == 0
         assert counts == {"compose": 1, "check": 1}
     finally:
         logging.root.handlers[:], logging.root.level = handlers, level

@@ -64,7 +64,7 @@ def test_a_method_outside_prism_trains_through_the_runner_and_is_its_own_row(
         load_job(["method=toy_sgd", "method.momentum=1.5"])
     results = tmp_path / "results"
     for method in ("toy_sgd", "adamw"):
-        assert run.main([f"method={method}", "privacy=eps6", *TINY, f"results_dir={results}"]) == 0
+        assert run.command([f"method={method}", "privacy=eps6", *TINY, f"results_dir={results}"]) == 0
     records = agg.read_run_folders(results / "runs", "adhoc")
     assert sorted(r.state for r in records) == ["finished", "finished"]
     toy = next(r for r in records if r.get("method.name") == "toy_sgd")
