@@ -20,8 +20,9 @@ def test_log_private_stats_false_drops_unnoised_statistics(
     monkeypatch.setattr(T, "build", lambda cfg, **_: fake_setup(tiny_pair_params(6)))
     monkeypatch.setattr(T, "_micro_batch", lambda s, indices, *_: indices)
     cfg = OmegaConf.create({
-        "train": {"batch_size": 4, "micro_batch_size": 2, "steps": 4, "benchmark": {"warmup": 0, "measure": 4}},
-        "privacy": {"epsilon": 6.0, "delta": 1e-5, "log_private_stats": log_private_stats},
+        "train": {"batch_size": 4, "micro_batch_size": 2, "steps": 4, "benchmark": {"warmup": 0, "measure": 4},
+                  "padding_side": "right"},
+        "privacy": {"epsilon": 6.0, "delta": 1e-5, "log_private_stats": log_private_stats, "denominator": "expected"},
         "method": {"name": "prism"},
     })
     records: list[dict] = []

@@ -113,8 +113,10 @@ def test_os_noise_checkpoints_every_step_before_logging_it(tmp_path: Path, monke
     monkeypatch.setattr(T, "evaluate_suite", lambda *a, **k: {})
     monkeypatch.setattr(T, "export_adapter", lambda *a, **k: None)
     cfg = OmegaConf.create({
-        "train": {"batch_size": 4, "micro_batch_size": 2, "steps": 4, "checkpoint_every": 3, "eval_batch_size": 2},
-        "privacy": {"epsilon": 6.0, "delta": 1e-5, "noise_source": source},
+        "train": {"batch_size": 4, "micro_batch_size": 2, "steps": 4, "checkpoint_every": 3, "eval_batch_size": 2,
+                  "benchmark": None, "padding_side": "right"},
+        "privacy": {"epsilon": 6.0, "delta": 1e-5, "noise_source": source, "denominator": "expected",
+                    "log_private_stats": True},
         "method": {"name": "prism"}, "suite": {"decoding": {}},
     })
     T.train_and_evaluate(cfg, tmp_path, lambda record: events.append(("log", record["step"])))
