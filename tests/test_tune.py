@@ -289,6 +289,11 @@ def test_a_table_of_tuned_private_runs_says_that_its_epsilon_leaves_out_the_tuni
                            "scale=embedded"]) == 0
     line = tuned_rates.TUNING_COST.format(n=1)  # adamw at ε = 6 only: PRISM untuned, the non-DP run has no ε
     assert line in (out / "table2.embedded.md").read_text()
+    assert "Rates tuned on seeds [1]; table seeds [42]." in (out / "table2.embedded.md").read_text()
+    grid = [job_config(["experiment=table2", *common, "method=adamw", "privacy=eps6", f"seed={s}"]) for s in (1, 42)]
+    assert tuned_rates.seed_overlap_line(grid[1:]) == ""  # the table's seed 42 is not a tuning seed
+    overlap = tuned_rates.seed_overlap_line(grid)
+    assert "tuned on seeds [1]" in overlap and "at [1]" in overlap and "make tune SEEDS=<seeds outside" in overlap
     assert line.replace("_", r"\_").replace("ε", r"$\varepsilon$") in (out / "table2.embedded.tex").read_text()
     import pandas as pd
 
