@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
-import numpy as np
 from omegaconf import OmegaConf
 
 from pipelines import launch, tune, tuned_rates
