@@ -99,7 +99,7 @@ lock: setup  ## rewrite requirements/lock.txt from the current venv
 LAUNCH = $(call arg,scale,SCALE) $(call arg,launcher,LAUNCHER) $(call arg,jobs,JOBS)
 REPRODUCE = $(PY) -m pipelines reproduce experiment=table$(1) $(LAUNCH) $(call arg,seed,SEEDS) $(ARGS)
 
-tune: setup  ## learning-rate sweep on validation rows: the Table 2 grid -> conf/tuned/$(SCALE).yaml; TASK=file.jsonl [make compare's keys] -> results/tuned/; SEEDS=N: its one seed
+tune: setup  ## learning-rate sweep on validation rows: the Table 2 grid -> conf/tuned/$(SCALE).yaml; TASK=file.jsonl [make compare's keys] -> results/tuned/; SEEDS=1,2: the tuning seeds (default 1, apart from the tables')
 	$(PY) -m pipelines tune $(LAUNCH) $(call arg,seed,SEEDS) $(if $(filter smoke,$(SCALE)),suite.validation_per_task=8) \
 	  $(call arg,task,TASK) $(call arg,eval,EVAL) $(call arg,model,MODEL) $(call arg,methods,METHODS) \
 	  $(call arg,eps,EPS) $(call arg,type,TYPE) $(call arg,labels,LABELS) $(ARGS)

@@ -19,7 +19,8 @@ traceback, no table touched); a signal stops the multirun and its local jobs
 (:func:`pipelines.launch.run_hydra_multirun`). Finished runs — of
 this experiment or of any other whose grid holds the same config (the run store is shared, see
 :mod:`pipelines.store`) — are skipped and tagged into this experiment's view; nothing is deleted,
-and the aggregator runs at the end when a run was trained.
+and the aggregator runs at the end when a run was trained. A grid whose seeds include a seed its tuned
+rates were chosen on prints one line saying so (:func:`pipelines.tuned_rates.seed_overlap_line`).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipelines import launch
+from pipelines import launch, tuned_rates
 
 TABLES = ("table2", "table3", "table4", "table5")
 
@@ -46,6 +47,8 @@ def main(overrides: Sequence[str], *, experiment: str, jobs: int | None = None) 
     cfg0 = (pending + finished)[0].cfg  # results_dir and scale are one per grid
     print(f"{experiment}: {len(pending) + len(finished)} runs in the grid, {len(finished)} finished, "
           f"{len(pending)} to run", flush=True)
+    if overlap := tuned_rates.seed_overlap_line([job.cfg for job in pending + finished]):
+        print(overlap, flush=True)
     submitted, failure = True, ""
     if pending:
         submitted, failure = launch.launch(experiment, launcher, pending, jobs, overrides,

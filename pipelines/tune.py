@@ -5,13 +5,17 @@
 
 Every cell of the Table 2 grid (method × privacy level × suite) runs at ``tune.lr_factor`` × its
 default rate (Table 8 × ``train.lr_multiplier``) for each factor of ``conf/experiment/tune.yaml``
-(5 half-decades, 0.1–10: a 100× span around the default), with one seed, and is scored on the
-suite's **validation** rows (``suite.eval_split=validation``: drawn from the training pool, disjoint
-from the run's training rows and from the fixed evaluation rows, :func:`prism.data.validation_split`;
+(5 half-decades, 0.1–10: a 100× span around the default), for each tuning seed (``seed`` of
+``conf/experiment/tune.yaml``, default 1; ``make tune SEEDS=1,2`` sweeps ``seed=1,2``: seeds kept
+apart from the tables' 42, 43, 44 so that no table seed is the one its rates were chosen on), and is
+scored on the suite's **validation** rows (``suite.eval_split=validation``: drawn from the training
+pool, disjoint from the run's training rows and from the fixed evaluation rows, :func:`prism.data.validation_split`;
 the evaluation rows are never scored). The rule is the same for every method, PRISM included
-(:func:`choose`): the rate with the highest validation score (the suite average), ties to the rate
-nearest the default. Where the chosen rate is at an edge of the cell's grid, one more rate one grid
-step past that edge is run (:func:`extension`), at most :data:`MAX_EXTEND` times per side.
+(:func:`choose`, the one-standard-error rule of docs/comparison.md): a rate's score is the mean over
+the tuning seeds of the suite average, its standard error the bootstrap one of :func:`score_of`; among
+the rates within one standard error of the best score, the one nearest the default rate. Where the
+chosen rate is at an edge of the cell's grid, one more rate one grid step past that edge is run
+(:func:`extension`), at most :data:`MAX_EXTEND` times per side.
 
 Each tuning run is an ordinary job of :mod:`pipelines.run` in the shared store (experiment view
 ``tune``), launched like a table's (:func:`pipelines.launch.launch`: local pool, SLURM or
@@ -44,11 +48,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from pipelines import compare, launch, store
+from pipelines.aggregate import intervals
 from pipelines.compose import compose_config, job_config
 from pipelines.tuned_rates import cell_fields, tuned_dir, user_tuned_dir
 from prism.fileio import write_text_atomic
@@ -56,8 +62,9 @@ from prism.fileio import write_text_atomic
 EXPERIMENT = "tune"
 MAX_EXTEND = 2  # extra rates past an edge, per side
 CELL_KEYS = ("method", "privacy", "suite")  # group choices that name a cell
-RULE = ("per cell, the rate with the highest validation score (the suite's average over its columns); "
-        "equal scores go to the rate nearest the default (in log-rate), then to the lower rate")
+RULE = ("per cell, among the rates whose validation score (the suite's average over its columns, mean over the "
+        "tuning seeds) is within one standard error (bootstrap over validation rows and seeds) of the best score, "
+        "the rate nearest the default (in log-rate), then the lower rate")
 
 
 @dataclass(frozen=True, order=True)
@@ -74,27 +81,63 @@ class Cell:
 
 @dataclass
 class Point:
-    """One tuning run: its cell, rate factor and rate, store job, score (NaN until finished)."""
+    """One tuning run: its cell, rate factor and rate, seed, store job, ``final.json`` (None until finished)."""
 
     cell: Cell
     factor: float
     lr: float
     default_lr: float
+    seed: int
     job: launch.Job
     fields: dict
-    score: float = math.nan
+    final: dict | None = None
+
+    @property
+    def score(self) -> float:
+        """The run's validation score (its suite average), NaN when it has none."""
+        value = (self.final or {}).get("average")
+        return float(value) if isinstance(value, (int, float)) else math.nan
 
 
-def choose(scores: Mapping[float, float]) -> float | None:
-    """The factor of :data:`RULE` among ``scores`` (factor → validation score); None if none is finite."""
-    finite = {f: s for f, s in scores.items() if s is not None and not math.isnan(s)}
+@dataclass(frozen=True)
+class Score:
+    """A rate's validation score in one cell: the mean over its tuning seeds and its standard error."""
+
+    mean: float
+    se: float
+
+
+def score_of(finals: Sequence[Mapping], seeds: Sequence[int], b: int = intervals.B) -> Score:
+    """The :class:`Score` of one rate from its runs' ``final.json`` (one per seed, in ``seeds`` order):
+    the mean of their suite averages, and the standard deviation of the bootstrap replicates of that mean
+    (:func:`pipelines.aggregate.intervals.column_replicates`: the validation rows and the seeds redrawn,
+    the columns averaged as the suite average averages them). A run without per-row outcomes gives
+    standard error 0 (the rule then takes the best score); NaN mean when a seed lacks a score."""
+    averages = [f.get("average") for f in finals]
+    if not finals or not all(isinstance(a, (int, float)) and not math.isnan(a) for a in averages):
+        return Score(math.nan, math.nan)
+    mean = float(np.mean(averages))
+    per = [f.get("per_example") if isinstance(f.get("per_example"), Mapping) else {} for f in finals]
+    columns = sorted({str(p[t]["column"]) for f, p in zip(finals, per) for t in f.get("scores", p) if t in p})
+    if not columns or not all(intervals.has_rows(f, c) for f in finals for c in columns):
+        return Score(mean, 0.0)
+    reps = np.mean([intervals.column_replicates(finals, seeds, c, b) for c in columns], axis=0)
+    return Score(mean, float(np.std(reps, ddof=1)))
+
+
+def choose(scores: Mapping[float, Score]) -> float | None:
+    """The factor of :data:`RULE` among ``scores`` (factor → :class:`Score`); None if none is finite:
+    the factors whose mean is at least the best mean minus the best's standard error, then the one
+    nearest factor 1 in log factor, then the lower."""
+    finite = {f: s for f, s in scores.items() if not math.isnan(s.mean)}
     if not finite:
         return None
-    best = max(finite.values())
-    return min((f for f, s in finite.items() if s == best), key=lambda f: (abs(math.log(f)), f))
+    best = max(finite.values(), key=lambda s: s.mean)
+    floor = best.mean - (0.0 if math.isnan(best.se) else best.se)
+    return min((f for f, s in finite.items() if s.mean >= floor), key=lambda f: (abs(math.log(f)), f))
 
 
-def extension(scores: Mapping[float, float], base: Sequence[float]) -> float | None:
+def extension(scores: Mapping[float, Score], base: Sequence[float]) -> float | None:
     """The factor to run next for a cell whose chosen factor sits at an edge of its grid: one step
     of the base grid past that edge (the outermost step of ``base``), at most :data:`MAX_EXTEND`
     past either end of ``base``; None when the choice is interior or the limit is reached."""
@@ -140,8 +183,6 @@ def sweep_overrides(keys: dict[str, str], overrides: Sequence[str]) -> list[str]
     parser = OverridesParser.create()
     for arg in overrides:
         override = parser.parse_override(arg)
-        if override.get_key_element() == "seed" and override.is_sweep_override():
-            raise ValueError(f"{arg}: the sweep uses one seed; give seed=N (make tune SEEDS=N; a list of seeds is for the tables)")
         if override.get_key_element() == "experiment":
             raise ValueError(f"{arg}: the sweep is experiment=tune (conf/experiment/tune.yaml); leave experiment= out")
         if override.get_key_element() == "tune.lr_factor":  # floats, as the runner's validation makes them,
@@ -179,8 +220,8 @@ def plan_points(overrides: Sequence[str]) -> tuple[list[Point], list[Point]]:
             cfg = job.cfg
             factor = float(cfg.tune.lr_factor)
             cell = Cell(str(cfg.suite.name), str(cfg.privacy.name), str(cfg.method.name))
-            out[i].append(Point(cell, factor, float(cfg.method.lr), float(cfg.method.lr) / factor, job,
-                                cell_fields(cfg)))
+            out[i].append(Point(cell, factor, float(cfg.method.lr), float(cfg.method.lr) / factor, int(cfg.seed),
+                                job, cell_fields(cfg)))
     return out
 
 
@@ -201,18 +242,15 @@ def launch_round(launcher: str, groups: Sequence[tuple[list[str], list[Point]]],
     return failures
 
 
-def read_score(point: Point) -> float:
-    """The validation score of a finished point's run (its suite average), NaN otherwise."""
+def read_final(point: Point) -> dict | None:
+    """The ``final.json`` of a finished point's run, None otherwise."""
     folder = point.job.folder
-    if store.inspect_run(folder).state != "finished":
-        return math.nan
-    value = store.read_json(folder / "final.json").get("average")
-    return float(value) if isinstance(value, (int, float)) else math.nan
+    return store.read_json(folder / "final.json") if store.inspect_run(folder).state == "finished" else None
 
 
 def sweep(overrides: Sequence[str], launcher: str, workers: int | None, log_dir: Path) -> tuple[list[Point], list[str]]:
     """Run the base grid, then the edge extensions round by round; every point with its score."""
-    points: dict[tuple[Cell, float], Point] = {}
+    points: dict[tuple[Cell, float, int], Point] = {}
     groups = [list(overrides)]
     base: list[float] = []
     failures: list[str] = []
@@ -225,45 +263,60 @@ def sweep(overrides: Sequence[str], launcher: str, workers: int | None, log_dir:
         print(f"tune, {label}: {len(new)} runs, {len(new) - n_pending} finished, {n_pending} to run", flush=True)
         failures += launch_round(launcher, todo, workers, log_dir)
         for p in new:
-            p.score = read_score(p)
-            points[p.cell, p.factor] = p
+            p.final = read_final(p)
+            points[p.cell, p.factor, p.seed] = p
         if round_ == 0:
             base = sorted({p.factor for p in new})
         by_cell = scores_by_cell(points.values())
         groups = [[*_fixed(overrides), *cell.overrides(), f"tune.lr_factor={_float_text(nxt)}"]
                   for cell, scores in sorted(by_cell.items()) if (nxt := extension(scores, base)) is not None
-                  and (cell, nxt) not in points]
+                  and not any(key[:2] == (cell, nxt) for key in points)]
         if not groups:
             break
-    return sorted(points.values(), key=lambda p: (p.cell, p.factor)), failures
+    return sorted(points.values(), key=lambda p: (p.cell, p.factor, p.seed)), failures
 
 
-def scores_by_cell(points: Iterable[Point]) -> dict[Cell, dict[float, float]]:
-    """Cell → {factor: validation score}."""
-    out: dict[Cell, dict[float, float]] = {}
-    for p in points:
-        out.setdefault(p.cell, {})[p.factor] = p.score
+def by_rate(points: Iterable[Point]) -> dict[Cell, dict[float, list[Point]]]:
+    """Cell → {factor: its runs, one per tuning seed, in seed order}."""
+    out: dict[Cell, dict[float, list[Point]]] = {}
+    for p in sorted(points, key=lambda p: p.seed):
+        out.setdefault(p.cell, {}).setdefault(p.factor, []).append(p)
     return out
+
+
+def scores_by_cell(points: Iterable[Point]) -> dict[Cell, dict[float, Score]]:
+    """Cell → {factor: :class:`Score` over its seeds (NaN while a seed's run lacks a score)}."""
+    return {cell: {f: score_of([p.final or {} for p in ps], [p.seed for p in ps]) for f, ps in rates.items()}
+            for cell, rates in by_rate(points).items()}
 
 
 # ------------------------------------------------------------------------------------------- outputs
 
 def frame(points: Sequence[Point]) -> pd.DataFrame:
-    """One row per tuning run: cell, ε, factor, rate, default rate, score, chosen, run hash."""
-    chosen = {cell: choose(s) for cell, s in scores_by_cell(points).items()}
-    return pd.DataFrame([{"suite": p.cell.suite, "privacy": p.cell.privacy, "epsilon": p.fields["epsilon"],
-                          "method": p.cell.method, "factor": p.factor, "lr": p.lr, "default_lr": p.default_lr,
-                          "validation_score": p.score, "chosen": chosen[p.cell] == p.factor,
-                          "run_hash": p.job.run_hash} for p in points])
+    """One row per cell and rate: cell, ε, factor, rate, default rate, score (mean over the tuning seeds)
+    and its standard error, chosen, the seeds and run hashes, the runs without a score."""
+    rows, all_scores = [], scores_by_cell(points)
+    for cell, rates in by_rate(points).items():
+        scores = all_scores[cell]
+        chosen = choose(scores)
+        for f, ps in sorted(rates.items()):
+            p = ps[0]
+            rows.append({"suite": cell.suite, "privacy": cell.privacy, "epsilon": p.fields["epsilon"],
+                         "method": cell.method, "factor": f, "lr": p.lr, "default_lr": p.default_lr,
+                         "validation_score": scores[f].mean, "validation_se": scores[f].se, "chosen": chosen == f,
+                         "seeds": " ".join(str(q.seed) for q in ps), "run_hashes": " ".join(q.job.run_hash for q in ps),
+                         "unscored": " ".join(q.job.run_hash for q in ps if math.isnan(q.score))})
+    return pd.DataFrame(rows)
 
 
 def to_markdown(df: pd.DataFrame, scale: str, header: Mapping[str, object], title: str = "") -> str:
     """The tuning table: a row per cell, a column per rate factor (the score; the chosen one in bold)."""
     factors = sorted(df["factor"].unique())
     lines = [f"# Learning-rate sweep, {title or f'{scale} scale'} (validation split)", "",
-             f"Rule (the same for every method): {RULE}. One seed ({header['seed']}); validation rows: "
+             f"Rule (the same for every method): {RULE}. Tuning seeds: {header['seeds']}; validation rows: "
              f"{header['validation']}. Columns: the rate as a multiple of the default rate (Table 8 × train.lr_multiplier); "
-             "cells: validation score, the chosen rate's in **bold**; an edge optimum adds a rate past the edge.",
+             "cells: validation score, the chosen rate's in **bold** (± its standard error in the last column); an edge "
+             "optimum adds a rate past the edge.",
              "", "Choosing a rate on private validation data is not covered by ε.", "",
              "| suite | privacy | method | default lr | " + " | ".join(f"×{f:.3g}" for f in factors)
              + " | chosen lr | validation score |", "|" + "---|" * (6 + len(factors))]
@@ -279,11 +332,11 @@ def to_markdown(df: pd.DataFrame, scale: str, header: Mapping[str, object], titl
             cells.append(f"**{text}**" if by_factor.loc[f, "chosen"] else text)
         pick = part[part["chosen"]]
         chosen = "—" if pick.empty else f"{pick['lr'].iloc[0]:.3g}"
-        score = "—" if pick.empty else f"{pick['validation_score'].iloc[0]:.3f}"
+        score = "—" if pick.empty else f"{pick['validation_score'].iloc[0]:.3f} ± {pick['validation_se'].iloc[0]:.3f}"
         lines.append(f"| {suite} | {privacy} | {method} | {part['default_lr'].iloc[0]:.3g} | " + " | ".join(cells)
                      + f" | {chosen} | {score} |")
-    missing = df[df["validation_score"].isna()]
-    lines += ["", "Runs without a score: " + (", ".join(f"{r.suite}/{r.privacy}/{r.method} ×{r.factor:g} ({r.run_hash})"
+    missing = df[df["unscored"] != ""]
+    lines += ["", "Runs without a score: " + (", ".join(f"{r.suite}/{r.privacy}/{r.method} ×{r.factor:g} ({r.unscored})"
                                                        for r in missing.itertuples()) or "none")]
     return "\n".join(lines) + "\n"
 
@@ -322,12 +375,17 @@ def plot(df: pd.DataFrame, path: Path, title: str) -> Path:
     return path
 
 
-def tuned_yaml(points: Sequence[Point], header: Mapping[str, object]) -> str:
-    """``conf/tuned/<scale>.yaml``: the header and one entry per cell (its match fields and chosen rate)."""
-    by_cell = scores_by_cell(points)
-    rates = [{**p.fields, "lr": p.lr, "factor": p.factor, "default_lr": p.default_lr,
-              "validation_score": round(p.score, 6), "at_edge": p.factor in (min(by_cell[p.cell]), max(by_cell[p.cell]))}
-             for p in points if choose(by_cell[p.cell]) == p.factor]
+def tuned_yaml(points: Sequence[Point], df: pd.DataFrame, header: Mapping[str, object]) -> str:
+    """``conf/tuned/<scale>.yaml``: the header and one entry per cell (its match fields and chosen rate;
+    ``df`` is :func:`frame` of ``points``)."""
+    fields = {(p.cell.suite, p.cell.privacy, p.cell.method): p.fields for p in points}
+    rates = []
+    for key, part in df.groupby(["suite", "privacy", "method"], sort=False):
+        r = part[part["chosen"]].iloc[0]
+        rates.append({**fields[key], "lr": float(r["lr"]), "factor": float(r["factor"]),
+                      "default_lr": float(r["default_lr"]), "validation_score": round(float(r["validation_score"]), 6),
+                      "validation_se": round(float(r["validation_se"]), 6),
+                      "at_edge": r["factor"] in (part["factor"].min(), part["factor"].max())})
     note = ("# Generated by pipelines/tune.py (`make tune`); do not edit: rerun the command in `generated` to\n"
             "# regenerate. Read by pipelines/tuned_rates.py for runs whose fields match an entry.\n")
     return note + yaml.safe_dump({"generated": dict(header), "rates": rates}, sort_keys=False, width=120)
@@ -336,7 +394,7 @@ def tuned_yaml(points: Sequence[Point], header: Mapping[str, object]) -> str:
 def main(overrides: Sequence[str], *, jobs: int | None = None, task: str | None = None, eval: str | None = None,
          type: str | None = None, labels: str | None = None, model: str | None = None, methods: str | None = None,
          eps: str | None = None) -> int:
-    """Sweep the learning rate of every cell (one seed; ``seed=N``) on validation rows, write the table,
+    """Sweep the learning rate of every cell (each tuning seed: ``seed=1,2``) on validation rows, write the table,
     the figure and the chosen rates; exit 0, or 1 when a cell lacks a score. ``jobs``: local worker
     processes. ``task=FILE.jsonl`` and ``make compare``'s keys (``eval``, ``type``, ``labels``, ``model``,
     ``methods``, ``eps``) sweep the cells of ``python -m pipelines compare`` on that task instead."""
@@ -355,7 +413,8 @@ def main(overrides: Sequence[str], *, jobs: int | None = None, task: str | None 
     commit, dirty = git_state()
     n_validation = int(cfg0.suite.validation_per_task)
     header = {"command": shlex.join(command), "commit": commit, "dirty": dirty,
-              "date": store.utc_stamp(), "seed": int(cfg0.seed), "validation_per_task": n_validation,
+              "date": store.utc_stamp(), "seeds": sorted({p.seed for p in points}),
+              "validation_per_task": n_validation,
               "validation": f"{n_validation} per task from the training pool, disjoint from the training and "
                             "evaluation rows",
               "rule": RULE, "grid": sorted({p.factor for p in points})}
@@ -384,7 +443,7 @@ def main(overrides: Sequence[str], *, jobs: int | None = None, task: str | None 
               "command: finished runs are kept)", file=sys.stderr)
         return 1
     target.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(target, tuned_yaml(points, header))
+    write_text_atomic(target, tuned_yaml(points, df, header))
     print(f"wrote {target}: the chosen rate of {len({p.cell for p in points})} cells (read by every run of this "
           "budget" + (", task and model" if cfg0.suite.name == "custom" else "") + ")")
     return 0

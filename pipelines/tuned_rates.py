@@ -30,7 +30,7 @@ import functools
 import itertools
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,7 +76,8 @@ class TunedRate:
     lr: float = _key("the chosen learning rate")
     factor: float | None = _key("lr / default_lr", None)
     default_lr: float | None = _key("Table 8 × train.lr_multiplier", None)
-    validation_score: float | None = _key("the chosen rate's validation score", None)
+    validation_score: float | None = _key("the chosen rate's validation score (mean over the tuning seeds)", None)
+    validation_se: float | None = _key("its standard error (pipelines.tune.score_of)", None)
     at_edge: bool | None = _key("the best rate is an end of the swept grid", None)
     task_sha256: str | None = _key("a user's task: the training file's sha256", None)
     model_path: str | None = _key("a user's model folder", None)
@@ -90,7 +91,7 @@ class TunedRate:
 class TunedFile:
     """A tuned-rate file: the sweep's record and one :class:`TunedRate` per cell."""
 
-    generated: dict[str, Any] | None = _key("command, commit, date, rule and grid of the sweep", None)
+    generated: dict[str, Any] | None = _key("command, commit, date, tuning seeds, rule and grid of the sweep", None)
     rates: list[Any] = _key("one entry per cell")
 
 
@@ -224,12 +225,34 @@ def lookup(cfg: DictConfig, folder: Path | None = None) -> tuple[float, Path] | 
     return found[0] if found else None
 
 
-def uses_tuned_rate(config: Mapping[str, Any]) -> bool:
-    """Whether a run's resolved config (``config.yaml``) trained at its cell's tuned rate."""
-    cfg = OmegaConf.create(dict(config))
+def tuned_source(config: Mapping[str, Any] | DictConfig) -> Path | None:
+    """The tuned-rate file whose rate a run's resolved config (``config.yaml``) trained at, or None."""
+    cfg = config if isinstance(config, DictConfig) else OmegaConf.create(dict(config))
     hit = lookup(cfg)
     lr = OmegaConf.select(cfg, "method.lr", default=None)
-    return hit is not None and isinstance(lr, (int, float)) and math.isclose(hit[0], lr, rel_tol=1e-9)
+    return hit[1] if hit is not None and isinstance(lr, (int, float)) and math.isclose(hit[0], lr, rel_tol=1e-9) else None
+
+
+def tuning_seeds(path: Path) -> list[int]:
+    """The seeds a tuned-rate file's rates were chosen on: its ``generated.seeds``, or for a file written
+    before the list was recorded its one ``generated.seed`` (``conf/tuned/embedded.yaml``: [42])."""
+    generated = (yaml.safe_load(path.read_text()) or {}).get("generated") or {}
+    seeds = generated.get("seeds", [generated["seed"]] if "seed" in generated else [])
+    return sorted(int(s) for s in seeds)
+
+
+def seed_overlap_line(cfgs: Sequence[DictConfig]) -> str:
+    """The one line a table grid (its jobs' configs) prints when its seeds include a seed its tuned rates
+    were chosen on ('' if none)."""
+    files = {path for cfg in cfgs if (path := tuned_source(cfg)) is not None}
+    tuned_on = sorted({s for path in files for s in tuning_seeds(path)})
+    table = sorted({int(cfg.seed) for cfg in cfgs})
+    shared = sorted(set(tuned_on) & set(table))
+    if not shared:
+        return ""
+    return (f"WARNING: the rates were tuned on seeds {tuned_on}, which overlap the table's seeds {table} at "
+            f"{shared}: those runs score the seed their rate was chosen on; "
+            "retune with `make tune SEEDS=<seeds outside the table's>`")
 
 
 TUNING_COST = ("ε covers one training run per cell, not the rate tuning: {n} private run(s) here use rates "

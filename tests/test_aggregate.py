@@ -476,3 +476,42 @@ def test_header_names_the_code_and_flags_cells_of_mixed_mechanisms(tmp_path: Pat
     assert len(flagged) == 1 and "PRISM" in flagged[0] and "ada5f82" in flagged[0]
     assert "ada5f82" in result.header["glue8"]["code"] and "50fbf60" in result.header["glue8"]["code"]
     assert "MIXED CODE" in agg.to_markdown(result)
+
+
+def test_detectable_difference_is_the_closed_form_of_the_interval_and_its_seed_variance() -> None:
+    """MDE = (z_0.975 + z_0.8)·h/z_0.975 for half-width h; with per-seed differences of variance A over S
+    seeds, SE² = A/S + R and the seeds for 3 points solve (z + z)²(A/S' + R) ≤ 0.03²."""
+    z = 1.959964 + 0.841621
+    per_seed = {42: 0.0, 43: 0.08, 44: 0.0, 45: 0.08}
+    a, rest = float(np.var(list(per_seed.values()), ddof=1)), 5e-5
+    se2 = a / 4 + rest
+    half = 1.959964 * math.sqrt(se2)
+    diff = agg.intervals.Interval(0.04, 0.04 - half, 0.04 + half, 4, "bootstrap", per_seed=per_seed)
+    mde, seeds = agg.intervals.detectable(diff)
+    assert mde == pytest.approx(z * math.sqrt(se2))
+    assert seeds == math.ceil(a / ((0.03 / z) ** 2 - rest))
+    assert z * math.sqrt(a / seeds + rest) <= 0.03 < z * math.sqrt(a / (seeds - 1) + rest)
+    one_seed = agg.intervals.Interval(0.02, -0.02, 0.06, 1, "bootstrap", per_seed={42: 0.02})
+    assert math.isnan(agg.intervals.detectable(one_seed)[1])  # no seed variance from one seed
+    assert all(math.isnan(x) for x in agg.intervals.detectable(agg.intervals.Interval(0.0, math.nan, math.nan, 1, "none")))
+
+
+def test_table_states_what_its_prism_minus_best_baseline_cells_can_detect(tmp_path: Path) -> None:
+    """PRISM right on a fixed half of n = 400 rows at every seed, AdamW on none: the paired difference has
+    the binomial SE √(p(1−p)/n) = 0.025 and no seed variance, so MDE = (z_0.975 + z_0.8)·0.025 and no
+    number of seeds reaches 3 points (∞); the Markdown, LaTeX and CSV carry it."""
+    root, n = tmp_path / "runs", 400
+    for method, correct in (("prism", [1, 0] * (n // 2)), ("adamw", [0] * n)):
+        for seed in (42, 43, 44):
+            per = {"tweet_sentiment": {"column": "SST-2", "correct": correct, "rows": "s"}}
+            make_run(root, f"{method}{seed}", method=method, privacy="eps6", suite="glue8",
+                     columns={"SST-2": float(np.mean(correct))}, seed=seed, experiment="table2", per_example=per)
+    res = _build(root)
+    diff = res.differences.iloc[0]
+    assert diff["SST-2_mde"] == pytest.approx((1.959964 + 0.841621) * math.sqrt(0.25 / n), rel=0.08)
+    assert diff["SST-2_seeds3pp"] == math.inf
+    md = agg.to_markdown(res)
+    assert f"ε=6: SST-2 {diff['SST-2_mde']:.3f} (∞)" in md and "80 % power, 95 % confidence" in md
+    assert "(80 \\% power, 95 \\% confidence" in agg.to_latex(res)
+    csv = to_csv_frame(res)
+    assert csv.loc[csv["row"] == "PRISM − best baseline", "SST-2_mde"].iloc[0] == pytest.approx(diff["SST-2_mde"])

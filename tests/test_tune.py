@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from omegaconf import OmegaConf
@@ -16,23 +17,57 @@ from pipelines.run import execute
 from pipelines.validate import load_job
 
 
+def _exact(scores: dict[float, float]) -> dict[float, tune.Score]:
+    return {f: tune.Score(s, 0.0) for f, s in scores.items()}
+
+
 def test_rule_picks_the_best_and_breaks_ties_towards_the_default() -> None:
-    assert tune.choose({0.1: 0.5, 1.0: 0.7, 10.0: 0.6}) == 1.0
-    assert tune.choose({0.1: 0.6, 1.0: 0.6, 10.0: 0.6}) == 1.0  # flat: the default rate
-    assert tune.choose({0.1: 0.6, 10.0: 0.6}) == 0.1  # same distance: the lower rate
-    assert tune.choose({0.1: math.nan, 1.0: math.nan}) is None
+    assert tune.choose(_exact({0.1: 0.5, 1.0: 0.7, 10.0: 0.6})) == 1.0
+    assert tune.choose(_exact({0.1: 0.6, 1.0: 0.6, 10.0: 0.6})) == 1.0  # flat: the default rate
+    assert tune.choose(_exact({0.1: 0.6, 10.0: 0.6})) == 0.1  # same distance: the lower rate
+    assert tune.choose(_exact({0.1: math.nan, 1.0: math.nan})) is None
+
+
+def test_rule_takes_the_rate_nearest_the_default_within_one_standard_error_of_the_best() -> None:
+    """Against a brute force over random grids: the chosen factor is within one SE (the best's) of the
+    best mean, and no factor that is has a smaller |log factor| (ties: the lower factor)."""
+    rng = np.random.default_rng(0)
+    factors = [0.0316, 0.1, 0.316, 1.0, 3.16, 10.0, 31.6]
+    for _ in range(300):
+        grid = sorted(rng.choice(factors, size=rng.integers(1, len(factors) + 1), replace=False))
+        scores = {float(f): tune.Score(float(rng.uniform(0.3, 0.6)), float(rng.uniform(0, 0.05))) for f in grid}
+        best = max(scores.values(), key=lambda s: s.mean)
+        eligible = sorted((abs(math.log(f)), f) for f, s in scores.items() if s.mean >= best.mean - best.se)
+        assert tune.choose(scores) == eligible[0][1]
+    # a noisy grid: ×10 scores best by less than its SE, so the default rate stays
+    assert tune.choose({0.1: tune.Score(0.40, 0.02), 1.0: tune.Score(0.50, 0.02), 10.0: tune.Score(0.51, 0.02)}) == 1.0
+    assert tune.choose({0.1: tune.Score(0.40, 0.02), 1.0: tune.Score(0.50, 0.02), 10.0: tune.Score(0.53, 0.02)}) == 10.0
+
+
+def test_a_rates_standard_error_is_the_binomial_one_of_its_validation_rows() -> None:
+    """One seed, two accuracy tasks of n rows (p = 0.3, 0.6) in two columns: the suite average's SE is
+    √(Σ p(1−p)/n)/2, the closed form of the bootstrap; with no per-row data it is 0."""
+    n = 400
+    final = {"scores": {"sst2": 0.3, "rte": 0.6}, "columns": {"SST-2": 0.3, "RTE": 0.6}, "average": 0.45,
+             "per_example": {"sst2": {"column": "SST-2", "correct": [1] * 120 + [0] * 280, "rows": "a"},
+                             "rte": {"column": "RTE", "correct": [1] * 240 + [0] * 160, "rows": "b"}}}
+    score = tune.score_of([final], [1], b=4000)
+    assert score.mean == pytest.approx(0.45)
+    assert score.se == pytest.approx(math.sqrt(0.3 * 0.7 / n + 0.6 * 0.4 / n) / 2, rel=0.08)
+    assert tune.score_of([{"average": 0.45}], [1]) == tune.Score(0.45, 0.0)
+    assert math.isnan(tune.score_of([final, {}], [1, 2]).mean)  # a seed without a score
 
 
 def test_an_edge_optimum_extends_the_grid_by_one_step_at_most_twice() -> None:
     base = [0.1, 0.316, 1.0, 3.16, 10.0]
     rising = {f: f for f in base}
-    assert tune.extension(rising, base) == pytest.approx(10 * 10 / 3.16, rel=1e-5)
-    assert tune.extension({**rising, 31.6: 31.6}, base) == pytest.approx(31.6 * 10 / 3.16, rel=1e-5)
-    assert tune.extension({**rising, 31.6: 31.6, 100.0: 100.0}, base) is None  # limit reached
+    assert tune.extension(_exact(rising), base) == pytest.approx(10 * 10 / 3.16, rel=1e-5)
+    assert tune.extension(_exact({**rising, 31.6: 31.6}), base) == pytest.approx(31.6 * 10 / 3.16, rel=1e-5)
+    assert tune.extension(_exact({**rising, 31.6: 31.6, 100.0: 100.0}), base) is None  # limit reached
     falling = {f: -f for f in base}
-    assert tune.extension(falling, base) == pytest.approx(0.1 / (0.316 / 0.1), rel=1e-5)
-    assert tune.extension({0.1: 0.1, 1.0: 0.9, 10.0: 0.2}, [0.1, 1.0, 10.0]) is None  # interior
-    assert tune.extension({**rising, 31.6: 0.0}, base) is None  # the extension found the peak
+    assert tune.extension(_exact(falling), base) == pytest.approx(0.1 / (0.316 / 0.1), rel=1e-5)
+    assert tune.extension(_exact({0.1: 0.1, 1.0: 0.9, 10.0: 0.2}), [0.1, 1.0, 10.0]) is None  # interior
+    assert tune.extension(_exact({**rising, 31.6: 0.0}), base) is None  # the extension found the peak
 
 
 def _entry(**changes) -> dict:
@@ -107,7 +142,7 @@ def test_sweep_runs_through_the_store_extends_edges_resumes_and_writes_the_rates
     out = capsys.readouterr().out
     assert "edge extension 2: 1 runs" in out and "wrote" in out
     table = (tmp_path / "tables" / "tune.smoke.md").read_text()
-    assert "| glue8 | eps6 | adamw | 0.002 | 0.001 | 0.010 | 0.100 | **0.500** | 0.500 | 0.2 | 0.500 |" in table
+    assert "| glue8 | eps6 | adamw | 0.002 | 0.001 | 0.010 | 0.100 | **0.500** | 0.500 | 0.2 | 0.500 ± 0.000 |" in table
     assert (tmp_path / "tables" / "tune.smoke.png").read_bytes()[:4] == b"\x89PNG"
     conf = yaml.safe_load((tmp_path / "tuned" / "smoke.yaml").read_text())
     assert conf["generated"]["command"].startswith("python -m pipelines tune scale=smoke")
@@ -127,9 +162,26 @@ def test_sweep_runs_through_the_store_extends_edges_resumes_and_writes_the_rates
     assert yaml.safe_load((tmp_path / "tuned" / "smoke.yaml").read_text())["rates"] == conf["rates"]
 
 
-def test_a_seed_sweep_is_refused() -> None:
-    with pytest.raises(ValueError, match="one seed"):
-        tune.sweep_overrides({}, ["seed=42,43"])
+def test_tuning_seeds_sweep_apart_from_the_tables_and_are_recorded(tmp_path: Path, monkeypatch) -> None:
+    """Default tuning seed 1 (not a table seed); ``seed=1,2`` trains each rate on both, scores the mean,
+    records ``seeds: [1, 2]``; the committed file (written with one ``seed: 42``) reads as [42]."""
+    assert job_config(["experiment=tune"]).seed == 1 and job_config(["experiment=table2"]).seed == 42
+    monkeypatch.setenv("PRISM_TUNED_DIR", str(tmp_path / "tuned"))
+    trainer = ScoreByRate()
+
+    def in_process(experiment, launcher, pending, workers, overrides, log_dir):
+        for job in pending:
+            execute(load_job(job.overrides), trainer)
+        return True, ""
+
+    monkeypatch.setattr(launch, "launch", in_process)
+    args = ["scale=smoke", f"results_dir={tmp_path}", "logging=disabled", "method=adamw", "privacy=eps6",
+            "suite=glue8", "tune.lr_factor=0.1,1", "seed=1,2"]
+    assert cli(["tune", *args]) == 0 and trainer.calls == 2 * (2 + 2)  # 2 seeds × (base grid + 2 extensions)
+    path = tmp_path / "tuned" / "smoke.yaml"
+    assert yaml.safe_load(path.read_text())["generated"]["seeds"] == [1, 2]
+    assert tuned_rates.tuning_seeds(path) == [1, 2]
+    assert tuned_rates.tuning_seeds(tuned_rates.TUNED_DIR / "embedded.yaml") == [42]
 
 
 def test_a_bad_validation_size_is_a_config_error_before_any_model_load() -> None:
@@ -237,6 +289,11 @@ def test_a_table_of_tuned_private_runs_says_that_its_epsilon_leaves_out_the_tuni
                            "scale=embedded"]) == 0
     line = tuned_rates.TUNING_COST.format(n=1)  # adamw at ε = 6 only: PRISM untuned, the non-DP run has no ε
     assert line in (out / "table2.embedded.md").read_text()
+    assert "Rates tuned on seeds [1]; table seeds [42]." in (out / "table2.embedded.md").read_text()
+    grid = [job_config(["experiment=table2", *common, "method=adamw", "privacy=eps6", f"seed={s}"]) for s in (1, 42)]
+    assert tuned_rates.seed_overlap_line(grid[1:]) == ""  # the table's seed 42 is not a tuning seed
+    overlap = tuned_rates.seed_overlap_line(grid)
+    assert "tuned on seeds [1]" in overlap and "at [1]" in overlap and "make tune SEEDS=<seeds outside" in overlap
     assert line.replace("_", r"\_").replace("ε", r"$\varepsilon$") in (out / "table2.embedded.tex").read_text()
     import pandas as pd
 

@@ -27,6 +27,7 @@ from pipelines.aggregate.intervals import (
     Interval,
     clears,
     column_replicates,
+    detectable,
     difference,
     from_replicates,
     from_seeds,
@@ -34,7 +35,7 @@ from pipelines.aggregate.intervals import (
 )
 from pipelines.aggregate.records import AggregateError, RunRecord
 from pipelines.aggregate.specs import SUITE_TASKS, TableSpec, as_float, norm_name
-from pipelines.tuned_rates import uses_tuned_rate
+from pipelines.tuned_rates import tuned_source, tuning_seeds
 from prism.methods import registry
 from prism.privacy.protocol import NOT_DP_AS_STATED
 
@@ -51,7 +52,8 @@ class TableResult:
     (``<col>_lo``, ``<col>_hi``), seeds (``<col>_n``), interval method (``<col>_ci``), the paper's
     number (``<col>_paper``) and mark (``<col>_mark``: best | tie | ''), then ``eps_spent_<suite>``
     and ``n_runs``; ``differences`` the "PRISM − best baseline" row per block (same parts, and
-    ``<col>_vs``: the baseline); ``header`` the per-suite facts of the runs behind it
+    ``<col>_vs``: the baseline; ``<col>_mde``, ``<col>_seeds3pp``: what it can detect,
+    :func:`pipelines.aggregate.intervals.detectable`); ``header`` the per-suite facts of the runs behind it
     (``{suite: {fact: text}}``); ``warnings`` what a reader must know before trusting it."""
 
     spec: TableSpec
@@ -67,6 +69,8 @@ class TableResult:
     n_finished: int = 0
     not_dp: int = 0  # private runs whose final.json says their ε is not a valid DP guarantee as stated
     tuned: int = 0  # private runs trained at a rate `make tune` chose on their data (a cost ε does not cover)
+    tuning_seeds: list[int] = field(default_factory=list)  # the seeds the rates of its tuned runs were chosen on
+    table_seeds: list[int] = field(default_factory=list)  # the seeds of its runs
     differences: pd.DataFrame = field(default_factory=pd.DataFrame)  # the "PRISM − best baseline" rows
     unscored: list[str] = field(default_factory=list)  # stand-in columns the runs trained on but did not score
 
@@ -345,7 +349,10 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str | None
                  for rs in used.values() for r in rs)
     result = TableResult(spec, scale, frame, missing, ignored, protocol, stand_ins(records),
                          header, fact_warnings + warnings, seen, sum(len(rs) for rs in used.values()), not_dp)
-    result.tuned = sum(is_private_run(r) and uses_tuned_rate(r.config) for rs in used.values() for r in rs)
+    sources = [(r, tuned_source(r.config)) for rs in used.values() for r in rs]
+    result.tuned = sum(is_private_run(r) and path is not None for r, path in sources)
+    result.tuning_seeds = sorted({s for path in {p for _, p in sources if p} for s in tuning_seeds(path)})
+    result.table_seeds = sorted({_seed_of(r) for r, _ in sources})
     result.differences = prism_minus_best(spec, frame, intervals)
     result.unscored = unscored_columns(finished)
     return result
@@ -381,17 +388,17 @@ def cell_interval(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord]], 
     seeds when every run behind it has per-row outcomes, else t over the per-seed values of the cell."""
     if value is None or math.isnan(value):
         return Interval(math.nan, math.nan, math.nan, 0, "none")
+    seeds = sorted({_seed_of(r) for rs in by_suite.values() for r in rs})
+    per_seed = {seed: spec.cell_values(spec, {s: [r for r in rs if _seed_of(r) == seed] for s, rs in by_suite.items()})[col]
+                for seed in seeds}
     parts = component_columns(spec, by_suite, col)
     runs = {s: sorted(by_suite.get(s, []), key=_seed_of) for s, _ in parts}
     if parts and all(runs[s] and all(has_rows(r.final, c) for r in runs[s]) for s, c in parts):
         reps = np.mean([column_replicates([r.final for r in runs[s]], [_seed_of(r) for r in runs[s]], c)
                         for s, c in parts], axis=0)
-        return from_replicates(value, reps, max(len(v) for v in runs.values()))
-    seeds = sorted({_seed_of(r) for rs in by_suite.values() for r in rs})
-    per_seed = [spec.cell_values(spec, {s: [r for r in rs if _seed_of(r) == seed] for s, rs in by_suite.items()})[col]
-                for seed in seeds]
-    fallback = from_seeds(per_seed)
-    return Interval(value, fallback.lo, fallback.hi, fallback.n, fallback.method)
+        return from_replicates(value, reps, max(len(v) for v in runs.values()), per_seed)
+    fallback = from_seeds(list(per_seed.values()))
+    return Interval(value, fallback.lo, fallback.hi, fallback.n, fallback.method, None, per_seed)
 
 
 def mark_best(frame: pd.DataFrame, spec: TableSpec, intervals: Mapping[tuple, Interval]) -> pd.DataFrame:
@@ -438,13 +445,15 @@ def prism_minus_best(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tu
             vals = pd.to_numeric(baselines[col], errors="coerce").dropna()
             if vals.empty or math.isnan(intervals[pkey, col].value):
                 row.update({col: math.nan, f"{col}_lo": math.nan, f"{col}_hi": math.nan, f"{col}_n": 0,
-                            f"{col}_ci": "none", f"{col}_vs": ""})
+                            f"{col}_ci": "none", f"{col}_vs": "", f"{col}_mde": math.nan, f"{col}_seeds3pp": math.nan})
                 continue
             i = vals.idxmin() if spec.lower_is_better else vals.idxmax()
             bkey = tuple(frame.loc[i, k] for k in spec.keys)
             diff = difference(intervals[pkey, col], intervals[bkey, col])
+            mde, seeds = detectable(diff)
             row.update({col: diff.value, f"{col}_lo": diff.lo, f"{col}_hi": diff.hi, f"{col}_n": diff.n,
-                        f"{col}_ci": diff.method, f"{col}_vs": frame.loc[i, "Method"]})
+                        f"{col}_ci": diff.method, f"{col}_vs": frame.loc[i, "Method"], f"{col}_mde": mde,
+                        f"{col}_seeds3pp": seeds})
         if any(not math.isnan(row[col]) for col in spec.columns):
             out.append(row)
     return pd.DataFrame(out)

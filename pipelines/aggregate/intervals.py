@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,7 +41,8 @@ METHOD_TEXT = (f"95 % intervals: percentile bootstrap ({B} replicates) over eval
 @dataclass(frozen=True)
 class Interval:
     """A cell's point estimate, its interval (NaN when there is none), the seeds behind it, how the
-    interval was made (``bootstrap`` | ``t over seeds`` | ``none``) and its bootstrap replicates."""
+    interval was made (``bootstrap`` | ``t over seeds`` | ``none``), its bootstrap replicates and its
+    value per seed (seed → value; empty when unknown)."""
 
     value: float
     lo: float
@@ -49,6 +50,7 @@ class Interval:
     n: int
     method: str
     replicates: np.ndarray | None = None
+    per_seed: Mapping[int, float] = field(default_factory=dict)
 
 
 def _rng(*parts: object) -> np.random.Generator:
@@ -122,10 +124,10 @@ def t_interval(values: Sequence[float]) -> tuple[float, float]:
     return float(x.mean() - half), float(x.mean() + half)
 
 
-def from_replicates(value: float, replicates: np.ndarray, n: int) -> Interval:
-    """An :class:`Interval` of a bootstrapped cell."""
+def from_replicates(value: float, replicates: np.ndarray, n: int, per_seed: Mapping[int, float] | None = None) -> Interval:
+    """An :class:`Interval` of a bootstrapped cell (``per_seed``: its value per seed)."""
     lo, hi = percentile(replicates)
-    return Interval(value, lo, hi, n, "bootstrap", replicates)
+    return Interval(value, lo, hi, n, "bootstrap", replicates, dict(per_seed or {}))
 
 
 def from_seeds(values: Sequence[float]) -> Interval:
@@ -141,12 +143,41 @@ def difference(a: Interval, b: Interval) -> Interval:
     without replicates the two intervals are combined as independent normals (half-width
     ``hypot(ha, hb)``, method ``normal from cell intervals``), and none when either has no interval."""
     value = a.value - b.value
+    per_seed = {s: a.per_seed[s] - b.per_seed[s] for s in sorted(set(a.per_seed) & set(b.per_seed))}
     if a.replicates is not None and b.replicates is not None:
-        return from_replicates(value, a.replicates - b.replicates, min(a.n, b.n))
+        return from_replicates(value, a.replicates - b.replicates, min(a.n, b.n), per_seed)
     if any(math.isnan(x) for x in (a.lo, a.hi, b.lo, b.hi)):
-        return Interval(value, math.nan, math.nan, min(a.n, b.n), "none")
+        return Interval(value, math.nan, math.nan, min(a.n, b.n), "none", None, per_seed)
     half = math.hypot((a.hi - a.lo) / 2, (b.hi - b.lo) / 2)
-    return Interval(value, value - half, value + half, min(a.n, b.n), "normal from cell intervals")
+    return Interval(value, value - half, value + half, min(a.n, b.n), "normal from cell intervals", None, per_seed)
+
+
+Z_LEVEL, Z_POWER = 1.959964, 0.841621  # z_0.975 (the 95 % interval), z_0.8 (80 % power)
+TARGET = 0.03  # the difference the seed count is sized for: 3 points on the 0–1 score scale
+
+
+def detectable(diff: Interval, target: float = TARGET) -> tuple[float, float]:
+    """(minimum detectable difference, seeds to detect ``target``) of a paired difference ``diff``
+    (docs/comparison.md, "What the table can detect"). The standard error is the interval's
+    half-width / z_0.975 and MDE = (z_0.975 + z_0.8) · SE: the smallest true difference whose 95 %
+    interval excludes 0 with 80 % probability. With S ≥ 2 seeds, SE² = A/S + R, where A is the
+    variance over seeds of the per-seed differences (ddof 1; it shrinks as 1/S) and R = max(SE² − A/S, 0)
+    the part that more seeds leave (the fixed evaluation rows); the seeds for ``target`` are the
+    smallest S' with (z_0.975 + z_0.8)·√(A/S' + R) ≤ ``target`` (∞ when R alone is too large). NaN
+    for what is unknown (no interval; fewer than two seeds)."""
+    if math.isnan(diff.lo) or math.isnan(diff.hi):
+        return math.nan, math.nan
+    z = Z_LEVEL + Z_POWER
+    se2 = ((diff.hi - diff.lo) / 2 / Z_LEVEL) ** 2
+    values = list(diff.per_seed.values())
+    if len(values) < 2:
+        return z * math.sqrt(se2), math.nan
+    seed_var = float(np.var(values, ddof=1))
+    rest = max(se2 - seed_var / len(values), 0.0)
+    room = (target / z) ** 2 - rest
+    if room <= 0:
+        return z * math.sqrt(se2), math.inf
+    return z * math.sqrt(se2), float(max(1, math.ceil(seed_var / room - 1e-9)))
 
 
 def clears(best: Interval, runner_up: Interval, lower_is_better: bool = False) -> bool:

@@ -148,6 +148,35 @@ def tuning_line(result: TableResult) -> str:
     return TUNING_COST.format(n=result.tuned) if result.tuned else ""
 
 
+def seeds_line(result: TableResult) -> str:
+    """The seeds the table's rates were tuned on and the table's own ('' when no run used a tuned rate)."""
+    if not result.tuning_seeds:
+        return ""
+    return f"Rates tuned on seeds {result.tuning_seeds}; table seeds {result.table_seeds}."
+
+
+def detectable_line(result: TableResult) -> str:
+    """What each shown column's "PRISM − best baseline" cell can detect (docs/comparison.md, "What the
+    table can detect"): its minimum detectable difference and the seeds to detect 3 points ('' if none)."""
+    spec, diffs = result.spec, result.differences
+    if diffs.empty:
+        return ""
+    parts = []
+    for _, row in diffs.iterrows():
+        cells = [f"{column_label(result, c)} {row[f'{c}_mde']:.3f} ({_seeds_text(row[f'{c}_seeds3pp'])})"
+                 for c in shown_columns(result) if not pd.isna(row.get(f"{c}_mde", math.nan))]
+        if cells:
+            parts.append((f"{row[spec.block]}: " if spec.block else "") + ", ".join(cells))
+    if not parts:
+        return ""
+    return (f"Detectable {DIFF_LABEL} difference (80 % power, 95 % confidence; in brackets the seeds that "
+            "detect 3 points, ∞: the evaluation rows alone are too few): " + "; ".join(parts) + ".")
+
+
+def _seeds_text(seeds: float) -> str:
+    return DASH if pd.isna(seeds) else "∞" if math.isinf(seeds) else str(int(seeds))
+
+
 def header_lines(result: TableResult) -> list[str]:
     """The runs behind the table: one Markdown row per suite (backbone, steps, batch, N, eval rows,
     protocol, run count), then the stand-in and average notes and any warnings."""
@@ -218,6 +247,7 @@ def to_markdown(result: TableResult) -> str:
     spec = result.spec
     head = [f"# Table {spec.name[-1]}: {spec.title}", "", scale_line(result), "", protocol_line(result), ""]
     head += [tuning_line(result), ""] if result.tuned else []
+    head += [seeds_line(result), ""] if result.tuning_seeds else []
     head += header_lines(result)
     if result.stand_ins:
         head += ["Backbones run in place of the paper's: " + ", ".join(result.stand_ins) + ".", ""]
@@ -227,7 +257,7 @@ def to_markdown(result: TableResult) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for kind, row in rows_for_display(result):
         lines += ["| " + " | ".join(cells) + " |" for cells in _row_cells(result, kind, row, ("**", "**"))]
-    foot = [line for line in (not_shown_line(result),) if line]
+    foot = [line for line in (detectable_line(result), not_shown_line(result)) if line]
     return "\n".join(head + lines + ["", *foot, *([""] if foot else []), *_paper_md(result), *_missing_md(result)]) + "\n"
 
 
@@ -252,6 +282,7 @@ def to_latex(result: TableResult) -> str:
     align = "l" * (len(spec.keys) + 1) + "r" * len(cols)
     lines = [f"% {scale_line(result)}", f"% {protocol_line(result)}",
              *([f"% {_tex_escape(tuning_line(result))}"] if result.tuned else []),
+             *([f"% {seeds_line(result)}"] if result.tuning_seeds else []),
              *(f"% {line}" for line in header_lines(result) if line),
              f"% {_tex_escape(interval_line(result))}", f"% {_tex_escape(_marks_line(result))}",
              r"\begin{tabular}{" + align + "}", r"\toprule",
@@ -266,8 +297,7 @@ def to_latex(result: TableResult) -> str:
             lines.append(" & ".join(_tex_escape(c).replace("\x00", r"\textbf{").replace("\x01", "}") for c in cells)
                          + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}"]
-    if foot := not_shown_line(result):
-        lines.append(f"% {_tex_escape(foot)}")
+    lines += [f"% {_tex_escape(foot)}" for foot in (detectable_line(result), not_shown_line(result)) if foot]
     paper = paper_rows(result)
     if not paper.empty:
         lines += ["", "% The paper's numbers (its backbone and full tasks)",
@@ -284,19 +314,23 @@ def to_latex(result: TableResult) -> str:
 
 def to_csv_frame(result: TableResult) -> pd.DataFrame:
     """The CSV: the Markdown's rows (``row`` = cell | PRISM − best baseline | paper) with, per shown
-    column, the value, ``_lo``, ``_hi``, ``_n``, ``_ci`` (interval method), ``_mark`` and ``_vs``."""
+    column, the value, ``_lo``, ``_hi``, ``_n``, ``_ci`` (interval method), ``_mark``, ``_vs``, and on the
+    difference rows ``_mde`` and ``_seeds3pp`` (:func:`detectable_line`); ``tuning_seeds`` and
+    ``table_seeds`` on every row (:func:`seeds_line`)."""
     spec, cols = result.spec, shown_columns(result)
-    parts = ("", "_lo", "_hi", "_n", "_ci", "_mark", "_vs")
+    parts = ("", "_lo", "_hi", "_n", "_ci", "_mark", "_vs", "_mde", "_seeds3pp")
+    seeds = {"tuning_seeds": " ".join(map(str, result.tuning_seeds)),
+             "table_seeds": " ".join(map(str, result.table_seeds))}
     out = []
     for kind, row in rows_for_display(result):
         rec = {"scale": result.scale, "row": "cell" if kind == "cell" else DIFF_LABEL,
-               **{k: row[k] for k in spec.keys}, "dp_guarantee": dp_status(result, row.get("Setting"))}
+               **{k: row[k] for k in spec.keys}, "dp_guarantee": dp_status(result, row.get("Setting")), **seeds}
         rec.update({f"{c}{p}": row.get(f"{c}{p}", "") for c in cols for p in parts})
         out.append(rec)
     for _, row in paper_rows(result).iterrows():
         out.append({"scale": result.scale, "row": "paper", **{k: row[k] for k in spec.keys},
-                    **{c: row[c] for c in cols}})
-    return pd.DataFrame(out, columns=["scale", "row", *spec.keys, "dp_guarantee",
+                    **{c: row[c] for c in cols}, **seeds})
+    return pd.DataFrame(out, columns=["scale", "row", *spec.keys, "dp_guarantee", *seeds,
                                       *(f"{c}{p}" for c in cols for p in parts)])
 
 
