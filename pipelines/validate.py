@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from omegaconf import DictConfig
 
-from pipelines import compose
+from pipelines import compose, store
 from pipelines.config_rules import validate
 from pipelines.config_schema import ConfigError, conform
 
@@ -61,8 +61,9 @@ def load_grid(jobs: Sequence[Sequence[str]], *, here: bool | None = None) -> lis
 
 def load_experiment(experiment: str, overrides: Sequence[str], *,
                     here: bool | None = None) -> list[tuple[list[str], DictConfig]]:
-    """The jobs of ``experiment``'s grid (:func:`pipelines.compose.experiment_jobs`) with their
-    validated configs; a bad override or job is one :class:`ConfigError` line."""
+    """The distinct jobs of ``experiment``'s grid (:func:`pipelines.compose.experiment_jobs`) with their
+    validated configs; a bad override or job is one :class:`ConfigError` line. Jobs that resolve to one
+    run (``seed=42,42``, ``privacy=nondp`` beside ``eps=inf``) are that run once, at its first place."""
     parsed = compose.parse(overrides)
     try:
         jobs = compose.experiment_jobs(experiment, overrides)
@@ -70,7 +71,10 @@ def load_experiment(experiment: str, overrides: Sequence[str], *,
         load_job([f"experiment={experiment}", *(o.input_line for o in parsed if not o.is_sweep_override())],
                  here=False)
         raise
-    return list(zip(jobs, load_grid(jobs, here=here), strict=True))
+    distinct: dict[str, tuple[list[str], DictConfig]] = {}
+    for job, cfg in zip(jobs, load_grid(jobs, here=here), strict=True):
+        distinct.setdefault(store.run_hash(cfg), (job, cfg))
+    return list(distinct.values())
 
 
 def _runs_here(job: Sequence[str]) -> bool:

@@ -153,3 +153,12 @@ def test_the_quoting_hint_works() -> None:
     """The quoted form the hint gives parses to the intended values."""
     assert load_job(['results_dir="/tmp/my runs"']).results_dir == "/tmp/my runs"
     assert load_job(["results_dir='/tmp/ü'"]).results_dir == "/tmp/ü"
+
+
+def test_a_grid_that_names_one_run_twice_lists_it_once() -> None:
+    """``seed=42,42 method=adamw,adamw`` is one run, planned once; two distinct seeds stay two runs."""
+    from pipelines.validate import load_experiment
+
+    fixed = ["scale=smoke", "privacy=nondp", "suite=glue8"]
+    assert len(load_experiment("table2", [*fixed, "seed=42,42", "method=adamw,adamw"])) == 1
+    assert len(load_experiment("table2", [*fixed, "seed=42,43", "method=adamw"])) == 2
