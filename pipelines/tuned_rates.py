@@ -31,15 +31,15 @@ import itertools
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
 
-from pipelines.config_schema import ConfigError
+from pipelines.config_schema import ConfigError, help_field
 
 TUNED_DIR = Path(__file__).resolve().parents[1] / "conf" / "tuned"
 MATCH = {  # entry field -> config field it must equal
@@ -57,30 +57,26 @@ def tuned_dir() -> Path:
     return Path(os.environ.get("PRISM_TUNED_DIR") or TUNED_DIR)
 
 
-def _key(help_text: str, default: Any = MISSING) -> Any:
-    return field(default=default, metadata={"help": help_text})
-
-
 @dataclass
 class TunedRate:
     """One entry of a tuned-rate file's ``rates:`` (:func:`pipelines.tune.tuned_yaml` writes it)."""
 
-    method: str = _key("method.name of the cell")
-    suite: str = _key("suite.name")
-    scale: str = _key("suite.scale")
-    epsilon: float = _key("privacy.epsilon (.inf: non-private)")
-    backbone: str = _key("backbone.name")
-    lora_layers: int | None = _key("backbone.lora_layers")
-    steps: int = _key("train.steps")
-    batch_size: int = _key("train.batch_size")
-    lr: float = _key("the chosen learning rate")
-    factor: float | None = _key("lr / default_lr", None)
-    default_lr: float | None = _key("Table 8 × train.lr_multiplier", None)
-    validation_score: float | None = _key("the chosen rate's validation score (mean over the tuning seeds)", None)
-    validation_se: float | None = _key("its standard error (pipelines.tune.score_of)", None)
-    at_edge: bool | None = _key("the best rate is an end of the swept grid", None)
-    task_sha256: str | None = _key("a user's task: the training file's sha256", None)
-    model_path: str | None = _key("a user's model folder", None)
+    method: str = help_field("method.name of the cell")
+    suite: str = help_field("suite.name")
+    scale: str = help_field("suite.scale")
+    epsilon: float = help_field("privacy.epsilon (.inf: non-private)")
+    backbone: str = help_field("backbone.name")
+    lora_layers: int | None = help_field("backbone.lora_layers")
+    steps: int = help_field("train.steps")
+    batch_size: int = help_field("train.batch_size")
+    lr: float = help_field("the chosen learning rate")
+    factor: float | None = help_field("lr / default_lr", None)
+    default_lr: float | None = help_field("Table 8 × train.lr_multiplier", None)
+    validation_score: float | None = help_field("the chosen rate's validation score (mean over the tuning seeds)", None)
+    validation_se: float | None = help_field("its standard error (pipelines.tune.score_of)", None)
+    at_edge: bool | None = help_field("the best rate is an end of the swept grid", None)
+    task_sha256: str | None = help_field("a user's task: the training file's sha256", None)
+    model_path: str | None = help_field("a user's model folder", None)
 
     def __post_init__(self) -> None:
         if not 0 < self.lr < math.inf:
@@ -91,8 +87,8 @@ class TunedRate:
 class TunedFile:
     """A tuned-rate file: the sweep's record and one :class:`TunedRate` per cell."""
 
-    generated: dict[str, Any] | None = _key("command, commit, date, tuning seeds, rule and grid of the sweep", None)
-    rates: list[Any] = _key("one entry per cell")
+    generated: dict[str, Any] | None = help_field("command, commit, date, tuning seeds, rule and grid of the sweep", None)
+    rates: list[Any] = help_field("one entry per cell")
 
 
 FIX = "fix it or regenerate the file with `make tune`"
