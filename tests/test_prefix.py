@@ -308,7 +308,7 @@ def test_states_behind_a_shared_prefix_equal_the_plain_forward(family: str,
     model = tiny_model(family, torch.float32)
     ids = [f["input_ids"] for f in templated_features()]
     shared = prefix.compute_prefix_states(model, 2, ids, micro_batch_size=4)
-    monkeypatch.setattr(prefix, "_common_length", lambda rows: 0)  # no sharing: one padded forward
+    monkeypatch.setattr(prefix, "common_prefix_length", lambda rows: 0)  # no sharing: one padded forward
     plain = prefix.compute_prefix_states(model, 2, ids, micro_batch_size=4)
     decoder = prefix._decoder(model)
     captured: list[Tensor] = []

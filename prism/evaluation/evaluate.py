@@ -39,6 +39,7 @@ from prism.evaluation.metrics import (
     task_predictions,
 )
 from prism.fastpath.grouped_attention import grouped_eager
+from prism.fastpath.prefix import common_prefix_length
 from prism.fastpath.prompt_cache import FrozenPrompts
 
 __all__ = [
@@ -56,16 +57,10 @@ def _pad_id(tokenizer: Any) -> int:
     return 0
 
 
-def common_prefix_length(rows: Sequence[Sequence[int]]) -> int:
-    """Length of the longest token prefix shared by every row, leaving each row at least one token."""
-    if not rows:
-        return 0
-    limit = min(len(row) for row in rows) - 1
-    first = rows[0]
-    for k in range(max(limit, 0)):
-        if any(row[k] != first[k] for row in rows[1:]):
-            return k
-    return max(limit, 0)
+def _left_padded(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` of `rows` left-padded with `pad`, on `device`."""
+    batch = collate([{"input_ids": row} for row in rows], pad, pad_to_multiple_of=None, padding_side="left")
+    return {k: batch[k].to(device) for k in ("input_ids", "attention_mask")}
 
 
 def _shared_prefix_batch(model: Any, rows: Sequence[Sequence[int]], pad: int,
@@ -74,12 +69,11 @@ def _shared_prefix_batch(model: Any, rows: Sequence[Sequence[int]], pad: int,
     cache (computed once, repeated per row); plain left padding when no prefix is shared."""
     shared = common_prefix_length(rows)
     if shared == 0:
-        batch = collate([{"input_ids": row} for row in rows], pad, pad_to_multiple_of=None, padding_side="left")
-        return {"input_ids": batch["input_ids"].to(device), "attention_mask": batch["attention_mask"].to(device)}
+        return _left_padded(rows, pad, device)
     prefix = torch.tensor([list(rows[0][:shared])], dtype=torch.long, device=device)
     cache = model(input_ids=prefix, use_cache=True).cache
     cache.batch_repeat_interleave(len(rows))
-    rest = collate([{"input_ids": row[shared:]} for row in rows], pad, pad_to_multiple_of=None, padding_side="left")
+    rest = _left_padded([row[shared:] for row in rows], pad, torch.device("cpu"))
     ones = torch.ones(len(rows), shared, dtype=torch.long)
     return {"input_ids": torch.cat([prefix.cpu().expand(len(rows), -1), rest["input_ids"]], 1).to(device),
             "attention_mask": torch.cat([ones, rest["attention_mask"]], 1).to(device),
@@ -126,13 +120,11 @@ def generate_responses(
         idx = order[start : start + batch_size]
         rows = [encoded[i] for i in idx]
         if frozen is not None:
-            padded = collate([{"input_ids": row} for row in rows], pad, pad_to_multiple_of=None, padding_side="left")
-            batch = frozen.generate_inputs(idx, padded["input_ids"].to(device), padded["attention_mask"].to(device))
+            batch = frozen.generate_inputs(idx, **_left_padded(rows, pad, device))
         elif share:
             batch = _shared_prefix_batch(model, rows, pad, device)
         else:
-            padded = collate([{"input_ids": row} for row in rows], pad, pad_to_multiple_of=None, padding_side="left")
-            batch = {k: padded[k].to(device) for k in ("input_ids", "attention_mask")}
+            batch = _left_padded(rows, pad, device)
         with grouped_eager(model):
             generated = model.generate(
                 **batch,
@@ -185,14 +177,14 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
                 model, tokenizer, [eval_prompt(ex, suite.family, template) for ex in rows], cfg_decoding, batch_size,
                 max_new_tokens=new_tokens(cfg_decoding, task),
             )
+            golds, choice_rule = [ex.answer for ex in rows], cfg_decoding.get("choice_regex", "lookaround")
             if rule:  # a user task (suite=custom): its metrics are its columns
-                metrics, failures = score_task(rule, texts, [ex.answer for ex in rows])
+                metrics, failures = score_task(rule, texts, golds)
                 result.setdefault("metrics", {})[task] = metrics
                 result.setdefault("unparseable", {})[task] = failures
                 score = metrics[rule.columns[0]]
             else:
-                score, failures = score_outputs(column, texts, [ex.answer for ex in rows],
-                                                choice_rule=cfg_decoding.get("choice_regex", "lookaround"))
+                score, failures = score_outputs(column, texts, golds, choice_rule=choice_rule)
             result["scores"][task] = score
             result["parse_failure"][task] = failures / len(rows) if rows else 0.0
             result["n"][task] = len(rows)
@@ -203,15 +195,14 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
             rows_hash = hashlib.sha256(keys.encode()).hexdigest()[:16]
             if rule:  # a user task: the per-row correctness of its first metric (Accuracy)
                 column = rule.columns[0]
-                preds, correct = task_predictions(rule, texts, [ex.answer for ex in rows])
+                preds, correct = task_predictions(rule, texts, golds)
                 outcomes = {"correct": [int(c) for c in correct]}
                 if rule.kind == "classification":  # and the label per row, for Macro-F1's interval
                     result["per_example"][f"{task}/Macro-F1"] = {
                         "column": "Macro-F1", "pred": [-1 if p is None else int(p) for p in preds],
-                        "gold": [int(ex.answer) for ex in rows], "labels": len(rule.labels), "rows": rows_hash}
+                        "gold": [int(g) for g in golds], "labels": len(rule.labels), "rows": rows_hash}
             else:
-                outcomes = row_outcomes(column, texts, [ex.answer for ex in rows],
-                                        choice_rule=cfg_decoding.get("choice_regex", "lookaround"))
+                outcomes = row_outcomes(column, texts, golds, choice_rule=choice_rule)
             result["per_example"][task] = {"column": column, **outcomes, "rows": rows_hash}
             result["seconds"][task] = time.perf_counter() - started
     finally:

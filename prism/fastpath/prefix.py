@@ -82,6 +82,14 @@ def _decoder(model: nn.Module) -> nn.Module | None:
     return decoder if isinstance(getattr(decoder, "layers", None), nn.ModuleList) else None
 
 
+def _supported_decoder(model: nn.Module) -> nn.Module:
+    """:func:`_decoder`, or a ``ValueError`` when the model has none."""
+    decoder = _decoder(model)
+    if decoder is None:
+        raise ValueError(f"{type(_unwrap(model)).__name__} has no supported decoder; check prefix_depth first")
+    return decoder
+
+
 def _has_dropout(module: nn.Module) -> bool:
     return any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
 
@@ -123,9 +131,7 @@ def prefix_key(model: nn.Module, depth: int, input_ids: Sequence[Sequence[int]],
     implementation included), the bytes of every frozen-prefix parameter and buffer (embedding,
     layers ``< depth``, rotary tables), the depth, dtype, device type, library versions and the
     token ids of every example (labels are not part of it: states do not depend on them)."""
-    decoder = _decoder(model)
-    if decoder is None:
-        raise ValueError(f"{type(_unwrap(model)).__name__} has no supported decoder; check prefix_depth first")
+    decoder = _supported_decoder(model)
     digest = hashlib.sha256()
     header = {"format": FORMAT, "name": name, "class": type(decoder).__name__, "depth": depth,
               "config": decoder.config.to_json_string(use_diff=False),
@@ -207,7 +213,7 @@ def shared_prefix_groups(input_ids: Sequence[Sequence[int]], min_group: int = 64
     pending = [list(range(len(input_ids)))] if input_ids else []
     while pending:
         members = pending.pop()
-        shared = _common_length([input_ids[i] for i in members])
+        shared = common_prefix_length([input_ids[i] for i in members])
         by_next: dict[int, list[int]] = {}
         for i in members:
             if len(input_ids[i]) > shared + 1:
@@ -221,49 +227,54 @@ def shared_prefix_groups(input_ids: Sequence[Sequence[int]], min_group: int = 64
     return sorted(groups, key=lambda group: group[1][0])
 
 
+def prefix_batches(run: Callable[[Tensor, Tensor, Any], Tensor], rows: Sequence[Sequence[int]],
+                   micro_batch_size: int, device: torch.device,
+                   new_cache: Callable[[int], Any]) -> Iterator[tuple[list[int], int, Tensor | None, Tensor, Any]]:
+    """``(indices, shared, head, hidden, cache)`` per micro-batch of ``rows``: grouped by their shared
+    leading tokens (:func:`shared_prefix_groups`), by length within a group. The micro-batch's common
+    prefix of ``shared`` tokens runs once (batch 1, into ``new_cache(shared)``, then repeated per row;
+    ``head`` its states, None when nothing is shared) and the remainders right-padded behind it at
+    positions ``shared..len−1`` (``hidden`` ``[k, T, hidden]``): causal attention makes this the full
+    forward of every row, up to float rounding. ``run`` is that of :func:`layer_input_capture`."""
+    for _, members in shared_prefix_groups(rows, min_group=micro_batch_size):
+        order = sorted(members, key=lambda i: len(rows[i]))
+        for start in range(0, len(order), micro_batch_size):
+            chunk = order[start:start + micro_batch_size]
+            chunk_rows = [rows[i] for i in chunk]
+            shared = common_prefix_length(chunk_rows)
+            cache = new_cache(shared)
+            head: Tensor | None = None
+            if shared:
+                head_ids = torch.tensor([list(chunk_rows[0][:shared])], dtype=torch.long, device=device)
+                head = run(head_ids, torch.ones_like(head_ids), cache)[0]
+                cache.batch_repeat_interleave(len(chunk))
+            ids = _pad([row[shared:] for row in chunk_rows], 0, device)
+            mask = _pad([[1] * len(row) for row in chunk_rows], 0, device)
+            yield chunk, shared, head, run(ids, mask, cache), cache
+
+
 @torch.no_grad()
 def compute_prefix_states(model: nn.Module, depth: int, input_ids: Sequence[Sequence[int]],
                           micro_batch_size: int = 16) -> list[Tensor]:
     """Per example, the hidden states ``[len_i, hidden]`` (CPU, model dtype) at the input of decoder
-    layer ``depth``, from the model's own forward stopped at that layer. The model is in ``eval()``
-    meanwhile (restored after).
-
-    Examples are grouped by their shared leading tokens (:func:`shared_prefix_groups`: the prompt
-    template and task instruction), then batched by length within a group. A micro-batch runs its
-    common prefix once (batch 1, with the KV cache of the layers below ``depth``) and its remainders
-    right-padded behind that cache at positions ``shared..len−1``: causal attention makes this the
-    full forward of every row, up to float rounding."""
-    decoder = _decoder(model)
-    if decoder is None:
-        raise ValueError(f"{type(_unwrap(model)).__name__} has no supported decoder; check prefix_depth first")
-    device = decoder.embed_tokens.weight.device
+    layer ``depth``, from the model's own forward stopped at that layer (in ``eval()``, restored
+    after), micro-batched by :func:`prefix_batches` with the KV cache of the layers below ``depth``."""
+    decoder = _supported_decoder(model)
     states: list[Tensor | None] = [None] * len(input_ids)
+    new_cache = lambda shared: DynamicCache(config=decoder.config) if shared else None  # noqa: E731
     with layer_input_capture(decoder, depth) as run:
-        for _, members in shared_prefix_groups(input_ids, min_group=micro_batch_size):
-            order = sorted(members, key=lambda i: len(input_ids[i]))
-            for start in range(0, len(order), micro_batch_size):
-                chunk = order[start:start + micro_batch_size]
-                rows = [input_ids[i] for i in chunk]
-                shared = _common_length(rows)
-                head: Tensor | None = None
-                cache = None
-                if shared:
-                    cache = DynamicCache(config=decoder.config)
-                    head_ids = torch.tensor([list(rows[0][:shared])], dtype=torch.long, device=device)
-                    head = run(head_ids, torch.ones_like(head_ids), cache)[0].cpu()
-                    cache.batch_repeat_interleave(len(rows))
-                ids = _pad([row[shared:] for row in rows], 0, device)
-                mask = _pad([[1] * len(row) for row in rows], 0, device)
-                hidden = run(ids, mask, cache).cpu()
-                for row, i in enumerate(chunk):
-                    tail = hidden[row, :len(input_ids[i]) - shared]
-                    states[i] = torch.cat([head, tail]) if head is not None else tail.clone()
+        batches = prefix_batches(run, input_ids, micro_batch_size, decoder.embed_tokens.weight.device, new_cache)
+        for chunk, shared, head, hidden, _ in batches:
+            head, hidden = (head.cpu() if head is not None else None), hidden.cpu()
+            for row, i in enumerate(chunk):
+                tail = hidden[row, :len(input_ids[i]) - shared]
+                states[i] = torch.cat([head, tail]) if head is not None else tail.clone()
     return [s for s in states if s is not None]
 
 
-def _common_length(rows: Sequence[Sequence[int]]) -> int:
+def common_prefix_length(rows: Sequence[Sequence[int]]) -> int:
     """Leading tokens shared by all `rows`, leaving each at least one token of its own."""
-    limit = min(len(row) for row in rows) - 1
+    limit = min((len(row) for row in rows), default=1) - 1
     shared = 0
     while shared < limit and all(row[shared] == rows[0][shared] for row in rows[1:]):
         shared += 1
@@ -271,27 +282,40 @@ def _common_length(rows: Sequence[Sequence[int]]) -> int:
 
 
 # ------------------------------------------------------------------------------------------ storage
-
-def _save(directory: Path, key: str, states: list[Tensor]) -> None:
-    """States file first, then the meta file that names its sha256 (the commit marker)."""
+def save_store(directory: Path, name: str, tensors: dict[str, Tensor], header: dict[str, Any]) -> None:
+    """``tensors`` to ``directory/name`` first, then ``meta.json``: ``header`` and that file's sha256 (the
+    commit marker)."""
     directory.mkdir(parents=True, exist_ok=True)
-    lengths = torch.tensor([s.shape[0] for s in states], dtype=torch.long)
-    tensors = {"states": torch.cat(states).contiguous(), "lengths": lengths}
-    atomic_write(directory / _STATES, lambda tmp: save_file(tensors, str(tmp)))
-    meta = {"format": FORMAT, "key": key, "examples": len(states), "sha256": sha256_file(directory / _STATES)}
-    write_text_atomic(directory / _META, json.dumps(meta, indent=2))
+    atomic_write(directory / name, lambda tmp: save_file(tensors, str(tmp)))
+    write_text_atomic(directory / _META, json.dumps({**header, "sha256": sha256_file(directory / name)}, indent=2))
+
+
+def store_problem(directory: Path, name: str, header: dict[str, Any], inputs: str) -> str | None:
+    """Why the store of :func:`save_store` in ``directory`` cannot be used (None: it can): absent, built
+    for other ``inputs`` or an older format (``header`` differs), or with content that is not the sha256
+    recorded when it was built (e.g. bytes changed on disk)."""
+    try:
+        meta = json.loads((directory / _META).read_text())
+    except FileNotFoundError:
+        return "absent"
+    except (OSError, ValueError) as err:
+        return f"unreadable meta.json ({type(err).__name__})"
+    if not isinstance(meta, dict) or any(meta.get(field) != value for field, value in header.items()):
+        return f"built for other {inputs} or an older format"
+    try:
+        intact = sha256_file(directory / name) == meta.get("sha256")
+    except OSError as err:
+        return f"unreadable tensors ({type(err).__name__})"
+    return None if intact else "content does not match the sha256 recorded at build"
 
 
 def _load(directory: Path, key: str, lengths: list[int]) -> list[Tensor] | None:
     """The stored states, or ``None`` when missing, incomplete, corrupt or for other inputs."""
+    if store_problem(directory, _STATES, {"format": FORMAT, "key": key, "examples": len(lengths)}, "examples"):
+        return None
     try:
-        meta = json.loads((directory / _META).read_text())
-        if (meta.get("format"), meta.get("key"), meta.get("examples")) != (FORMAT, key, len(lengths)):
-            return None
-        if sha256_file(directory / _STATES) != meta.get("sha256"):
-            return None
         tensors = load_file(str(directory / _STATES))
-    except (OSError, ValueError, json.JSONDecodeError):
+    except (OSError, ValueError):
         return None
     stored = tensors.get("lengths")
     states = tensors.get("states")
@@ -342,9 +366,7 @@ class PrefixCache:
 
     def __init__(self, model: nn.Module, depth: int, states: list[Tensor], labels: Sequence[Sequence[int]],
                  build_seconds: float = 0.0) -> None:
-        decoder = _decoder(model)
-        if decoder is None:
-            raise ValueError(f"{type(_unwrap(model)).__name__} has no supported decoder; check prefix_depth first")
+        decoder = _supported_decoder(model)
         if len(states) != len(labels):
             raise ValueError(f"{len(states)} cached examples but {len(labels)} label rows")
         self.decoder, self.depth, self.states, self.labels = decoder, depth, states, labels
@@ -376,7 +398,9 @@ class PrefixCache:
                 tic = time.perf_counter()
                 states = compute_prefix_states(model, depth, input_ids, micro_batch_size)
                 seconds = time.perf_counter() - tic
-                _save(root / key, key, states)
+                tensors = {"states": torch.cat(states).contiguous(),
+                           "lengths": torch.tensor([s.shape[0] for s in states], dtype=torch.long)}
+                save_store(root / key, _STATES, tensors, {"format": FORMAT, "key": key, "examples": len(states)})
         labels = [f.get("labels", f["input_ids"]) for f in features]
         return cls(model, depth, states, labels, build_seconds=seconds)
 

@@ -16,7 +16,7 @@ then costs ``K`` layers instead of ``L`` (the last of them only its keys and val
 """
 from __future__ import annotations
 
-import json
+import itertools
 import logging
 import os
 import time
@@ -28,26 +28,24 @@ from typing import Any
 import torch
 from filelock import FileLock
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import DynamicCache
 
 from prism.fastpath import top_layer
 from prism.fastpath.prefix import (
-    _common_length,
     _decoder,
-    _pad,
     _top_layers_only,
     layer_input_capture,
+    prefix_batches,
     prefix_depth,
     prefix_key,
-    shared_prefix_groups,
+    save_store,
+    store_problem,
 )
-from prism.fileio import atomic_write, sha256_file, write_text_atomic
 from prism.models import cache_root
 
 FORMAT = 2  # 2: meta.json records the tensors' sha256 (1 recorded only their byte count)
-_TENSORS, _META = "prompts.safetensors", "meta.json"
+_TENSORS = "prompts.safetensors"
 log = logging.getLogger(__name__)
 
 
@@ -56,36 +54,21 @@ def compute_frozen_prompts(decoder: nn.Module, depth: int, rows: Sequence[Sequen
                            micro_batch_size: int = 16) -> tuple[list[Tensor], list[Tensor]]:
     """Per row (prompt minus its last token, ``n = len − 1 ≥ 1``): keys and values of layers ``< depth``
     ``[depth, 2, kv_heads, n, head_dim]`` and the hidden states entering layer ``depth`` ``[n, hidden]``.
-    Rows sharing leading tokens run them once through the cache (as in
-    :func:`prism.fastpath.prefix.compute_prefix_states`); the model's own forward, stopped at ``depth``."""
-    device = decoder.embed_tokens.weight.device
+    Micro-batched by :func:`prism.fastpath.prefix.prefix_batches`; the model's own forward, stopped at ``depth``."""
     heads = [list(row[:-1]) for row in rows]
     kv: list[Tensor | None] = [None] * len(rows)
     states: list[Tensor | None] = [None] * len(rows)
+    new_cache = lambda shared: DynamicCache()  # noqa: E731  full layers: sliding windows come from the mask
     with layer_input_capture(decoder, depth) as run:
-        for _, members in shared_prefix_groups(heads, min_group=micro_batch_size):
-            order = sorted(members, key=lambda i: len(heads[i]))
-            for start in range(0, len(order), micro_batch_size):
-                chunk = order[start:start + micro_batch_size]
-                chunk_rows = [heads[i] for i in chunk]
-                shared = _common_length(chunk_rows)
-                cache = DynamicCache()  # full layers: every key kept, sliding windows come from the mask
-                head_states = None
-                if shared > 0:
-                    head_ids = torch.tensor([chunk_rows[0][:shared]], dtype=torch.long, device=device)
-                    head_states = run(head_ids, torch.ones_like(head_ids), cache)[0]
-                    cache.batch_repeat_interleave(len(chunk))
-                ids = _pad([r[shared:] for r in chunk_rows], 0, device)
-                mask = torch.cat([torch.ones(len(chunk), shared, dtype=torch.long, device=device),
-                                  _pad([[1] * (len(r) - shared) for r in chunk_rows], 0, device)], 1)
-                hidden = run(ids, mask, cache)
-                for b, i in enumerate(chunk):
-                    n = len(heads[i])
-                    tail = hidden[b, :n - shared]
-                    states[i] = (torch.cat([head_states, tail]) if head_states is not None else tail).cpu().clone()
-                    kv[i] = torch.stack([torch.stack([cache.layers[layer].keys[b, :, :n],
-                                                      cache.layers[layer].values[b, :, :n]])
-                                         for layer in range(depth)]).cpu().clone()
+        for chunk, shared, head, hidden, cache in prefix_batches(run, heads, micro_batch_size,
+                                                                 decoder.embed_tokens.weight.device, new_cache):
+            for b, i in enumerate(chunk):
+                n = len(heads[i])
+                tail = hidden[b, :n - shared]
+                states[i] = (torch.cat([head, tail]) if head is not None else tail).cpu().clone()
+                kv[i] = torch.stack([torch.stack([cache.layers[layer].keys[b, :, :n],
+                                                  cache.layers[layer].values[b, :, :n]])
+                                     for layer in range(depth)]).cpu().clone()
     return [t for t in kv if t is not None], [t for t in states if t is not None]
 
 
@@ -95,9 +78,7 @@ class FrozenPrompts:
     def __init__(self, decoder: nn.Module, depth: int, path: Path, lengths: list[int],
                  build_seconds: float = 0.0) -> None:
         self.decoder, self.depth, self.path, self.lengths = decoder, depth, path, lengths
-        self.offsets = [0]
-        for n in lengths:
-            self.offsets.append(self.offsets[-1] + n)
+        self.offsets = [0, *itertools.accumulate(lengths)]
         self.build_seconds = build_seconds
 
     @classmethod
@@ -122,12 +103,9 @@ class FrozenPrompts:
                 tic = time.perf_counter()
                 kv, states = compute_frozen_prompts(decoder, depth, rows, micro_batch_size)
                 seconds = time.perf_counter() - tic
-                directory.mkdir(parents=True, exist_ok=True)
                 tensors = {"kv": torch.cat(kv, dim=3).contiguous(), "states": torch.cat(states).contiguous(),
                            "lengths": torch.tensor(lengths, dtype=torch.long)}
-                atomic_write(directory / _TENSORS, lambda tmp: save_file(tensors, str(tmp)))
-                meta = {"format": FORMAT, "key": key, "rows": len(rows), "sha256": sha256_file(directory / _TENSORS)}
-                write_text_atomic(directory / _META, json.dumps(meta, indent=2))
+                save_store(directory, _TENSORS, tensors, {"format": FORMAT, "key": key, "rows": len(rows)})
         return cls(decoder, depth, directory / _TENSORS, lengths, build_seconds=seconds)
 
     @torch.no_grad()
@@ -137,9 +115,10 @@ class FrozenPrompts:
         columns, layers ``< d`` from the store and layers ``≥ d`` from the current top layers."""
         device = input_ids.device
         width = input_ids.shape[1] - 1
-        first = next(iter(self.decoder.parameters()))
-        kv = first.new_zeros(self.depth, 2, len(indices), self._kv_shape()[0], width, self._kv_shape()[1])
-        embeds = first.new_zeros(len(indices), width, self.decoder.config.hidden_size)
+        first, config = next(iter(self.decoder.parameters())), self.decoder.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv = first.new_zeros(self.depth, 2, len(indices), config.num_key_value_heads, width, head_dim)
+        embeds = first.new_zeros(len(indices), width, config.hidden_size)
         with safe_open(str(self.path), framework="pt") as fh:
             kv_all, states_all = fh.get_slice("kv"), fh.get_slice("states")
             for b, i in enumerate(indices):
@@ -156,26 +135,13 @@ class FrozenPrompts:
             cache.update(kv[layer, 0].contiguous(), kv[layer, 1].contiguous(), layer)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "cache": cache}
 
-    def _kv_shape(self) -> tuple[int, int]:
-        config = self.decoder.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return config.num_key_value_heads, head_dim
-
 
 def _invalid(directory: Path, key: str, lengths: list[int]) -> str | None:
-    """Why the stored prompts cannot be used (None: they can): absent, for other prompts, or with
-    content that is not the sha256 recorded when they were built (e.g. bytes changed on disk)."""
+    """Why the stored prompts cannot be used (None: they can): :func:`prism.fastpath.prefix.store_problem`,
+    or other row lengths."""
+    if why := store_problem(directory, _TENSORS, {"format": FORMAT, "key": key, "rows": len(lengths)}, "prompts"):
+        return why
     try:
-        meta = json.loads((directory / _META).read_text())
-    except FileNotFoundError:
-        return "absent"
-    except (OSError, ValueError) as err:
-        return f"unreadable meta.json ({type(err).__name__})"
-    if not isinstance(meta, dict) or (meta.get("format"), meta.get("key"), meta.get("rows")) != (FORMAT, key, len(lengths)):
-        return "built for other prompts or an older format"
-    try:
-        if sha256_file(directory / _TENSORS) != meta.get("sha256"):
-            return "content does not match the sha256 recorded at build"
         with safe_open(str(directory / _TENSORS), framework="pt") as fh:
             return None if fh.get_tensor("lengths").tolist() == lengths else "row lengths differ"
     except (OSError, ValueError, KeyError, RuntimeError) as err:

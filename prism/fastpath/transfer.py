@@ -11,13 +11,9 @@ import torch
 from torch import Tensor
 
 
-def to_device(tensor: Tensor, device: torch.device) -> Tensor:
-    """``tensor`` (on the host) on ``device``: pinned and non-blocking on CUDA, a plain copy elsewhere."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def batch_to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
-    """:func:`to_device` of every tensor of a collated micro-batch."""
-    return {key: to_device(value, device) for key, value in batch.items()}
+    """Every tensor of a collated micro-batch (on the host) on ``device``: pinned and non-blocking on
+    CUDA, a plain copy elsewhere."""
+    if device.type != "cuda":
+        return {key: value.to(device) for key, value in batch.items()}
+    return {key: value.pin_memory().to(device, non_blocking=True) for key, value in batch.items()}
