@@ -41,27 +41,27 @@ ACCOUNTANTS = ("prv", "rdp", "gdp")
 CALIBRATION_MODES = ("exact", "epochs")
 
 
-def _check_delta(delta: float) -> None:
-    if not 0.0 < delta < 1.0:
+def _check(delta: float | None = None, sample_rate: float | None = None, steps: int | None = None,
+           accountant: str | None = None) -> None:
+    """A one-line error naming the config field for the first of the given arguments that is out of range."""
+    if delta is not None and not 0.0 < delta < 1.0:
         raise ValueError(f"delta={delta} must lie in (0, 1); set privacy.delta, e.g. 1e-5")
-
-
-def _check_sample_rate(sample_rate: float) -> None:
-    if not 0.0 < sample_rate <= 1.0:
+    if sample_rate is not None and not 0.0 < sample_rate <= 1.0:
         raise ValueError(
             f"sample_rate={sample_rate} must lie in (0, 1]; it is q = train.batch_size / #examples, "
             "so lower train.batch_size or use more training examples"
         )
-
-
-def _check_steps(steps: int) -> None:
-    if steps < 1:
+    if steps is not None and steps < 1:
         raise ValueError(f"steps={steps} must be ≥ 1; set train.steps to a positive integer")
-
-
-def _check_accountant(accountant: str) -> None:
-    if accountant not in ACCOUNTANTS:
+    if accountant is not None and accountant not in ACCOUNTANTS:
         raise ValueError(f"unknown accountant {accountant!r}; use one of {ACCOUNTANTS}")
+
+
+def _epoch_rounded(mode: str) -> bool:
+    """Whether calibration ``mode`` is the released code's ``"epochs"`` (else ``"exact"``)."""
+    if mode not in CALIBRATION_MODES:
+        raise ValueError(f"unknown calibration mode {mode!r}; set privacy.calibration to one of {CALIBRATION_MODES}")
+    return mode == "epochs"
 
 
 @contextmanager
@@ -93,10 +93,7 @@ def calibrate_sigma(
     """
     if math.isnan(epsilon) or epsilon <= 0:
         raise ValueError(f"epsilon={epsilon} must be > 0; set privacy.epsilon (use .inf for non-DP)")
-    _check_delta(delta)
-    _check_sample_rate(sample_rate)
-    _check_steps(steps)
-    _check_accountant(accountant)
+    _check(delta, sample_rate, steps, accountant)
     if math.isinf(epsilon):
         return 0.0
     # Bounded search (prism/privacy/limits.py): refuse what Opacus' search cannot finish, i.e. a target
@@ -139,10 +136,7 @@ def epsilon_spent(
     """
     if sigma < 0:
         raise ValueError(f"sigma={sigma} must be ≥ 0")
-    _check_sample_rate(sample_rate)
-    _check_steps(steps)
-    _check_delta(delta)
-    _check_accountant(accountant)
+    _check(delta, sample_rate, steps, accountant)
     if sigma == 0:
         return math.inf
     acc = create_accountant(mechanism=accountant)
@@ -159,25 +153,18 @@ def calibration_steps(steps: int, sample_rate: float, mode: str) -> int:
     Math-10K steps and 628 for 500 GLUE8 steps — a σ slightly larger than needed, so the realised ε
     falls below the target.
     """
-    _check_steps(steps)
-    _check_sample_rate(sample_rate)
-    if mode == "exact":
+    _check(sample_rate=sample_rate, steps=steps)
+    if not _epoch_rounded(mode):
         return steps
-    if mode == "epochs":
-        batches_per_epoch = _batches_per_epoch(sample_rate)
-        return math.ceil(steps / batches_per_epoch) * batches_per_epoch
-    raise ValueError(f"unknown calibration mode {mode!r}; set privacy.calibration to one of {CALIBRATION_MODES}")
+    batches_per_epoch = _batches_per_epoch(sample_rate)
+    return math.ceil(steps / batches_per_epoch) * batches_per_epoch
 
 
 def calibration_rate(sample_rate: float, mode: str) -> float:
     """The sampling rate σ is calibrated at: ``q = B/N`` (``"exact"``) or the released code's loader
     rate ``1/L``, ``L = ⌈1/q⌉`` (``"epochs"``; Opacus' ``DPDataLoader`` samples at ``1/len(loader)``)."""
-    _check_sample_rate(sample_rate)
-    if mode == "exact":
-        return sample_rate
-    if mode == "epochs":
-        return 1.0 / _batches_per_epoch(sample_rate)
-    raise ValueError(f"unknown calibration mode {mode!r}; set privacy.calibration to one of {CALIBRATION_MODES}")
+    _check(sample_rate=sample_rate)
+    return 1.0 / _batches_per_epoch(sample_rate) if _epoch_rounded(mode) else sample_rate
 
 
 def calibrate_for_run(epsilon: float, delta: float, sample_rate: float, steps: int, mode: str,
@@ -277,7 +264,7 @@ class Accountant:
     """
 
     def __init__(self, accountant: str = "prv", eps_error: float = 0.01) -> None:
-        _check_accountant(accountant)
+        _check(accountant=accountant)
         self._accountant = _RunningPRVAccountant() if accountant == "prv" else create_accountant(mechanism=accountant)
         self._mechanism = accountant
         self._eps_error = eps_error
@@ -296,12 +283,12 @@ class Accountant:
         """Record one logical step of the Poisson-subsampled Gaussian mechanism."""
         if noise_multiplier <= 0:
             raise ValueError(f"noise_multiplier={noise_multiplier} must be > 0; non-DP runs need no accountant")
-        _check_sample_rate(sample_rate)
+        _check(sample_rate=sample_rate)
         self._accountant.step(noise_multiplier=float(noise_multiplier), sample_rate=float(sample_rate))
 
     def epsilon(self, delta: float) -> float:
         """ε spent so far at ``delta`` (0.0 before the first step)."""
-        _check_delta(delta)
+        _check(delta=delta)
         if not self._accountant.history:
             return 0.0
         key = tuple(self.history)
