@@ -103,14 +103,21 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float = 1e-5, confidence:
     beta = 1.0 - confidence
     if p_value(m, r, v, 0.0, delta) > beta:
         return 0.0
-    lo, hi = 0.0, 1.0
-    while p_value(m, r, v, hi, delta) <= beta:
+    return _largest_rejected(lambda eps: p_value(m, r, v, eps, delta) <= beta, 0.0, tol,
+                             f"{v} correct of {r} guesses rejects every ε ≤ 1000 (δ = {delta}): not a DP algorithm")
+
+
+def _largest_rejected(rejects: Callable[[float], bool], lo: float, tol: float, refusal: str) -> float:
+    """Bisection for the largest parameter ``rejects`` holds for (monotone, true at ``lo``), to ``tol``,
+    returned at the rejected end; ``refusal`` when it holds beyond 1000."""
+    hi = 1.0
+    while rejects(hi):
         lo, hi = hi, 2.0 * hi
         if hi > 1e3:
-            raise ValueError(f"{v} correct of {r} guesses rejects every ε ≤ 1000 (δ = {delta}): not a DP algorithm")
+            raise ValueError(refusal)
     while hi - lo > tol:
         mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if p_value(m, r, v, mid, delta) <= beta else (lo, mid)
+        lo, hi = (mid, hi) if rejects(mid) else (lo, mid)
     return lo
 
 
@@ -158,15 +165,8 @@ def fdp_lower_bound(m: int, k: int, v: int, family: Callable[[float], Callable[[
     beta = 1.0 - confidence
     if k == 0 or not fdp_rejects(m, k, v, family(tol), beta):
         return 0.0
-    lo, hi = tol, 1.0
-    while fdp_rejects(m, k, v, family(hi), beta):
-        lo, hi = hi, 2.0 * hi
-        if hi > 1e3:
-            raise ValueError(f"{v} right of {k} guesses rejects every curve parameter ≤ 1000: not a DP algorithm")
-    while hi - lo > tol:
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if fdp_rejects(m, k, v, family(mid), beta) else (lo, mid)
-    return lo
+    return _largest_rejected(lambda param: fdp_rejects(m, k, v, family(param), beta), tol, tol,
+                             f"{v} right of {k} guesses rejects every curve parameter ≤ 1000: not a DP algorithm")
 
 
 def _check_counts(m: int, r: int, v: int) -> None:
