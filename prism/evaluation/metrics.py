@@ -141,16 +141,27 @@ def score_outputs(column: str, texts: Sequence[str], golds: Sequence, choice_rul
         raise ValueError(f"unknown paper column {column!r}; valid: {', '.join(COLUMN_RULES)}")
     if not texts:
         return 0.0, 0
+    preds, failures = _predictions(rule, texts, choice_rule)
+    if rule in ("number", "choice"):
+        correct = _correct(rule, preds, golds)
+        return sum(correct) / len(correct), failures
+    return glue_score(rule, preds, golds), failures
+
+
+def _predictions(rule: str, texts: Sequence[str], choice_rule: str) -> tuple[list, int]:
+    """The responses parsed under a column's ``rule`` and how many the rule could not parse."""
     if rule == "number":
         preds = [extract_number(t) for t in texts]
-        correct = [math_correct(p, g) for p, g in zip(preds, golds)]
     elif rule == "choice":
         preds = [extract_choice(t, choice_rule) for t in texts]
-        correct = [p == g for p, g in zip(preds, golds)]
     else:
         parsed = [parse_glue_label(rule, t) for t in texts]
-        return glue_score(rule, [p for p, _ in parsed], golds), sum(not ok for _, ok in parsed)
-    return sum(correct) / len(correct), sum(p is None for p in preds)
+        return [p for p, _ in parsed], sum(not ok for _, ok in parsed)
+    return preds, sum(p is None for p in preds)
+
+
+def _correct(rule: str, preds: Sequence, golds: Sequence) -> list[bool]:
+    return [math_correct(p, g) if rule == "number" else p == g for p, g in zip(preds, golds)]
 
 
 ACCURACY_RULES = frozenset({"sst2", "mnli", "qnli", "rte", "number", "choice"})  # score = mean of per-row correctness
@@ -161,13 +172,9 @@ def row_outcomes(column: str, texts: Sequence[str], golds: Sequence, choice_rule
     the accuracy, else the parsed ``pred`` and the ``gold`` (CoLA, MRPC, QQP, STS-B: the score is a
     statistic of all rows, recomputed by :func:`glue_score` on any resample of them)."""
     rule = COLUMN_RULES[column]
-    if rule == "number":
-        return {"correct": [int(math_correct(extract_number(t), g)) for t, g in zip(texts, golds)]}
-    if rule == "choice":
-        return {"correct": [int(extract_choice(t, choice_rule) == g) for t, g in zip(texts, golds)]}
-    preds = [parse_glue_label(rule, t)[0] for t in texts]
+    preds, _ = _predictions(rule, texts, choice_rule)
     if rule in ACCURACY_RULES:
-        return {"correct": [int(p == g) for p, g in zip(preds, golds)]}
+        return {"correct": [int(c) for c in _correct(rule, preds, golds)]}
     return {"pred": preds, "gold": list(golds)}
 
 
