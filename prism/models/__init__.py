@@ -2,11 +2,11 @@
 
 Modules, one job each:
 
-* :mod:`~prism.models.registry` – :data:`BACKBONES` and config/dtype helpers;
+* :mod:`prism.backbones` – the registry :data:`BACKBONES` (readable without torch);
 * :mod:`~prism.models.gguf` – embedded backbones: GGUF dequantised once into a validated cache;
 * :mod:`~prism.models.tiny` – random-config test models and the byte-level tokenizer;
 * :mod:`~prism.models.loading` – :func:`load_backbone` onto the training device, peak memory;
-* :mod:`~prism.models.adapter` – the peft adapter name and module/parameter lookups;
+* :mod:`~prism.models.adapter` – the peft adapter name, module/parameter lookups, config-field access;
 * :mod:`~prism.models.wiring` – the peft ``LoraConfig`` (paper Table 7), validation, :func:`attach_lora`;
 * :mod:`~prism.models.spectral` – the spectral-residual initialisation;
 * :mod:`~prism.models.export` – an adapter that loads on the original backbone.
@@ -16,7 +16,8 @@ Notation: paper ``A`` (m×r) is peft ``lora_B.weight``, paper ``Bᵀ`` (r×n) is
 """
 from __future__ import annotations
 
-from prism.models.adapter import ADAPTER, lora_modules, trainable_parameters
+from prism.backbones import BACKBONES, BackboneSpec, backbone_spec
+from prism.models.adapter import ADAPTER, NON_LANGUAGE_MODULES, lora_modules, trainable_parameters
 from prism.models.export import export_adapter, rebased_factors
 from prism.models.gguf import cache_root, embedded_checkpoint
 from prism.models.loading import (
@@ -26,7 +27,6 @@ from prism.models.loading import (
     load_backbone,
     peak_memory_mb,
 )
-from prism.models.registry import BACKBONES, NON_LANGUAGE_MODULES, BackboneSpec, backbone_spec
 from prism.models.spectral import (
     EXACT_SVD_MAX_DIM,
     RSVD_OVERSAMPLING,

@@ -1,11 +1,25 @@
-"""The peft adapter name and lookups of the LoRA-wrapped model shared by wiring, init and export."""
+"""The peft adapter name, lookups of the LoRA-wrapped model and config-field access shared by loading,
+wiring, init and export."""
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
 ADAPTER = "default"
 """The peft adapter name used throughout."""
+
+NON_LANGUAGE_MODULES = r".*(vision_tower|vision_model|multi_modal_projector).*"
+"""peft ``exclude_modules`` regex: never put LoRA on a multimodal checkpoint's vision side."""
+
+
+def _field(cfg: Any, key: str, default: Any = None) -> Any:
+    """Read ``key`` from a mapping (dict / OmegaConf) or an attribute object."""
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
 
 
 def is_lora_parameter(name: str) -> bool:

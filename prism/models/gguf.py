@@ -16,9 +16,8 @@ import torch
 from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
-from prism.backbones import MANIFEST, cache_root, gguf_path
+from prism.backbones import MANIFEST, BackboneSpec, cache_root, gguf_path
 from prism.fileio import sha256_file
-from prism.models.registry import BackboneSpec
 
 _MANIFEST_FORMAT = 1
 
@@ -33,11 +32,8 @@ def _installed_version(distribution: str) -> str | None:
 def _cache_is_valid(directory: Path, spec: BackboneSpec) -> bool:
     """The manifest exists, names this source (and the installed version, when installed), and every
     listed file exists with the recorded sha256."""
-    manifest_path = directory / MANIFEST
-    if not manifest_path.is_file():
-        return False
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = json.loads((directory / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError):
         return False
     installed = _installed_version(spec.source)

@@ -24,12 +24,13 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from prism.backbones import RANDOM_CONFIGS
+from prism.backbones import RANDOM_CONFIGS, BackboneSpec, backbone_spec
+from prism.models.adapter import NON_LANGUAGE_MODULES, _field
 from prism.models.gguf import embedded_checkpoint
-from prism.models.registry import NON_LANGUAGE_MODULES, BackboneSpec, _dtype, _field, backbone_spec
 from prism.models.tiny import _tiny_model, byte_tokenizer
 
 _RANDOM_SEED = 1234
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 def ensure_pad_token(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
@@ -69,7 +70,10 @@ def load_backbone(cfg_backbone: Any, device: str | torch.device) -> tuple[PreTra
     tokenizer has a pad token (its own, else EOS).
     """
     spec = backbone_spec(_field(cfg_backbone, "name"))
-    dtype = _dtype(_field(cfg_backbone, "dtype", "float32"))
+    dtype = _field(cfg_backbone, "dtype", "float32")
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown backbone.dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+    dtype = _DTYPES[dtype]
     if spec.kind == "tiny":
         tokenizer = byte_tokenizer()
         model = _tiny_model(spec.source, vocab_size=len(tokenizer)).to(dtype)

@@ -15,45 +15,33 @@ from peft.tuners.tuners_utils import check_target_module_exists
 from torch import nn
 from transformers import PreTrainedModel
 
-from prism.models.adapter import ADAPTER, is_lora_parameter
-from prism.models.registry import NON_LANGUAGE_MODULES, _field
+from prism.models.adapter import ADAPTER, NON_LANGUAGE_MODULES, _field, is_lora_parameter
 from prism.models.spectral import spectral_residual_init
-
-
-def _num_decoder_layers(model: nn.Module) -> int:
-    return model.config.get_text_config().num_hidden_layers
 
 
 def lora_config(model: nn.Module, cfg_lora: Any, cfg_backbone: Any) -> LoraConfig:
     """The peft ``LoraConfig`` of the paper's Table 7 (r, α, dropout, targets, bias none), restricted
     to the last ``lora_layers`` decoder layers when set and never touching a vision tower."""
     lora_layers = _field(cfg_backbone, "lora_layers")
-    n_layers = _num_decoder_layers(model)
+    n_layers = model.config.get_text_config().num_hidden_layers
     layers = None
     if lora_layers is not None:
         if not 1 <= int(lora_layers) <= n_layers:
             raise ValueError(f"backbone.lora_layers={lora_layers} must be in 1..{n_layers} (or null for all)")
         layers = list(range(n_layers - int(lora_layers), n_layers))
+    vision = any(re.fullmatch(NON_LANGUAGE_MODULES, name) for name, _ in model.named_modules())
     return LoraConfig(r=int(_field(cfg_lora, "r")), lora_alpha=float(_field(cfg_lora, "alpha")),
                       lora_dropout=float(_field(cfg_lora, "dropout", 0.0)),
                       target_modules=list(_field(cfg_lora, "targets")), bias="none", task_type="CAUSAL_LM",
                       layers_to_transform=layers, layers_pattern="layers" if layers else None,
-                      exclude_modules=NON_LANGUAGE_MODULES if _has_non_language_modules(model) else None)
-
-
-def _has_non_language_modules(model: nn.Module) -> bool:
-    return any(re.fullmatch(NON_LANGUAGE_MODULES, name) for name, _ in model.named_modules())
-
-
-def _language_linears(model: nn.Module) -> dict[str, nn.Linear]:
-    return {name: module for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and not re.fullmatch(NON_LANGUAGE_MODULES, name)}
+                      exclude_modules=NON_LANGUAGE_MODULES if vision else None)
 
 
 def validate_lora(model: nn.Module, config: LoraConfig) -> list[str]:
     """Check the targets exist and that ``r ≤ min(in, out)`` for every targeted layer; return the
     names of the targeted modules. Errors are one line and name the fix."""
-    linears = _language_linears(model)
+    linears = {name: module for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and not re.fullmatch(NON_LANGUAGE_MODULES, name)}
     available = sorted({name.rsplit(".", 1)[-1] for name in linears})
     unknown = sorted(set(config.target_modules) - set(available))
     if unknown:
