@@ -77,8 +77,11 @@ def clean_tweet(text: str) -> str:
     return " ".join(_URL.sub("", text.encode("ascii", "ignore").decode()).split())
 
 
-def _balanced(by_label: dict[int, list[Example]], n: int, rng: random.Random) -> list[Example]:
-    """`n` examples split as evenly as possible across labels, then shuffled."""
+def _balanced(examples: list[Example], n: int, rng: random.Random) -> list[Example]:
+    """`n` of `examples` split as evenly as possible across labels (each label's first ones), then shuffled."""
+    by_label: dict[int, list[Example]] = {}
+    for ex in examples:
+        by_label.setdefault(int(ex.answer), []).append(ex)
     labels = sorted(by_label)
     out: list[Example] = []
     for k, label in enumerate(labels):
@@ -156,15 +159,10 @@ def _disjoint_balanced(train_pool: list[Example], eval_pool: list[Example], n_tr
     """Label-balanced eval rows from `eval_pool`, then label-balanced train rows from `train_pool`
     with every eval input removed (pools are taken in their given order, duplicates dropped)."""
     dedup = list({ex.input: ex for ex in eval_pool}.values())
-    by_label: dict[int, list[Example]] = {}
-    for ex in dedup:
-        by_label.setdefault(int(ex.answer), []).append(ex)
-    evals = _balanced(by_label, n_eval, random.Random(sub_seed(EVAL_SEED, task, "order")))
+    evals = _balanced(dedup, n_eval, random.Random(sub_seed(EVAL_SEED, task, "order")))
     seen = {ex.input for ex in evals}
-    by_label = {}
-    for ex in {ex.input: ex for ex in train_pool if ex.input not in seen}.values():
-        by_label.setdefault(int(ex.answer), []).append(ex)
-    return _balanced(by_label, n_train, random.Random(sub_seed(seed, task, "train-order"))), evals
+    train = list({ex.input: ex for ex in train_pool if ex.input not in seen}.values())
+    return _balanced(train, n_train, random.Random(sub_seed(seed, task, "train-order"))), evals
 
 
 # ---------------------------------------------------------------- Math stand-ins

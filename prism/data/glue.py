@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from prism.data.rows import DataUnavailableError, Example, cache_dir
+from prism.data.rows import DataUnavailableError, Example, cache_dir, well_formed
 
 GLUE_HUB_ID = "nyu-mll/glue"
 
@@ -87,18 +87,10 @@ VALIDATION_ROWS = {
 }
 
 
-def target_text(task: str, label: int | float) -> str:
-    """Training target: the label word, or the STS-B score with one decimal place."""
-    words = GLUE_TASKS[task].label_words
-    return f"{float(label):.1f}" if words is None else words[int(label)]
-
-
 def glue_example(task: str, row: dict, name: str | None = None, input_text: str | None = None) -> Example | None:
-    """Instruction-format example from a GLUE row (None when a field is missing or the label is −1/bad).
-
-    `input_text` overrides the formatted input (used by the embedded stand-ins, which have their own
-    source columns but the same instruction and label words).
-    """
+    """Instruction-format example from a GLUE row (None when a field is missing or the label is −1/bad); its
+    target is the label word, or the STS-B score with one decimal place. `input_text` overrides the
+    formatted input (the embedded stand-ins: their own source columns, the same instruction and label words)."""
     spec = GLUE_TASKS[task]
     label = row.get("label")
     try:
@@ -112,7 +104,8 @@ def glue_example(task: str, row: dict, name: str | None = None, input_text: str 
         if any(not isinstance(v, str) or not v.strip() for v in values):
             return None
         input_text = "\n".join(f"{disp}: {v}" for (disp, _), v in zip(spec.fields, values))
-    return Example(name or task, spec.instruction, input_text, target_text(task, label), label)
+    target = f"{label:.1f}" if spec.label_words is None else spec.label_words[label]
+    return Example(name or task, spec.instruction, input_text, target, label)
 
 
 def load_split(task: str, split: str) -> list[dict]:
@@ -144,11 +137,7 @@ def stratified_indices(labels: list[float], n: int, seed: int, regression: bool)
 
 
 def _examples(task: str, rows: list[dict], name: str, skipped: dict[str, int]) -> list[Example]:
-    out = [glue_example(task, row, name) for row in rows]
-    bad = sum(ex is None for ex in out)
-    if bad:
-        skipped[f"glue/{name}"] = skipped.get(f"glue/{name}", 0) + bad
-    return [ex for ex in out if ex is not None]
+    return well_formed([glue_example(task, row, name) for row in rows], skipped, f"glue/{name}")
 
 
 def build_paper(node: Any, seed: int):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from prism.data.rows import DataUnavailableError, Example, cache_dir
+from prism.data.rows import DataUnavailableError, Example, cache_dir, well_formed
 from prism.fileio import sha256_file
 
 MATH10K_URL = "https://raw.githubusercontent.com/AGI-Edgerunners/LLM-Adapters/main/ft-training_set/math_10k.json"
@@ -98,11 +98,7 @@ def math_example(task: str, row: Any, kind: str) -> Example | None:
 
 
 def _collect(rows: list, task: str, kind: str, skipped: dict[str, int], source: str) -> list[Example]:
-    out = [math_example(task, row, kind) for row in rows]
-    bad = sum(ex is None for ex in out)
-    if bad:
-        skipped[source] = skipped.get(source, 0) + bad
-    return [ex for ex in out if ex is not None]
+    return well_formed([math_example(task, row, kind) for row in rows], skipped, source)
 
 
 def testset_location(root: str, folder: str) -> str:

@@ -49,6 +49,14 @@ class Suite:
     source: dict[str, Any] = field(default_factory=dict)  # suite=custom: files, digests, row counts
 
 
+def well_formed(examples: list[Example | None], skipped: dict[str, int], source: str) -> list[Example]:
+    """The rows that parsed (``None``: malformed), the malformed ones counted in ``skipped[source]``."""
+    bad = sum(ex is None for ex in examples)
+    if bad:
+        skipped[source] = skipped.get(source, 0) + bad
+    return [ex for ex in examples if ex is not None]
+
+
 def cache_dir() -> Path:
     """Local data cache: ``$PRISM_CACHE/data`` (default ``~/.cache/prism/data``)."""
     return cache_root() / "data"
