@@ -113,17 +113,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def os_noise(cfg: DictConfig) -> bool:
-    """Whether the sampler and the noise draw from the OS CSPRNG (``privacy.noise_source: os``)."""
-    return cfg.privacy.noise_source == "os"
-
-
 def logs_private_stats(cfg: DictConfig) -> bool:
     """``privacy.log_private_stats`` (default on): whether the logs may carry :data:`PRIVATE_STATS`,
     :data:`PRIVATE_FINAL` and any other time or memory figure of the run."""
@@ -140,7 +129,9 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
     suite instead of ``cfg.suite``, e.g. the synthetic one of ``make gpu-check``; ``load``: how the
     frozen backbone is obtained, :func:`prism.models.load_backbone` or a worker's
     :class:`prism.models.KeptBackbones`, which hands out a fresh copy of the same weights)."""
-    seed_everything(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.train.device)
     narrate("building suite %s (%s scale)", cfg.suite.name, cfg.suite.scale)
     suite = suite if suite is not None else build_suite(cfg.suite, cfg.seed)  # before the model: a data error costs no model load
@@ -167,7 +158,7 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
                         init_svd=cfg.method.init_svd)
     narrate("%s; %s", describe(model), speed_paths(model, cfg.train.prefix_cache))
     features = tokenize_train_set(tokenizer, suite.train, suite.cutoff_len, suite.train_on_inputs, cfg.backbone.name)
-    secure = os_noise(cfg)
+    secure = cfg.privacy.noise_source == "os"  # the sampler and the noise draw from the OS CSPRNG
     sampler = PoissonSampler(n_train, cfg.train.batch_size, generator_seed=cfg.seed + 1, secure=secure)
     dp = is_private(cfg)
     sigma = 0.0
