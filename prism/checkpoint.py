@@ -1,11 +1,7 @@
-"""Atomic checkpoints of everything a run needs to resume bit-identically.
-
-A checkpoint holds the trainable LoRA tensors, the method's state (optimizer moments, counters),
-the accountant history, the step counter and every RNG state (Poisson sampler, noise, torch's
-global CPU generator and, on a GPU, every CUDA device's generator: LoRA dropout on a GPU draws from
-the CUDA generator, which ``build()`` reseeds, so a resumed run needs it back to match an
-uninterrupted one). It is written through :func:`prism.fileio.atomic_write` (a temporary file moved into place with
-:func:`os.replace`), so a run killed mid-write leaves the previous checkpoint intact.
+"""Atomic checkpoints of everything a run needs to resume bit-identically: the trainable LoRA tensors,
+the method's state, the accountant history, the step counter and every RNG state (sampler, noise, torch's
+CPU generator and every CUDA device's, which LoRA dropout on a GPU draws from), written through
+:func:`prism.fileio.atomic_write`, so a run killed mid-write leaves the previous checkpoint intact.
 """
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
 """One training loop for every method, private or not (docs/DECISIONS.md D1–D3, D7, Algorithm 1).
 
-All six methods receive their privacy from the same Poisson sampler, the same σ (PRV-calibrated
-for the exact number of steps), the same clipping norm C and the same number of steps; they differ
-only in the :class:`~prism.methods.base.Method` that clips, noises and updates.
-
-Two privacy switches (``conf/privacy/*.yaml``, docs/PRIVACY.md):
-
-* ``privacy.noise_source``: ``seeded`` (the sampler and the noise from ``seed + 1``, ``seed + 2``:
-  anyone who knows the config can regenerate the noise and the batches) or ``os`` (both from the OS
-  CSPRNG, :mod:`prism.privacy.noise`; nothing to record, so a resumed run continues with fresh entropy).
-  With ``os`` every step is checkpointed before it is logged, so a killed run never replays a step
-  whose release was already logged (a replay with fresh noise would be a release ε does not count).
-* ``privacy.log_private_stats``: off, the per-step statistics computed from un-noised data
-  (:data:`PRIVATE_STATS`) are dropped from ``metrics.jsonl`` and W&B, and from ``final.json`` the
-  fields that grow with the realised batch sizes and every other time (:data:`PRIVATE_FINAL`);
-  ``pipelines/run.py`` drops the run's own times (docs/PRIVACY.md, "What ε does not cover").
+Every method gets the same Poisson sampler, σ (PRV-calibrated for the exact number of steps), clipping
+norm C and number of steps; they differ only in the :class:`~prism.methods.base.Method` that clips,
+noises and updates. The two privacy switches, ``privacy.noise_source`` (``os``: every step is
+checkpointed before it is logged) and ``privacy.log_private_stats`` (off: :data:`PRIVATE_STATS` and
+:data:`PRIVATE_FINAL` are dropped from the logs), are explained in docs/PRIVACY.md.
 """
 from __future__ import annotations
 
@@ -69,12 +59,9 @@ from prism.privacy.sampling import noise_denominator
 
 LogFn = Callable[[dict[str, Any]], None]
 narrate = logging.getLogger("prism.train").info  # one line per phase (pipelines/run.py prints it)
-# Per-step record fields computed from un-noised data (not covered by ε): the batch's mean loss, the
-# share of clipped examples and their mean norm, the norm of the drawn noise (with the released
-# update it pins the clipped sum), the realised Poisson batch size and the step time (grows with it).
+# Per-step record fields computed from un-noised data, not covered by ε (docs/PRIVACY.md).
 PRIVATE_STATS = ("loss", "clip_fraction", "grad_norm_mean", "noise_norm", "batch_size", "step_time_s")
-# final.json fields that grow with the realised batch sizes (times, memory) or count empty batches, and
-# the evaluation's per-task seconds (every time a run records is dropped with the switch off).
+# final.json fields that grow with the realised batch sizes, count empty batches, or are times.
 PRIVATE_FINAL = ("empty_batches", "train_time_s", "wall_time_s", "peak_memory_mb", "prefix_build_s", "step_time_s",
                  "seconds")
 log = logging.getLogger(__name__)
@@ -114,8 +101,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def logs_private_stats(cfg: DictConfig) -> bool:
-    """``privacy.log_private_stats`` (default on): whether the logs may carry :data:`PRIVATE_STATS`,
-    :data:`PRIVATE_FINAL` and any other time or memory figure of the run."""
+    """``privacy.log_private_stats``: whether the logs may carry times, memory and :data:`PRIVATE_STATS`."""
     return bool(cfg.privacy.log_private_stats)
 
 
@@ -125,10 +111,9 @@ def public_record(record: dict[str, Any], log_private_stats: bool) -> dict[str, 
 
 
 def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = load_backbone) -> Setup:
-    """Model, data, privacy calibration and method for one resolved config (``suite``: a prebuilt
-    suite instead of ``cfg.suite``, e.g. the synthetic one of ``make gpu-check``; ``load``: how the
-    frozen backbone is obtained, :func:`prism.models.load_backbone` or a worker's
-    :class:`prism.models.KeptBackbones`, which hands out a fresh copy of the same weights)."""
+    """Model, data, privacy calibration and method for one resolved config (``suite``: a prebuilt one,
+    e.g. ``make gpu-check``'s; ``load``: :func:`prism.models.load_backbone` or a worker's
+    :class:`prism.models.KeptBackbones`)."""
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -193,9 +178,8 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
 
 
 def _micro_batch(s: Setup, indices: list[int], padding_side: str = "right") -> dict[str, Any]:
-    """From the prefix cache when there is one (right-padded), else tokens collated on the host (padded
-    on ``padding_side``), their supervised positions computed there too, and copied with non-blocking
-    pinned transfers (no device sync)."""
+    """From the prefix cache when there is one, else tokens collated on the host (padded on
+    ``padding_side``) with their supervised positions, copied without a device sync."""
     if s.prefix is not None:
         return s.prefix.batch(indices)
     host = collate([s.features[i] for i in indices], pad_id=s.tokenizer.pad_token_id, padding_side=padding_side)
@@ -206,11 +190,9 @@ def _micro_batch(s: Setup, indices: list[int], padding_side: str = "right") -> d
 
 
 def _check_finite(loss_sum: Tensor, params: dict[str, Tensor]) -> None:
-    """Once per step, from what the step already computed: the summed loss (on the device) plus one
-    fused max-norm over the updated parameters is finite, else stop (the max-norm, unlike the 2-norm,
-    cannot overflow on finite entries). A non-finite per-example gradient reaches the parameters
-    through the update, so this one device sync covers losses, gradients and factors; the offending
-    tensor is looked up only on failure."""
+    """Stop unless the summed loss plus one fused max-norm over the updated parameters is finite: one
+    device sync per step covers losses, gradients (they reach the parameters through the update) and
+    factors; the max-norm, unlike the 2-norm, cannot overflow on finite entries."""
     norms = torch._foreach_norm(list(params.values()), ord=math.inf)
     if bool(torch.isfinite(loss_sum.float() + torch.stack(norms).float().sum())):
         return
@@ -259,12 +241,9 @@ def _restore(s: Setup, state: dict[str, Any]) -> int:
 
 
 def train_step(s: Setup, cfg: DictConfig, diagnostics: bool = True) -> dict[str, Any]:
-    """One logical step: Poisson batch → micro-batches → clip & sum → noise once → update.
-
-    ``diagnostics`` asks the method for its noise and update norms (every logged step; off only in
-    benchmarks that time the mechanism alone). Statistics stay 0-dim device tensors (no host sync);
-    :func:`_to_host` reads a logged record back in one transfer.
-    """
+    """One logical step: Poisson batch → micro-batches → clip & sum → noise once → update. Statistics
+    stay 0-dim device tensors; ``diagnostics`` (off only in mechanism benchmarks) adds the noise and
+    update norms."""
     indices = s.sampler.sample()
     if s.method.dp:
         s.accountant.step(noise_multiplier=s.sigma, sample_rate=s.sampler.sample_rate)

@@ -1,20 +1,13 @@
 """Suites (docs/DECISIONS.md D29–D31, D39): GLUE8 and Math-10K at paper scale, and their embedded stand-ins.
 
-A :class:`Suite` is one training set plus evaluation sets per task; every evaluation task names the
-Table 2 column it scores (``task_columns``). Paper and embedded suites share the prompt, tokenisation,
-decoding and metric code: only where the rows come from differs.
-
-``build_suite(cfg_suite, seed)`` reads ``name``, ``scale``, ``family``, ``train_on_inputs``,
-``cutoff_len``, ``data_seed`` (the seed of every row draw: training rows, validation rows, ``eval_limit``;
-``conf/suite/*.yaml`` fix it at 42, so every run seed trains on the same rows, as the paper's runs share
-one training file, and the run seed varies the initialisation, the batch sampling and the noise; without
-the key the rows follow the run seed), ``eval_limit``, ``eval_split`` (``test``, the default: score the fixed evaluation
-rows; ``validation``: score ``validation_per_task`` rows per task drawn from the training pool,
-disjoint from the run's training rows and from the evaluation rows, :func:`validation_split`; for
-``suite=custom``, held out of the training file's rows; the learning-rate sweep of ``pipelines/tune.py``
-scores these) and the scale's own node ``cfg_suite[scale]`` (see
-:mod:`prism.data.embedded`, :mod:`prism.data.glue`, :mod:`prism.data.math10k` for its fields);
-``suite=custom`` reads the user's file from ``cfg_suite.custom`` at every scale (:mod:`prism.data.custom`).
+A :class:`Suite` is one training set plus evaluation sets per task, each task naming the Table 2 column it
+scores; paper and embedded suites share the prompt, tokenisation, decoding and metric code.
+``suite.data_seed`` seeds every row draw (``conf/suite/*.yaml``: 42, so every run seed trains on the same
+rows, as the paper's runs share one training file; without it the rows follow the run seed).
+``suite.eval_split=validation`` scores ``validation_per_task`` rows per task drawn from the training pool,
+disjoint from the training and evaluation rows (:func:`validation_split`; the learning-rate sweep of
+``pipelines/tune.py``). The scale's own node ``cfg_suite[scale]`` is read by :mod:`prism.data.embedded`,
+:mod:`prism.data.glue` and :mod:`prism.data.math10k`; ``suite=custom`` by :mod:`prism.data.custom`.
 """
 from __future__ import annotations
 
@@ -35,18 +28,8 @@ from prism.data.rows import (
 )
 
 __all__ = [
-    "PAPER_COLUMNS",
-    "SUITE_FAMILIES",
-    "SCALES",
-    "DataUnavailableError",
-    "Example",
-    "Suite",
-    "cache_dir",
-    "sub_seed",
-    "seeded_subset",
-    "row_key",
-    "validation_split",
-    "build_suite",
+    "PAPER_COLUMNS", "SUITE_FAMILIES", "SCALES", "DataUnavailableError", "Example", "Suite", "cache_dir",
+    "sub_seed", "seeded_subset", "row_key", "validation_split", "build_suite",
 ]
 
 

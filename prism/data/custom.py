@@ -1,34 +1,22 @@
-"""A task from the user's own file (``suite=custom``), read and checked without torch.
+"""A task from the user's own file (``suite=custom``, docs/custom-task.md), read and checked without torch.
 
 Node ``suite.custom`` fields (the key names are fixed):
 
-* ``train`` – a JSON Lines file (``.jsonl``; ``.csv`` with a header row also works) of rows
-  ``{"prompt": ..., "target": ..., "id": ...}`` (``id`` optional, unique within its file when given:
-  each file may number its rows from ``r0``, as GLUE's splits do; nothing downstream keys on ids:
-  evaluation records are kept in row order and identified by the sha256 of their prompts);
-* ``eval`` – a second file of the same form, or null: then ``eval_fraction`` of the training rows
-  are held out, drawn with a fixed seed (the same evaluation rows for every run seed and method, as
-  a paper's fixed test set);
-* ``type`` – ``classification`` (``labels``: the label set; a target must be one of them),
-  ``number`` (``tolerance``: a response is right when its last number is within it of the target's
-  last number, the Math suites' extraction) or ``exact`` (normalised text equal);
-* ``train_sha256`` / ``eval_sha256`` – null, or the file's digest: checked when set, so a run's
-  config (and its run-store hash) pins the file's content (``make compare`` sets them).
+* ``train`` – a JSON Lines (``.jsonl``) or ``.csv`` file of rows ``{"prompt": ..., "target": ..., "id": ...}``
+  (``id`` optional, unique within its file; evaluation records are identified by their prompts' sha256);
+* ``eval`` – a second file of the same form, or null: then ``eval_fraction`` of the training rows are held
+  out with a fixed seed (the same rows for every run seed and method, as a paper's fixed test set);
+* ``type`` – ``classification`` (``labels``), ``number`` (``tolerance`` on the last number, the Math
+  suites' extraction) or ``exact`` (normalised text equal);
+* ``train_sha256`` / ``eval_sha256`` – null, or the file's digest, checked when set (``make compare``).
 
-With ``suite.eval_split=validation`` (a tuning run, ``make tune TASK=...``) ``suite.validation_per_task``
-rows of the training rows (after the ``eval_fraction`` hold-out, so never an evaluation row) are held
-out with a fixed draw, the same for every method, rate and seed: the run trains on the rest and is
-scored on them, and the evaluation rows are not scored.
-
-A row becomes an :class:`~prism.data.Example` whose instruction is the prompt and whose output is the
-target, so training and evaluation go through the paper suites' prompt template, tokenisation,
-masking, decoding and parsing code; scoring is :func:`prism.evaluation.metrics.score_task`.
-
-Every problem with a file is one line, ``<file> line <n>: <what is wrong>; <fix>`` (a
-:class:`TaskFileError`), raised by :func:`check_task` during config validation, before any model
-is loaded: a byte that is not UTF-8 by its line and column (a UTF-8 byte-order mark is accepted), a
-training or evaluation row longer than ``suite.cutoff_len`` tokens. An evaluation row whose prompt is
-also a training row's is not an error but one warning line (:func:`leakage`).
+With ``suite.eval_split=validation`` (``make tune``) ``suite.validation_per_task`` of the training rows
+left after the hold-out are held out with a fixed draw and scored instead of the evaluation rows.
+A row becomes an :class:`~prism.data.Example` (instruction = prompt, output = target), so it goes through
+the paper suites' template, tokenisation, decoding and parsing; :func:`prism.evaluation.metrics.score_task`
+scores it. Every problem is one line, ``<file> line <n>: <what is wrong>; <fix>`` (:class:`TaskFileError`),
+raised by :func:`check_task` before any model is loaded; an evaluation prompt that is also a training
+prompt is one warning line (:func:`leakage`).
 """
 from __future__ import annotations
 

@@ -14,24 +14,15 @@ basic_arithmetic    MAWPS     ``reasoning-gym`` sums/differences of two numbers 
 leg_counting        SVAMP     ``reasoning-gym`` leg-counting word problems (1–2 animal kinds, ≤3 each)
 ==================  ========  ==================================================================
 
-The arithmetic and leg-counting settings are chosen to be learnable by a 135M backbone in tens of
-steps (a stand-in column that every method leaves at 0 says nothing); GSM8K's stand-in stays hard.
-The corpus holds 12,156 tweets at confidence ≥ 0.8 but only 2,112 positive ones, so a label-balanced
-SST-2 stand-in has at most about 4,000 training rows.
+The arithmetic and leg-counting settings are learnable by a 135M backbone in tens of steps; GSM8K's
+stand-in stays hard. A label-balanced SST-2 stand-in has at most about 4,000 training rows (2,112 of the
+12,156 tweets at confidence ≥ 0.8 are positive). Evaluation rows come from a fixed stream (`EVAL_SEED`, as
+the paper's fixed test sets), training rows from ``suite.data_seed`` without any evaluation question;
+GLUE-style classes are balanced in both. Math targets: :func:`math_target` (docs/DECISIONS.md D62).
 
-Evaluation rows are drawn from a fixed stream (seed `EVAL_SEED`, like the paper's fixed test sets);
-training rows with ``suite.data_seed`` (the same for every run seed, like the paper's one training
-file), excluding any question that is in the evaluation set. GLUE-style
-classes are balanced in both. Math targets (``target``, :func:`math_target`) are the bare answer,
-``42.`` / ``(C).`` (a few tokens to generate), or for the MAWPS stand-in a one-line rationale
-``4 - 1 = 3.`` (the embedded default, docs/DECISIONS.md D62); the paper's Math-10K targets are
-rationales ending in "The answer is …", read by the same last-number / last-letter extraction.
-
-Node ``suite.embedded`` fields: ``tasks`` (default: all of the suite's), ``unscored`` (tasks trained on
-but not scored on their evaluation rows, default none: those rows are still drawn and kept out of
-training, so the training rows do not change; validation rows are scored for every task),
-``train_per_task`` (a count, or a mapping task → count), ``eval_per_task``, ``min_confidence``
-(tweets; default 0.8), ``target`` (Math: ``bare`` | ``sentence`` | ``equation``; default ``bare``).
+Node ``suite.embedded`` fields: ``tasks`` (default: all of the suite's), ``unscored`` (trained on, their
+evaluation rows drawn and kept out of training but not scored), ``train_per_task`` (a count, or a mapping
+task → count), ``eval_per_task``, ``min_confidence`` (tweets; 0.8), ``target`` (Math, :data:`TARGET_STYLES`).
 """
 from __future__ import annotations
 
@@ -177,16 +168,10 @@ TARGET_STYLES = ("bare", "sentence", "equation")
 
 def math_target(answer: str, style: str, equation: str | None = None) -> str:
     """Training target of a Math stand-in row (``suite.embedded.target``), read by the same last-number /
-    last-letter extraction in every style:
-
-    * ``bare``: ``3.`` / ``(C).``;
-    * ``sentence``: ``The answer is 3.`` / ``The answer is (C).`` (the closing words of the paper's
-      Math-10K rationales);
-    * ``equation``: a one-line rationale, the question's expression equal to its value, ``4 - 1 = 3.``
-      (`equation` ``"4 - 1 = 3"``); rows without one (`equation` None) stay ``bare``. Only the MAWPS
-      stand-in has one: an AQuA stand-in target ``4 - 1 = 3, (C).`` left 82 % of answers without a letter
-      after 15 steps (docs/embedded-scale.md), so that stand-in, GSM8K's and SVAMP's stay bare.
-    """
+    last-letter extraction in every style: ``bare`` ``3.`` / ``(C).``; ``sentence`` ``The answer is 3.`` (the
+    closing words of the paper's Math-10K rationales); ``equation`` the one-line rationale ``4 - 1 = 3.``
+    where the row has one (only the MAWPS stand-in: an AQuA one left 82 % of answers without a letter,
+    docs/embedded-scale.md), else ``bare``."""
     if style not in TARGET_STYLES:
         raise ValueError(f"suite.embedded.target={style!r}: use one of {', '.join(TARGET_STYLES)}")
     if style == "sentence":

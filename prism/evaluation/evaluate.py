@@ -1,18 +1,13 @@
 """Generation-based evaluation of a suite (docs/DECISIONS.md D9–D12, D30, D31).
 
-Batched ``model.generate`` with left padding and the KV cache, greedy (``num_beams=1``) or beam
-search, the text after the first ``### Response:`` parsed per task rule; scores per task, per Table 2
-column (MNLI = mean of matched and mismatched) and the suite average (mean over its columns). Parsing
-and metrics are the pure functions of :mod:`prism.evaluation.metrics`, re-exported here.
-
-Greedy batches share their prompts' common token prefix (the template and the task instruction, two
-thirds of a GLUE prompt): its KV cache is computed once and repeated over the batch, and each row's
-remainder follows it left-padded, so a row sees exactly its own tokens at its own positions
-(``[prefix | padding | rest]``, padding masked) — the same greedy tokens as generating it alone
-(``tests/test_evaluate.py``). When LoRA sits on the top layers only, the frozen layers' KV cache of
-the prompts comes from :class:`prism.fastpath.prompt_cache.FrozenPrompts` instead (computed once per grid),
-so a run's prefill costs only its LoRA layers. Generation runs HF's eager attention without its
-per-head copy of the KV cache (:mod:`prism.fastpath.grouped_attention`). ``decoding.shared_prefix`` / ``decoding.frozen_prefix``
+Batched ``model.generate`` (left padding, KV cache, greedy or beam search); the text after the first
+``### Response:`` is parsed per task rule (:mod:`prism.evaluation.metrics`, re-exported here) and scored
+per task, per Table 2 column (MNLI = mean of matched and mismatched) and as the suite average.
+Greedy batches compute the KV cache of their prompts' common prefix once and put each row's remainder
+behind it left-padded (``[prefix | padding | rest]``, padding masked): the same greedy tokens as
+generating a row alone (``tests/test_evaluate.py``). With LoRA on the top layers only, the frozen
+layers' prompt cache comes from :class:`prism.fastpath.prompt_cache.FrozenPrompts`; generation runs
+:mod:`prism.fastpath.grouped_attention`. ``decoding.shared_prefix`` / ``decoding.frozen_prefix``
 (default true) switch either off.
 """
 from __future__ import annotations
@@ -89,16 +84,12 @@ def generate_responses(
     batch_size: int,
     max_new_tokens: int | None = None,
 ) -> list[str]:
-    """Responses (text after the first ``### Response:``) for `prompts`, in input order.
-
-    Prompts are batched by length (less padding), left-padded, decoded with ``do_sample=False`` and
-    ``num_beams``/``max_new_tokens`` from `cfg_decoding` (``max_new_tokens`` given here wins); an optional ``max_input_length`` keeps the
-    last tokens of a longer prompt so the response marker survives. Greedy batches reuse the KV cache
-    of their common prompt prefix (``shared_prefix``, default true; see the module docstring). ``prompt_encoding`` is ``text``
-    (the released code: tokenize the prompt string alone) or ``as_trained`` (see
-    :func:`prism.data.prompts.encode_prompt_as_trained`). ``renormalize_logits`` /
-    ``remove_invalid_values`` are passed to ``generate`` (the released evaluation sets both).
-    """
+    """Responses (text after the first ``### Response:``) for `prompts`, in input order, batched by length
+    and decoded with ``do_sample=False``. `cfg_decoding`: ``num_beams``, ``max_new_tokens`` (the argument
+    wins), ``max_input_length`` (keep a longer prompt's last tokens), ``shared_prefix`` / ``frozen_prefix``
+    (module docstring), ``prompt_encoding`` (``text``, the released code's, or ``as_trained``:
+    :func:`prism.data.prompts.encode_prompt_as_trained`), ``renormalize_logits`` / ``remove_invalid_values``
+    (passed to ``generate``; the released evaluation sets both)."""
     max_input = cfg_decoding.get("max_input_length")
     pad = _pad_id(tokenizer)
     device = next(model.parameters()).device

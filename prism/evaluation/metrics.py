@@ -1,10 +1,6 @@
-"""Answer parsing and task metrics (docs/DECISIONS.md D12, D30, D31), as pure functions.
-
-GLUE: rule-based label parsing with the released code's fallbacks, then CoLA = Matthews correlation,
-MRPC/QQP = (accuracy + F1)/2, STS-B = (Pearson + Spearman)/2, others accuracy (MNLI's two validation
-sets are separate tasks averaged into one column by the caller). Math: last number in the text,
-correct iff |gold − pred| ≤ 1e-3; AQuA: last standalone letter A–E. MCC, F1 and the correlations
-use scikit-learn/scipy.
+"""Answer parsing and task metrics (docs/DECISIONS.md D12, D30, D31), as pure functions: GLUE labels by
+the released code's rules and fallbacks, scored per task (:func:`glue_score`); Math: the last number,
+correct within 1e-3; AQuA: the last standalone letter A–E; user tasks (``suite=custom``): :func:`score_task`.
 """
 from __future__ import annotations
 
@@ -52,12 +48,9 @@ def normalize_response(text: str) -> str:
 
 
 def parse_glue_label(task: str, text: str) -> tuple[int | float, bool]:
-    """GLUE label from a generated response and whether the rules parsed it (docs/DECISIONS.md D30).
-
-    STS-B: first number (commas removed) clipped to [0, 5]. Others: substring rules in order; a
-    leading yes/no is mapped but counts as a parse failure; anything else → label 0 (STS-B 0.0),
-    unparsed outputs are scored, not dropped.
-    """
+    """GLUE label from a generated response and whether the rules parsed it (docs/DECISIONS.md D30):
+    STS-B's first number clipped to [0, 5], else the substring rules in order; a leading yes/no is mapped
+    but counts as a parse failure; anything else is label 0 (STS-B 0.0), scored, not dropped."""
     text = normalize_response(text)
     if task == "stsb":
         found = _NUMBER.search(text.replace(",", ""))
@@ -88,12 +81,9 @@ def math_correct(pred: float | None, gold: float, tolerance: float = MATH_TOLERA
 def extract_choice(text: str, rule: str = "lookaround") -> str | None:
     """AQuA letter: the last standalone A–E in the upper-cased text, else the last A–E character.
 
-    ``rule`` (``suite.decoding.choice_regex``): ``lookaround`` (below) or ``released``, the released
-    evaluation's pattern with consumed neighbours (docs/DECISIONS.md D12).
-
-    Lookarounds (not the released regex's consumed neighbours) so adjacent letters such as "A B"
-    are both seen. Inherited weakness: upper-casing makes any word "a"/"A" a standalone letter, so
-    "A store sells 5 pens." yields "A" when no later letter follows.
+    ``rule`` (``suite.decoding.choice_regex``, docs/DECISIONS.md D12): ``lookaround``, which sees both
+    letters of "A B", or ``released``, the released evaluation's pattern with consumed neighbours.
+    Inherited weakness: upper-casing makes any word "a" a standalone letter ("A store sells 5 pens.").
     """
     if rule not in CHOICE_RULES:
         raise ValueError(f"suite.decoding.choice_regex={rule!r}; choose one of {sorted(CHOICE_RULES)}")

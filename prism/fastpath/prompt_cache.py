@@ -1,18 +1,15 @@
 """The frozen lower layers' KV cache of evaluation prompts, computed once and shared by every run.
 
-Evaluation prompts are fixed per suite, and with LoRA on the last ``K`` decoder layers the layers
-below ``d = L − K`` are frozen (:func:`prism.fastpath.prefix.prefix_depth`), so their keys and values for a
-prompt, and the hidden state entering layer ``d``, are the same in every run that shares the
-backbone. :class:`FrozenPrompts` stores them under ``$PRISM_CACHE/prompts/<key>/`` (the key of
-:func:`prism.fastpath.prefix.prefix_key` over the prompts' token ids). For a left-padded generation batch it
-assembles the KV cache of all but each prompt's last token: layers ``< d`` from the store, layers
-``≥ d`` by running only the trained top layers on the stored states; ``generate`` then feeds the
-last prompt token through the whole model and decodes as usual. Greedy tokens equal those of the
-plain batched ``generate`` up to float rounding (``tests/test_evaluate.py``). A prompt's prefill
-then costs ``K`` layers instead of ``L`` (the last of them only its keys and values,
-:func:`prism.fastpath.top_layer.keys_values_only`: nothing reads its output there); decoding is unchanged.
-``meta.json`` records the sha256 of the stored tensors; a store whose content no longer matches it
-(bytes changed on disk, even at the same size) is rebuilt, and the log says so.
+With LoRA on the last ``K`` decoder layers the layers below ``d = L − K`` are frozen
+(:func:`prism.fastpath.prefix.prefix_depth`), so their keys and values for a fixed evaluation prompt, and
+the hidden state entering layer ``d``, are the same in every run that shares the backbone.
+:class:`FrozenPrompts` stores them under ``$PRISM_CACHE/prompts/<key>/`` (the key of
+:func:`prism.fastpath.prefix.prefix_key`) and assembles, for a left-padded generation batch, the KV cache
+of all but each prompt's last token: layers ``< d`` from the store, layers ``≥ d`` from the trained top
+layers run on the stored states (the last one keys and values only). A prefill then costs ``K`` layers
+instead of ``L``; greedy tokens equal those of plain ``generate`` up to float rounding
+(``tests/test_evaluate.py``). A store whose content no longer matches the sha256 in its ``meta.json`` is
+rebuilt, and the log says so.
 """
 from __future__ import annotations
 

@@ -1,24 +1,16 @@
 """The last decoder layer computed only where its output is read (Llama decoder layers).
 
 In the last decoder layer every position's output feeds only the final norm and the LM head at that
-position, so a forward that reads the logits of a few positions needs, in that layer, the keys and
-values of every position (each read position attends to them) but the query, attention, output
-projection and MLP only at the read positions. Two such uses:
+position, so a forward that reads a few positions needs the keys and values of every position but the
+query, attention, output projection and MLP only at the read positions. Two uses: :func:`read_positions`,
+training from cached frozen-prefix states (:mod:`prism.fastpath.prefix`: the loss reads ~2–5 supervised
+positions of ~100 tokens, and the LM head then runs on those alone), and :func:`keys_values_only`, the
+prompt prefill of :class:`prism.fastpath.prompt_cache.FrozenPrompts` (only the keys and values).
 
-* training from cached frozen-prefix states (:mod:`prism.fastpath.prefix`): the loss reads the logits at the
-  supervised positions only (``prism.privacy.per_example.supervised_positions``: ~2–5 of ~100 tokens
-  of an embedded-scale row), so :func:`read_positions` makes the last layer return the hidden states
-  at those positions (and the LM head then runs on the supervised ones alone, not on the padding of
-  rows with fewer of them);
-* the prompt prefill of :class:`prism.fastpath.prompt_cache.FrozenPrompts`, which only fills the KV cache of
-  the first ``T − 1`` prompt tokens: :func:`keys_values_only` makes the last layer write its keys and
-  values and compute nothing else.
-
-Every LoRA module of the layer is still called once per forward (Opacus' per-example hooks see it),
-and the arithmetic is the layer's own (RMSNorm, rotary embedding, attention with HF eager
-attention's softmax in at least float32, MLP): outputs equal the full layer's at the read positions up to
-float rounding (``tests/test_top_layer.py``). Other layer classes keep the full forward
-(:func:`supported` is false).
+Every LoRA module of the layer is still called once per forward (Opacus' per-example hooks see it), and
+the arithmetic is the layer's own (RMSNorm, rotary embedding, HF eager attention's softmax in at least
+float32, MLP): outputs equal the full layer's at the read positions up to float rounding
+(``tests/test_top_layer.py``). Other layer classes keep the full forward (:func:`supported` is false).
 """
 from __future__ import annotations
 

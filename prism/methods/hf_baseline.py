@@ -1,18 +1,14 @@
 """Non-private baselines trained the way the released code trained them (docs/DECISIONS.md D7).
 
-The released code trained its non-private baselines with the HF ``Trainer``, not with its DP loop:
-linear warm-up then linear decay of the learning rate, a global gradient-norm clip of 1.0 (none
-for LoRA-RITE), AdamW without weight decay, a hold-out split of the training set evaluated periodically, and the checkpoint
-with the lowest hold-out loss restored at the end. ``train.nondp_trainer: hf`` reproduces that
-around the shared loop: :class:`HFTrainerBaseline` wraps the non-private
-:class:`~prism.methods.factor.FactorDPMethod`, so batches, losses and optimizers stay the project's.
-Differences to the HF Trainer: batches stay Poisson-sampled, the hold-out loss is the token mean
-over every hold-out token, and the schedule is evaluated after the step counter moves (HF's first
-update has learning rate 0; here update ``t = 1..T`` uses ``lr·min(t/W, (T−t)/(T−W))``).
-
-Budgets are fractions of ``train.steps`` and of the training set, so paper scale gets the released
-numbers exactly (warm-up 100 steps, evaluation every 100 / 10 steps, 1,000 / 120 hold-out examples)
-and the embedded scale a proportional version.
+The released code trained its non-private baselines with the HF ``Trainer``: linear warm-up then decay
+of the learning rate, a global gradient-norm clip of 1.0 (none for LoRA-RITE), AdamW without weight
+decay, and the checkpoint with the lowest loss on a periodically evaluated hold-out split restored at
+the end. ``train.nondp_trainer: hf`` reproduces that around the shared loop (:class:`HFTrainerBaseline`
+wraps the non-private :class:`~prism.methods.factor.FactorDPMethod`). Differences to the HF Trainer:
+batches stay Poisson-sampled, the hold-out loss is the mean over every hold-out token, and update
+``t = 1..T`` uses ``lr·min(t/W, (T−t)/(T−W))`` (HF's first update has learning rate 0). Budgets are
+fractions of ``train.steps`` and of the training set: the released numbers at paper scale (warm-up 100
+steps, evaluation every 100 / 10 steps, 1,000 / 120 hold-out examples), proportional ones below.
 """
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
 """``backbone=local``: a causal LM from a ``save_pretrained`` folder, and which speed paths a model takes.
 
-The folder (``backbone.path``) holds ``config.json``, ``*.safetensors`` and the tokenizer
-(``tokenizer.json``); nothing is downloaded. Its LoRA targets and rank were checked against the
-safetensors headers before loading (:func:`prism.backbones.local_problem`); the loaded model is
-checked again by :func:`prism.models.wiring.validate_lora`. The dtype is ``backbone.dtype``, set by
-the scale exactly as for the registry backbones (the checkpoint's own ``torch_dtype`` is not used).
-
-The three speed paths are exact where they run and switch themselves off elsewhere
-(:func:`speed_paths` says which, for the run log): the frozen-prefix cache and the frozen prompt
-cache need a decoder class verified to replay from stored hidden states
-(:data:`prism.fastpath.prefix.SUPPORTED`), the top-layer path a Llama decoder layer
-(:func:`prism.fastpath.top_layer.supported`), grouped attention a Llama-type attention
-(:data:`prism.fastpath.grouped_attention.MODEL_TYPES`).
+The folder (``backbone.path``) holds ``config.json``, ``*.safetensors`` and ``tokenizer.json``; nothing is
+downloaded. Its LoRA targets and rank are checked against the safetensors headers before loading
+(:func:`prism.backbones.local_problem`) and on the loaded model (:func:`prism.models.wiring.validate_lora`);
+its dtype is ``backbone.dtype``. The speed paths are exact where they run and switch themselves off
+elsewhere; :func:`speed_paths` says which run, for the run log.
 """
 from __future__ import annotations
 

@@ -2,16 +2,9 @@
 
 The paper calibrates the noise multiplier σ with Opacus' PRV accountant (Gopi et al. 2021) for
 Poisson sampling at rate ``q = B/N`` over ``T`` steps at ``δ = 1e-5`` (Thm 3.4 assumes exactly this
-mechanism). Everything here is a thin, validated layer over Opacus' accountants:
-
-* :func:`calibrate_sigma` — smallest σ (to ``eps_error``) whose ε after ``T`` steps is ≤ the target;
-* :func:`epsilon_spent` — ε of ``T`` steps at a given σ;
-* :class:`Accountant` — the running ε of a training run, resumable from its history;
-* :func:`calibration_steps` / :func:`calibration_rate` — the step count and sampling rate σ is
-  calibrated for: exact ``T`` at ``q = B/N`` (``corrected``) or the released code's epoch-rounded
-  ``⌈T/L⌉·L`` steps at ``q = 1/L``, ``L = ⌈1/q⌉`` batches per epoch; :func:`calibrate_for_run`
-  combines them, optionally through :func:`calibrate_sigma_cached` (σ remembered per question on
-  disk, re-verified against the accountant on every use).
+mechanism). Everything here is a thin, validated layer over Opacus' accountants: σ calibration
+(:func:`calibrate_for_run`, for the exact ``T`` or the released code's epoch-rounded steps), ε of a
+given σ (:func:`epsilon_spent`) and the running ε of a training run (:class:`Accountant`).
 """
 from __future__ import annotations
 
@@ -85,12 +78,9 @@ def calibrate_sigma(
     accountant: str = "prv",
     eps_error: float = 0.01,
 ) -> float:
-    """Noise multiplier σ such that ``T = steps`` Poisson-subsampled Gaussian steps are (ε, δ)-DP.
-
-    Binary search of Opacus' ``get_noise_multiplier`` with the accountant passed explicitly (Opacus
-    defaults to RDP; the paper used PRV). The returned σ satisfies
-    ``target − eps_error ≤ epsilon_spent(σ, …) ≤ target``. ``epsilon = inf`` (non-DP) gives 0.0.
-    """
+    """Noise multiplier σ such that ``T = steps`` Poisson-subsampled Gaussian steps are (ε, δ)-DP:
+    Opacus' ``get_noise_multiplier`` with the accountant passed explicitly (Opacus defaults to RDP; the
+    paper used PRV), within ``eps_error`` below the target. ``epsilon = inf`` (non-DP) gives 0.0."""
     if math.isnan(epsilon) or epsilon <= 0:
         raise ValueError(f"epsilon={epsilon} must be > 0; set privacy.epsilon (use .inf for non-DP)")
     _check(delta, sample_rate, steps, accountant)
@@ -130,10 +120,7 @@ def epsilon_spent(
     accountant: str = "prv",
     eps_error: float = 0.01,
 ) -> float:
-    """ε after ``steps`` Poisson-subsampled Gaussian steps with noise multiplier σ (upper bound).
-
-    σ = 0 means no noise, i.e. ε = ∞.
-    """
+    """ε after ``steps`` Poisson-subsampled Gaussian steps with noise multiplier σ (upper bound; σ = 0: ∞)."""
     if sigma < 0:
         raise ValueError(f"sigma={sigma} must be ≥ 0")
     _check(delta, sample_rate, steps, accountant)
@@ -146,13 +133,9 @@ def epsilon_spent(
 
 
 def calibration_steps(steps: int, sample_rate: float, mode: str) -> int:
-    """The step count σ is calibrated for (docs/DECISIONS.md D1).
-
-    ``"exact"``: ``steps``. ``"epochs"``: the released code's ``⌈steps / L⌉ · L`` with
-    ``L = ⌈1/q⌉`` Poisson batches per epoch (Opacus' ``DPDataLoader`` length), e.g. 310 for 300
-    Math-10K steps and 628 for 500 GLUE8 steps — a σ slightly larger than needed, so the realised ε
-    falls below the target.
-    """
+    """The step count σ is calibrated for (docs/DECISIONS.md D1): ``steps`` (``"exact"``) or the released
+    code's ``⌈steps / L⌉ · L`` with ``L = ⌈1/q⌉`` Poisson batches per epoch (``"epochs"``, e.g. 310 for 300
+    Math-10K steps: a σ slightly larger than needed, so the realised ε falls below the target)."""
     _check(sample_rate=sample_rate, steps=steps)
     if not _epoch_rounded(mode):
         return steps
@@ -178,13 +161,10 @@ def calibrate_for_run(epsilon: float, delta: float, sample_rate: float, steps: i
 
 def calibrate_sigma_cached(epsilon: float, delta: float, sample_rate: float, steps: int, *, cache_dir: Path,
                            accountant: str = "prv", eps_error: float = 0.01) -> float:
-    """:func:`calibrate_sigma`, remembered in ``cache_dir`` (one small JSON file per question).
+    """:func:`calibrate_sigma`, remembered in ``cache_dir`` (one small JSON file per question; a σ is public).
 
-    The binary search costs 1–4 s of CPU per private run; every run of a grid cell asks the same
-    question. The cache is trusted for nothing: a stored σ is used only if its file holds exactly
-    these arguments (and this Opacus version) and :func:`epsilon_spent` at that σ is ≤ ``epsilon``
-    again (one accountant evaluation); otherwise σ is recomputed and the file rewritten. A σ is a
-    public value (a function of ε, δ, q and T alone), so the cache carries nothing private.
+    A stored σ is used only if its file holds exactly these arguments (and this Opacus version) and
+    :func:`epsilon_spent` at that σ is ≤ ``epsilon`` again; otherwise σ is recomputed and the file rewritten.
     """
     question = {"epsilon": float(epsilon), "delta": float(delta), "sample_rate": float(sample_rate),
                 "steps": int(steps), "accountant": accountant, "eps_error": float(eps_error),
@@ -255,12 +235,9 @@ class _RunningPRVAccountant(PRVAccountant):
 class Accountant:
     """Running privacy loss of one training run (Opacus PRV accountant, docs/DECISIONS.md D21).
 
-    Call :meth:`step` once per logical step — also for an empty Poisson batch, which was still
-    sampled. :meth:`epsilon` is the PRV upper bound for the history so far, equal to Opacus'
-    ``PRVAccountant.get_epsilon``; with the cached RDP curve one call costs ~0.1 s on one CPU thread
-    at T ≤ 500 (Opacus' own: ~0.2–0.3 s), so it can be called every step; the value is cached
-    until the next :meth:`step`. :meth:`state_dict` holds the history so a resumed run
-    reports the same ε.
+    :meth:`step` once per logical step, an empty Poisson batch included. :meth:`epsilon` equals Opacus'
+    ``PRVAccountant.get_epsilon`` (~0.1 s at T ≤ 500 with the cached RDP curve, so every step) and is
+    cached until the next step; :meth:`state_dict` holds the history, so a resumed run reports the same ε.
     """
 
     def __init__(self, accountant: str = "prv", eps_error: float = 0.01) -> None:
