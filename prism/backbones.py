@@ -278,10 +278,8 @@ def _sharded_files(path: Any, folder: Path) -> None:
 
 
 def local_linear_shapes(path: str | Path) -> dict[str, tuple[int, int]]:
-    """Module name → weight shape of every matrix inside a numbered decoder layer, read from the
-    safetensors headers alone (no weights loaded); ``ValueError`` when the folder holds no safetensors,
-    a file shorter than its header says (:func:`_safetensors_header`) or, for a sharded model, a shard
-    that ``model.safetensors.index.json`` names is missing."""
+    """Module name → weight shape of every matrix inside a numbered decoder layer, from the safetensors
+    headers alone; ``ValueError`` for missing, truncated or (sharded) absent weight files."""
     folder = Path(str(path)).expanduser()
     if (folder / INDEX).is_file():
         _sharded_files(path, folder)
@@ -300,13 +298,10 @@ def local_linear_shapes(path: str | Path) -> dict[str, tuple[int, int]]:
 
 
 def local_problem(path: Any, targets: Sequence[str], r: int, lora_layers: int | None) -> str | None:
-    """Why LoRA config cannot go on the model in ``path`` (one line naming the field and the fix), or
-    None: the folder, config, weights and tokenizer present and whole (``config.json``'s ``model_type`` one
-    that ``AutoModelForCausalLM`` of the installed transformers loads, every safetensors file as long as its
-    header says, every shard of a sharded model there, ``tokenizer.json`` parseable), all read without torch
-    before any run folder exists; every ``lora.targets`` name a matrix of
-    its decoder layers (the error lists the names there are); ``lora.r`` within the width of every
-    targeted matrix; ``backbone.lora_layers`` within the depth of layers named ``layers.<i>``."""
+    """Why LoRA config cannot go on the model in ``path`` (one line naming the field and the fix), or None.
+    Read without torch, before any run folder exists: the folder, ``config.json`` (:func:`local_config`), the
+    safetensors headers (:func:`local_linear_shapes`) and ``tokenizer.json``, then ``lora.targets``,
+    ``lora.r`` and ``backbone.lora_layers`` against the decoder layers' matrices."""
     if not path:
         return "backbone=local needs backbone.path=DIR, the folder a causal LM was saved to with save_pretrained"
     try:
@@ -399,10 +394,8 @@ def _embedded_tokenizer(name: str, root: str) -> Any:
 
 
 def token_counter(cfg_backbone: Any) -> Callable[[str], int] | None:
-    """Tokens of a text under the backbone's tokenizer, without loading a model (``tokenizers`` only):
-    one per UTF-8 byte for the byte tokenizers, an embedded backbone's converted or GGUF tokenizer, a
-    local folder's ``tokenizer.json``; None when no tokenizer is readable without a download (a hub
-    backbone)."""
+    """Tokens of a text under the backbone's tokenizer without loading a model (``tokenizers`` only); None
+    when no tokenizer is readable without a download (a hub backbone)."""
     spec = BACKBONES.get(cfg_backbone.get("name"))
     if spec is not None and spec.byte_tokens:
         return lambda text: len(text.encode())

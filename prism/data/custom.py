@@ -235,11 +235,8 @@ def example(row: Row, answer: int | float | str) -> Example:
 
 def check_lengths(path: Path, rows: Sequence[Row], cutoff_len: int, count_tokens: TokenCounter, backbone: str,
                   evaluation: bool = False) -> None:
-    """Every row's prompt, target and EOS fit in ``suite.cutoff_len`` tokens: else training would cut
-    off its target (tokenisation truncates the whole text at ``cutoff_len``), and an evaluation row
-    would be generated from a prompt longer than any trained sequence, at a memory cost no training
-    step had (``evaluation``: the rows of the evaluation file). All rows of the training file are
-    checked, held out or not, so the answer does not depend on the draw."""
+    """Every row's prompt, target and EOS fit in ``suite.cutoff_len`` tokens, held out or not: else training
+    would cut off its target, or an evaluation prompt would be longer than any trained sequence."""
     for row in rows:
         n = count_tokens(train_prompt(example(row, 0))) + 1  # + EOS
         if n > cutoff_len:
@@ -280,10 +277,9 @@ class CustomTask:
 
 
 def load_task(node: Mapping[str, Any], n_validation: int = 0) -> tuple[CustomTask, list[tuple[Path, list[Row]]]]:
-    """Read and check the files of ``suite.custom`` (all checks but lengths and batch size); returns
-    the task and every row of each file, the training file's first (held-out rows included). With
-    ``n_validation`` > 0 the task's evaluation rows are that many validation rows held out of its
-    training rows (the module docstring), and its training rows the others."""
+    """Read and check the files of ``suite.custom`` (all checks but lengths and batch size): the task (with
+    ``n_validation`` > 0, validation rows held out of the training rows are its evaluation rows) and every
+    row of each file, the training file's first."""
     if not node.get("train"):
         raise TaskFileError("suite.custom.train is not set; give suite.custom.train=PATH (a .jsonl or .csv file)")
     rule = task_rule(node)
@@ -339,10 +335,9 @@ def validation_rows(cfg_suite: Mapping[str, Any]) -> int:
 
 def check_task(node: Mapping[str, Any], batch_size: int, cutoff_len: int, count_tokens: TokenCounter | None,
                backbone: str, n_validation: int = 0) -> CustomTask:
-    """Every check of a custom task that needs no model: the files (:func:`load_task`), then, when the
-    backbone's tokenizer is readable without a model (``count_tokens``), every training and evaluation
-    row within ``suite.cutoff_len``, then enough training rows for ``train.batch_size``. A leakage
-    warning (:func:`leakage`) is logged once per process."""
+    """Every check of a custom task that needs no model: :func:`load_task`, the row lengths when the tokenizer
+    is readable without a model (``count_tokens``), enough rows for ``train.batch_size``; a :func:`leakage`
+    warning is logged once per process."""
     task, files = load_task(node, n_validation)
     train_path = files[0][0]
     if count_tokens is not None:

@@ -255,13 +255,9 @@ def train_size(sizes: Any, task: str) -> int:
 
 
 def build(suite: str, node: Any, seed: int, n_validation: int = 0):
-    """Embedded suite: (train, eval per scored task, scored task → column, skipped rows);
-    deterministic in `seed`.
-
-    ``n_validation`` > 0: each task's evaluation rows are replaced by that many validation rows from the
-    task's training pool (a second draw of the pool with its own seed, rows of the run's training set
-    and of the fixed evaluation set removed, :func:`prism.data.validation_split`); the training rows
-    are the same as without it."""
+    """Embedded suite, deterministic in `seed`: (train, eval per scored task, scored task → column, skipped
+    rows). ``n_validation`` > 0 replaces each task's evaluation rows by that many rows of a second draw of
+    its training pool outside the run's training and evaluation rows (:func:`prism.data.validation_split`)."""
     available = EMBEDDED_TASKS[suite]
     tasks = list(node.get("tasks") or available)
     unknown = [t for t in tasks if t not in available]

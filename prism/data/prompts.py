@@ -90,13 +90,8 @@ def _ids(tokenizer: Any, text: str, cutoff_len: int) -> list[int]:
 
 
 def tokenize_example(tokenizer: Any, example: Example, cutoff_len: int, train_on_inputs: bool) -> dict:
-    """Tokenise one training example (docs/DECISIONS.md D39).
-
-    Truncate the full prompt at `cutoff_len`; append EOS if it is not the last token and there is
-    room; ``labels = input_ids``; when `train_on_inputs` is False the first
-    ``len(tokenize(prompt with empty output))`` positions get label -100, so only the response
-    (and EOS) carry loss.
-    """
+    """Tokenise one training example (docs/DECISIONS.md D39): the text truncated at `cutoff_len`, EOS appended
+    when there is room, ``labels = input_ids`` with the prompt's positions at -100 unless `train_on_inputs`."""
     return _tokenize(tokenizer, example, cutoff_len, train_on_inputs)[0]
 
 

@@ -376,10 +376,9 @@ class PrefixCache:
     @classmethod
     def build(cls, model: nn.Module, features: Sequence[dict], cache_dir: str | os.PathLike[str] | None = None,
               name: str = "", micro_batch_size: int = 16) -> PrefixCache:
-        """Load the states for ``features`` (``{input_ids, labels}`` as from ``tokenize_example``) from
-        ``cache_dir`` (default ``$PRISM_CACHE/prefix``), computing and storing them first when absent
-        or invalid. A file lock per key makes parallel workers compute them once.
-        ``build_seconds`` is the time spent computing (0 on a cache hit)."""
+        """Load the states for ``features`` (``{input_ids, labels}``) from ``cache_dir`` (default
+        ``$PRISM_CACHE/prefix``), computing and storing them first, once under a file lock per key, when absent
+        or invalid; ``build_seconds``: the time spent computing (0 on a cache hit)."""
         depth = prefix_depth(model)
         if depth is None:
             raise ValueError("this model has no exact frozen prefix (prefix_depth is None); "
@@ -405,10 +404,8 @@ class PrefixCache:
         return cls(model, depth, states, labels, build_seconds=seconds)
 
     def batch(self, indices: Sequence[int]) -> dict[str, LossFn]:
-        """``{"loss_fn": PrefixBatch}`` for the examples ``indices``, right-padded to their longest,
-        on the model's device: pass it as ``PerExampleGradients.compute(**batch)`` or
-        ``summed_gradients(model, **batch)``. Everything is assembled on the host (supervised
-        positions included) and copied with non-blocking pinned-memory transfers: no device sync."""
+        """``{"loss_fn": PrefixBatch}`` for the examples ``indices``, right-padded to their longest, assembled on
+        the host and copied without a device sync."""
         if len(indices) == 0:
             raise ValueError("a micro-batch needs at least one example index")
         rows = [self.states[i] for i in indices]

@@ -23,12 +23,9 @@ def rebased_factors(A: Tensor, B: Tensor, A0: Tensor, B0: Tensor) -> tuple[Tenso
 
 
 def export_adapter(peft_model: PeftModel, path: str | os.PathLike[str]) -> Path:
-    """Write a peft adapter directory that loads on the original, unmodified backbone with
-    ``PeftModel.from_pretrained(original, path)`` and reproduces ``peft_model``'s outputs.
-
-    peft init: plain ``save_pretrained``. Spectral init: rank ``2r``, ``lora_alpha' = s·2r`` and the
-    factors of :func:`rebased_factors` (the reference code's "rebase").
-    """
+    """A peft adapter directory that loads on the original, unmodified backbone with
+    ``PeftModel.from_pretrained(original, path)`` and reproduces ``peft_model``'s outputs: ``save_pretrained``
+    after peft init; after spectral init rank ``2r``, ``lora_alpha' = s·2r`` and :func:`rebased_factors`."""
     path = Path(path)
     init_factors = getattr(peft_model, "prism_init_factors", None)
     if not init_factors:

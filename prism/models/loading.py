@@ -34,10 +34,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torc
 
 
 def ensure_pad_token(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
-    """Give the tokenizer a pad token when it has none: the EOS token (padding is masked anyway).
-
-    Padding side is left to the caller (the evaluator pads left for generation).
-    """
+    """Give the tokenizer a pad token when it has none: the EOS token (padding is masked anyway)."""
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError("tokenizer has neither a pad nor an eos token; cannot pad batches")
@@ -62,13 +59,9 @@ def _load_hub(spec: BackboneSpec, dtype: torch.dtype,
 
 
 def load_backbone(cfg_backbone: Any, device: str | torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """Build the frozen base model and its tokenizer for ``cfg_backbone`` (fields ``name``, ``dtype``;
-    ``path`` for ``backbone=local``, :mod:`prism.models.local`).
-
-    The model is on ``device`` in ``dtype``, eager attention, ``use_cache=False``, all parameters
-    frozen, a multimodal checkpoint's vision side dropped (:func:`drop_non_language_modules`); the
-    tokenizer has a pad token (its own, else EOS).
-    """
+    """The frozen base model for ``cfg_backbone`` (``name``, ``dtype``; ``path`` for ``backbone=local``) on
+    ``device``: eager attention, ``use_cache=False``, every parameter frozen, a multimodal checkpoint's
+    vision side dropped; and its tokenizer, with a pad token."""
     spec = backbone_spec(_field(cfg_backbone, "name"))
     dtype = _field(cfg_backbone, "dtype", "float32")
     if dtype not in _DTYPES:
@@ -101,10 +94,8 @@ BackboneLoader = Callable[[Any, "str | torch.device"], tuple[PreTrainedModel, Pr
 
 
 class KeptBackbones:
-    """A :data:`BackboneLoader` that loads each backbone once per process and then hands out deep
-    copies: a worker that runs grid cells one after another pays the load once, and every run still
-    starts from the frozen weights exactly as :func:`load_backbone` returns them (a run attaches
-    LoRA to, and trains, its own copy; the kept model is never handed out)."""
+    """A :data:`BackboneLoader` that loads each backbone once per process and hands out deep copies: a worker
+    that runs grid cells one after another pays the load once, and every run starts from the frozen weights."""
 
     def __init__(self) -> None:
         self._kept: dict[tuple[str, str], tuple[PreTrainedModel, PreTrainedTokenizerFast]] = {}

@@ -49,13 +49,10 @@ def balanced_factors(U: Tensor, S: Tensor, V: Tensor, scaling: float) -> tuple[T
 
 @torch.no_grad()
 def spectral_residual_init(peft_model: PeftModel, generator: torch.Generator | None, svd: str = "auto") -> None:
-    """For every LoRA layer with frozen base ``W`` (m×n): top-r SVD of ``W``, balanced factors
-    ``(A0, B0)`` into peft ``(lora_B, lora_A)``, and the frozen base replaced by the residual
-    ``W_res = W − s·A0B0ᵀ`` (in its dtype), so the effective weight ``W_res + s·A0B0ᵀ`` equals ``W``.
-
-    ``(A0, B0)`` are kept (fp32, CPU) in ``peft_model.prism_init_factors`` for :func:`export_adapter`.
-    ``svd``: the :func:`top_r_svd` mode.
-    """
+    """For every LoRA layer with frozen base ``W``: balanced factors ``(A0, B0)`` of its top-r SVD into peft
+    ``(lora_B, lora_A)`` and the base replaced by the residual ``W_res = W − s·A0B0ᵀ`` (in its dtype), so the
+    effective weight equals ``W``; ``(A0, B0)`` are kept (fp32, CPU) in ``peft_model.prism_init_factors`` for
+    :func:`export_adapter`."""
     init_factors: dict[str, tuple[Tensor, Tensor]] = {}
     for name, module in lora_modules(peft_model).items():
         base = module.get_base_layer().weight
