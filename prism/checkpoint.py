@@ -46,11 +46,8 @@ def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
 
 
 def load_checkpoint(directory: Path) -> dict[str, Any] | None:
-    """The last complete checkpoint in ``directory``, or ``None`` when there is none.
-
-    A file that cannot be read is reported, not silently ignored: resuming from a corrupt state
-    would break the privacy accounting.
-    """
+    """The last complete checkpoint in ``directory``, or ``None`` when there is none; an unreadable one is an
+    error (resuming from a corrupt state would break the privacy accounting)."""
     path = directory / CHECKPOINT_FILE
     if not path.exists():
         return None

@@ -59,13 +59,10 @@ CHUNK = 64  # canaries per accumulate call: bounds the per-example gradients hel
 
 @dataclass(frozen=True)
 class CanaryDirections:
-    """``m`` rank-1 directions, each supported on one block (float64).
-
-    Canary ``c`` lives on block ``keys[block[c]]`` as row ``slot[c]`` of ``left[key]`` ``[m_key, a]`` (``uᵀ``)
-    and ``right[key]`` ``[m_key, b]`` (``vᵀ``). ``factor``: blocks are the trainable tensors ``W`` ``[a, b]``
-    (direction ``u vᵀ``, zero on every other tensor). ``tangent``: blocks are the modules (keyed by module
-    name), ``u`` ``[rows of A]``, ``v`` ``[rows of B]``.
-    """
+    """``m`` rank-1 directions, each supported on one block (float64): canary ``c`` is row ``slot[c]`` of
+    ``left[key]`` ``[m_key, a]`` (``uᵀ``) and ``right[key]`` ``[m_key, b]`` (``vᵀ``), ``key = keys[block[c]]``,
+    a trainable tensor ``W`` ``[a, b]`` (``factor``) or a module with ``u`` ``[rows of A]``, ``v`` ``[rows of B]``
+    (``tangent``)."""
 
     space: Space
     keys: tuple[str, ...]
@@ -145,11 +142,9 @@ def _by_block(d: CanaryDirections, ids: Tensor) -> list[tuple[str, Tensor, Tenso
 
 
 def sqnorms(d: CanaryDirections, params: Mapping[str, Tensor], ids: Tensor | None = None) -> Tensor:
-    """Squared norms of the canaries' directions in the clipping space ``[len(ids)]`` (all canaries if None).
-
-    ``factor``: ``‖x‖²‖y‖²``. ``tangent``: ``‖P_{A,B}(u vᵀ)‖²_F = ‖u‖²‖v‖² − ‖(I − Π_A)u‖²‖(I − Π_B)v‖²``
-    (eq. 13: ``G − P(G) = (I − Π_A) G (I − Π_B)``) on the canary's module at the factors of ``params``.
-    """
+    """Squared norms ``[len(ids)]`` of the canaries' directions in the clipping space (all canaries if None):
+    ``‖x‖²‖y‖²`` (``factor``) or ``‖P_{A,B}(u vᵀ)‖²_F = ‖u‖²‖v‖² − ‖(I − Π_A)u‖²‖(I − Π_B)v‖²`` (``tangent``,
+    eq. 13: ``G − P(G) = (I − Π_A) G (I − Π_B)``) at the factors of ``params``."""
     ids = torch.arange(d.count) if ids is None else ids
     total = torch.zeros(len(ids), dtype=torch.float64)
     factors = _factors(params) if d.space == "tangent" else None
@@ -210,14 +205,12 @@ def project(d: CanaryDirections, release: Mapping[str, Tensor], params_before: M
 
 
 class CanaryMethod(Method):
-    """``inner`` with canaries: ``add_noise`` first accumulates the canaries sampled this step through
+    """``inner`` with canaries: ``add_noise`` accumulates the canaries sampled this step through
     ``inner.accumulate`` (the real examples' path) and releases ``inner``'s step; ``update`` projects that
-    :class:`~prism.methods.base.Release` (the factor methods' noised flat factor gradient ``(Σ clip(g_i) + σCξ)/B``;
-    PRISM's noised, horizontalised lift of eq. 17 as the tangent vector ``ΔZ`` at the factors the step started
-    from) on every canary (:func:`project`), keeps those per-step scores in :attr:`trace`, then applies
-    ``inner``'s update from it. :attr:`scores` is their sum over steps or, with ``filtered``,
-    :func:`~prism.audit.one_run.filtered_scores` of them (any score that never sees the coins gives a valid audit).
-    """
+    :class:`~prism.methods.base.Release` (the factor methods' noised gradient; PRISM's noised, horizontalised
+    lift of eq. 17 as ``ΔZ`` at the step's starting factors) on every canary (:func:`project`) into
+    :attr:`trace`, then applies ``inner``'s update. :attr:`scores`: their sum over steps or, with ``filtered``,
+    :func:`~prism.audit.one_run.filtered_scores` (any score that never sees the coins gives a valid audit)."""
 
     def __init__(self, inner: Method, directions: CanaryDirections, included: np.ndarray, sample_rate: float,
                  seed: int, filtered: bool = False) -> None:

@@ -39,12 +39,10 @@ class FactorNoise(NamedTuple):
 
 
 def factor_noise_energies(A: Tensor, B: Tensor, xi_A: Tensor, xi_B: Tensor) -> FactorNoise:
-    """The energies of eq. 7 for given factor noise ``ξ_A`` [..., m, r], ``ξ_B`` [..., n, r].
-
-    Trace forms (``M = AᵀA``, ``N = BᵀB``, ``X = ξ_Aᵀξ_A``, ``Y = ξ_Bᵀξ_B``): first order
-    ``tr(XN) + tr(YM) + 2tr((Aᵀξ_A)(Bᵀξ_B))``, bilinear ``tr(XY)``, cross
-    ``2tr(X ξ_BᵀB) + 2tr((Aᵀξ_A) Y)``. For i.i.d. ``N(0, τ²)`` noise their expectations are eqs. 8, 9 and 0.
-    """
+    """The energies of eq. 7 for given factor noise ``ξ_A`` [..., m, r], ``ξ_B`` [..., n, r], in trace forms
+    (``M = AᵀA``, ``N = BᵀB``, ``X = ξ_Aᵀξ_A``, ``Y = ξ_Bᵀξ_B``): first order ``tr(XN) + tr(YM) +
+    2tr((Aᵀξ_A)(Bᵀξ_B))``, bilinear ``tr(XY)``, cross ``2tr(X ξ_BᵀB) + 2tr((Aᵀξ_A) Y)``; for i.i.d.
+    ``N(0, τ²)`` noise their expectations are eqs. 8, 9 and 0."""
     X, Y = xi_A.mT @ xi_A, xi_B.mT @ xi_B
     AxA, BxB = A.mT @ xi_A, B.mT @ xi_B
     first = (X * (B.mT @ B)).sum((-2, -1)) + (Y * (A.mT @ A)).sum((-2, -1)) + 2.0 * (AxA * BxB.mT).sum((-2, -1))

@@ -90,11 +90,8 @@ def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
 
 def epsilon_lower_bound(m: int, r: int, v: int, delta: float = 1e-5, confidence: float = 0.95,
                         tol: float = 1e-6) -> float:
-    """Largest ε with ``p_value(m, r, v, ε, δ) ≤ 1 − confidence`` (0 if none): the one-run ε lower bound.
-
-    Bisection on the non-decreasing p-value (module docstring), returned at the rejected end, so the
-    bound never rounds upward. Requires ``2mδ ≤ 1``.
-    """
+    """Largest ε with ``p_value(m, r, v, ε, δ) ≤ 1 − confidence`` (0 if none): the one-run ε lower bound, by
+    bisection on the non-decreasing p-value (module docstring), never rounded upward. Requires ``2mδ ≤ 1``."""
     _check_counts(m, r, v)
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence={confidence} must lie in (0, 1)")
@@ -140,13 +137,10 @@ def approx_dp_curve(delta: float) -> Callable[[float], Callable[[float], float]]
 
 
 def fdp_rejects(m: int, k: int, v: int, curve: Callable[[float], float], beta: float) -> bool:
-    """Whether ``v`` right of ``k`` "in" guesses about ``m`` canaries reject "f-DP" at level β (Mahloujifar et al.).
-
-    ``curve(t) = f(1 − t)``. Their recursion on the shares of right and wrong guesses (scaled by β/m): from
-    ``t = βv/m``, ``w = β(k − v)/m``, for ``i = v − 1, …, 0`` the trade-off curve forces ``w ≥ f(1 − t)``, and
-    each unit added to ``w`` lifts ``t`` by ``i/(k − i)`` (capped at 1); the claim is rejected when the final
-    ``t + w`` exceeds ``k/m``.
-    """
+    """Whether ``v`` right of ``k`` "in" guesses about ``m`` canaries reject "f-DP" at level β (Mahloujifar et
+    al.), ``curve(t) = f(1 − t)``: their recursion on the shares of right and wrong guesses (scaled by β/m)
+    from ``t = βv/m``, ``w = β(k − v)/m``; for ``i = v − 1, …, 0`` the curve forces ``w ≥ f(1 − t)`` and each
+    unit added to ``w`` lifts ``t`` by ``i/(k − i)`` (capped at 1); rejected when the final ``t + w > k/m``."""
     _check_counts(m, k, v)
     right, wrong = beta * v / m, beta * (k - v) / m
     for i in range(v - 1, -1, -1):
@@ -175,10 +169,8 @@ def _check_counts(m: int, r: int, v: int) -> None:
 
 
 def top_bottom_guesses(scores: np.ndarray, k_pos: int, k_neg: int) -> np.ndarray:
-    """Guess ``+1`` ("in") for the ``k_pos`` highest scores, ``−1`` ("out") for the ``k_neg`` lowest, 0 else.
-
-    Ties are broken by index (a stable sort), never by the coins. ``k_pos + k_neg ≤ len(scores)``.
-    """
+    """Guess ``+1`` ("in") for the ``k_pos`` highest scores, ``−1`` ("out") for the ``k_neg`` lowest, 0 else;
+    ties are broken by index (a stable sort), never by the coins."""
     scores = np.asarray(scores, dtype=np.float64)
     if k_pos < 0 or k_neg < 0 or k_pos + k_neg > len(scores):
         raise ValueError(f"need k+={k_pos}, k-={k_neg} ≥ 0 with k+ + k- ≤ {len(scores)} canaries")
@@ -224,12 +216,9 @@ def audit(scores: np.ndarray, included: np.ndarray, k_pos: int, k_neg: int, delt
 
 def split_audit(scores: np.ndarray, included: np.ndarray, candidates: Sequence[tuple[int, int]],
                 delta: float = 1e-5, confidence: float = 0.95) -> OneRunAudit:
-    """Choose ``(k⁺, k⁻)`` on the first half of the canaries, audit the second half with it.
-
-    ``candidates`` are ``(k⁺, k⁻)`` pairs for a half of ``⌊m/2⌋`` canaries; the pair with the largest
-    bound on the first half is applied, unchanged, to the second half (``m − ⌊m/2⌋`` canaries), whose
-    coins the choice never saw. The canaries' order must not depend on the coins.
-    """
+    """Choose ``(k⁺, k⁻)`` among ``candidates`` (pairs for a half of ``⌊m/2⌋`` canaries) by the bound on the
+    first half of the canaries and audit the second half, whose coins the choice never saw, with it. The
+    canaries' order must not depend on the coins."""
     scores, included = np.asarray(scores, dtype=np.float64), np.asarray(included, dtype=bool)
     half = len(scores) // 2
     if half < 1 or not candidates:
@@ -242,14 +231,12 @@ def filtered_scores(trace: np.ndarray, block: np.ndarray) -> np.ndarray:
     """Scores ``[m]`` from per-step scores ``trace`` ``[T, m]`` that resist the real examples' interference.
 
     A hit adds one step's jump to a canary; the real examples add to every canary, every step, their
-    gradients' projection, which drifts slowly in time and differs in size between blocks (``block[c]``:
-    the canary's block). So each step's scores are high-passed in time (``x_t − (x_{t−1} + x_{t+1})/2``,
-    one-sided at the ends), standardised per step and block by the median and the median absolute
-    deviation over that block's canaries, and a canary's score is its largest standardised step: a scan
-    for one jump, which a single hit makes when the noise is small, where a sum over steps would add up
-    every step's noise and interference. Every canary's coin is unseen, so guesses from these scores keep
-    the audit valid. Needs a sampling rate well below ½.
-    """
+    gradients' projection, which drifts slowly in time and differs in size between blocks (``block[c]``).
+    So each step's scores are high-passed in time (``x_t − (x_{t−1} + x_{t+1})/2``, one-sided at the ends),
+    standardised per step and block by the median and the median absolute deviation, and a canary's score
+    is its largest standardised step: a scan for the one jump a hit makes, where a sum over steps would add
+    up every step's noise and interference. No coin is seen, so the audit stays valid. Needs a sampling
+    rate well below ½."""
     x = np.asarray(trace, dtype=np.float64)
     h = np.empty_like(x)
     h[1:-1] = x[1:-1] - 0.5 * (x[:-2] + x[2:])
@@ -264,13 +251,9 @@ def filtered_scores(trace: np.ndarray, block: np.ndarray) -> np.ndarray:
 
 def dpsgd_canary_scores(included: np.ndarray, sample_rate: float, steps: int, sigma: float,
                         rng: np.random.Generator, filtered: bool = False) -> np.ndarray:
-    """White-box scores of an ideal DP-SGD run in units of ``C/B``: ``Σ_t (b_it + σ ξ_it)``.
-
-    Included canary ``i`` is in step ``t``'s Poisson batch with ``b_it ~ Bernoulli(q)``; ``ξ_it ~ N(0, 1)``
-    is the released noise projected on its (exactly orthogonal) direction. The expected audit of a
-    correct mechanism at ``(σ, q, T)`` with no interference between canaries or from real examples. With
-    ``filtered``: :func:`filtered_scores` of the per-step scores (one block).
-    """
+    """White-box scores of an ideal DP-SGD run in units of ``C/B``, ``Σ_t (b_it + σ ξ_it)``: included canary
+    ``i`` is in step ``t``'s batch with ``b_it ~ Bernoulli(q)``, ``ξ_it ~ N(0, 1)`` is the noise on its
+    orthogonal direction; no interference. With ``filtered``: :func:`filtered_scores` of the per-step scores."""
     included = np.asarray(included, dtype=bool)
     if filtered:
         trace = (rng.random((steps, *included.shape)) < sample_rate) * included

@@ -79,12 +79,10 @@ def math_correct(pred: float | None, gold: float, tolerance: float = MATH_TOLERA
 
 
 def extract_choice(text: str, rule: str = "lookaround") -> str | None:
-    """AQuA letter: the last standalone A–E in the upper-cased text, else the last A–E character.
-
-    ``rule`` (``suite.decoding.choice_regex``, docs/DECISIONS.md D12): ``lookaround``, which sees both
-    letters of "A B", or ``released``, the released evaluation's pattern with consumed neighbours.
-    Inherited weakness: upper-casing makes any word "a" a standalone letter ("A store sells 5 pens.").
-    """
+    """AQuA letter: the last standalone A–E in the upper-cased text, else the last A–E character. ``rule``
+    (``suite.decoding.choice_regex``, docs/DECISIONS.md D12): ``lookaround``, which sees both letters of
+    "A B", or ``released``, the released pattern with consumed neighbours. Inherited weakness: upper-casing
+    makes any word "a" a standalone letter ("A store sells 5 pens.")."""
     if rule not in CHOICE_RULES:
         raise ValueError(f"suite.decoding.choice_regex={rule!r}; choose one of {sorted(CHOICE_RULES)}")
     upper = text.upper()

@@ -46,14 +46,11 @@ class PrivacySpec:
 
 @dataclass
 class Release:
-    """What one step releases: the only input of :meth:`Method.update`.
-
-    ``tensors``: per trainable parameter name, the privatised quantity in that parameter's layout (the
-    baselines: the noised averaged gradient, eq. 3; PRISM: the noised, horizontalised lift of eq. 17,
-    ``ΔA`` for peft ``lora_B`` and ``ΔBᵀ`` for ``lora_A``). ``scale``: the noise standard deviation ``σC/B``
-    in it (public; 0 without DP). ``noise_sq``: the squared norm of the noise it holds, a diagnostic
-    (not covered by ε: with the release it pins the clipped sum), or ``None``.
-    """
+    """What one step releases, the only input of :meth:`Method.update`: ``tensors``, per trainable parameter,
+    the privatised quantity in its layout (the baselines: the noised averaged gradient, eq. 3; PRISM: the
+    noised, horizontalised lift of eq. 17, ``ΔA`` for peft ``lora_B`` and ``ΔBᵀ`` for ``lora_A``); ``scale``,
+    the noise standard deviation ``σC/B`` in it (public; 0 without DP); ``noise_sq``, the squared norm of the
+    noise it holds, a diagnostic not covered by ε (with the release it pins the clipped sum), or ``None``."""
 
     tensors: dict[str, Tensor]
     scale: float
@@ -111,14 +108,10 @@ class Method(abc.ABC):
     def step(
         self, denominator: float, noise: NoiseSource | torch.Generator | None, diagnostics: bool = True
     ) -> dict[str, Tensor]:
-        """The three verbs' last two (:meth:`add_noise`, :meth:`update`); returns the step statistics.
-
-        Statistics are 0-dim tensors on the parameters' device, never read on the host inside the
-        step (the loop converts them once per logged step): :meth:`clip_stats` and, with
-        ``diagnostics``, ``noise_norm`` (Frobenius norm of the intrinsic noise added to ΔZ, summed over
-        modules in quadrature, after division by ``denominator``) and ``update_norm``. A non-finite
-        gradient is not raised here: it propagates into the parameters, which the loop checks.
-        """
+        """:meth:`add_noise` then :meth:`update`; returns the step statistics as 0-dim device tensors, never read
+        on the host here: :meth:`clip_stats` and, with ``diagnostics``, ``update_norm`` and ``noise_norm`` (the
+        intrinsic noise added to ΔZ after division by ``denominator``, modules in quadrature). A non-finite
+        gradient propagates into the parameters, which the loop checks."""
         if not denominator > 0:
             raise ValueError(f"denominator={denominator} must be positive (skip empty non-DP batches)")
         release = self.add_noise(float(denominator), as_noise_source(noise), diagnostics)

@@ -83,12 +83,8 @@ def holdout_split(examples: Sequence[Any], size: int, seed: int) -> tuple[list[A
 @torch.no_grad()
 def holdout_loss(model: nn.Module, features: Sequence[dict], pad_id: int, batch_size: int,
                  device: torch.device, prefix: PrefixCache | None = None) -> float:
-    """Mean next-token loss over every supervised token of ``features`` (eval mode, no dropout).
-
-    ``prefix``: the frozen-prefix states of ``features`` (:class:`prism.fastpath.prefix.PrefixCache`, same
-    order): each batch then replays from them through the trained top layers only, the last one at
-    the supervised positions (:mod:`prism.fastpath.top_layer`) — the same loss as the full forward up to float
-    rounding, without the frozen layers and the full-vocabulary head over every token."""
+    """Mean next-token loss over every supervised token of ``features`` (eval mode); with ``prefix`` (their
+    :class:`prism.fastpath.prefix.PrefixCache`, same order) replayed through the trained top layers only."""
     was_training = model.training
     total, tokens = 0.0, 0
     try:
@@ -142,10 +138,9 @@ class HFTrainerBaseline(Method):
 
     def step(self, denominator: float, generator: torch.Generator | None,
              diagnostics: bool = True) -> dict[str, Tensor]:
-        """Scheduled learning rate, global clip of the mean gradient, the optimizer step, then every
-        ``eval_every`` steps the hold-out loss and, when it is the lowest so far, a parameter snapshot.
-        The clip stays on the device (one fused norm, as ``torch.nn.utils.clip_grad_norm_``); only the
-        hold-out evaluation reads a value on the host."""
+        """Scheduled learning rate, global clip of the mean gradient (on the device, as
+        ``torch.nn.utils.clip_grad_norm_``), the optimizer step, and every ``eval_every`` steps the hold-out loss
+        and, when it is the lowest so far, a parameter snapshot."""
         self.t += 1
         factor = linear_warmup_factor(self.t, self.recipe.warmup_steps, self.recipe.total_steps)
         for group, base in zip(self.inner.optimizer.param_groups, self.base_lrs):

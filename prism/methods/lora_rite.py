@@ -50,11 +50,8 @@ def rms(x: Tensor) -> Tensor:
 
 
 class LoRARite(torch.optim.Optimizer):
-    """LoRA-RITE over peft LoRA factors, paired by module name (:func:`prism.mechanism.lora.lora_pairs`).
-
-    Per-pair state (kept under the paper-A parameter, peft ``lora_B.weight``): ``t`` (steps taken),
-    ``V_A``, ``V_B`` (r×r), ``m_A`` (m×r), ``m_B`` (n×r), ``Q_A``, ``Q_B`` (the bases of the last step).
-    """
+    """LoRA-RITE over peft LoRA factors paired by module name; per-pair state under peft ``lora_B.weight``:
+    ``t``, ``V_A``, ``V_B`` (r×r), ``m_A`` (m×r), ``m_B`` (n×r) and ``Q_A``, ``Q_B`` (the last step's bases)."""
 
     def __init__(
         self,

@@ -21,12 +21,8 @@ from prism.methods.schema import AdamWConfig, LambConfig, LoraPlusConfig, LoraRi
 def loraplus_param_groups(
     params: Mapping[str, nn.Parameter], lr: float, ratio: float, weight_decay: float
 ) -> list[dict[str, Any]]:
-    """LoRA+ (Hayou et al. 2024) groups: peft ``lora_A`` (paper B) at ``lr``, peft ``lora_B`` (paper A) at ``lr·ρ``.
-
-    The same two non-empty groups as ``peft.optimizers.create_loraplus_optimizer`` builds for a model
-    whose only trainable tensors are LoRA linear factors (checked against it in the tests); built by
-    name here because that function needs the whole peft model.
-    """
+    """LoRA+ (Hayou et al. 2024) groups: peft ``lora_A`` (paper B) at ``lr``, peft ``lora_B`` (paper A) at
+    ``lr·ρ``, as ``peft.optimizers.create_loraplus_optimizer`` builds them (it needs the whole peft model)."""
     other = [n for n in params if ".lora_A." not in n and ".lora_B." not in n]
     if other:
         raise ValueError(f"loraplus splits learning rates over LoRA factors only; {other[0]} is neither lora_A nor lora_B")
