@@ -124,9 +124,8 @@ RANDOM_CONFIGS = Path(__file__).resolve().parents[1] / "conf" / "gpu_check"
 
 
 def text_shape(spec: BackboneSpec) -> TextShape | None:
-    """The widths of ``spec``'s language model: from the registry, the architecture file of a
-    ``random`` backbone, else ``config.json`` in the local Hugging Face cache (no download); ``None``
-    when none knows them."""
+    """The widths of ``spec``'s language model from the registry, a ``random`` backbone's architecture file or
+    the local Hugging Face cache's ``config.json`` (no download); ``None`` when none knows them."""
     if spec.shape is not None:
         return spec.shape
     if spec.kind == "local":  # widths depend on backbone.path: local_linear_shapes

@@ -37,9 +37,8 @@ def restore_rng_states(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
-    """Write ``state`` atomically to ``directory/state.pt``; return the path. The state is serialised in
-    memory first, so a full disk fails as an ``OSError`` (``ENOSPC``) of the file write, whose temporary
-    file :func:`prism.fileio.atomic_write` removes, never inside torch's archive writer."""
+    """Write ``state`` atomically to ``directory/state.pt``, serialised in memory first so that a full disk fails
+    in the file write (whose temporary file is removed), never inside torch's archive writer."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return write_bytes_atomic(Path(directory) / CHECKPOINT_FILE, buffer.getbuffer())

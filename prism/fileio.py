@@ -1,9 +1,8 @@
-"""Small file helpers shared by the caches (backbones, data, frozen prefix), checkpoints and run folders.
+"""Small file helpers shared by the caches, checkpoints and run folders.
 
-Every file the project writes goes through :func:`atomic_write`: a temporary file in the target's
-folder, flushed to disk (``fsync``), made mode 0644 (readable by a group on a shared cluster; the
-temporary file's own mode would be 0600), then renamed over the target with ``os.replace``. A
-reader sees the old file or the new one, never half of one, even after a kill or power loss.
+Every file the project writes goes through :func:`atomic_write` (a temporary file beside the target,
+fsynced, mode 0644 for a group on a shared cluster, renamed over the target): a reader sees the old file
+or the new one, never half of one, even after a kill or power loss.
 """
 from __future__ import annotations
 

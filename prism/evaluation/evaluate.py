@@ -133,9 +133,8 @@ def generate_responses(
 
 
 def new_tokens(cfg_decoding: Any, task: str) -> int:
-    """The generation cap of `task`: ``max_new_tokens_per_task[task]`` when set, else ``max_new_tokens``
-    (default 8). A per-task cap lets one task's longer answers (e.g. an equation) leave the others'
-    decoding as it was."""
+    """The generation cap of `task`: ``max_new_tokens_per_task[task]`` when set (one task's longer answers leave
+    the others' decoding as it was), else ``max_new_tokens`` (default 8)."""
     per_task = cfg_decoding.get("max_new_tokens_per_task") or {}
     return int(per_task.get(task) or cfg_decoding.get("max_new_tokens", 8))
 

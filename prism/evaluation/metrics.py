@@ -248,9 +248,8 @@ def macro_f1(preds: ArrayLike, golds: ArrayLike, n_labels: int) -> np.ndarray:
 
 
 def score_task(rule: TaskRule, texts: Sequence[str], golds: Sequence) -> tuple[dict[str, float], int]:
-    """Score the responses of a user task: ``{Accuracy[, Macro-F1]}`` and the number of responses that
-    parse to no label / hold no number (scored wrong). Macro-F1 is :func:`macro_f1` over the label set
-    (an unparseable response is a miss of its gold class)."""
+    """Score the responses of a user task: ``{Accuracy[, Macro-F1]}`` (:func:`macro_f1`: an unparseable
+    response misses its gold class) and the number of responses that parse to no label / hold no number."""
     if not texts:
         return dict.fromkeys(rule.columns, 0.0), 0
     preds, correct = task_predictions(rule, texts, golds)

@@ -1,13 +1,10 @@
 """HF's eager attention without copying the keys and values once per query head (evaluation only).
 
 With grouped-query attention (SmolLM2: 9 query heads share 3 key/value heads) HF's eager attention
-repeats every cached key and value ``n_rep`` times before its two matmuls (``repeat_kv``): in greedy
-decoding that copy of the whole KV cache, in every layer and at every new token, costs more than
-the attention itself. :func:`grouped_eager_attention` computes the same scores, softmax and weighted
-sum with the query heads of a group stacked against their one shared key/value head instead
-(``[k, kv_heads, n_rep·q, head_dim]``): the same products and sums, no copy. Greedy tokens equal
-those of eager attention (``tests/test_evaluate.py``). :func:`grouped_eager` switches a model from
-``eager`` to it for the duration of a block (generation); training keeps HF's eager attention.
+repeats every cached key and value ``n_rep`` times (``repeat_kv``), a copy of the whole KV cache per layer
+and new token that costs more than the attention itself. :func:`grouped_eager_attention` stacks the query
+heads of a group against their one key/value head instead: the same products and sums, the same greedy
+tokens (``tests/test_evaluate.py``). :func:`grouped_eager` switches a model to it for a block (generation).
 """
 from __future__ import annotations
 

@@ -90,10 +90,6 @@ def _supported_decoder(model: nn.Module) -> nn.Module:
     return decoder
 
 
-def _has_dropout(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
-
-
 def prefix_depth(model: nn.Module) -> int | None:
     """``d``: the index of the first decoder layer holding a trainable parameter (``L − K`` with LoRA
     on the last ``K`` layers), or ``None`` when a cached prefix would not be exact or is not
@@ -115,17 +111,12 @@ def prefix_depth(model: nn.Module) -> int | None:
         return None
     depth = min(trainable_layers)
     lower = [decoder.embed_tokens, *decoder.layers[:depth]]
-    if depth == 0 or any(_has_dropout(module) for module in lower):
+    if depth == 0 or any(isinstance(m, nn.Dropout) and m.p > 0 for module in lower for m in module.modules()):
         return None
     return depth
 
 
 # ------------------------------------------------------------------------------------------ key
-def _tensor_digest(digest: Any, name: str, tensor: Tensor) -> None:
-    digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-    digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-
-
 def prefix_key(model: nn.Module, depth: int, input_ids: Sequence[Sequence[int]], name: str = "") -> str:
     """sha256 of everything the cached states depend on: the backbone name and config (attention
     implementation included), the bytes of every frozen-prefix parameter and buffer (embedding,
@@ -143,7 +134,8 @@ def prefix_key(model: nn.Module, depth: int, input_ids: Sequence[Sequence[int]],
     for tensors in (decoder.named_parameters(), decoder.named_buffers()):
         for tensor_name, tensor in sorted(tensors):
             if prefix.match(tensor_name):
-                _tensor_digest(digest, tensor_name, tensor)
+                digest.update(f"{tensor_name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+                digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     digest.update(json.dumps([list(map(int, ids)) for ids in input_ids]).encode())
     return digest.hexdigest()
 
@@ -256,9 +248,8 @@ def prefix_batches(run: Callable[[Tensor, Tensor, Any], Tensor], rows: Sequence[
 @torch.no_grad()
 def compute_prefix_states(model: nn.Module, depth: int, input_ids: Sequence[Sequence[int]],
                           micro_batch_size: int = 16) -> list[Tensor]:
-    """Per example, the hidden states ``[len_i, hidden]`` (CPU, model dtype) at the input of decoder
-    layer ``depth``, from the model's own forward stopped at that layer (in ``eval()``, restored
-    after), micro-batched by :func:`prefix_batches` with the KV cache of the layers below ``depth``."""
+    """Per example, the hidden states ``[len_i, hidden]`` (CPU, model dtype) entering decoder layer ``depth``
+    (the model's own forward in ``eval()``, stopped there), micro-batched by :func:`prefix_batches`."""
     decoder = _supported_decoder(model)
     states: list[Tensor | None] = [None] * len(input_ids)
     new_cache = lambda shared: DynamicCache(config=decoder.config) if shared else None  # noqa: E731
@@ -291,9 +282,8 @@ def save_store(directory: Path, name: str, tensors: dict[str, Tensor], header: d
 
 
 def store_problem(directory: Path, name: str, header: dict[str, Any], inputs: str) -> str | None:
-    """Why the store of :func:`save_store` in ``directory`` cannot be used (None: it can): absent, built
-    for other ``inputs`` or an older format (``header`` differs), or with content that is not the sha256
-    recorded when it was built (e.g. bytes changed on disk)."""
+    """Why the store of :func:`save_store` in ``directory`` cannot be used (None: it can): absent, built for
+    other ``inputs`` or an older format (``header`` differs), or content unlike the sha256 recorded at build."""
     try:
         meta = json.loads((directory / _META).read_text())
     except FileNotFoundError:

@@ -138,9 +138,8 @@ class HFTrainerBaseline(Method):
 
     def step(self, denominator: float, generator: torch.Generator | None,
              diagnostics: bool = True) -> dict[str, Tensor]:
-        """Scheduled learning rate, global clip of the mean gradient (on the device, as
-        ``torch.nn.utils.clip_grad_norm_``), the optimizer step, and every ``eval_every`` steps the hold-out loss
-        and, when it is the lowest so far, a parameter snapshot."""
+        """Scheduled learning rate, global clip of the mean gradient (on the device, as ``clip_grad_norm_``), the
+        optimizer step, and every ``eval_every`` steps the hold-out loss and a snapshot of the best parameters."""
         self.t += 1
         factor = linear_warmup_factor(self.t, self.recipe.warmup_steps, self.recipe.total_steps)
         for group, base in zip(self.inner.optimizer.param_groups, self.base_lrs):

@@ -97,8 +97,7 @@ class LoRARite(torch.optim.Optimizer):
             R_A_inv, R_B_inv = torch.linalg.pinv(R_A), torch.linalg.pinv(R_B)
             u_A, u_B = g_A @ R_B_inv, g_B @ R_A_inv
             if group["update_skipping"] > 0:
-                u_A = torch.where(rms(u_A) > group["update_skipping"], torch.zeros_like(u_A), u_A)
-                u_B = torch.where(rms(u_B) > group["update_skipping"], torch.zeros_like(u_B), u_B)
+                u_A, u_B = (torch.where(rms(u) > group["update_skipping"], torch.zeros_like(u), u) for u in (u_A, u_B))
             prepared.append((lora_B_w, A, B, Q_A, Q_B, R_A_inv, R_B_inv, u_A, u_B))
         if not prepared:
             return loss

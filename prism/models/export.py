@@ -16,9 +16,8 @@ from prism.models.adapter import ADAPTER, is_lora_parameter
 
 
 def rebased_factors(A: Tensor, B: Tensor, A0: Tensor, B0: Tensor) -> tuple[Tensor, Tensor]:
-    """Rank-2r paper factors ``A' = [A, −A0]``, ``B' = [B, B0]`` with ``A'B'ᵀ = ABᵀ − A0B0ᵀ``: on the
-    original ``W`` the trained weight ``W_res + s·ABᵀ = W + s(ABᵀ − A0B0ᵀ)`` is reproduced at the same
-    scaling ``s``."""
+    """Rank-2r paper factors ``A' = [A, −A0]``, ``B' = [B, B0]``: ``A'B'ᵀ = ABᵀ − A0B0ᵀ``, so on the original ``W``
+    the trained weight ``W_res + s·ABᵀ = W + s(ABᵀ − A0B0ᵀ)`` is reproduced at the same scaling ``s``."""
     return torch.cat([A, -A0.to(A)], dim=1), torch.cat([B, B0.to(B)], dim=1)
 
 

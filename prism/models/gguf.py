@@ -1,7 +1,6 @@
-"""Embedded backbones: the GGUF shipped inside a PyPI package, dequantised by transformers once and
-cached as safetensors under ``$PRISM_CACHE/backbones/<name>/`` (default
-``~/.cache/prism/backbones/<name>/``) with a manifest (sha256 of every file, source package and
-version) that is checked on every load.
+"""Embedded backbones: the GGUF shipped inside a PyPI package, dequantised by transformers once and cached
+as safetensors under ``$PRISM_CACHE/backbones/<name>/`` with a manifest (sha256 of every file, source
+package and version) checked on every load.
 """
 from __future__ import annotations
 

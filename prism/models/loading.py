@@ -1,9 +1,6 @@
-"""Loading a frozen backbone and its tokenizer onto the training device.
-
-Every model is loaded with ``attn_implementation="eager"`` (``torch.func`` per-sample gradients need
-it) and ``use_cache=False`` (training; the evaluator turns the cache on for ``generate``). The
-Gemma-3 paper checkpoints are multimodal: they load as ``Gemma3ForConditionalGeneration`` (what
-``AutoModelForCausalLM`` maps them to) and are fed text only.
+"""Loading a frozen backbone and its tokenizer onto the training device: eager attention (``torch.func``
+per-sample gradients need it), ``use_cache=False`` (the evaluator turns it on for ``generate``); the
+multimodal Gemma-3 paper checkpoints load as ``Gemma3ForConditionalGeneration`` and are fed text only.
 """
 from __future__ import annotations
 
@@ -59,9 +56,8 @@ def _load_hub(spec: BackboneSpec, dtype: torch.dtype,
 
 
 def load_backbone(cfg_backbone: Any, device: str | torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """The frozen base model for ``cfg_backbone`` (``name``, ``dtype``; ``path`` for ``backbone=local``) on
-    ``device``: eager attention, ``use_cache=False``, every parameter frozen, a multimodal checkpoint's
-    vision side dropped; and its tokenizer, with a pad token."""
+    """The frozen base model for ``cfg_backbone`` on ``device`` (eager attention, ``use_cache=False``, no vision
+    side) and its tokenizer, with a pad token."""
     spec = backbone_spec(_field(cfg_backbone, "name"))
     dtype = _field(cfg_backbone, "dtype", "float32")
     if dtype not in _DTYPES:

@@ -1,8 +1,5 @@
-"""LoRA wiring: the peft config of the paper's Table 7, target validation and :func:`attach_lora`.
-
-LoRA never touches a multimodal checkpoint's vision tower or projector (peft ``exclude_modules``).
-Notation: paper ``A`` (m×r) is peft ``lora_B.weight``, paper ``Bᵀ`` (r×n) is peft ``lora_A.weight``;
-the conversion goes through :mod:`prism.mechanism.lora` only.
+"""LoRA wiring: the peft config of the paper's Table 7 (never on a multimodal checkpoint's vision tower or
+projector), target validation and :func:`attach_lora`.
 """
 from __future__ import annotations
 
@@ -58,9 +55,8 @@ def validate_lora(model: nn.Module, config: LoraConfig) -> list[str]:
 
 def attach_lora(model: PreTrainedModel, cfg_lora: Any, cfg_backbone: Any, init: str,
                 generator: torch.Generator | None, init_svd: str = "auto") -> PeftModel:
-    """Wrap ``model`` with LoRA (everything else frozen, LoRA factors in fp32) and initialise the
-    factors: ``init="peft"`` keeps peft's default (paper A = ``lora_B`` = 0); ``init="spectral"``
-    applies :func:`spectral_residual_init` with the SVD mode ``init_svd``."""
+    """Wrap ``model`` with LoRA (everything else frozen, LoRA factors in fp32), initialised by peft's default
+    (``init="peft"``: paper A = ``lora_B`` = 0) or :func:`spectral_residual_init` (``init="spectral"``)."""
     if init not in ("peft", "spectral"):
         raise ValueError(f"unknown method.init {init!r}; use 'spectral' or 'peft'")
     config = lora_config(model, cfg_lora, cfg_backbone)

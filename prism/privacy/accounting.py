@@ -152,9 +152,8 @@ def calibration_rate(sample_rate: float, mode: str) -> float:
 
 def calibrate_for_run(epsilon: float, delta: float, sample_rate: float, steps: int, mode: str,
                       cache_dir: Path | None = None) -> float:
-    """σ of a run of ``steps`` Poisson steps at rate ``sample_rate`` under calibration ``mode``:
-    :func:`calibrate_sigma` at :func:`calibration_rate` for :func:`calibration_steps`, or with
-    ``cache_dir`` :func:`calibrate_sigma_cached` (the same σ, bit for bit)."""
+    """σ of a run of ``steps`` Poisson steps at rate ``sample_rate`` under calibration ``mode`` (:func:`calibration_rate`,
+    :func:`calibration_steps`), through :func:`calibrate_sigma_cached` (the same σ, bit for bit) with ``cache_dir``."""
     args = (epsilon, delta, calibration_rate(sample_rate, mode), calibration_steps(steps, sample_rate, mode))
     return calibrate_sigma(*args) if cache_dir is None else calibrate_sigma_cached(*args, cache_dir=cache_dir)
 
