@@ -318,11 +318,9 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
         "prefix_build_s": s.prefix.build_seconds if s.prefix is not None else 0.0,
         "protocol": protocol_record(cfg, lookup(cfg.method).tangent),
     }
-    if benchmark:
-        measured = step_times[benchmark.warmup:]
-        final["step_time_s"] = float(np.mean(measured)) if measured else float("nan")
-    else:
-        final["step_time_s"] = float(np.mean(step_times)) if step_times else float("nan")
+    measured = step_times[benchmark.warmup:] if benchmark else step_times
+    final["step_time_s"] = float(np.mean(measured)) if measured else float("nan")
+    if not benchmark:
         if isinstance(s.method, HFTrainerBaseline):  # released non-DP recipe: the best hold-out checkpoint
             final["best_step"] = s.method.restore_best()
         narrate("evaluating %d tasks (%d rows)", len(s.suite.eval), sum(map(len, s.suite.eval.values())))

@@ -136,10 +136,6 @@ def stratified_indices(labels: list[float], n: int, seed: int, regression: bool)
     return sorted(int(i) for i in picked)
 
 
-def _examples(task: str, rows: list[dict], name: str, skipped: dict[str, int]) -> list[Example]:
-    return well_formed([glue_example(task, row, name) for row in rows], skipped, f"glue/{name}")
-
-
 def build_paper(node: Any, seed: int):
     """Paper-scale GLUE8: (train, eval per task, task → column, skipped rows)."""
     tasks = list(node.get("tasks") or GLUE_TASKS)
@@ -153,10 +149,11 @@ def build_paper(node: Any, seed: int):
     skipped: dict[str, int] = {}
     for task in tasks:
         spec = GLUE_TASKS[task]
-        pool = _examples(task, load_split(task, "train"), task, skipped)
+        pool = well_formed([glue_example(task, row) for row in load_split(task, "train")], skipped, f"glue/{task}")
         keep = stratified_indices([ex.answer for ex in pool], per_task, seed, spec.label_words is None)
         train.extend(pool[i] for i in keep)
         for name, split in spec.eval_splits:
-            evals[name] = _examples(task, load_split(task, split), name, skipped)
+            rows = load_split(task, split)
+            evals[name] = well_formed([glue_example(task, row, name) for row in rows], skipped, f"glue/{name}")
             columns[name] = spec.column
     return train, evals, columns, skipped

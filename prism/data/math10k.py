@@ -97,10 +97,6 @@ def math_example(task: str, row: Any, kind: str) -> Example | None:
     return None if gold is None else Example(task, row["instruction"], inp, output, gold)
 
 
-def _collect(rows: list, task: str, kind: str, skipped: dict[str, int], source: str) -> list[Example]:
-    return well_formed([math_example(task, row, kind) for row in rows], skipped, source)
-
-
 def testset_location(root: str, folder: str) -> str:
     """Path or URL of one LLM-Adapters test set under a checkout root or base URL."""
     return f"{root.rstrip('/')}/dataset/{folder}/test.json" if is_url(root) else str(Path(root) / "dataset" / folder / "test.json")
@@ -129,7 +125,7 @@ def build_paper(node: Any, seed: int):
             "suite.paper.train_sha256=null"
         )
     skipped: dict[str, int] = {}
-    train = _collect(raw, "math10k", "train", skipped, "math10k/train")
+    train = well_formed([math_example("math10k", row, "train") for row in raw], skipped, "math10k/train")
     root = str(node.get("llm_adapters") or LLM_ADAPTERS_URL)
     evals: dict[str, list[Example]] = {}
     columns: dict[str, str] = {}
@@ -137,6 +133,7 @@ def build_paper(node: Any, seed: int):
         folder, column, _ = MATH_TESTS[task]
         path = resolve(testset_location(root, folder), f"LLM-Adapters {folder} test set")
         kind = "choice" if column == "AQuA" else "number"
-        evals[task] = _collect(read_json_rows(path, f"{folder}/test.json"), task, kind, skipped, f"math/{task}")
+        rows = read_json_rows(path, f"{folder}/test.json")
+        evals[task] = well_formed([math_example(task, row, kind) for row in rows], skipped, f"math/{task}")
         columns[task] = column
     return train, evals, columns, skipped

@@ -46,10 +46,7 @@ N_SAMPLES = 3  # generated responses kept per task in the result, for inspection
 
 def _pad_id(tokenizer: Any) -> int:
     """Padding id for generation: the tokenizer's pad, else EOS, else 0 (the released code's choice)."""
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if candidate is not None:
-            return int(candidate)
-    return 0
+    return next((int(c) for c in (tokenizer.pad_token_id, tokenizer.eos_token_id) if c is not None), 0)
 
 
 def _left_padded(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> dict[str, torch.Tensor]:

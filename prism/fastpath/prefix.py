@@ -155,13 +155,8 @@ class _PassThrough(nn.Module):
 @contextmanager
 def _top_layers_only(decoder: nn.Module, depth: int) -> Iterator[None]:
     """Swap layers ``< depth`` for pass-throughs (indices of the others unchanged); restore on exit."""
-    layers = decoder.layers
-    skip = _PassThrough()
-    decoder.layers = nn.ModuleList([skip] * depth + list(layers[depth:]))
-    try:
+    with top_layer.swapped_layers(decoder, [_PassThrough()] * depth + list(decoder.layers[depth:])):
         yield
-    finally:
-        decoder.layers = layers
 
 
 @contextmanager

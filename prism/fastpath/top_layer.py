@@ -99,13 +99,14 @@ class _KeysValuesOnly(nn.Module):
 
 
 @contextmanager
-def _last_layer(decoder: nn.Module, stand_in: nn.Module) -> Iterator[None]:
-    layers = decoder.layers
-    decoder.layers = nn.ModuleList([*layers[:-1], stand_in])
+def swapped_layers(decoder: nn.Module, layers: list[nn.Module]) -> Iterator[None]:
+    """While active, the decoder runs ``layers`` instead of its own (restored on exit)."""
+    own = decoder.layers
+    decoder.layers = nn.ModuleList(layers)
     try:
         yield
     finally:
-        decoder.layers = layers
+        decoder.layers = own
 
 
 @contextmanager
@@ -113,12 +114,12 @@ def read_positions(decoder: nn.Module, positions: Tensor, mask: Tensor, keep: Te
     """While active, the decoder returns its final-normed hidden states at ``positions`` ``[k, P]``
     only (``[k, P, hidden]``), or with ``keep`` ``[k, P]`` (bool) the kept entries alone, row by row,
     as ``[1, n_kept, hidden]``; ``mask`` ``[k, T]`` marks the real tokens. Requires :func:`supported`."""
-    with _last_layer(decoder, _ReadPositions(decoder.layers[-1], positions, mask, keep)):
+    with swapped_layers(decoder, [*decoder.layers[:-1], _ReadPositions(decoder.layers[-1], positions, mask, keep)]):
         yield
 
 
 @contextmanager
 def keys_values_only(decoder: nn.Module) -> Iterator[None]:
     """While active, the decoder's last layer only fills the KV cache. Requires :func:`supported`."""
-    with _last_layer(decoder, _KeysValuesOnly(decoder.layers[-1])):
+    with swapped_layers(decoder, [*decoder.layers[:-1], _KeysValuesOnly(decoder.layers[-1])]):
         yield
