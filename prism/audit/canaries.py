@@ -15,16 +15,13 @@ On a block of shape ``[a, b]`` the directions are cells of a random orthonormal 
 ``v = Q_b e_j`` with ``Q_a``, ``Q_b`` random orthogonal matrices and distinct cells ``(i, j)`` per canary,
 so two canaries are exactly orthogonal (``⟨u_i v_jᵀ, u_k v_lᵀ⟩ = δ_ik δ_jl``; on different blocks too):
 one canary's hits put nothing on another's score in the factor space, and in the tangent space only
-through canaries that share ``i`` or ``j``. Independent random rank-1 directions would each add about
-``1/√(ab)`` of every hit on the block, with tens of hits a block each step as large as a tenth of the
-noise (docs/MEASUREMENTS.md, 2026-12-03). The rotation spreads every direction over the whole block,
-so the real examples' gradients project on it as on a random direction. The canaries are shared out
-equally over the blocks, a block taking at most its ``a·b`` cells; a canary costs the ``a + b`` numbers
-of its ``u`` and ``v``, so 10⁴–10⁵ of them are projected every step. A secret fair coin includes
-each canary; an included canary joins each step's batch with the Poisson sampler's rate ``q``,
-independently of the real records (Poisson sampling is per record), and its gradient goes through the
-method's own ``accumulate`` (in chunks of :data:`CHUNK`) with the real micro-batches, so it is clipped,
-summed and noised by the same code.
+through canaries that share ``i`` or ``j`` (independent random directions would each add about ``1/√(ab)``
+of every hit on the block, docs/MEASUREMENTS.md, 2026-12-03). The rotation spreads every direction over
+the block, so the real examples' gradients project on it as on a random direction; a canary costs the
+``a + b`` numbers of its ``u`` and ``v``, so 10⁴–10⁵ of them are projected every step. A secret fair coin
+includes each canary; an included canary joins each step's batch with the Poisson sampler's rate ``q``,
+independently of the real records, and its gradient goes through the method's own ``accumulate`` (in
+chunks of :data:`CHUNK`) with the real micro-batches, so it is clipped, summed and noised by the same code.
 
 Score of canary ``c`` at step ``t``: ``⟨R_t, d_c(t)⟩ / ‖d_c(t)‖``, ``R_t`` the released privatised quantity
 of step ``t`` in the clipping space's inner product: for ``factor``, the noised factor gradient
@@ -92,11 +89,8 @@ def draw_directions(space: Space, params: Mapping[str, Tensor], count: int, seed
             if p.dim() != 2:
                 raise ValueError(f"{name}: factor canaries need 2-D LoRA tensors, got shape {tuple(p.shape)}")
         shapes = {name: (p.shape[0], p.shape[1]) for name, p in params.items()}
-    elif space == "tangent":
-        shapes = {}
-        for pair in _pairs(params):
-            A, B = read_pair(params, pair)
-            shapes[pair.module] = (A.shape[0], B.shape[0])
+    elif space == "tangent":  # u on A's rows, v on B's
+        shapes = {pair.module: tuple(x.shape[0] for x in read_pair(params, pair)) for pair in _pairs(params)}
     else:
         raise ValueError(f"unknown canary space {space!r}; choose factor or tangent")
     if count > sum(a * b for a, b in shapes.values()):

@@ -22,12 +22,11 @@ and {ε : p-value ≤ β} is an interval ``[0, ε_lb]``. :func:`epsilon_lower_bo
 ``2mδ ≤ 1`` (at δ = 1e-5 up to 50,000 canaries).
 
 The f-DP refinement of Mahloujifar, Melis & Chaudhuri (2025, "Auditing f-differential privacy in one run")
-tests a whole trade-off curve instead of one (ε, δ) pair: :func:`fdp_lower_bound` with
-:func:`gaussian_curve` rejects "the run is μ-GDP" (Dong, Roth & Su 2022: trade-off
-``f_μ(α) = Φ(Φ⁻¹(1 − α) − μ)``, the curve of one Gaussian mechanism with sensitivity/σ = μ) from ``k`` "in"
-guesses (``k⁻ = 0``) of which ``v`` are right, and returns the largest μ rejected at level β;
-:func:`prism.audit.step.gdp_epsilon` turns it into the ε of that Gaussian curve at δ. It bounds the run's GDP parameter, not its (ε, δ): a run that is (ε, δ)-DP need not be μ-GDP at the μ
-whose curve passes through (ε, δ), so this column speaks about the Gaussian-shaped hypothesis only.
+tests a whole trade-off curve instead of one (ε, δ) pair: :func:`fdp_lower_bound` with :func:`gaussian_curve`
+rejects "the run is μ-GDP" (Dong, Roth & Su 2022: ``f_μ(α) = Φ(Φ⁻¹(1 − α) − μ)``, one Gaussian mechanism
+with sensitivity/σ = μ) from ``v`` right of ``k`` "in" guesses (``k⁻ = 0``), and returns the largest μ
+rejected at level β (:func:`prism.audit.step.gdp_epsilon`: its ε at δ). It bounds the run's GDP parameter,
+not its (ε, δ): an (ε, δ)-DP run need not be μ-GDP at the μ whose curve passes through (ε, δ).
 
 Guesses must not be chosen by looking at the coins: :func:`top_bottom_guesses` takes ``k⁺``, ``k⁻`` fixed
 before the scores are seen; :func:`split_audit` picks them on one half of the canaries and measures the

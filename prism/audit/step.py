@@ -8,11 +8,10 @@ mechanism bounds that pair (Dong, Roth & Su 2022; Kairouz et al. 2015):
 * μ-GDP: ``TPR ≤ Φ(Φ⁻¹(FPR) + μ)``, so ``μ ≥ Φ⁻¹(TPR) − Φ⁻¹(FPR)``;
 * (ε, δ)-DP: ``TPR ≤ e^ε FPR + δ`` and ``1 − FPR ≤ e^ε (1 − TPR) + δ``.
 
-With Clopper–Pearson bounds ``TPR ≥ TPR_lo`` and ``FPR ≤ FPR_hi`` (each two-sided at the given
-confidence) the formulas give lower bounds on μ and ε; for a correct mechanism a bound exceeds the
-true value only if one of the two one-sided bounds misses, probability ≤ ``1 − confidence``. The threshold and the test's direction are
-chosen on one half of the draws and the bounds computed on the other half, so the choice costs
-no confidence.
+With Clopper–Pearson bounds ``TPR ≥ TPR_lo`` and ``FPR ≤ FPR_hi`` (each two-sided at the given confidence)
+the formulas give lower bounds on μ and ε; for a correct mechanism a bound exceeds the true value only if
+one of the two one-sided bounds misses, probability ≤ ``1 − confidence``. The threshold and the test's
+direction are chosen on one half of the draws and the bounds computed on the other, at no confidence.
 """
 from __future__ import annotations
 

@@ -193,11 +193,6 @@ def _parsed(items: list[dict]) -> tuple[list[tuple[str, str, float, str | None]]
     return out, bad
 
 
-def _numeric(task: str, items: list[dict], style: str) -> tuple[list[Example], int]:
-    rows, bad = _parsed(items)
-    return [Example(task, q, "", math_target(answer, style, equation), gold) for q, answer, gold, equation in rows], bad
-
-
 def _choice(items: list[dict], seed: int, style: str) -> tuple[list[Example], int]:
     """AQuA-style 5-way choice: the true value plus four distinct distractors within ±12, shuffled."""
     rows, bad = _parsed(items)
@@ -221,7 +216,10 @@ def _math_task(generator: str, config: dict, choice: bool = False):
 
         def make(stream_seed: int, size: int) -> tuple[list[Example], int]:
             items = _gym(generator, stream_seed, size, **config)
-            return _choice(items, stream_seed, style) if choice else _numeric(task, items, style)
+            if choice:
+                return _choice(items, stream_seed, style)
+            rows, bad = _parsed(items)
+            return [Example(task, q, "", math_target(ans, style, eq), gold) for q, ans, gold, eq in rows], bad
 
         eval_rows, bad_e = make(sub_seed(EVAL_SEED, task), 2 * n_eval + 64)  # small generators repeat questions
         eval_rows = list({ex.instruction: ex for ex in eval_rows}.values())[:n_eval]

@@ -1,13 +1,10 @@
 """Math-10K at paper scale (docs/DECISIONS.md D31): the LLM-Adapters training mixture and four test sets.
 
-Node ``suite.paper`` fields:
-
-* ``train_file`` – local path or URL of ``math_10k.json`` (a URL is read from the `make data` cache);
-* ``train_rows`` – expected row count (9,919), ``train_sha256`` – full hex digest or the report's
-  abbreviated ``prefix...suffix`` form (checked when given);
-* ``llm_adapters`` – local LLM-Adapters checkout or raw-file base URL holding
-  ``dataset/{gsm8k,AQuA,mawps,SVAMP}/test.json``;
-* ``tests`` – which test sets (default all four).
+Node ``suite.paper`` fields: ``train_file`` (local path or URL of ``math_10k.json``; a URL is read from the
+`make data` cache), ``train_rows`` (expected row count, 9,919) and ``train_sha256`` (full hex digest or the
+report's abbreviated ``prefix...suffix`` form; both checked when given), ``llm_adapters`` (a local
+LLM-Adapters checkout or raw-file base URL holding ``dataset/{gsm8k,AQuA,mawps,SVAMP}/test.json``),
+``tests`` (which test sets, default all four).
 """
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """Prompt templates, tokenisation with label masking, and the padding collator.
 
-The strings follow the paper's pipeline (LLM-Adapters Alpaca templates, docs/DECISIONS.md D31, D39), including
-the odd whitespace: the *training* templates indent every line by 16 spaces and carry trailing
-spaces, while the *Math evaluation* template has no indentation. This mismatch is inherited from
-LLM-Adapters and kept on purpose at paper scale (the embedded scale evaluates Math with the training
-template, docs/DECISIONS.md D61).
+The strings follow the paper's pipeline (LLM-Adapters Alpaca templates, docs/DECISIONS.md D31, D39) with
+its odd whitespace: the training templates indent every line by 16 spaces and carry trailing spaces, the
+Math evaluation template has no indentation (kept at paper scale; the embedded scale evaluates Math with
+the training template, docs/DECISIONS.md D61).
 """
 from __future__ import annotations
 
@@ -67,14 +66,12 @@ def eval_prompt(example: Example, family: str, math_template: str = "llm_adapter
 def encode_prompt_as_trained(tokenizer: Any, prompt: str) -> list[int]:
     """Token ids of `prompt` exactly as they appear inside a training sequence ``prompt + output``.
 
-    The templates end in whitespace and the response follows without a separator, so in training
-    a BPE tokenizer (SmolLM2's, GPT-2 style) moves the last space into the first response token:
-    ``"…Response:\n" + 16 spaces + "positive"`` becomes ``[…, "\n"+15 spaces, " positive"]``.
-    Tokenizing the prompt alone gives ``"\n"+16 spaces`` instead, a boundary the model never saw,
-    and it answers with a fresh line rather than the label. Here a word is glued to the prompt as
-    the response is in training, and only tokens that end inside the prompt are kept. For
-    tokenizers without that merge (SentencePiece, Gemma) this equals tokenizing the prompt alone.
-    """
+    The templates end in whitespace and the response follows without a separator, so in training a BPE
+    tokenizer (SmolLM2's) moves the last space into the first response token: ``"…Response:\n" + 16 spaces +
+    "positive"`` becomes ``[…, "\n"+15 spaces, " positive"]``. The prompt alone ends in ``"\n"+16 spaces``, a
+    boundary the model never saw (it answers with a fresh line). So a word is glued to the prompt as in
+    training and only the tokens ending inside the prompt are kept; without that merge (SentencePiece,
+    Gemma) this is the prompt's own tokenisation."""
     encoded = tokenizer(prompt + "a", return_offsets_mapping=True)
     return [tok for tok, (_, end) in zip(encoded["input_ids"], encoded["offset_mapping"]) if end <= len(prompt)]
 

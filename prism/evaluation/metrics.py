@@ -205,17 +205,13 @@ def normalize_exact(text: str) -> str:
     return normalize_response(line).strip(_EDGE_PUNCT + " ")
 
 
-def _label_pattern(label: str) -> re.Pattern[str]:
-    return re.compile(rf"(?<![a-z0-9]){re.escape(normalize_response(label))}(?![a-z0-9])")
-
-
 def parse_label(text: str, labels: Sequence[str]) -> int | None:
     """The label a response names: of the labels found in the normalised response as whole words,
     the one that starts first, the longest at the same start ("not_entailment" before "entailment");
     None when it names none (scored wrong and counted)."""
     text = normalize_response(text)
     found = [(m.start(), -len(label), i) for i, label in enumerate(labels)
-             if (m := _label_pattern(label).search(text)) is not None]
+             if (m := re.search(rf"(?<![a-z0-9]){re.escape(normalize_response(label))}(?![a-z0-9])", text))]
     return min(found)[2] if found else None
 
 

@@ -1,20 +1,17 @@
 """An exact, cached frozen prefix: train the top LoRA layers from stored hidden states.
 
-With LoRA on the last ``K`` of ``L`` decoder layers (``backbone.lora_layers``), the embedding and the
-first ``d = L − K`` decoder layers are frozen and deterministic (no dropout), so the hidden state
-that enters layer ``d`` is the same for a training example in every step and in every run that
-shares the backbone and the data (PRISM's spectral init only rewrites the base weights of LoRA
-layers, all at depth ``≥ d``). :class:`PrefixCache` computes these states once per example (right
-padded, positions ``0..len−1`` as in training), persists them under
-``$PRISM_CACHE/prefix/<key>/`` and replays micro-batches through the top ``K`` layers only: the
-lower layers are swapped for pass-throughs while the forward runs, so the model's own code computes
-masks, rotary embeddings and per-layer attention types at their true layer indices. In the last
-layer (Llama), only the keys and values run over every token; the rest of the layer and the LM head
-run at the supervised positions alone (:mod:`prism.fastpath.top_layer`; ``PrefixBatch.read_only_supervised``).
+With LoRA on the last ``K`` of ``L`` decoder layers (``backbone.lora_layers``), the embedding and the first
+``d = L − K`` decoder layers are frozen and deterministic, so the hidden state entering layer ``d`` is the
+same for a training example in every step and every run that shares the backbone and the data (PRISM's
+spectral init only rewrites LoRA layers' base weights, all at depth ``≥ d``). :class:`PrefixCache`
+computes these states once per example, persists them under ``$PRISM_CACHE/prefix/<key>/`` and replays
+micro-batches through the top ``K`` layers only, the lower ones swapped for pass-throughs, so the model's
+own code computes masks, rotary embeddings and per-layer attention types at their true layer indices; in
+the last (Llama) layer only the keys and values run over every token (:mod:`prism.fastpath.top_layer`).
 
-Exactness (checked by ``tests/test_prefix.py``): logits, per-example losses and per-example LoRA
-gradients equal those of the full forward up to float rounding. :func:`prefix_depth` returns
-``None`` wherever that is not established, and the loop then runs the full forward.
+Exactness (``tests/test_prefix.py``): logits, per-example losses and per-example LoRA gradients equal
+those of the full forward up to float rounding. :func:`prefix_depth` returns ``None`` wherever that is
+not established, and the loop then runs the full forward.
 """
 from __future__ import annotations
 
@@ -91,11 +88,10 @@ def _supported_decoder(model: nn.Module) -> nn.Module:
 
 
 def prefix_depth(model: nn.Module) -> int | None:
-    """``d``: the index of the first decoder layer holding a trainable parameter (``L − K`` with LoRA
-    on the last ``K`` layers), or ``None`` when a cached prefix would not be exact or is not
-    supported: an unverified architecture, nothing trainable, a trainable parameter in layer 0 or
-    outside the decoder layers below the final norm, stochastic layers below ``d`` (dropout), or
-    Gemma's bidirectional-attention variant."""
+    """``d``: the first decoder layer holding a trainable parameter (``L − K`` with LoRA on the last ``K``), or
+    ``None`` where a cached prefix would not be exact or is not supported: an unverified architecture, nothing
+    trainable, a trainable parameter in layer 0 or outside the decoder layers below the final norm, dropout
+    below ``d``, or Gemma's bidirectional-attention variant."""
     decoder = _decoder(model)
     if decoder is None:
         return None
@@ -217,12 +213,11 @@ def shared_prefix_groups(input_ids: Sequence[Sequence[int]], min_group: int = 64
 def prefix_batches(run: Callable[[Tensor, Tensor, Any], Tensor], rows: Sequence[Sequence[int]],
                    micro_batch_size: int, device: torch.device,
                    new_cache: Callable[[int], Any]) -> Iterator[tuple[list[int], int, Tensor | None, Tensor, Any]]:
-    """``(indices, shared, head, hidden, cache)`` per micro-batch of ``rows``: grouped by their shared
-    leading tokens (:func:`shared_prefix_groups`), by length within a group. The micro-batch's common
-    prefix of ``shared`` tokens runs once (batch 1, into ``new_cache(shared)``, then repeated per row;
-    ``head`` its states, None when nothing is shared) and the remainders right-padded behind it at
-    positions ``shared..len−1`` (``hidden`` ``[k, T, hidden]``): causal attention makes this the full
-    forward of every row, up to float rounding. ``run`` is that of :func:`layer_input_capture`."""
+    """``(indices, shared, head, hidden, cache)`` per micro-batch of ``rows``, grouped by shared leading tokens
+    (:func:`shared_prefix_groups`) and by length within a group: the common prefix of ``shared`` tokens runs
+    once (batch 1, into ``new_cache(shared)``, then repeated per row; ``head``: its states, None when nothing
+    is shared), the remainders right-padded behind it at positions ``shared..len−1`` (``hidden``), which causal
+    attention makes each row's full forward up to float rounding. ``run``: :func:`layer_input_capture`'s."""
     for _, members in shared_prefix_groups(rows, min_group=micro_batch_size):
         order = sorted(members, key=lambda i: len(rows[i]))
         for start in range(0, len(order), micro_batch_size):

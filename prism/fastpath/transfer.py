@@ -1,10 +1,6 @@
-"""Host → device copies of micro-batches that never block the host.
-
-On CUDA a tensor is staged in pinned (page-locked) memory and copied with ``non_blocking=True``: the
-copy is queued on the current stream behind the kernels already launched, so the host goes on
-collating the next micro-batch. Pinned buffers come from torch's caching host allocator (reused, not
-re-registered per call). On any other device this is a plain ``.to``.
-"""
+"""Host → device copies of micro-batches that never block the host: on CUDA each tensor is staged in
+pinned memory (torch's caching host allocator) and copied with ``non_blocking=True``, queued behind the
+kernels already launched while the host collates the next micro-batch."""
 from __future__ import annotations
 
 import torch

@@ -1,9 +1,7 @@
 """The factor-space baselines: :class:`~prism.methods.factor.FactorDPMethod` with the update rule each
-applies to its privatised gradient (docs/DECISIONS.md D23–D27, Table 8).
-
-Every hyper-parameter is read explicitly from the method's config dataclass (:mod:`prism.methods.schema`,
-values from ``conf/method/<name>.yaml``); nothing falls back to a library default, so a library
-upgrade cannot silently change a baseline.
+applies to its privatised gradient (docs/DECISIONS.md D23–D27, Table 8). Every hyper-parameter is read
+explicitly from the method's config dataclass (:mod:`prism.methods.schema`), never a library default, so
+a library upgrade cannot silently change a baseline.
 """
 from __future__ import annotations
 

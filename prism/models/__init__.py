@@ -1,18 +1,8 @@
-"""Backbones, LoRA wiring, the spectral-residual initialisation and adapter export.
+"""Backbones (registry in :mod:`prism.backbones`, readable without torch; loading, embedded GGUF cache,
+tiny test models), LoRA wiring (paper Table 7), the spectral-residual initialisation and adapter export.
 
-Modules, one job each:
-
-* :mod:`prism.backbones` – the registry :data:`BACKBONES` (readable without torch);
-* :mod:`~prism.models.gguf` – embedded backbones: GGUF dequantised once into a validated cache;
-* :mod:`~prism.models.tiny` – random-config test models and the byte-level tokenizer;
-* :mod:`~prism.models.loading` – :func:`load_backbone` onto the training device, peak memory;
-* :mod:`~prism.models.adapter` – the peft adapter name, module/parameter lookups, config-field access;
-* :mod:`~prism.models.wiring` – the peft ``LoraConfig`` (paper Table 7), validation, :func:`attach_lora`;
-* :mod:`~prism.models.spectral` – the spectral-residual initialisation;
-* :mod:`~prism.models.export` – an adapter that loads on the original backbone.
-
-Notation: paper ``A`` (m×r) is peft ``lora_B.weight``, paper ``Bᵀ`` (r×n) is peft
-``lora_A.weight``; the conversion goes through :mod:`prism.mechanism.lora` only.
+Notation: paper ``A`` (m×r) is peft ``lora_B.weight``, paper ``Bᵀ`` (r×n) is peft ``lora_A.weight``; the
+conversion goes through :mod:`prism.mechanism.lora` only.
 """
 from __future__ import annotations
 

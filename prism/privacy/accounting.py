@@ -160,11 +160,9 @@ def calibrate_for_run(epsilon: float, delta: float, sample_rate: float, steps: i
 
 def calibrate_sigma_cached(epsilon: float, delta: float, sample_rate: float, steps: int, *, cache_dir: Path,
                            accountant: str = "prv", eps_error: float = 0.01) -> float:
-    """:func:`calibrate_sigma`, remembered in ``cache_dir`` (one small JSON file per question; a σ is public).
-
-    A stored σ is used only if its file holds exactly these arguments (and this Opacus version) and
-    :func:`epsilon_spent` at that σ is ≤ ``epsilon`` again; otherwise σ is recomputed and the file rewritten.
-    """
+    """:func:`calibrate_sigma`, remembered in ``cache_dir`` (one small JSON file per question; a σ is public): a
+    stored σ is used only if its file holds exactly these arguments (and this Opacus version) and
+    :func:`epsilon_spent` at that σ is ≤ ``epsilon`` again; otherwise σ is recomputed and the file rewritten."""
     question = {"epsilon": float(epsilon), "delta": float(delta), "sample_rate": float(sample_rate),
                 "steps": int(steps), "accountant": accountant, "eps_error": float(eps_error),
                 "opacus": _opacus_version()}
@@ -211,12 +209,9 @@ def _rdp_epsilon(rdp: np.ndarray, delta: float) -> float:
 
 
 class _RunningPRVAccountant(PRVAccountant):
-    """Opacus' PRV accountant whose discretisation domain reuses each (σ, q)'s RDP curve.
-
-    Opacus bounds the PRV domain with RDP (Gopi et al. 2021, Remark 5.6) and recomputes the RDP
-    curve on every call — about 3/4 of an ``epsilon`` call. RDP composes additively (T steps =
-    T × one step), so the one-step curve is cached and the domain, hence ε, is unchanged.
-    """
+    """Opacus' PRV accountant whose discretisation domain (bounded with RDP, Gopi et al. 2021, Remark 5.6)
+    reuses each (σ, q)'s one-step RDP curve: RDP composes additively, so the domain, hence ε, is unchanged,
+    without Opacus' recomputation of the curve, about 3/4 of an ``epsilon`` call."""
 
     def _get_domain(
         self, prvs: list[Any], num_self_compositions: list[int], eps_error: float, delta_error: float

@@ -5,16 +5,14 @@ discretises the privacy-loss distribution on a grid of ``2L / h`` points, ``h = 
 sqrt(T log(12/δ_err) / 2)``, ``L`` from an RDP tail bound (Gopi et al. 2021, Remark 5.6). That
 search fails, or never ends, in three ways, each predicted here before any model is loaded:
 
-* ε so large that σ would fall below :data:`SIGMA_FLOOR`: the grid grows without bound as σ → 0
-  (ε = 1e9 never returns). The accountant refuses such a target with one evaluation at the floor;
-  here :func:`rdp_epsilon` at the floor, an upper bound of the PRV value, refuses only targets the
-  accountant would refuse too.
-* ε within half the PRV estimate's own error ``ε_err`` (:data:`EPS_ERROR`) of 0: no σ meets the
-  target. (Just above, whether Opacus' search finds a σ below its cap of 10⁶ depends on the grid;
-  the accountant then says so in one line.)
-* δ so small that float rounding over the grid (machine ε of ``long double`` × grid points)
-  exceeds it ("Floating point errors will dominate"), or a grid too large for memory (many
-  steps): :func:`prv_grid_points` × :data:`BYTES_PER_POINT`.
+* ε so large that σ would fall below :data:`SIGMA_FLOOR`: the grid grows without bound as σ → 0 (ε = 1e9
+  never returns); :func:`rdp_epsilon` at the floor, an upper bound of the PRV value, refuses only targets
+  the accountant (one evaluation at the floor) would refuse too.
+* ε within half the PRV estimate's own error ``ε_err`` (:data:`EPS_ERROR`) of 0: no σ meets the target
+  (just above, the accountant says in one line when its search finds no σ below its cap of 10⁶).
+* δ so small that float rounding over the grid (machine ε of ``long double`` × grid points) exceeds it
+  ("Floating point errors will dominate"), or a grid too large for memory (many steps):
+  :func:`prv_grid_points` × :data:`BYTES_PER_POINT`.
 
 :func:`rdp_epsilon` is the Rényi-DP bound of ``T`` Poisson-subsampled Gaussian steps at integer
 orders (Mironov, Talwar and Zhang 2019, Thm 4 / eq. 3: ``A_α = Σ_k C(α,k) (1−q)^(α−k) q^k
