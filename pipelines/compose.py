@@ -55,15 +55,8 @@ def error_line(err: BaseException) -> str:
     return " ".join(str(err).split("Config search path:")[0].split()) or type(err).__name__
 
 
-def register_resolvers() -> None:
-    """Register the custom OmegaConf resolvers the yaml files use (idempotent)."""
-    if not OmegaConf.has_resolver("by_family"):
-        OmegaConf.register_new_resolver("by_family", by_family)
-    if not OmegaConf.has_resolver("method_lr"):  # tuned rates when `make tune` wrote them (pipelines/tuned_rates.py)
-        OmegaConf.register_new_resolver("method_lr", method_lr)
-
-
-register_resolvers()
+OmegaConf.register_new_resolver("by_family", by_family, replace=True)
+OmegaConf.register_new_resolver("method_lr", method_lr, replace=True)  # tuned rates (pipelines/tuned_rates.py)
 
 
 def compose_config(overrides: Sequence[str], with_hydra: bool = False) -> DictConfig:
@@ -86,10 +79,9 @@ def resolve(cfg: DictConfig) -> DictConfig:
     return resolved
 
 
-def sweep_params(experiment: str, overrides: Sequence[str] = ()) -> dict[str, str]:
-    """``hydra.sweeper.params`` of ``experiment`` (e.g. ``table2``) composed with ``overrides``."""
-    cfg = compose_config([f"experiment={experiment}", *overrides], with_hydra=True)
-    params = cfg.hydra.sweeper.params or {}
+def sweep_params(overrides: Sequence[str]) -> dict[str, str]:
+    """``hydra.sweeper.params`` of the composition of ``overrides`` (e.g. ``experiment=table2``)."""
+    params = compose_config(overrides, with_hydra=True).hydra.sweeper.params or {}
     return {str(k): str(v) for k, v in params.items()}
 
 
@@ -109,13 +101,9 @@ def expand(params: Mapping[str, str], overrides: Sequence[str]) -> list[list[str
 
 def experiment_jobs(experiment: str, overrides: Sequence[str] = ()) -> list[list[str]]:
     """Every job of ``experiment``'s grid: ``[experiment=tableN, *overrides, *sweep choices]``."""
-    fixed = [o for o in overrides if not _is_sweep(o)]
-    params = sweep_params(experiment, fixed)
+    fixed = [o for o in overrides if not OverridesParser.create().parse_override(o).is_sweep_override()]
+    params = sweep_params([f"experiment={experiment}", *fixed])
     return [[f"experiment={experiment}", *job] for job in expand(params, overrides)]
-
-
-def _is_sweep(override: str) -> bool:
-    return OverridesParser.create().parse_override(override).is_sweep_override()
 
 
 def job_config(job: Sequence[str]) -> DictConfig:

@@ -88,8 +88,8 @@ def load_sweep(overrides: Sequence[str]) -> list[DictConfig]:
     parsed = compose.parse(overrides)
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
     try:
-        params = compose.compose_config(fixed, with_hydra=True).hydra.sweeper.params or {}
+        params = compose.sweep_params(fixed)
     except Exception:  # the same composition again, for its one-line error
         load_job(fixed, here=False)
         raise
-    return load_grid(compose.expand({str(k): str(v) for k, v in params.items()}, list(overrides)))
+    return load_grid(compose.expand(params, list(overrides)))
