@@ -40,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
 
 from pipelines.config_schema import ConfigError, help_field
+from prism.methods.schema import KINDS
 
 TUNED_DIR = Path(__file__).resolve().parents[1] / "conf" / "tuned"
 MATCH = {  # entry field -> config field it must equal
@@ -92,7 +93,6 @@ class TunedFile:
 
 
 FIX = "fix it or regenerate the file with `make tune`"
-CELL = tuple(MATCH)
 
 
 @functools.lru_cache(maxsize=8)
@@ -123,7 +123,7 @@ def _load(path: str, mtime_ns: int) -> tuple[dict, ...]:
     entries = [_entry(path, i, node, value) for i, (node, value) in enumerate(zip(rates_node.value, data["rates"]))]
     seen: dict[tuple, int] = {}
     for (line, entry) in entries:
-        cell = tuple(entry.get(k) for k in CELL)
+        cell = tuple(entry.get(k) for k in MATCH)
         if cell in seen:
             raise ConfigError(f"{path}:{line}: a second entry for the cell of line {seen[cell]} "
                               f"({_describe(entry, ('method', 'suite', 'epsilon'))}), keep one; {FIX}")
@@ -136,7 +136,7 @@ def _entry(path: str, index: int, node: yaml.Node, value: Any) -> tuple[int, dic
     """(line, fields) of ``rates[index]`` read through :class:`TunedRate`."""
     line = node.start_mark.line + 1
     if not isinstance(node, yaml.MappingNode) or not isinstance(value, dict):
-        raise ConfigError(f"{path}:{line}: rates[{index}] must be a mapping of {', '.join(CELL[:8])} and lr, {FIX}")
+        raise ConfigError(f"{path}:{line}: rates[{index}] must be a mapping of {', '.join(list(MATCH)[:8])} and lr, {FIX}")
     key_lines = {k.value: v.start_mark.line + 1 for k, v in node.value}
     try:
         rate = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TunedRate), value))
@@ -146,9 +146,8 @@ def _entry(path: str, index: int, node: yaml.Node, value: Any) -> tuple[int, dic
     except MissingMandatoryValue as err:
         raise ConfigError(f"{path}:{line}: rates[{index}] lacks {err.key}, {FIX}") from None
     except ValidationError as err:
-        kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
         wanted = TunedRate.__dataclass_fields__[str(err.key)].type
-        shown = next((v for k, v in kind.items() if k.__name__ in str(wanted)), "of its type")
+        shown = next((v for k, (_, v) in KINDS.items() if k.__name__ in str(wanted)), "of its type")
         raise ConfigError(f"{path}:{key_lines.get(err.key, line)}: rates[{index}].{err.key}={value.get(err.key)!r} "
                           f"must be {shown}, {FIX}") from None
     except ConfigError as err:
@@ -167,7 +166,7 @@ def _complete(path: str, line: int, entries: list[dict]) -> None:
     epsilons = sorted({e["epsilon"] for e in entries})
     budgets: dict[tuple, set] = {}
     for e in entries:
-        budget = tuple((k, e.get(k)) for k in CELL if k not in ("method", "epsilon"))
+        budget = tuple((k, e.get(k)) for k in MATCH if k not in ("method", "epsilon"))
         budgets.setdefault(budget, set()).add((e["method"], e["epsilon"]))
     for budget, cells in budgets.items():
         for method, eps in itertools.product(methods, epsilons):
@@ -177,15 +176,6 @@ def _complete(path: str, line: int, entries: list[dict]) -> None:
                 raise ConfigError(f"{path}:{line}: rates has no entry for {where} (the file tunes "
                                   f"{', '.join(methods)} at ε {', '.join(f'{x:g}' for x in epsilons)}), so that cell "
                                   f"would run at the default rate; {FIX}")
-
-
-def entries(*folders: Path) -> list[tuple[Path, dict]]:
-    """Every (file, entry) of the tuned-rate files in ``folders`` (default :func:`tuned_dir`)."""
-    out = []
-    for folder in folders or (tuned_dir(),):
-        for path in sorted(folder.glob("*.yaml")):
-            out += [(path, e) for e in _load(str(path), path.stat().st_mtime_ns)]
-    return out
 
 
 def user_tuned_dir(results_dir: str | os.PathLike[str]) -> Path:
@@ -206,14 +196,14 @@ def cell_fields(cfg: DictConfig) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if k not in OPTIONAL or v is not None}
 
 
-def lookup(cfg: DictConfig, folder: Path | None = None) -> tuple[float, Path] | None:
-    """The tuned rate of ``cfg``'s cell and its file, or None; two files with the cell are an error.
-    Read from ``folder`` if given, else :func:`tuned_dir` and the run's :func:`user_tuned_dir`."""
-    fields = cell_fields(cfg)
-    fields.update({k: None for k in OPTIONAL if k not in fields})  # a paper-suite run matches no user entry
+def lookup(cfg: DictConfig) -> tuple[float, Path] | None:
+    """The tuned rate of ``cfg``'s cell and its file (:func:`tuned_dir` or the run's :func:`user_tuned_dir`),
+    or None; two files with the cell are an error. A paper-suite run (no OPTIONAL fields) matches no user entry."""
+    fields = {name: OmegaConf.select(cfg, dotted, default=None) for name, dotted in MATCH.items()}
     results = OmegaConf.select(cfg, "results_dir", default=None)
-    folders = (folder,) if folder else (tuned_dir(), *([user_tuned_dir(str(results))] if results else []))
-    found = [(float(e["lr"]), path) for path, e in entries(*folders)
+    folders = (tuned_dir(), *([user_tuned_dir(str(results))] if results else []))
+    files = [path for f in folders for path in sorted(f.glob("*.yaml"))]
+    found = [(float(e["lr"]), path) for path in files for e in _load(str(path), path.stat().st_mtime_ns)
              if all(_same(e.get(k), v) for k, v in fields.items())]
     if len(found) > 1:
         raise ConfigError(f"tuned rates for the same cell in {', '.join(str(p) for _, p in found)}: keep one "
