@@ -54,7 +54,7 @@ def _gpu(device: str) -> None:
 
 
 def _lora_and_backbone(cfg: DictConfig) -> None:
-    from prism.backbones import BACKBONES, TextShape, text_shape
+    from prism.backbones import BACKBONES, TextShape, local_problem, text_shape
 
     lora, backbone = cfg.lora, cfg.backbone
     linears = sorted(TextShape(1, 1, 1, 1, 1, 1).linear_shapes())
@@ -63,9 +63,7 @@ def _lora_and_backbone(cfg: DictConfig) -> None:
             and (backbone.name == "local" or set(targets) <= set(linears)),
             f"lora.targets={targets} must list distinct layer names out of {', '.join(linears)}")
     if backbone.name == "local":  # backbone=local: the folder's own layer names and widths (prism/backbones.py)
-        from prism.backbones import local_problem
-
-        problem = local_problem(backbone.path, list(lora.targets), lora.r, backbone.lora_layers)
+        problem = local_problem(backbone.path, targets, lora.r, backbone.lora_layers)
         require(problem is None, str(problem))
         return
     shape = text_shape(BACKBONES[backbone.name])

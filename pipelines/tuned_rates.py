@@ -3,23 +3,19 @@
 Every method yaml sets ``lr: ${method_lr:<Table 8's rate of the suite family × train.lr_multiplier>}``;
 :func:`method_lr` returns, in this order:
 
-1. in a tuning run (the config has ``tune.lr_factor``, ``conf/experiment/tune.yaml``): the default
-   rate × that factor — a sweep never reads earlier tuned rates, so rerunning it gives the same grid;
-2. the tuned rate of the run's cell, when a file written by ``make tune`` has an entry whose fields
-   (:data:`MATCH`: method, suite, ε, backbone, LoRA layers, steps, batch, and for a user's task the
-   training file's sha256 and the model folder) all equal the run's — a rate tuned for one budget,
-   task or model is never applied to another. The files are ``conf/tuned/<scale>.yaml`` (the paper
-   suites) and ``<results_dir>/tuned/*.yaml`` (``make tune TASK=...``: a user's task, kept beside its
-   runs). The LoRA rank is not matched: the rates tuned at Table 2's r = 16 serve Table 4's ranks too,
-   as Table 8 gives one rate per method, so its rows differ in the rank only;
+1. in a tuning run (``tune.lr_factor`` set, ``conf/experiment/tune.yaml``): the default rate × that
+   factor — a sweep never reads earlier tuned rates, so rerunning it gives the same grid;
+2. the tuned rate of the run's cell, when a file written by ``make tune`` has an entry whose
+   :data:`MATCH` fields all equal the run's — a rate tuned for one budget, task or model is never
+   applied to another. The files are ``conf/tuned/<scale>.yaml`` (the paper suites) and
+   ``<results_dir>/tuned/*.yaml`` (``make tune TASK=...``: a user's task, kept beside its runs). The
+   LoRA rank is not matched: Table 8 gives one rate per method, so Table 4's ranks use Table 2's (r = 16);
 3. else the default rate (Table 8 × ``train.lr_multiplier``; docs/embedded-scale.md).
 
-No tuned file is committed by hand: each is written whole by ``make tune`` and records the commit
-and command that produced it. ``PRISM_TUNED_DIR`` points the lookup at another folder (tests).
-
-A file is read through its schema (:class:`TunedFile`, :class:`TunedRate`) with YAML's line marks: a
-value of the wrong type (``epsilon: three``), an unknown or missing key, two entries for one cell, or a
-cell of the file's grid (its methods × ε, per suite and budget) without an entry is one
+Each file is written whole by ``make tune`` and records the commit and command that produced it;
+``PRISM_TUNED_DIR`` points the lookup at another folder (tests). A file is read through its schema
+(:class:`TunedFile`, :class:`TunedRate`) with YAML's line marks: a value of the wrong type, an unknown
+or missing key, two entries for one cell, or a cell of the file's grid without an entry is one
 :class:`~pipelines.config_schema.ConfigError` line ``<file>:<line>: <what>, <fix>``, never a run at
 the default rate.
 """
@@ -183,12 +179,6 @@ def user_tuned_dir(results_dir: str | os.PathLike[str]) -> Path:
     return Path(results_dir) / "tuned"
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
-        return (math.isinf(a) and math.isinf(b)) or a == b
-    return a == b
-
-
 def cell_fields(cfg: DictConfig) -> dict[str, Any]:
     """The :data:`MATCH` fields of a config (what a tuned entry is keyed by), the :data:`OPTIONAL` ones
     only when set."""
@@ -204,7 +194,7 @@ def lookup(cfg: DictConfig) -> tuple[float, Path] | None:
     folders = (tuned_dir(), *([user_tuned_dir(str(results))] if results else []))
     files = [path for f in folders for path in sorted(f.glob("*.yaml"))]
     found = [(float(e["lr"]), path) for path in files for e in _load(str(path), path.stat().st_mtime_ns)
-             if all(_same(e.get(k), v) for k, v in fields.items())]
+             if all(e.get(k) == v for k, v in fields.items())]
     if len(found) > 1:
         raise ConfigError(f"tuned rates for the same cell in {', '.join(str(p) for _, p in found)}: keep one "
                          f"(rerun `make tune` for that scale, or delete the stale file)")
