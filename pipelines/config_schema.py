@@ -437,7 +437,8 @@ def conform(cfg: DictConfig | Mapping[str, Any]) -> DictConfig:
         method = registry.check(plain["method"])
     except registry.SchemaError as err:
         raise ConfigError(str(err)) from None
-    typed = _keep(typed, plain)  # the method node as given, an int for a float key as that float:
+    typed = _keep(typed, plain)
+    # the method node as given, an int given for a float key as that float
     typed["method"] = {k: getattr(method, k) if type(v) is int else v for k, v in plain["method"].items()}
     out = OmegaConf.create(typed)
     OmegaConf.set_struct(out, True)
