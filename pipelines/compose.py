@@ -33,15 +33,11 @@ from pipelines.config_schema import ConfigError
 from pipelines.tuned_rates import method_lr
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-CONFIG_NAME = "config"
 
 
 def by_family(family: str, table: Mapping[str, Any], multiplier: float = 1.0) -> float:
-    """Resolver ``${by_family:${suite.family},{glue: 2e-4, math: 3e-4},${train.lr_multiplier}}``.
-
-    Table 8's column for the suite family, as a float, times the scale's learning-rate multiplier
-    (1 at paper scale; scale/embedded.yaml raises it for its 10x shorter runs).
-    """
+    """Resolver ``${by_family:${suite.family},{glue: 2e-4, math: 3e-4},${train.lr_multiplier}}``: Table 8's
+    rate of the suite family times the scale's multiplier (1 at paper scale, more for embedded's short runs)."""
     if family not in table:
         raise ValueError(f"no learning rate for suite family {family!r}; the method yaml lists {sorted(table)}")
     return float(f"{float(table[family]) * float(multiplier):.12g}")  # no 0.0029999999999999996 in configs
@@ -55,22 +51,15 @@ def error_line(err: BaseException) -> str:
     return " ".join(str(err).split("Config search path:")[0].split()) or type(err).__name__
 
 
-def register_resolvers() -> None:
-    """Register the custom OmegaConf resolvers the yaml files use (idempotent)."""
-    if not OmegaConf.has_resolver("by_family"):
-        OmegaConf.register_new_resolver("by_family", by_family)
-    if not OmegaConf.has_resolver("method_lr"):  # tuned rates when `make tune` wrote them (pipelines/tuned_rates.py)
-        OmegaConf.register_new_resolver("method_lr", method_lr)
-
-
-register_resolvers()
+OmegaConf.register_new_resolver("by_family", by_family, replace=True)
+OmegaConf.register_new_resolver("method_lr", method_lr, replace=True)  # tuned rates (pipelines/tuned_rates.py)
 
 
 def compose_config(overrides: Sequence[str], with_hydra: bool = False) -> DictConfig:
     """Compose ``conf/config.yaml`` with ``overrides`` (Hydra's compose API; struct mode on)."""
     if not GlobalHydra.instance().is_initialized():  # initialised once per process (cheap repeats)
         initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="prism")
-    return compose(config_name=CONFIG_NAME, overrides=list(overrides), return_hydra_config=with_hydra)
+    return compose(config_name="config", overrides=list(overrides), return_hydra_config=with_hydra)
 
 
 def resolve(cfg: DictConfig) -> DictConfig:
@@ -86,13 +75,6 @@ def resolve(cfg: DictConfig) -> DictConfig:
     return resolved
 
 
-def sweep_params(experiment: str, overrides: Sequence[str] = ()) -> dict[str, str]:
-    """``hydra.sweeper.params`` of ``experiment`` (e.g. ``table2``) composed with ``overrides``."""
-    cfg = compose_config([f"experiment={experiment}", *overrides], with_hydra=True)
-    params = cfg.hydra.sweeper.params or {}
-    return {str(k): str(v) for k, v in params.items()}
-
-
 def expand(params: Mapping[str, str], overrides: Sequence[str]) -> list[list[str]]:
     """Cartesian product of sweep ``params`` and ``overrides`` (later keys win, as in Hydra)."""
     parser = OverridesParser.create()
@@ -100,22 +82,22 @@ def expand(params: Mapping[str, str], overrides: Sequence[str]) -> list[list[str
     axes: dict[str, list[str]] = {}
     for override in parsed:
         key = override.get_key_element()
-        if override.is_sweep_override():
-            axes[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
-        else:
-            axes[key] = [f"{key}={override.get_value_element_as_str()}"]
+        sweep = override.is_sweep_override()
+        values = override.sweep_string_iterator() if sweep else [override.get_value_element_as_str()]
+        axes[key] = [f"{key}={value}" for value in values]
     return [list(job) for job in itertools.product(*axes.values())]
+
+
+def sweep_jobs(overrides: Sequence[str], head: Sequence[str] = ()) -> list[list[str]]:
+    """Every job of a grid: ``[*head, *overrides]``'s ``hydra.sweeper.params`` expanded with ``overrides``."""
+    fixed = [*head, *(o for o in overrides if not OverridesParser.create().parse_override(o).is_sweep_override())]
+    params = compose_config(fixed, with_hydra=True).hydra.sweeper.params or {}
+    return [[*head, *job] for job in expand({str(k): str(v) for k, v in params.items()}, overrides)]
 
 
 def experiment_jobs(experiment: str, overrides: Sequence[str] = ()) -> list[list[str]]:
     """Every job of ``experiment``'s grid: ``[experiment=tableN, *overrides, *sweep choices]``."""
-    fixed = [o for o in overrides if not _is_sweep(o)]
-    params = sweep_params(experiment, fixed)
-    return [[f"experiment={experiment}", *job] for job in expand(params, overrides)]
-
-
-def _is_sweep(override: str) -> bool:
-    return OverridesParser.create().parse_override(override).is_sweep_override()
+    return sweep_jobs(overrides, [f"experiment={experiment}"])
 
 
 def job_config(job: Sequence[str]) -> DictConfig:

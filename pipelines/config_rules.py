@@ -17,11 +17,10 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig
 
-from pipelines.config_schema import ConfigError, positive_int
+from pipelines.config_schema import ConfigError, positive_int, require
 from prism.privacy.budget import total_steps
 
 
@@ -38,68 +37,61 @@ def validate(cfg: DictConfig, *, here: bool = True) -> None:
     _logging(cfg.logging)
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
 def _results_dir(cfg: DictConfig) -> None:
     results = Path(str(cfg.results_dir)).expanduser()
-    _require(bool(str(cfg.results_dir)) and not (results.exists() and not results.is_dir()),
-             f"results_dir={cfg.results_dir} is not a folder, point results_dir at a folder")
+    require(bool(str(cfg.results_dir)) and not (results.exists() and not results.is_dir()),
+            f"results_dir={cfg.results_dir} is not a folder, point results_dir at a folder")
 
 
 def _gpu(device: str) -> None:
     if device.startswith("cuda"):
         import torch  # only here: a GPU check needs it
 
-        _require(torch.cuda.is_available(), f"train.device={device} but no GPU is visible, use train.device=auto or cpu")
+        require(torch.cuda.is_available(), f"train.device={device} but no GPU is visible, use train.device=auto or cpu")
         index = int(device.partition(":")[2] or 0)
-        _require(index < torch.cuda.device_count(), f"train.device={device} but only {torch.cuda.device_count()} "
-                 f"GPU(s) are visible, use train.device=cuda (or cuda:0)")
+        require(index < torch.cuda.device_count(), f"train.device={device} but only {torch.cuda.device_count()} "
+                f"GPU(s) are visible, use train.device=cuda (or cuda:0)")
 
 
 def _lora_and_backbone(cfg: DictConfig) -> None:
-    from prism.backbones import BACKBONES, TextShape, text_shape
+    from prism.backbones import BACKBONES, TextShape, local_problem, text_shape
 
     lora, backbone = cfg.lora, cfg.backbone
     linears = sorted(TextShape(1, 1, 1, 1, 1, 1).linear_shapes())
     targets = list(lora.targets)
-    _require(bool(targets) and len(set(targets)) == len(targets)
-             and (backbone.name == "local" or set(targets) <= set(linears)),
-             f"lora.targets={targets} must list distinct layer names out of {', '.join(linears)}")
+    require(bool(targets) and len(set(targets)) == len(targets)
+            and (backbone.name == "local" or set(targets) <= set(linears)),
+            f"lora.targets={targets} must list distinct layer names out of {', '.join(linears)}")
     if backbone.name == "local":  # backbone=local: the folder's own layer names and widths (prism/backbones.py)
-        from prism.backbones import local_problem
-
-        problem = local_problem(backbone.path, list(lora.targets), lora.r, backbone.lora_layers)
-        _require(problem is None, str(problem))
+        problem = local_problem(backbone.path, targets, lora.r, backbone.lora_layers)
+        require(problem is None, str(problem))
         return
     shape = text_shape(BACKBONES[backbone.name])
     if shape is None:  # a paper backbone not in the local cache: its loader checks the rank
         return
     if backbone.lora_layers is not None:
-        _require(backbone.lora_layers <= shape.num_hidden_layers,
-                 f"backbone.lora_layers={backbone.lora_layers} exceeds the {shape.num_hidden_layers} decoder "
-                 f"layers of {backbone.name}, use 1..{shape.num_hidden_layers} or null for all")
+        require(backbone.lora_layers <= shape.num_hidden_layers,
+                f"backbone.lora_layers={backbone.lora_layers} exceeds the {shape.num_hidden_layers} decoder "
+                f"layers of {backbone.name}, use 1..{shape.num_hidden_layers} or null for all")
     widths = {name: min(shape.linear_shapes()[name]) for name in targets}
     narrowest = min(widths, key=widths.__getitem__)
-    _require(lora.r <= widths[narrowest],
-             f"lora.r={lora.r} exceeds the width {widths[narrowest]} of {narrowest} in {backbone.name}, "
-             f"use lora.r <= {widths[narrowest]} (e.g. lora=r16) or drop {narrowest} from lora.targets")
+    require(lora.r <= widths[narrowest],
+            f"lora.r={lora.r} exceeds the width {widths[narrowest]} of {narrowest} in {backbone.name}, "
+            f"use lora.r <= {widths[narrowest]} (e.g. lora=r16) or drop {narrowest} from lora.targets")
 
 
 def _suite(cfg: DictConfig) -> int | None:
     """The suite's rules; returns the training-set size (None where only the data can tell)."""
     suite = cfg.suite
-    _require(suite.get("eval_split") != "validation" or suite.scale == "embedded" or suite.name == "custom",
-             "suite.eval_split=validation is built at embedded scale only, use scale=embedded")
+    require(suite.get("eval_split") != "validation" or suite.scale == "embedded" or suite.name == "custom",
+            "suite.eval_split=validation is built at embedded scale only, use scale=embedded")
     per_task = suite.decoding.get("max_new_tokens_per_task") or {}
     if per_task and suite.scale == "embedded":
         from prism.data.embedded import EMBEDDED_TASKS
 
         unknown = sorted(set(per_task) - set(EMBEDDED_TASKS.get(suite.name, {})))
-        _require(not unknown, f"suite.decoding.max_new_tokens_per_task names {unknown}, not tasks of the embedded "
-                              f"{suite.name} suite ({', '.join(EMBEDDED_TASKS.get(suite.name, {}))})")
+        require(not unknown, f"suite.decoding.max_new_tokens_per_task names {unknown}, not tasks of the embedded "
+                             f"{suite.name} suite ({', '.join(EMBEDDED_TASKS.get(suite.name, {}))})")
     if suite.name == "custom":  # suite=custom: the user's files, checked line by line (prism/data/custom.py)
         from prism.backbones import token_counter
         from prism.data.custom import TaskFileError, check_task, validation_rows
@@ -110,13 +102,11 @@ def _suite(cfg: DictConfig) -> int | None:
         except TaskFileError as err:
             raise ConfigError(str(err)) from None
         return
-    node = suite[suite.scale]
-    sizes = {"embedded": _embedded_size, "paper": _paper_size}
-    n_train = sizes[suite.scale](suite.name, node) if suite.scale in sizes else None
+    n_train = {"embedded": _embedded_size, "paper": _paper_size}[suite.scale](suite.name, suite[suite.scale])
     if n_train is not None:
-        _require(cfg.train.batch_size <= n_train,
-                 f"train.batch_size={cfg.train.batch_size} exceeds the {n_train} training examples of "
-                 f"{suite.name} at {suite.scale} scale, lower train.batch_size to at most {n_train}")
+        require(cfg.train.batch_size <= n_train,
+                f"train.batch_size={cfg.train.batch_size} exceeds the {n_train} training examples of "
+                f"{suite.name} at {suite.scale} scale, lower train.batch_size to at most {n_train}")
     _label_room(cfg)
     return n_train
 
@@ -132,10 +122,10 @@ def _local_context(cfg: DictConfig) -> None:
     context = local_context(cfg.backbone.path)
     decoding = cfg.suite.decoding
     generated = max([decoding.max_new_tokens, *(decoding.get("max_new_tokens_per_task") or {}).values()])
-    _require(context is None or cfg.suite.cutoff_len + generated <= context,
-             f"suite.cutoff_len={cfg.suite.cutoff_len} plus {generated} generated tokens (suite.decoding.max_new_tokens) "
-             f"exceed the {context}-token context of the model in backbone.path={cfg.backbone.path} (config.json), "
-             f"lower suite.cutoff_len to at most {(context or 0) - generated}")
+    require(context is None or cfg.suite.cutoff_len + generated <= context,
+            f"suite.cutoff_len={cfg.suite.cutoff_len} plus {generated} generated tokens (suite.decoding.max_new_tokens) "
+            f"exceed the {context}-token context of the model in backbone.path={cfg.backbone.path} (config.json), "
+            f"lower suite.cutoff_len to at most {(context or 0) - generated}")
 
 
 def _budget(cfg: DictConfig, n_train: int | None, here: bool) -> None:
@@ -152,35 +142,33 @@ def _budget(cfg: DictConfig, n_train: int | None, here: bool) -> None:
         steps, rate = math.ceil(steps / per_epoch) * per_epoch, 1.0 / per_epoch
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if here else math.inf
     problem = calibration_problem(float(cfg.privacy.epsilon), float(cfg.privacy.delta), rate, steps, memory)
-    _require(problem is None, str(problem))
+    require(problem is None, str(problem))
 
 
 def _tasks(node: Mapping, key: str, valid: Mapping, where: str) -> list[str]:
     given = node.get(key)
-    _require(given is None or len(given) > 0, f"{where}.{key}=[] lists no task (an empty list would mean all "
-             f"of them), list at least one, e.g. {where}.{key}=[{next(iter(valid))}], or give null for all")
+    require(given is None or len(given) > 0, f"{where}.{key}=[] lists no task (an empty list would mean all "
+            f"of them), list at least one, e.g. {where}.{key}=[{next(iter(valid))}], or give null for all")
     tasks = list(given or valid)
     unknown = [t for t in tasks if t not in valid]
-    _require(not unknown and len(set(tasks)) == len(tasks),
-             f"{where}.{key}={tasks} must list distinct names out of {', '.join(valid)}")
+    require(not unknown and len(set(tasks)) == len(tasks),
+            f"{where}.{key}={tasks} must list distinct names out of {', '.join(valid)}")
     return tasks
 
 
 def _embedded_size(name: str, node: Mapping) -> int:
-    from prism.data.embedded import EMBEDDED_TASKS
+    from prism.data.embedded import DEFAULT_EVAL_PER_TASK, DEFAULT_TRAIN_PER_TASK, EMBEDDED_TASKS
 
     tasks = _tasks(node, "tasks", EMBEDDED_TASKS[name], "suite.embedded")
     unscored = node.get("unscored") or []
-    _require(set(unscored) <= set(EMBEDDED_TASKS[name]) and not set(tasks) <= set(unscored),
-             f"suite.embedded.unscored={list(unscored)} must name {name} tasks ({', '.join(EMBEDDED_TASKS[name])}) and "
-             f"leave one of suite.embedded.tasks={tasks} scored, e.g. suite.embedded.unscored=[]")
-    from prism.data.embedded import DEFAULT_EVAL_PER_TASK, DEFAULT_TRAIN_PER_TASK
-
+    require(set(unscored) <= set(EMBEDDED_TASKS[name]) and not set(tasks) <= set(unscored),
+            f"suite.embedded.unscored={list(unscored)} must name {name} tasks ({', '.join(EMBEDDED_TASKS[name])}) and "
+            f"leave one of suite.embedded.tasks={tasks} scored, e.g. suite.embedded.unscored=[]")
     sizes = node.get("train_per_task")
     sizes = DEFAULT_TRAIN_PER_TASK[name] if sizes is None else sizes
     if isinstance(sizes, Mapping):  # task -> count; tasks it omits train on nothing
         unknown = sorted(set(sizes) - set(tasks))
-        _require(not unknown, f"suite.embedded.train_per_task names {unknown}, not among suite.embedded.tasks {tasks}")
+        require(not unknown, f"suite.embedded.train_per_task names {unknown}, not among suite.embedded.tasks {tasks}")
         for task, count in sizes.items():
             positive_int(count, f"suite.embedded.train_per_task.{task}")
         total = sum(int(sizes[t]) for t in tasks if t in sizes)
@@ -191,9 +179,9 @@ def _embedded_size(name: str, node: Mapping) -> int:
     for task in set(tasks) & set(FINITE_POOLS):
         n_task = int(sizes) if not isinstance(sizes, Mapping) else int(sizes.get(task, 0))
         got_train, got_eval = _pool_supply(task, n_task, n_eval, float(node.get("min_confidence") or 0.8))
-        _require(got_train >= n_task and got_eval >= n_eval,
-                 f"the embedded task {task} yields {got_train} train / {got_eval} eval rows, fewer than the "
-                 f"{n_task} / {n_eval} asked for: lower suite.embedded.train_per_task or suite.embedded.eval_per_task")
+        require(got_train >= n_task and got_eval >= n_eval,
+                f"the embedded task {task} yields {got_train} train / {got_eval} eval rows, fewer than the "
+                f"{n_task} / {n_eval} asked for: lower suite.embedded.train_per_task or suite.embedded.eval_per_task")
     return total
 
 
@@ -217,34 +205,29 @@ def _paper_size(name: str, node: Mapping) -> int | None:
         tasks = _tasks(node, "tasks", GLUE_TASKS, "suite.paper")
         for task in tasks:
             for split in ("train", *(s for _, s in GLUE_TASKS[task].eval_splits)):
-                _require(_glue_cached(task, split),
-                         f"suite.paper.tasks: GLUE {task}/{split} is not in the local data cache, "
-                         "run `make data` (needs network) or use scale=embedded")
+                require(_glue_cached(task, split),
+                        f"suite.paper.tasks: GLUE {task}/{split} is not in the local data cache, "
+                        "run `make data` (needs network) or use scale=embedded")
         return len(tasks) * int(node.get("train_per_task") or 1250)
-    from prism.data.math10k import (
-        LLM_ADAPTERS_URL,
-        MATH10K_URL,
-        MATH_TESTS,
-        cached_path,
-        is_url,
-        testset_location,
-    )
+    from prism.data.math10k import LLM_ADAPTERS_URL, MATH10K_URL, MATH_TESTS, testset_location
 
     tests = _tasks(node, "tests", MATH_TESTS, "suite.paper")
     train_file = str(node.get("train_file") or MATH10K_URL)
-    _require(_present(train_file, cached_path, is_url),
-             f"suite.paper.train_file: math_10k.json is not at {train_file} nor in the local data cache, "
-             "run `make data` (needs network), give a local path, or use scale=embedded")
+    require(_present(train_file),
+            f"suite.paper.train_file: math_10k.json is not at {train_file} nor in the local data cache, "
+            "run `make data` (needs network), give a local path, or use scale=embedded")
     root = str(node.get("llm_adapters") or LLM_ADAPTERS_URL)
     for test in tests:
         location = testset_location(root, MATH_TESTS[test][0])
-        _require(_present(location, cached_path, is_url),
-                 f"suite.paper.llm_adapters: the {test} test set is not at {location} nor in the local data "
-                 "cache, run `make data` (needs network), give a local checkout, or use scale=embedded")
+        require(_present(location),
+                f"suite.paper.llm_adapters: the {test} test set is not at {location} nor in the local data "
+                "cache, run `make data` (needs network), give a local checkout, or use scale=embedded")
     return node.get("train_rows")
 
 
-def _present(spec: str, cached_path: Any, is_url: Any) -> bool:
+def _present(spec: str) -> bool:
+    from prism.data.math10k import cached_path, is_url
+
     return (cached_path(spec) if is_url(spec) else Path(spec).expanduser()).is_file()
 
 
@@ -280,23 +263,19 @@ def _label_room(cfg: DictConfig) -> None:
         specs = [GLUE_TASKS[t] for t in (node.get("tasks") or GLUE_TASKS)]
     shortest = min(len(train_prompt(Example("", spec.instruction, "x", "", 0), with_output=False).encode())
                    for spec in specs)
-    _require(shortest < suite.cutoff_len,
-             f"suite.cutoff_len={suite.cutoff_len} leaves no room for the label: every {suite.name} prompt is at "
-             f"least {shortest} tokens with backbone {cfg.backbone.name}'s byte tokenizer, "
-             f"raise suite.cutoff_len (e.g. suite.cutoff_len=1024)")
+    require(shortest < suite.cutoff_len,
+            f"suite.cutoff_len={suite.cutoff_len} leaves no room for the label: every {suite.name} prompt is at "
+            f"least {shortest} tokens with backbone {cfg.backbone.name}'s byte tokenizer, "
+            f"raise suite.cutoff_len (e.g. suite.cutoff_len=1024)")
 
 
 def _logging(lg: DictConfig) -> None:
-    if lg.mode == "online" and not _wandb_key():
-        raise ConfigError("logging=online needs a W&B API key and none is set, run `wandb login` or set "
-                          "WANDB_API_KEY, or use logging=offline and `make wandb-sync` later")
-
-
-def _wandb_key() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    netrc = Path(os.environ.get("NETRC", "~/.netrc")).expanduser()
+    """``logging=online`` needs a W&B key: ``WANDB_API_KEY`` or a ``wandb login`` entry in the netrc file."""
+    if lg.mode != "online" or os.environ.get("WANDB_API_KEY"):
+        return
     try:
-        return "api.wandb.ai" in netrc.read_text()
+        netrc = Path(os.environ.get("NETRC", "~/.netrc")).expanduser().read_text()
     except OSError:
-        return False
+        netrc = ""
+    require("api.wandb.ai" in netrc, "logging=online needs a W&B API key and none is set, run `wandb login` or set "
+            "WANDB_API_KEY, or use logging=offline and `make wandb-sync` later")

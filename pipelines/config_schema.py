@@ -27,6 +27,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from prism.methods import registry
+
 DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
 PRIVACY_NAME = re.compile(r"eps(\d+(?:\.\d+)?)")
 EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -36,19 +38,19 @@ class ConfigError(ValueError):
     """A config that cannot run; the message is one line naming the field and the fix."""
 
 
-def _require(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
 
 
 def positive_int(value: Any, key: str, minimum: int = 1) -> None:
     """``value`` is an integer ≥ ``minimum``, else the one-line error naming ``key``."""
-    _require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-             f"{key}={value!r} must be an integer >= {minimum}")
+    require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+            f"{key}={value!r} must be an integer >= {minimum}")
 
 
 def _choice(value: Any, key: str, choices: tuple[str, ...], extra: str = "") -> None:
-    _require(value in choices, f"{key}={value!r} must be {' or '.join(choices) if len(choices) < 3 else ', '.join(choices[:-1]) + ' or ' + choices[-1]}{extra}")
+    require(value in choices, f"{key}={value!r} must be {', '.join(choices[:-1])} or {choices[-1]}{extra}")
 
 
 def help_field(text: str, default: Any = MISSING) -> Any:
@@ -70,8 +72,8 @@ class BackboneConfig:
     def __post_init__(self) -> None:
         from prism.backbones import BACKBONES
 
-        _require(self.name in BACKBONES, f"backbone.name={self.name!r} is not a known backbone, "
-                                         f"choose backbone=<one of {', '.join(BACKBONES)}>")
+        require(self.name in BACKBONES, f"backbone.name={self.name!r} is not a known backbone, "
+                                        f"choose backbone=<one of {', '.join(BACKBONES)}>")
         _choice(self.dtype, "backbone.dtype", ("float32", "bfloat16", "float64"))
         if self.lora_layers is not None:
             positive_int(self.lora_layers, "backbone.lora_layers")
@@ -101,9 +103,9 @@ class DecodingConfig:
         if self.math_eval_template is not None:
             from prism.data.prompts import MATH_EVAL_TEMPLATES
 
-            _require(self.math_eval_template in MATH_EVAL_TEMPLATES,
-                     f"suite.decoding.math_eval_template={self.math_eval_template!r} must be one of "
-                     f"{', '.join(MATH_EVAL_TEMPLATES)}")
+            require(self.math_eval_template in MATH_EVAL_TEMPLATES,
+                    f"suite.decoding.math_eval_template={self.math_eval_template!r} must be one of "
+                    f"{', '.join(MATH_EVAL_TEMPLATES)}")
 
 
 @dataclass
@@ -120,12 +122,12 @@ class EmbeddedDataConfig:
     def __post_init__(self) -> None:
         positive_int(self.eval_per_task, "suite.embedded.eval_per_task")
         if self.min_confidence is not None:
-            _require(0 <= self.min_confidence <= 1, f"suite.embedded.min_confidence={self.min_confidence} must lie in [0, 1]")
+            require(0 <= self.min_confidence <= 1, f"suite.embedded.min_confidence={self.min_confidence} must lie in [0, 1]")
         if self.target is not None:
             from prism.data.embedded import TARGET_STYLES
 
-            _require(self.target in TARGET_STYLES,
-                     f"suite.embedded.target={self.target!r} must be one of {', '.join(TARGET_STYLES)}")
+            require(self.target in TARGET_STYLES,
+                    f"suite.embedded.target={self.target!r} must be one of {', '.join(TARGET_STYLES)}")
 
 
 @dataclass
@@ -184,19 +186,19 @@ class SuiteConfig:
         positive_int(self.cutoff_len, "suite.cutoff_len")
         if self.eval_limit is not None:
             positive_int(self.eval_limit, "suite.eval_limit")
-        _require(self.data_seed is None or 0 <= self.data_seed < 2**32,
-                 f"suite.data_seed={self.data_seed!r} must be an integer in [0, 2^32)")
-        _require(self.eval_split in (None, "test", "validation"),
-                 f"suite.eval_split={self.eval_split!r} must be test or validation")
+        require(self.data_seed is None or 0 <= self.data_seed < 2**32,
+                f"suite.data_seed={self.data_seed!r} must be an integer in [0, 2^32)")
+        require(self.eval_split in (None, "test", "validation"),
+                f"suite.eval_split={self.eval_split!r} must be test or validation")
         if self.eval_split == "validation":
             positive_int(self.validation_per_task, "suite.validation_per_task")
         if self.name == "custom":
-            _require(self.custom is not None, "suite.custom is missing, restore suite/custom.yaml's settings")
+            require(self.custom is not None, "suite.custom is missing, restore suite/custom.yaml's settings")
             return
-        _require(self.scale in SCALES, f"suite.scale={self.scale!r} is not a data scale, choose scale=<one of "
-                                       f"{', '.join(SCALES)}>")
-        _require(getattr(self, self.scale) is not None,
-                 f"suite.{self.scale} is missing, restore the suite_scale group's settings")
+        require(self.scale in SCALES, f"suite.scale={self.scale!r} is not a data scale, choose scale=<one of "
+                                      f"{', '.join(SCALES)}>")
+        require(getattr(self, self.scale) is not None,
+                f"suite.{self.scale} is missing, restore the suite_scale group's settings")
 
 
 @dataclass
@@ -215,18 +217,18 @@ class PrivacyConfig:
 
     def __post_init__(self) -> None:
         eps = self.epsilon
-        _require(eps > 0, f"privacy.epsilon={eps} must be > 0 (or inf), use privacy=nondp for a non-private run")
-        _require(0 < self.delta < 1, f"privacy.delta={self.delta} must lie in (0, 1), e.g. 1e-5")
-        _require(0 < self.clip_norm < math.inf, f"privacy.clip_norm={self.clip_norm} must be a finite number > 0, e.g. 1.0")
+        require(eps > 0, f"privacy.epsilon={eps} must be > 0 (or inf), use privacy=nondp for a non-private run")
+        require(0 < self.delta < 1, f"privacy.delta={self.delta} must lie in (0, 1), e.g. 1e-5")
+        require(0 < self.clip_norm < math.inf, f"privacy.clip_norm={self.clip_norm} must be a finite number > 0, e.g. 1.0")
         _choice(self.calibration, "privacy.calibration", ("exact", "epochs"))
         _choice(self.noise_source, "privacy.noise_source", ("seeded", "os"), " (the OS CSPRNG)")
         named = PRIVACY_NAME.fullmatch(self.name)
         if self.name == "nondp":
-            _require(eps == math.inf, f"privacy.epsilon={eps} contradicts privacy=nondp (ε = inf), "
-                                      f"choose privacy=eps6 or privacy=eps3 for a private run")
+            require(eps == math.inf, f"privacy.epsilon={eps} contradicts privacy=nondp (ε = inf), "
+                                     f"choose privacy=eps6 or privacy=eps3 for a private run")
         elif named:
-            _require(eps == float(named.group(1)), f"privacy.epsilon={eps} contradicts privacy={self.name} "
-                     f"(ε = {named.group(1)}), use privacy=nondp for ε = inf or also set privacy.name=eps<ε>")
+            require(eps == float(named.group(1)), f"privacy.epsilon={eps} contradicts privacy={self.name} "
+                    f"(ε = {named.group(1)}), use privacy=nondp for ε = inf or also set privacy.name=eps<ε>")
         else:
             raise ConfigError(f"privacy.name={self.name!r} must be nondp or eps<ε> (e.g. eps6), so tables file the "
                               "run in the right row")
@@ -243,8 +245,8 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         positive_int(self.r, "lora.r")
-        _require(self.alpha > 0, f"lora.alpha={self.alpha} must be > 0")
-        _require(0 <= self.dropout < 1, f"lora.dropout={self.dropout} must lie in [0, 1)")
+        require(self.alpha > 0, f"lora.alpha={self.alpha} must be > 0")
+        require(0 <= self.dropout < 1, f"lora.dropout={self.dropout} must lie in [0, 1)")
 
 
 @dataclass
@@ -308,7 +310,7 @@ class DiagnosticsConfig:
             (self.scan.points >= 3 and self.scan.draws >= 4, "train.diagnostics.scan needs points ≥ 3, draws ≥ 4"),
         ]
         for ok, message in checks:
-            _require(ok, message)
+            require(ok, message)
 
 
 @dataclass
@@ -333,12 +335,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "micro_batch_size", "checkpoint_every", "eval_batch_size"):
             positive_int(getattr(self, key), f"train.{key}")
-        _require(self.micro_batch_size <= self.batch_size,
-                 f"train.micro_batch_size={self.micro_batch_size} exceeds train.batch_size={self.batch_size}, "
-                 f"lower it to at most {self.batch_size}")
-        _require(0 < self.lr_multiplier < math.inf, f"train.lr_multiplier={self.lr_multiplier} must be a finite number > 0")
+        require(self.micro_batch_size <= self.batch_size,
+                f"train.micro_batch_size={self.micro_batch_size} exceeds train.batch_size={self.batch_size}, "
+                f"lower it to at most {self.batch_size}")
+        require(0 < self.lr_multiplier < math.inf, f"train.lr_multiplier={self.lr_multiplier} must be a finite number > 0")
         _choice(self.prefix_cache, "train.prefix_cache", ("auto", "off"))
-        _require(DEVICES.fullmatch(self.device) is not None, f"train.device={self.device!r} must be auto, cpu or cuda")
+        require(DEVICES.fullmatch(self.device) is not None, f"train.device={self.device!r} must be auto, cpu or cuda")
         _choice(self.padding_side, "train.padding_side", ("left", "right"))
         _choice(self.nondp_trainer, "train.nondp_trainer", ("shared", "hf"))
 
@@ -374,7 +376,7 @@ class TuneConfig:
     lr_factor: float = help_field("times the default rate")
 
     def __post_init__(self) -> None:
-        _require(0 < self.lr_factor < math.inf, f"tune.lr_factor={self.lr_factor} must be a finite number > 0")
+        require(0 < self.lr_factor < math.inf, f"tune.lr_factor={self.lr_factor} must be a finite number > 0")
 
 
 @dataclass
@@ -397,15 +399,9 @@ class JobConfig:
     diagnostics_budgets: dict[str, DiagnosticsConfig] | None = help_field("experiment=diagnostics only", None)
 
     def __post_init__(self) -> None:
-        from prism.methods import registry
-
-        _require(0 <= self.seed < 2**32, f"seed={self.seed!r} must be an integer in [0, 2^32)")
-        _require(EXPERIMENT_NAME.fullmatch(self.experiment) is not None,
-                 f"experiment={self.experiment!r} names a folder, use letters, digits, '.', '_' or '-'")
-        try:
-            registry.check(self.method)
-        except registry.SchemaError as err:
-            raise ConfigError(str(err)) from None
+        require(0 <= self.seed < 2**32, f"seed={self.seed!r} must be an integer in [0, 2^32)")
+        require(EXPERIMENT_NAME.fullmatch(self.experiment) is not None,
+                f"experiment={self.experiment!r} names a folder, use letters, digits, '.', '_' or '-'")
 
 
 GROUPS = get_type_hints(JobConfig)
@@ -435,21 +431,18 @@ def conform(cfg: DictConfig | Mapping[str, Any]) -> DictConfig:
         raise _wrong_type(str(err.full_key), err) from None
     typed = OmegaConf.to_container(merged)
     missing = next((k for k, v in _leaves(typed, "") if v == "???"), None)
-    _require(missing is None, f"{missing} is missing, restore it (it is in the composed defaults)")
-    OmegaConf.to_object(merged)  # every __post_init__: choices, ranges, the method's schema
+    require(missing is None, f"{missing} is missing, restore it (it is in the composed defaults)")
+    OmegaConf.to_object(merged)  # every __post_init__: choices, ranges
+    try:
+        method = registry.check(plain["method"])
+    except registry.SchemaError as err:
+        raise ConfigError(str(err)) from None
     typed = _keep(typed, plain)
-    typed["method"] = _method_floats(plain["method"])
+    # the method node as given, an int given for a float key as that float
+    typed["method"] = {k: getattr(method, k) if type(v) is int else v for k, v in plain["method"].items()}
     out = OmegaConf.create(typed)
     OmegaConf.set_struct(out, True)
     return out
-
-
-def _method_floats(node: dict[str, Any]) -> dict[str, Any]:
-    """The method node with an int given for a float key (its schema's kind) as that float."""
-    from prism.methods import registry, schema
-
-    kinds = schema.field_kinds(registry.config_class(node))
-    return {k: float(v) if kinds.get(k) is float and type(v) is int else v for k, v in node.items()}
 
 
 def _keep(typed: Any, plain: Any) -> Any:

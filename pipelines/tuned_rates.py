@@ -3,23 +3,19 @@
 Every method yaml sets ``lr: ${method_lr:<Table 8's rate of the suite family × train.lr_multiplier>}``;
 :func:`method_lr` returns, in this order:
 
-1. in a tuning run (the config has ``tune.lr_factor``, ``conf/experiment/tune.yaml``): the default
-   rate × that factor — a sweep never reads earlier tuned rates, so rerunning it gives the same grid;
-2. the tuned rate of the run's cell, when a file written by ``make tune`` has an entry whose fields
-   (:data:`MATCH`: method, suite, ε, backbone, LoRA layers, steps, batch, and for a user's task the
-   training file's sha256 and the model folder) all equal the run's — a rate tuned for one budget,
-   task or model is never applied to another. The files are ``conf/tuned/<scale>.yaml`` (the paper
-   suites) and ``<results_dir>/tuned/*.yaml`` (``make tune TASK=...``: a user's task, kept beside its
-   runs). The LoRA rank is not matched: the rates tuned at Table 2's r = 16 serve Table 4's ranks too,
-   as Table 8 gives one rate per method, so its rows differ in the rank only;
+1. in a tuning run (``tune.lr_factor`` set, ``conf/experiment/tune.yaml``): the default rate × that
+   factor — a sweep never reads earlier tuned rates, so rerunning it gives the same grid;
+2. the tuned rate of the run's cell, when a file written by ``make tune`` has an entry whose
+   :data:`MATCH` fields all equal the run's — a rate tuned for one budget, task or model is never
+   applied to another. The files are ``conf/tuned/<scale>.yaml`` (the paper suites) and
+   ``<results_dir>/tuned/*.yaml`` (``make tune TASK=...``: a user's task, kept beside its runs). The
+   LoRA rank is not matched: Table 8 gives one rate per method, so Table 4's ranks use Table 2's (r = 16);
 3. else the default rate (Table 8 × ``train.lr_multiplier``; docs/embedded-scale.md).
 
-No tuned file is committed by hand: each is written whole by ``make tune`` and records the commit
-and command that produced it. ``PRISM_TUNED_DIR`` points the lookup at another folder (tests).
-
-A file is read through its schema (:class:`TunedFile`, :class:`TunedRate`) with YAML's line marks: a
-value of the wrong type (``epsilon: three``), an unknown or missing key, two entries for one cell, or a
-cell of the file's grid (its methods × ε, per suite and budget) without an entry is one
+Each file is written whole by ``make tune`` and records the commit and command that produced it;
+``PRISM_TUNED_DIR`` points the lookup at another folder (tests). A file is read through its schema
+(:class:`TunedFile`, :class:`TunedRate`) with YAML's line marks: a value of the wrong type, an unknown
+or missing key, two entries for one cell, or a cell of the file's grid without an entry is one
 :class:`~pipelines.config_schema.ConfigError` line ``<file>:<line>: <what>, <fix>``, never a run at
 the default rate.
 """
@@ -40,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
 
 from pipelines.config_schema import ConfigError, help_field
+from prism.methods.schema import KINDS
 
 TUNED_DIR = Path(__file__).resolve().parents[1] / "conf" / "tuned"
 MATCH = {  # entry field -> config field it must equal
@@ -92,7 +89,6 @@ class TunedFile:
 
 
 FIX = "fix it or regenerate the file with `make tune`"
-CELL = tuple(MATCH)
 
 
 @functools.lru_cache(maxsize=8)
@@ -123,7 +119,7 @@ def _load(path: str, mtime_ns: int) -> tuple[dict, ...]:
     entries = [_entry(path, i, node, value) for i, (node, value) in enumerate(zip(rates_node.value, data["rates"]))]
     seen: dict[tuple, int] = {}
     for (line, entry) in entries:
-        cell = tuple(entry.get(k) for k in CELL)
+        cell = tuple(entry.get(k) for k in MATCH)
         if cell in seen:
             raise ConfigError(f"{path}:{line}: a second entry for the cell of line {seen[cell]} "
                               f"({_describe(entry, ('method', 'suite', 'epsilon'))}), keep one; {FIX}")
@@ -136,7 +132,7 @@ def _entry(path: str, index: int, node: yaml.Node, value: Any) -> tuple[int, dic
     """(line, fields) of ``rates[index]`` read through :class:`TunedRate`."""
     line = node.start_mark.line + 1
     if not isinstance(node, yaml.MappingNode) or not isinstance(value, dict):
-        raise ConfigError(f"{path}:{line}: rates[{index}] must be a mapping of {', '.join(CELL[:8])} and lr, {FIX}")
+        raise ConfigError(f"{path}:{line}: rates[{index}] must be a mapping of {', '.join(list(MATCH)[:8])} and lr, {FIX}")
     key_lines = {k.value: v.start_mark.line + 1 for k, v in node.value}
     try:
         rate = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TunedRate), value))
@@ -146,9 +142,8 @@ def _entry(path: str, index: int, node: yaml.Node, value: Any) -> tuple[int, dic
     except MissingMandatoryValue as err:
         raise ConfigError(f"{path}:{line}: rates[{index}] lacks {err.key}, {FIX}") from None
     except ValidationError as err:
-        kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
         wanted = TunedRate.__dataclass_fields__[str(err.key)].type
-        shown = next((v for k, v in kind.items() if k.__name__ in str(wanted)), "of its type")
+        shown = next((v for k, (_, v) in KINDS.items() if k.__name__ in str(wanted)), "of its type")
         raise ConfigError(f"{path}:{key_lines.get(err.key, line)}: rates[{index}].{err.key}={value.get(err.key)!r} "
                           f"must be {shown}, {FIX}") from None
     except ConfigError as err:
@@ -167,7 +162,7 @@ def _complete(path: str, line: int, entries: list[dict]) -> None:
     epsilons = sorted({e["epsilon"] for e in entries})
     budgets: dict[tuple, set] = {}
     for e in entries:
-        budget = tuple((k, e.get(k)) for k in CELL if k not in ("method", "epsilon"))
+        budget = tuple((k, e.get(k)) for k in MATCH if k not in ("method", "epsilon"))
         budgets.setdefault(budget, set()).add((e["method"], e["epsilon"]))
     for budget, cells in budgets.items():
         for method, eps in itertools.product(methods, epsilons):
@@ -179,24 +174,9 @@ def _complete(path: str, line: int, entries: list[dict]) -> None:
                                   f"would run at the default rate; {FIX}")
 
 
-def entries(*folders: Path) -> list[tuple[Path, dict]]:
-    """Every (file, entry) of the tuned-rate files in ``folders`` (default :func:`tuned_dir`)."""
-    out = []
-    for folder in folders or (tuned_dir(),):
-        for path in sorted(folder.glob("*.yaml")):
-            out += [(path, e) for e in _load(str(path), path.stat().st_mtime_ns)]
-    return out
-
-
 def user_tuned_dir(results_dir: str | os.PathLike[str]) -> Path:
     """Where ``make tune TASK=...`` writes a user's task's rates: ``<results_dir>/tuned``."""
     return Path(results_dir) / "tuned"
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
-        return (math.isinf(a) and math.isinf(b)) or a == b
-    return a == b
 
 
 def cell_fields(cfg: DictConfig) -> dict[str, Any]:
@@ -206,15 +186,15 @@ def cell_fields(cfg: DictConfig) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if k not in OPTIONAL or v is not None}
 
 
-def lookup(cfg: DictConfig, folder: Path | None = None) -> tuple[float, Path] | None:
-    """The tuned rate of ``cfg``'s cell and its file, or None; two files with the cell are an error.
-    Read from ``folder`` if given, else :func:`tuned_dir` and the run's :func:`user_tuned_dir`."""
-    fields = cell_fields(cfg)
-    fields.update({k: None for k in OPTIONAL if k not in fields})  # a paper-suite run matches no user entry
+def lookup(cfg: DictConfig) -> tuple[float, Path] | None:
+    """The tuned rate of ``cfg``'s cell and its file (:func:`tuned_dir` or the run's :func:`user_tuned_dir`),
+    or None; two files with the cell are an error. A paper-suite run (no OPTIONAL fields) matches no user entry."""
+    fields = {name: OmegaConf.select(cfg, dotted, default=None) for name, dotted in MATCH.items()}
     results = OmegaConf.select(cfg, "results_dir", default=None)
-    folders = (folder,) if folder else (tuned_dir(), *([user_tuned_dir(str(results))] if results else []))
-    found = [(float(e["lr"]), path) for path, e in entries(*folders)
-             if all(_same(e.get(k), v) for k, v in fields.items())]
+    folders = (tuned_dir(), *([user_tuned_dir(str(results))] if results else []))
+    files = [path for f in folders for path in sorted(f.glob("*.yaml"))]
+    found = [(float(e["lr"]), path) for path in files for e in _load(str(path), path.stat().st_mtime_ns)
+             if all(e.get(k) == v for k, v in fields.items())]
     if len(found) > 1:
         raise ConfigError(f"tuned rates for the same cell in {', '.join(str(p) for _, p in found)}: keep one "
                          f"(rerun `make tune` for that scale, or delete the stale file)")

@@ -1,18 +1,12 @@
 """One validation pass over a job's whole config, before any model load, W&B init or run folder.
 
-:func:`load_job` composes a job's overrides once (:func:`pipelines.compose.compose_job`) and validates the
-resolved config once (:func:`check`): the schema (:func:`pipelines.config_schema.conform`: keys, types,
-``null``, choices and ranges, the method node's own schema) and then the cross-field rules
-(:func:`pipelines.config_rules.validate`: rank vs width, batch vs N, data present, σ feasible, label
-room, this machine's device). A bad input is one :class:`ConfigError` line, ``<what>, <how to fix>``,
-naming the field.
-
-:func:`load_grid` / :func:`load_experiment` / :func:`load_sweep` do the same for every job of a grid
-before any is launched (``python -m pipelines grid``, ``... reproduce``, ``slurm/submit.sh``,
-``... run -m``); the first bad job is one line naming the job and the field. The configs they
-return are what the launcher hands to the runs: a job is not composed or validated again.
-
-Nothing here imports torch or transformers, so a bad input is reported in about a second.
+A job is composed once (:func:`pipelines.compose.compose_job`) and validated once (:func:`check`): the
+schema (:func:`pipelines.config_schema.conform`), then the cross-field rules
+(:func:`pipelines.config_rules.validate`). A bad input is one :class:`ConfigError` line, ``<what>, <how
+to fix>``, naming the field; a grid (:func:`load_grid`, :func:`load_experiment`, :func:`load_sweep`:
+``python -m pipelines grid``, ``... reproduce``, ``slurm/submit.sh``, ``... run -m``) is validated
+whole before any job is launched, and the configs returned are what the runs receive. Nothing here
+imports torch or transformers, so a bad input is reported in about a second.
 """
 from __future__ import annotations
 
@@ -64,32 +58,29 @@ def load_experiment(experiment: str, overrides: Sequence[str], *,
     """The distinct jobs of ``experiment``'s grid (:func:`pipelines.compose.experiment_jobs`) with their
     validated configs; a bad override or job is one :class:`ConfigError` line. Jobs that resolve to one
     run (``seed=42,42``, ``privacy=nondp`` beside ``eps=inf``) are that run once, at its first place."""
-    parsed = compose.parse(overrides)
-    try:
-        jobs = compose.experiment_jobs(experiment, overrides)
-    except Exception:  # the grid does not compose: the one-line reason of its fixed part
-        load_job([f"experiment={experiment}", *(o.input_line for o in parsed if not o.is_sweep_override())],
-                 here=False)
-        raise
+    jobs = _jobs(overrides, [f"experiment={experiment}"])
     distinct: dict[str, tuple[list[str], DictConfig]] = {}
     for job, cfg in zip(jobs, load_grid(jobs, here=here), strict=True):
         distinct.setdefault(store.run_hash(cfg), (job, cfg))
     return list(distinct.values())
 
 
-def _runs_here(job: Sequence[str]) -> bool:
-    return not any(o.split("=", 1)[0].lstrip("+") == "launcher" and o.split("=", 1)[1] == "slurm"
-                   for o in job if "=" in o)
-
-
 def load_sweep(overrides: Sequence[str]) -> list[DictConfig]:
     """Every job of ``python -m pipelines run -m <overrides>`` validated (the experiment's
     ``hydra.sweeper.params`` expanded with the overrides, as Hydra's basic sweeper does)."""
-    parsed = compose.parse(overrides)
-    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+    return load_grid(_jobs(overrides))
+
+
+def _jobs(overrides: Sequence[str], head: Sequence[str] = ()) -> list[list[str]]:
+    """:func:`pipelines.compose.sweep_jobs`; a bad override, or a grid that does not compose, is one
+    :class:`ConfigError` line (the reason of its fixed part)."""
+    fixed = [*head, *(o.input_line for o in compose.parse(overrides) if not o.is_sweep_override())]
     try:
-        params = compose.compose_config(fixed, with_hydra=True).hydra.sweeper.params or {}
-    except Exception:  # the same composition again, for its one-line error
+        return compose.sweep_jobs(overrides, head)
+    except Exception:  # the fixed part again, for its one-line error
         load_job(fixed, here=False)
         raise
-    return load_grid(compose.expand({str(k): str(v) for k, v in params.items()}, list(overrides)))
+
+
+def _runs_here(job: Sequence[str]) -> bool:
+    return "launcher=slurm" not in (o.lstrip("+") for o in job)

@@ -23,8 +23,7 @@ def build_method(
 ) -> Method:
     """The method ``cfg.name`` (a ``conf/method/*.yaml`` node, ``cfg.lr`` a float) over ``params``: its
     registered class given its config dataclass, built (and checked) from the node."""
-    cls = registry.lookup(cfg)
-    return cls(registry.config_class(cfg).from_node(cfg), params, privacy)
+    return registry.lookup(cfg)(registry.check(cfg), params, privacy)
 
 
 def __getattr__(name: str) -> Any:

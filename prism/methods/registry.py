@@ -72,7 +72,7 @@ def config_class(node: Mapping[str, Any] | str) -> type[MethodConfig]:
     return SHIPPED[name][1] if name in SHIPPED else lookup(node).config_class
 
 
-def check(node: Mapping[str, Any]) -> None:
-    """Raise :class:`SchemaError` for the first key of a method node that its method's dataclass refuses
-    (an unknown or missing key included)."""
-    config_class(node).from_node(node)
+def check(node: Mapping[str, Any]) -> MethodConfig:
+    """The config dataclass of a method node; :class:`SchemaError` for its first key that the dataclass
+    refuses (an unknown or missing key included)."""
+    return config_class(node).from_node(node)

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from omegaconf import DictConfig, OmegaConf
 
 __all__ = ["AdamWConfig", "LambConfig", "LoraPlusConfig", "LoraRiteConfig", "MethodConfig", "PrismConfig",
-           "SchemaError", "field_kinds"]
+           "SchemaError"]
 
 
 class SchemaError(ValueError):
@@ -159,15 +159,8 @@ class LoraRiteConfig(MethodConfig):
                                        range="[0, inf)")
 
 
-def field_kinds(cls: type) -> dict[str, Any]:
-    """Each field of a method's config dataclass → its kind (``float``, ``int``, ``bool``, ``str`` or ``"pair"``)."""
-    return {k: _base(hint)[0] for k, hint in _hints(cls).items()}
-
-
 # ------------------------------------------------------------------------------ field checks
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+_hints = functools.cache(typing.get_type_hints)
 
 
 def _base(hint: Any) -> tuple[Any, tuple[Any, ...] | None, bool]:
@@ -194,14 +187,8 @@ def _problem(hint: Any, meta: Mapping[str, Any], value: Any) -> str | None:
             return f"must be two numbers [a, b] ({doc})"
         bad = next((why for v in value if (why := _range(meta.get("range"), float(v)))), None)
         return None if bad is None else f"must be two numbers each {bad} ({doc})"
-    if kind is bool and not isinstance(value, bool):
-        return f"must be true or false ({doc})"
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        return f"must be an integer ({doc})"
-    if kind is float and not _is_number(value):
-        return f"must be a number ({doc})"
-    if kind is str and not isinstance(value, str):
-        return f"must be a string ({doc})"
+    if kind in KINDS and not KINDS[kind][0](value):
+        return f"must be {KINDS[kind][1]} ({doc})"
     if choices is not None and value not in choices:
         names = ", ".join(_shown(c) for c in choices)
         return f"must be {'one of ' if len(choices) > 1 else ''}{names} ({doc})"
@@ -211,6 +198,16 @@ def _problem(hint: Any, meta: Mapping[str, Any], value: Any) -> str | None:
     return None
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+KINDS = {  # a field's kind -> (does a value have it, what a value must be)
+    bool: (lambda v: isinstance(v, bool), "true or false"),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    float: (_is_number, "a number"),
+    str: (lambda v: isinstance(v, str), "a string"),
+}
 INTERVAL = re.compile(r"([\[(])(\S+), (\S+)([\])])")
 
 
@@ -227,10 +224,6 @@ def _range(interval: str | None, x: float) -> str | None:
     if math.isinf(hi):
         return f"{'>' if left == '(' else '>='} {lo:g}"
     return f"in {interval}"
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _shown(value: Any) -> str:
