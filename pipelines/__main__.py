@@ -33,7 +33,6 @@ VERBS = {  # verb -> (its function, one line of help)
     "wandb-sync": ("pipelines.wandb_sync:main", "upload the unsynced offline W&B runs"),
     "migrate": ("pipelines.store:main", "move old-layout run folders into the shared run store"),
 }
-HYDRA_FLAGS = {"run"}  # verbs whose --options go to Hydra
 
 
 def function(verb: str) -> Callable[..., int]:
@@ -86,7 +85,7 @@ def parse(verb: str, fn: Callable[..., int], argv: Sequence[str]) -> tuple[list[
             given[key] = convert(key, value, keys[key])
         elif arg in flags:
             given[flags[arg]] = True
-        elif takes_overrides and (verb in HYDRA_FLAGS or not arg.startswith("-")):
+        elif takes_overrides and (verb == "run" or not arg.startswith("-")):  # run hands its --options to Hydra
             overrides.append(arg)
         else:
             known = [f"{k}=" for k in keys if k not in flags.values()] + list(flags)

@@ -212,15 +212,11 @@ def record_stopped(jobs: Sequence[Job], signum: int) -> list[Job]:
 
 
 def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list[Job]]:
-    """Run ``pending`` on at most ``workers`` processes of :mod:`pipelines.worker` (each keeps its
-    backbone loaded across jobs; a benchmark job gets a fresh process); returns jobs by outcome
-    (ok / failed). Jobs start in queue order, except that a job whose cache group is still warming waits
-    while others are queued (:func:`next_job`). A worker that dies (killed, out of memory) fails only
-    the jobs it held; the next jobs get a new pool.
-
-    SIGTERM or SIGINT stops the whole job tree (:func:`stop_workers`): the runs it cut off are marked
-    interrupted (:func:`record_stopped`), one line names them on stderr, and ``SystemExit`` carries 128 +
-    the signal number."""
+    """Run ``pending`` on at most ``workers`` processes of :mod:`pipelines.worker` (a benchmark job gets a
+    fresh process), in queue order but for jobs of a warming cache group (:func:`next_job`); returns jobs by
+    outcome (ok / failed). A worker that dies fails only the jobs it held; the next jobs get a new pool.
+    SIGTERM or SIGINT stops every worker (:func:`stop_workers`), marks the runs cut off (:func:`record_stopped`)
+    and ends in ``SystemExit`` (128 + the signal number)."""
     os.environ.update(worker.THREAD_ENV)  # inherited by the spawned workers before torch is imported
     log_dir.mkdir(parents=True, exist_ok=True)
     queue, running, outcome = list(pending), {}, {"ok": [], "failed": []}

@@ -222,7 +222,7 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
 
 
 def _record_failure(folder: Path, run_hash: str, exc: BaseException, started: str | None, attempts: int,
-                    timed: bool = True) -> None:
+                    timed: bool) -> None:
     """Mark the run ``stopped`` (a signal: Ctrl-C, SIGTERM, a SLURM preemption) or ``failed`` and keep its
     traceback; first delete the temporaries of a cut-off write, which on a full disk free the space these
     two files need."""
@@ -315,16 +315,11 @@ def _command(args: list[str], trainer: Trainer | None, debug: bool) -> int:
                 load_sweep(overrides) if {"-m", "--multirun"} & set(flags) else load_job(overrides)
             return _hydra(args)
         cfg = load_job(overrides)
-    except ConfigError as err:
+    except Exception as err:  # bad input, or a check that itself failed on an odd config: one line either way
         if debug:
             raise
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except Exception as err:  # a check that itself failed on an odd config: still one line
-        if debug:
-            raise
-        print(f"error: the config could not be validated ({_one_line(err)}), check the overrides "
-              "(rerun with --debug for the traceback)", file=sys.stderr)
+        print(f"error: {err}" if isinstance(err, ConfigError) else f"error: the config could not be validated "
+              f"({_one_line(err)}), check the overrides (rerun with --debug for the traceback)", file=sys.stderr)
         return 2
     return _run(cfg, trainer, debug)
 

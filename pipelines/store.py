@@ -74,7 +74,6 @@ NON_RESULT_KEYS = frozenset({"experiment", "force", "results_dir", "logging", "l
 HASH_LEN = 12
 HASH_RE = re.compile(rf"[0-9a-f]{{{HASH_LEN}}}")
 VIEWS = "_views"
-FILES = ("config.yaml", "metrics.jsonl", "final.json", "status.json")
 STATUS_STATES = ("running", "finished", "failed", "stopped")  # status.json's `state` (stopped: by a signal)
 FULL = (errno.ENOSPC, errno.EDQUOT)  # a write failed because the disk (or the user's quota) is full
 STATUS_ERROR_CHARS = 300  # the error text kept when status.json is rewritten in place on a full disk
@@ -373,26 +372,24 @@ def inspect_run(folder: Path) -> RunInfo:
         except Exception:
             bad.append("config.yaml")
     final_ok = False
-    if (folder / "final.json").exists():
-        with contextlib.suppress(ValueError):
-            final_ok = isinstance(read_json(folder / "final.json"), dict)
-        if not final_ok:
-            bad.append("final.json")
-    if status is not None and status["state"] == "finished" and not final_ok and "final.json" not in bad:
-        bad.append("final.json")  # finished without a result: half-written
+    with contextlib.suppress(ValueError, FileNotFoundError):
+        final_ok = isinstance(read_json(folder / "final.json"), dict)
+    finished = status is not None and status["state"] == "finished"
+    if not final_ok and (finished or (folder / "final.json").exists()):  # unreadable, or finished without it
+        bad.append("final.json")
     if bad:
         return RunInfo("corrupt", status, tuple(bad), f"unreadable or missing: {', '.join(bad)}")
-    if status is not None and status["state"] == "finished":
+    if finished:
         return RunInfo("finished", status)
     reason = "no status.json" if status is None else f"state {status['state']}"
     return RunInfo("incomplete", status, reason=reason)
 
 
 def run_state(folder: Path, info: RunInfo | None = None) -> str:
-    """One of finished, running, stale, stopped, failed, corrupt, absent: ``running`` only while a live process holds the run's lock;
-    ``stale`` for a started run nobody holds (killed: status still says running, or no status);
-    ``failed`` when the job recorded its error, ``stopped`` when a signal (Ctrl-C, SIGTERM, a SLURM
-    preemption) stopped it. Stale, stopped and failed runs resume on re-submission."""
+    """One of finished, running, stale, stopped, failed, corrupt, absent: ``running`` only while a live
+    process holds the run's lock; ``stale`` for a started run nobody holds (killed: status still says
+    running, or no status); ``failed`` when the job recorded its error, ``stopped`` when a signal (Ctrl-C,
+    SIGTERM, a SLURM preemption) stopped it. Stale, stopped and failed runs resume on re-submission."""
     info = inspect_run(folder) if info is None else info
     if info.state in ("absent", "finished", "corrupt"):
         return info.state

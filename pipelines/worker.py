@@ -76,9 +76,8 @@ def run_job(cfg: DictConfig, log_path: str) -> int:
                 from prism.models import KeptBackbones
 
                 _kept = KeptBackbones()
-            kept = _kept
             return run.run_config(cfg, trainer=lambda job, folder, log_fn: run.default_trainer(job, folder, log_fn,
-                                                                                             load=kept))
+                                                                                             load=_kept))
     finally:
         if _stopping:  # the run is recorded (the log file is closed); nothing is left for this process to do
             os._exit(128 + signal.SIGTERM)
