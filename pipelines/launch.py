@@ -361,8 +361,7 @@ def aggregate(experiment: str, results_dir: str, scale: str) -> None:
             proc.wait()
             exit_stopped(stop, "the table was not rendered (or only in part); rerun the same command to render it "
                                "(finished runs are kept)")
-    tables = sorted((Path(results_dir) / "tables").glob(f"{experiment}.{scale}*"))
-    for table in tables:
+    for table in sorted((root / "tables").glob(f"{experiment}.{scale}*")):
         print("table:", table)
 
 
