@@ -6,17 +6,16 @@ A verb is a function (:data:`VERBS`) whose keyword-only parameters are its ``key
 ``--flags``; a function that takes ``overrides`` gets every other ``key=value`` argument as a Hydra
 override of ``conf/`` (``run`` also hands Hydra's own flags, ``-m``, ``--cfg job``, ..., to Hydra).
 Bad input is one line ``error: <what>, <how to fix>`` on stderr with exit code 2 and no traceback
-(:func:`one_line`); ``--debug`` (or ``HYDRA_FULL_ERROR=1``) lets the error and its traceback through.
+(:func:`main`); ``--debug`` (or ``HYDRA_FULL_ERROR=1``) lets the error and its traceback through.
 """
 from __future__ import annotations
 
-import contextlib
 import difflib
 import importlib
 import inspect
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 VERBS = {  # verb -> (its function, one line of help)
@@ -34,30 +33,6 @@ VERBS = {  # verb -> (its function, one line of help)
     "wandb-sync": ("pipelines.wandb_sync:main", "upload the unsynced offline W&B runs"),
     "migrate": ("pipelines.store:main", "move old-layout run folders into the shared run store"),
 }
-HYDRA_FLAGS = {"run"}  # verbs whose --options go to Hydra
-
-
-class Outcome:
-    """The exit code of the block :func:`one_line` wraps (2 after a bad input)."""
-
-    code: int = 0
-
-
-@contextlib.contextmanager
-def one_line(debug: bool = False) -> Iterator[Outcome]:
-    """Within: a bad input (``ValueError``, :class:`pipelines.validate.ConfigError` among them, or a
-    Hydra/OmegaConf error) is printed as ``error: <message>`` on one line and the outcome's code is 2;
-    with ``debug`` it propagates with its traceback."""
-    from pipelines.compose import COMPOSE_ERRORS, error_line
-
-    outcome = Outcome()
-    try:
-        yield outcome
-    except COMPOSE_ERRORS as err:
-        if debug:
-            raise
-        print(f"error: {error_line(err)}", file=sys.stderr)
-        outcome.code = 2
 
 
 def function(verb: str) -> Callable[..., int]:
@@ -110,7 +85,7 @@ def parse(verb: str, fn: Callable[..., int], argv: Sequence[str]) -> tuple[list[
             given[key] = convert(key, value, keys[key])
         elif arg in flags:
             given[flags[arg]] = True
-        elif takes_overrides and (verb in HYDRA_FLAGS or not arg.startswith("-")):
+        elif takes_overrides and (verb == "run" or not arg.startswith("-")):  # run hands its --options to Hydra
             overrides.append(arg)
         else:
             known = [f"{k}=" for k in keys if k not in flags.values()] + list(flags)
@@ -145,13 +120,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if {"-h", "--help"} & set(rest):
         print(f"{usage(verb, fn)}\n\n{VERBS[verb][1]}.\n\n{inspect.getdoc(fn)}")
         return 0
+    from pipelines.compose import COMPOSE_ERRORS, error_line
+
     debug = "--debug" in rest or os.environ.get("HYDRA_FULL_ERROR") == "1"
-    with one_line(debug) as outcome:
+    try:
         positional, keywords = parse(verb, fn, [a for a in rest if a != "--debug"])
         if "debug" in inspect.signature(fn).parameters:
             keywords["debug"] = debug
-        outcome.code = fn(*positional, **keywords)
-    return outcome.code
+        return fn(*positional, **keywords)
+    except COMPOSE_ERRORS as err:  # bad input (ValueError, ConfigError, Hydra/OmegaConf): one line
+        if debug:
+            raise
+        print(f"error: {error_line(err)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

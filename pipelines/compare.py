@@ -28,7 +28,7 @@ from typing import Any
 
 import pandas as pd
 
-from pipelines import launch, store, tuned_rates
+from pipelines import launch, tuned_rates
 from pipelines.aggregate.build import TableResult, build_table
 from pipelines.aggregate.records import RunRecord, read_run_folder
 from pipelines.aggregate.render import plot_privacy_utility, to_markdown, write_outputs
@@ -44,7 +44,7 @@ PRIVACY_GROUPS = {math.inf: "nondp", 6.0: "eps6", 3.0: "eps3"}
 
 @dataclasses.dataclass
 class Plan:
-    """The comparison: its fixed overrides, its jobs (one per method × setting × seed) and their configs."""
+    """The comparison: its fixed overrides and its jobs, one per setting × method × seed in that order."""
 
     task: Path
     sha256: str
@@ -53,9 +53,11 @@ class Plan:
     methods: list[str]
     seeds: list[int]
     jobs: list[launch.Job]
-    configs: list[Any]
-    launcher: str
-    workers: int | None  # jobs=, None: the launcher's default (pipelines.launch.resolve_jobs)
+
+    @property
+    def configs(self) -> list[Any]:
+        """The jobs' validated configs."""
+        return [job.cfg for job in self.jobs]
 
 
 def privacy_overrides(epsilon: float) -> list[str]:
@@ -138,9 +140,9 @@ def default_methods() -> list[str]:
     return [n for n in registry.names() if registry.lookup(n).compare_by_default]
 
 
-def plan(keys: dict[str, Any], overrides: Sequence[str], launcher: str) -> Plan:
+def plan(keys: dict[str, Any], overrides: Sequence[str]) -> Plan:
     """Every job of the comparison, validated; ``ValueError`` / :class:`ConfigError` on one line.
-    ``keys``: ``task`` and the other task keys of ``make compare``, ``seed`` (comma-separated), ``jobs``."""
+    ``keys``: ``task`` and the other task keys of ``make compare``, ``seed`` (comma-separated)."""
     fixed = [f"experiment={EXPERIMENT}", *task_overrides(keys, overrides), *overrides]
     task = Path(keys["task"]).expanduser().resolve()
     sha = sha256_file(task)
@@ -151,7 +153,7 @@ def plan(keys: dict[str, Any], overrides: Sequence[str], launcher: str) -> Plan:
     if not all(s.isdigit() for s in seeds_text):
         raise ValueError(f"seed={keys['seed']} must list integers, e.g. seed=1,2,3")
     seeds = [int(s) for s in seeds_text]
-    jobs, configs = [], []
+    jobs = []
     for setting in settings:
         for method in methods:
             for seed in seeds or [None]:
@@ -162,8 +164,7 @@ def plan(keys: dict[str, Any], overrides: Sequence[str], launcher: str) -> Plan:
                 except ConfigError as err:
                     raise ConfigError(f"in the job {' '.join(own)}: {err}") from None
                 jobs.append(launch.Job.of(overrides_, cfg))
-                configs.append(cfg)
-    return Plan(task, sha, fixed, settings, methods, seeds, jobs, configs, launcher, keys.get("jobs"))
+    return Plan(task, sha, fixed, settings, methods, seeds, jobs)
 
 
 # ------------------------------------------------------------------------------------------ table
@@ -248,33 +249,29 @@ def main(overrides: Sequence[str], *, task: str, model: str | None = None, eval:
     ``model``: a local model folder), then render the table. ``jobs``: local worker processes; the
     overrides (``scale=``, ``launcher=``, ``train.steps=60``, ...) apply to every job. Every job is
     validated first. Exit 0, 1 (a run failed) or 2 (bad input)."""
-    keys = {k: v for k, v in locals().items() if k != "overrides" and v is not None}
+    keys = {k: v for k, v in locals().items() if k not in ("overrides", "jobs") and v is not None}
     launcher = launch.override_value(overrides, "launcher", "local")
     if (code := launch.launcher_error(launcher)) is not None:  # before every job is validated
         return code
-    p = plan(keys, overrides, launcher)
-    pending = [job for job in p.jobs if store.inspect_run(job.folder).state != "finished" or p.configs[0].force]
-    for job in p.jobs:
-        if job not in pending:
-            store.tag(job.root, EXPERIMENT, job.run_hash)
+    p = plan(keys, overrides)
+    pending, finished = launch.split_finished(EXPERIMENT, p.jobs)
     print(f"compare {p.task.name} (sha256 {p.sha256[:12]}): {len(p.methods)} methods x {len(p.settings)} privacy "
-          f"settings x {max(1, len(p.seeds))} seed(s) = {len(p.jobs)} runs, {len(p.jobs) - len(pending)} finished, "
+          f"settings x {max(1, len(p.seeds))} seed(s) = {len(p.jobs)} runs, {len(finished)} finished, "
           f"{len(pending)} to run", flush=True)
     failure = ""
-    if pending:
-        log_dir = Path(str(p.configs[0].results_dir)) / "logs" / EXPERIMENT
-        if p.launcher == "local":
-            _, failure = launch.launch(EXPERIMENT, "local", pending, p.workers, [], log_dir)
-        else:  # one Hydra multirun per privacy setting, sweeping methods and seeds
-            for setting in p.settings:
-                sweep = [*p.fixed[1:], *setting, f"method={','.join(p.methods)}",
-                         *([f"seed={','.join(map(str, p.seeds))}"] if p.seeds else [])]
-                todo = [j for j in pending if j.overrides[1:len(setting) + 2] == [*setting, j.overrides[len(setting) + 1]]
-                        and j.overrides[len(setting) + 1].startswith("method=")]
-                if todo:
-                    submitted, failure = launch.launch(EXPERIMENT, p.launcher, todo, p.workers, sweep, log_dir)
-                    if failure and not submitted:
-                        break
+    log_dir = Path(str(p.configs[0].results_dir)) / "logs" / EXPERIMENT
+    if pending and launcher == "local":
+        _, failure = launch.launch(EXPERIMENT, "local", pending, jobs, [], log_dir)
+    elif pending:  # one Hydra multirun per privacy setting, sweeping methods and seeds
+        per_setting, waiting = len(p.jobs) // len(p.settings), {id(job) for job in pending}
+        for i, setting in enumerate(p.settings):
+            sweep = [*p.fixed[1:], *setting, f"method={','.join(p.methods)}",
+                     *([f"seed={','.join(map(str, p.seeds))}"] if p.seeds else [])]
+            todo = [job for job in p.jobs[i * per_setting:(i + 1) * per_setting] if id(job) in waiting]
+            if todo:
+                submitted, failure = launch.launch(EXPERIMENT, launcher, todo, jobs, sweep, log_dir)
+                if failure and not submitted:
+                    break
     paths = render(p)
     for path in paths:
         print("wrote", path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Sequence
 
-from pipelines import store
+from pipelines.launch import Job, split_finished
 from pipelines.validate import load_experiment
 
 
@@ -20,14 +20,9 @@ def main(overrides: Sequence[str], *, experiment: str, pending: bool = False, re
         from pipelines.compare import pin_task_files
 
         overrides = pin_task_files(overrides)
-    lines = []
-    for job, cfg in load_experiment(experiment, overrides, here=False if remote else None):
-        if pending:
-            root, run_hash = store.runs_root(cfg), store.run_hash(cfg)
-            if store.inspect_run(store.find_run(root, run_hash)).state == "finished" and not cfg.force:
-                store.tag(root, experiment, run_hash)
-                continue
-        lines.append(shlex.join(job))
-    if lines:
-        print("\n".join(lines))
+    jobs = [Job.of(o, cfg) for o, cfg in load_experiment(experiment, overrides, here=False if remote else None)]
+    if pending:
+        jobs = split_finished(experiment, jobs)[0]
+    if jobs:
+        print("\n".join(shlex.join(job.overrides) for job in jobs))
     return 0

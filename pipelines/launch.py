@@ -22,6 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from omegaconf import DictConfig
 from tqdm import tqdm
@@ -101,12 +102,16 @@ def launcher_error(launcher: str) -> int | None:
 
 
 def plan(experiment: str, overrides: Sequence[str]) -> tuple[list[Job], list[Job]]:
-    """(pending, finished) jobs of the grid; finished runs (trained for any experiment, in the
-    store or the old layout) are tagged into ``experiment``'s view, as the runner would."""
+    """(pending, finished) jobs of the grid (:func:`split_finished`), every job validated once, before any runs."""
+    return split_finished(experiment, [Job.of(o, cfg) for o, cfg in load_experiment(experiment, overrides)])
+
+
+def split_finished(experiment: str, jobs: Sequence[Job]) -> tuple[list[Job], list[Job]]:
+    """(pending, finished) ``jobs``; finished runs (trained for any experiment, in the store or the old
+    layout) are tagged into ``experiment``'s view, as the runner would."""
     pending, finished = [], []
-    for overrides_, cfg in load_experiment(experiment, overrides):  # every job validated once, before any runs
-        job = Job.of(overrides_, cfg)
-        done = store.inspect_run(job.folder).state == "finished" and not cfg.force
+    for job in jobs:
+        done = store.inspect_run(job.folder).state == "finished" and not job.cfg.force
         if done:
             store.tag(job.root, experiment, job.run_hash)
         (finished if done else pending).append(job)
@@ -151,6 +156,12 @@ class Stop(KeyboardInterrupt):
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def exit_stopped(stop: Stop, what: str) -> NoReturn:
+    """One line ``stopped (<signal>): <what>`` on stderr, then ``SystemExit`` with 128 + the signal number."""
+    print(f"stopped ({signal.Signals(stop.signum).name}): {what}", file=sys.stderr, flush=True)
+    raise SystemExit(128 + stop.signum)
 
 
 @contextlib.contextmanager
@@ -201,15 +212,11 @@ def record_stopped(jobs: Sequence[Job], signum: int) -> list[Job]:
 
 
 def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list[Job]]:
-    """Run ``pending`` on at most ``workers`` processes of :mod:`pipelines.worker` (each keeps its
-    backbone loaded across jobs; a benchmark job gets a fresh process); returns jobs by outcome
-    (ok / failed). Jobs start in queue order, except that a job whose cache group is still warming waits
-    while others are queued (:func:`next_job`). A worker that dies (killed, out of memory) fails only
-    the jobs it held; the next jobs get a new pool.
-
-    SIGTERM or SIGINT stops the whole job tree (:func:`stop_workers`): the runs it cut off are marked
-    interrupted (:func:`record_stopped`), one line names them on stderr, and ``SystemExit`` carries 128 +
-    the signal number."""
+    """Run ``pending`` on at most ``workers`` processes of :mod:`pipelines.worker` (a benchmark job gets a
+    fresh process), in queue order but for jobs of a warming cache group (:func:`next_job`); returns jobs by
+    outcome (ok / failed). A worker that dies fails only the jobs it held; the next jobs get a new pool.
+    SIGTERM or SIGINT stops every worker (:func:`stop_workers`), marks the runs cut off (:func:`record_stopped`)
+    and ends in ``SystemExit`` (128 + the signal number)."""
     os.environ.update(worker.THREAD_ENV)  # inherited by the spawned workers before torch is imported
     log_dir.mkdir(parents=True, exist_ok=True)
     queue, running, outcome = list(pending), {}, {"ok": [], "failed": []}
@@ -262,10 +269,9 @@ def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list
         done = {j.run_hash for j in outcome["ok"] + outcome["failed"]}
         queued = {j.run_hash for j in queue}
         cut = record_stopped([j for j in pending if j.run_hash not in done | queued], stop.signum)
-        print(f"stopped ({signal.Signals(stop.signum).name}): every worker ended; {len(cut)} run(s) marked "
-              f"stopped ({', '.join(j.run_hash for j in cut) or 'none'}), {len(queue)} not started; "
-              "rerun the same command to resume them from their checkpoints", file=sys.stderr, flush=True)
-        raise SystemExit(128 + stop.signum)
+        names = ", ".join(j.run_hash for j in cut) or "none"
+        exit_stopped(stop, f"every worker ended; {len(cut)} run(s) marked stopped ({names}), {len(queue)} not started; "
+                           "rerun the same command to resume them from their checkpoints")
     return outcome
 
 
@@ -336,9 +342,8 @@ def run_hydra_multirun(experiment: str, overrides: Sequence[str], log_path: Path
             stop = caught
             stop_group(proc.pid)
     if stop is not None:
-        print(f"stopped ({signal.Signals(stop.signum).name}): the multirun and its local jobs ended (jobs already "
-              f"handed to SLURM keep running: scancel them); full log in {log_path}", file=sys.stderr, flush=True)
-        raise SystemExit(128 + stop.signum)
+        exit_stopped(stop, "the multirun and its local jobs ended (jobs already handed to SLURM keep running: "
+                           f"scancel them); full log in {log_path}")
     return proc.returncode, reason
 
 
@@ -354,11 +359,9 @@ def aggregate(experiment: str, results_dir: str, scale: str) -> None:
         except Stop as stop:
             proc.terminate()
             proc.wait()
-            print(f"stopped ({signal.Signals(stop.signum).name}): the table was not rendered (or only in part); "
-                  "rerun the same command to render it (finished runs are kept)", file=sys.stderr, flush=True)
-            raise SystemExit(128 + stop.signum) from None
-    tables = sorted((Path(results_dir) / "tables").glob(f"{experiment}.{scale}*"))
-    for table in tables:
+            exit_stopped(stop, "the table was not rendered (or only in part); rerun the same command to render it "
+                               "(finished runs are kept)")
+    for table in sorted((root / "tables").glob(f"{experiment}.{scale}*")):
         print("table:", table)
 
 

@@ -117,16 +117,18 @@ def execute(cfg: DictConfig, trainer: Trainer | None = None) -> str:
         log.warning("run %s is being trained by another process (lock %s held); not starting a second copy",
                     folder, store.lock_path(folder))
         return "busy"
-    except OSError as err:  # a read-only (or full) store: a finished run is still read
-        return _unlocked(cfg, run_hash, err)
+    except OSError as err:  # a read-only (or full) store: a finished run is still read (not tagged into the view)
+        found = store.find_run(store.runs_root(cfg), run_hash)
+        if store.inspect_run(found).state == "finished" and not cfg.force:
+            return _skipped(found, run_hash, f"the store is not writable: {err.strerror or err}; not tagged into "
+                                             f"{cfg.experiment}")
+        raise StoreError(f"results_dir={cfg.results_dir} is not writable ({err.strerror or err}: "
+                         f"{store.lock_path(found)}), point results_dir at a writable folder") from None
     try:
         store.adopt(folder, str(cfg.experiment))  # old-layout folder moved in; run tagged with the experiment
         info = store.inspect_run(folder)
         if info.state == "finished" and not cfg.force:
-            final = store.read_json(folder / "final.json")
-            log.info("run %s already finished, skipped (force=true trains it again): %s; results in %s",
-                     run_hash, scores_line(final), folder / "final.json")
-            return "skipped"
+            return _skipped(folder, run_hash, "force=true trains it again")
         if info.state == "finished":
             log.warning("force=true: moved the finished run to %s", store.move_aside(folder))
             info = store.inspect_run(folder)
@@ -138,7 +140,7 @@ def execute(cfg: DictConfig, trainer: Trainer | None = None) -> str:
             log.warning("run folder %s holds a different config; moved it to %s", folder, store.move_aside(folder))
         if (folder / "final.json").exists():  # a result without a "finished" status: kept, never overwritten
             log.warning("run %s has a final.json its status.json does not confirm; kept as %s and rerunning",
-                        folder, store.set_aside(folder, "final.json", "unconfirmed"))
+                        folder, store.move_aside(folder / "final.json", "unconfirmed"))
         attempts = 1 + int((info.status or {}).get("attempts", 0)) if folder.exists() else 1
         return _train(cfg, folder, run_hash, attempts, trainer or default_trainer)
     finally:
@@ -149,26 +151,19 @@ class StoreError(OSError):
     """The run store cannot be written (read-only, full, no permission); one line naming ``results_dir``."""
 
 
-def _unlocked(cfg: DictConfig, run_hash: str, err: OSError) -> str:
-    """Without the lock (the store is not writable): a finished run is reported as skipped (not
-    tagged into the experiment's view); anything else is a :class:`StoreError`."""
-    folder = store.find_run(store.runs_root(cfg), run_hash)
-    if store.inspect_run(folder).state == "finished" and not cfg.force:
-        final = store.read_json(folder / "final.json")
-        log.info("run %s already finished, skipped (the store is not writable: %s; not tagged into %s): %s; "
-                 "results in %s", run_hash, err.strerror or err, cfg.experiment, scores_line(final),
-                 folder / "final.json")
-        return "skipped"
-    raise StoreError(f"results_dir={cfg.results_dir} is not writable ({err.strerror or err}: "
-                     f"{store.lock_path(folder)}), point results_dir at a writable folder") from None
+def _skipped(folder: Path, run_hash: str, why: str) -> str:
+    log.info("run %s already finished, skipped (%s): %s; results in %s", run_hash, why,
+             scores_line(store.read_json(folder / "final.json")), folder / "final.json")
+    return "skipped"
 
 
 def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer: Trainer) -> str:
     from prism.train import logs_private_stats
 
     timed = logs_private_stats(cfg)  # off: no time of any kind in the folder, W&B or the log (docs/PRIVACY.md)
-    if not timed:
-        untimed_logging()
+    if not timed:  # no [HH:MM:SS] stamp either: step lines a known interval apart would time the steps
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(logging.Formatter("%(message)s"))
     folder.mkdir(parents=True, exist_ok=True)
     write_text_atomic(folder / "config.yaml", OmegaConf.to_yaml(cfg))
     store.seal_metrics(folder)
@@ -177,16 +172,15 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
     store.write_status(folder, "running", started=started, attempts=attempts)
     wb = None
     try:  # from here on, every way out leaves status.json finished or failed, never running
+        total = total_steps(cfg)
         log.info("run %s: %s on %s (%s scale), %s, %s, train.steps=%d; folder %s", run_hash, cfg.backbone.paper_name,
-                 cfg.suite.name, cfg.suite.scale, cfg.method.name, cfg.privacy.name, total_steps(cfg), folder)
+                 cfg.suite.name, cfg.suite.scale, cfg.method.name, cfg.privacy.name, total, folder)
         if attempts > 1:
             log.info("run %s: attempt %d (the trainer says from which step it resumes)", run_hash, attempts)
         generation = len(list(folder.parent.glob(f"{run_hash}.old-*")))
         if cfg.logging.mode != "disabled":
             log.info("run %s: W&B %s run under %s", run_hash, cfg.logging.mode, cfg.logging.dir)
         wb = WandbRun(cfg, run_hash, generation, deferred=not timed)
-        total = total_steps(cfg)
-
         first = [True]
 
         def log_fn(record: dict[str, Any]) -> None:
@@ -228,7 +222,7 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
 
 
 def _record_failure(folder: Path, run_hash: str, exc: BaseException, started: str | None, attempts: int,
-                    timed: bool = True) -> None:
+                    timed: bool) -> None:
     """Mark the run ``stopped`` (a signal: Ctrl-C, SIGTERM, a SLURM preemption) or ``failed`` and keep its
     traceback; first delete the temporaries of a cut-off write, which on a full disk free the space these
     two files need."""
@@ -286,13 +280,13 @@ def run_config(cfg: DictConfig, trainer: Trainer | None = None) -> int:
     """Run one job of a grid from its validated config (the local launcher's workers,
     :mod:`pipelines.worker`) as ``python -m pipelines run <its overrides>`` would, without composing or
     validating it again; returns that command's exit code."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    quiet_third_party_warnings()
     return _stoppable(lambda: _run(cfg, trainer, debug=False), False)
 
 
 def _stoppable(body: Callable[[], int], debug: bool) -> int:
     """``body()`` with SIGTERM taken as Ctrl-C; an interrupt is exit code 130 (re-raised under ``--debug``)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    quiet_third_party_warnings()
     previous = None
     if threading.current_thread() is threading.main_thread():  # SIGTERM (scancel, preemption) stops as Ctrl-C does
         previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
@@ -314,8 +308,6 @@ def _stop_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def _command(args: list[str], trainer: Trainer | None, debug: bool) -> int:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    quiet_third_party_warnings()
     try:
         flags, overrides = split_flags(args)
         if flags:
@@ -323,16 +315,11 @@ def _command(args: list[str], trainer: Trainer | None, debug: bool) -> int:
                 load_sweep(overrides) if {"-m", "--multirun"} & set(flags) else load_job(overrides)
             return _hydra(args)
         cfg = load_job(overrides)
-    except ConfigError as err:
+    except Exception as err:  # bad input, or a check that itself failed on an odd config: one line either way
         if debug:
             raise
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except Exception as err:  # a check that itself failed on an odd config: still one line
-        if debug:
-            raise
-        print(f"error: the config could not be validated ({_one_line(err)}), check the overrides "
-              "(rerun with --debug for the traceback)", file=sys.stderr)
+        print(f"error: {err}" if isinstance(err, ConfigError) else f"error: the config could not be validated "
+              f"({_one_line(err)}), check the overrides (rerun with --debug for the traceback)", file=sys.stderr)
         return 2
     return _run(cfg, trainer, debug)
 
@@ -350,7 +337,7 @@ def _run(cfg: DictConfig, trainer: Trainer | None, debug: bool) -> int:
     except Exception as err:
         if debug:
             raise
-        bad_input = isinstance(err, (ConfigError, StoreError, *_core_input_errors()))
+        bad_input = isinstance(err, _input_errors())
         kept = store.run_dir(cfg) / "traceback.txt"
         hint = "" if bad_input else f" (traceback in {kept}, or rerun with --debug)" if kept.exists() \
             else " (rerun with --debug for the traceback)"
@@ -379,18 +366,18 @@ def split_flags(args: Sequence[str]) -> tuple[list[str], list[str]]:
     return flags, overrides
 
 
-def _core_input_errors() -> tuple[type[Exception], ...]:
-    """Errors the core raises for input only it can see (data files, tokenised lengths)."""
+def _input_errors() -> tuple[type[Exception], ...]:
+    """Errors of bad input: the config's, the store's, and those the core raises for input only it can
+    see (data files, tokenised lengths)."""
     from prism.data import DataUnavailableError
     from prism.data.prompts import TruncatedLabelError
 
-    return DataUnavailableError, TruncatedLabelError
+    return ConfigError, StoreError, DataUnavailableError, TruncatedLabelError
 
 
 def _one_line(err: BaseException) -> str:
     text = " ".join(str(err).split()) or type(err).__name__
-    plain = isinstance(err, (ConfigError, StoreError, *_core_input_errors()))
-    return text if plain else f"{type(err).__name__}: {text}"
+    return text if isinstance(err, _input_errors()) else f"{type(err).__name__}: {text}"
 
 
 def quiet_third_party_warnings() -> None:
@@ -410,13 +397,6 @@ def setup_logging() -> None:
                         datefmt="%H:%M:%S", force=True)
     for noisy in ("httpx", "urllib3", "filelock", "wandb"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def untimed_logging() -> None:
-    """Drop the ``[HH:MM:SS]`` stamp from every log line of this process (``privacy.log_private_stats=false``:
-    step lines a known interval apart would time the steps, whose duration grows with the batch size)."""
-    for handler in logging.getLogger().handlers:
-        handler.setFormatter(logging.Formatter("%(message)s"))
 
 
 def _hydra(args: list[str]) -> int:

@@ -74,7 +74,6 @@ NON_RESULT_KEYS = frozenset({"experiment", "force", "results_dir", "logging", "l
 HASH_LEN = 12
 HASH_RE = re.compile(rf"[0-9a-f]{{{HASH_LEN}}}")
 VIEWS = "_views"
-FILES = ("config.yaml", "metrics.jsonl", "final.json", "status.json")
 STATUS_STATES = ("running", "finished", "failed", "stopped")  # status.json's `state` (stopped: by a signal)
 FULL = (errno.ENOSPC, errno.EDQUOT)  # a write failed because the disk (or the user's quota) is full
 STATUS_ERROR_CHARS = 300  # the error text kept when status.json is rewritten in place on a full disk
@@ -85,13 +84,10 @@ def utc_stamp() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _plain(cfg: DictConfig | dict) -> dict[str, Any]:
-    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-
-
 def result_fields(cfg: DictConfig | dict) -> dict[str, Any]:
     """The resolved config minus :data:`NON_RESULT_KEYS`: every field that can change a result."""
-    return {k: v for k, v in _plain(cfg).items() if k not in NON_RESULT_KEYS}
+    plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    return {k: v for k, v in plain.items() if k not in NON_RESULT_KEYS}
 
 
 def hash_payload(cfg: DictConfig | dict) -> dict[str, Any]:
@@ -166,12 +162,9 @@ def view(root: Path, experiment: str) -> list[str]:
     names = [p.name for p in tagged.iterdir()] if tagged.is_dir() else []
     legacy = root / experiment
     if legacy.is_dir() and experiment != VIEWS:
-        names += [p.name for p in legacy.iterdir() if p.is_dir() and _is_run_name(p.name)]
+        names += [p.name for p in legacy.iterdir() if p.is_dir() and not p.name.startswith(".")
+                  and ".old-" not in p.name and ".corrupt-" not in p.name]
     return sorted(dict.fromkeys(names))
-
-
-def _is_run_name(name: str) -> bool:
-    return not name.startswith(".") and ".old-" not in name and ".corrupt-" not in name
 
 
 def legacy_dirs(root: Path, run_hash_: str) -> list[Path]:
@@ -379,29 +372,24 @@ def inspect_run(folder: Path) -> RunInfo:
         except Exception:
             bad.append("config.yaml")
     final_ok = False
-    if (folder / "final.json").exists():
-        with contextlib.suppress(ValueError):
-            final_ok = isinstance(read_json(folder / "final.json"), dict)
-        if not final_ok:
-            bad.append("final.json")
-    if status is not None and status["state"] == "finished" and not final_ok and "final.json" not in bad:
-        bad.append("final.json")  # finished without a result: half-written
+    with contextlib.suppress(ValueError, FileNotFoundError):
+        final_ok = isinstance(read_json(folder / "final.json"), dict)
+    finished = status is not None and status["state"] == "finished"
+    if not final_ok and (finished or (folder / "final.json").exists()):  # unreadable, or finished without it
+        bad.append("final.json")
     if bad:
         return RunInfo("corrupt", status, tuple(bad), f"unreadable or missing: {', '.join(bad)}")
-    if status is not None and status["state"] == "finished":
+    if finished:
         return RunInfo("finished", status)
     reason = "no status.json" if status is None else f"state {status['state']}"
     return RunInfo("incomplete", status, reason=reason)
 
 
-RUN_STATES = ("finished", "running", "stale", "stopped", "failed", "corrupt", "absent")
-
-
 def run_state(folder: Path, info: RunInfo | None = None) -> str:
-    """One of :data:`RUN_STATES`: ``running`` only while a live process holds the run's lock;
-    ``stale`` for a started run nobody holds (killed: status still says running, or no status);
-    ``failed`` when the job recorded its error, ``stopped`` when a signal (Ctrl-C, SIGTERM, a SLURM
-    preemption) stopped it. Stale, stopped and failed runs resume on re-submission."""
+    """One of finished, running, stale, stopped, failed, corrupt, absent: ``running`` only while a live
+    process holds the run's lock; ``stale`` for a started run nobody holds (killed: status still says
+    running, or no status); ``failed`` when the job recorded its error, ``stopped`` when a signal (Ctrl-C,
+    SIGTERM, a SLURM preemption) stopped it. Stale, stopped and failed runs resume on re-submission."""
     info = inspect_run(folder) if info is None else info
     if info.state in ("absent", "finished", "corrupt"):
         return info.state
@@ -413,25 +401,7 @@ def run_state(folder: Path, info: RunInfo | None = None) -> str:
 
 def quarantine(folder: Path, names: tuple[str, ...]) -> list[Path]:
     """Rename the listed files to ``<name>.corrupt-<timestamp>`` (kept for inspection, never deleted)."""
-    stamp = utc_stamp().replace(":", "")
-    moved = []
-    for name in names:
-        src = folder / name
-        if src.exists():
-            dst = folder / f"{name}.corrupt-{stamp}"
-            src.rename(dst)
-            moved.append(dst)
-    return moved
-
-
-def set_aside(folder: Path, name: str, why: str) -> Path:
-    """Rename ``folder/name`` to ``<name>.<why>-<timestamp>`` (kept, never overwritten or deleted)."""
-    stamp = utc_stamp().replace(":", "")
-    target, n = folder / f"{name}.{why}-{stamp}", 1
-    while target.exists():
-        target, n = folder / f"{name}.{why}-{stamp}-{n}", n + 1
-    (folder / name).rename(target)
-    return target
+    return [move_aside(folder / name, "corrupt") for name in names if (folder / name).exists()]
 
 
 def remove_temporaries(folder: Path) -> list[Path]:
@@ -445,15 +415,14 @@ def remove_temporaries(folder: Path) -> list[Path]:
     return removed
 
 
-def move_aside(folder: Path) -> Path:
-    """Rename a run folder to ``<hash>.old-<timestamp>`` (a unique name; earlier results stay)."""
+def move_aside(path: Path, why: str = "old") -> Path:
+    """Rename a run folder (or a file in one) to ``<name>.<why>-<timestamp>``, a unique name: earlier
+    results are kept, never overwritten or deleted."""
     stamp = utc_stamp().replace(":", "")
-    target = folder.with_name(f"{folder.name}.old-{stamp}")
-    n = 1
+    target, n = path.with_name(f"{path.name}.{why}-{stamp}"), 1
     while target.exists():
-        target = folder.with_name(f"{folder.name}.old-{stamp}-{n}")
-        n += 1
-    folder.rename(target)
+        target, n = path.with_name(f"{path.name}.{why}-{stamp}-{n}"), n + 1
+    path.rename(target)
     return target
 
 
@@ -462,8 +431,7 @@ def config_matches(folder: Path, cfg: DictConfig) -> bool:
     path = folder / "config.yaml"
     if not path.exists():
         return True
-    saved = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    return canonical(hash_payload(saved)) == canonical(hash_payload(cfg))
+    return canonical(hash_payload(OmegaConf.load(path))) == canonical(hash_payload(cfg))
 
 
 def read_metrics(folder: Path) -> list[dict[str, Any]]:

@@ -11,11 +11,8 @@ apart from the tables' 42, 43, 44 so that no table seed is the one its rates wer
 scored on the suite's **validation** rows (``suite.eval_split=validation``: drawn from the training
 pool, disjoint from the run's training rows and from the fixed evaluation rows, :func:`prism.data.validation_split`;
 the evaluation rows are never scored). The rule is the same for every method, PRISM included
-(:func:`choose`, the one-standard-error rule of docs/comparison.md): a rate's score is the mean over
-the tuning seeds of the suite average, its standard error the bootstrap one of :func:`score_of`; among
-the rates within one standard error of the best score, the one nearest the default rate. Where the
-chosen rate is at an edge of the cell's grid, one more rate one grid step past that edge is run
-(:func:`extension`), at most :data:`MAX_EXTEND` times per side.
+(:data:`RULE`, :func:`choose`: the one-standard-error rule of docs/comparison.md); a chosen rate at an
+edge of the cell's grid adds rates past that edge (:func:`extension`).
 
 Each tuning run is an ordinary job of :mod:`pipelines.run` in the shared store (experiment view
 ``tune``), launched like a table's (:func:`pipelines.launch.launch`: local pool, SLURM or
@@ -91,6 +88,14 @@ class Point:
     job: launch.Job
     fields: dict
     final: dict | None = None
+
+    @classmethod
+    def of(cls, job: launch.Job) -> Point:
+        """The point of a planned job: its cell, factor, rate and seed as its config gives them."""
+        cfg = job.cfg
+        factor, lr = float(cfg.tune.lr_factor), float(cfg.method.lr)
+        return cls(Cell(str(cfg.suite.name), str(cfg.privacy.name), str(cfg.method.name)), factor, lr, lr / factor,
+                   int(cfg.seed), job, cell_fields(cfg))
 
     @property
     def score(self) -> float:
@@ -211,41 +216,17 @@ def _fixed(overrides: Sequence[str]) -> list[str]:
     return [o for o in overrides if parser.parse_override(o).get_key_element() not in (*CELL_KEYS, "tune.lr_factor")]
 
 
-def plan_points(overrides: Sequence[str]) -> tuple[list[Point], list[Point]]:
-    """(pending, finished) points of the sweep ``overrides`` describe (finished runs tagged into the view)."""
-    pending_jobs, finished_jobs = launch.plan(EXPERIMENT, overrides)
-    out: tuple[list[Point], list[Point]] = ([], [])
-    for i, jobs in enumerate((pending_jobs, finished_jobs)):
-        for job in jobs:
-            cfg = job.cfg
-            factor = float(cfg.tune.lr_factor)
-            cell = Cell(str(cfg.suite.name), str(cfg.privacy.name), str(cfg.method.name))
-            out[i].append(Point(cell, factor, float(cfg.method.lr), float(cfg.method.lr) / factor, int(cfg.seed),
-                                job, cell_fields(cfg)))
-    return out
-
-
-def launch_round(launcher: str, groups: Sequence[tuple[list[str], list[Point]]], workers: int | None,
+def launch_round(launcher: str, groups: Sequence[tuple[list[str], list[launch.Job]]], workers: int | None,
                  log_dir: Path) -> list[str]:
-    """Train the pending points of each (overrides, points) group; returns the failure lines."""
-    failures = []
+    """Train the jobs of each (overrides, jobs) group, all at once on the local pool; returns the failure lines."""
     if launcher == "local":
-        pending = [p.job for _, points in groups for p in points]
-        if pending:
-            _, failure = launch.launch(EXPERIMENT, "local", pending, workers, [], log_dir)
-            failures += [failure] if failure else []
-        return failures
-    for overrides, points in groups:
-        if points:
-            _, failure = launch.launch(EXPERIMENT, launcher, [p.job for p in points], workers, overrides, log_dir)
+        groups = [([], [job for _, jobs in groups for job in jobs])]
+    failures = []
+    for overrides, jobs in groups:
+        if jobs:
+            _, failure = launch.launch(EXPERIMENT, launcher, jobs, workers, overrides, log_dir)
             failures += [failure] if failure else []
     return failures
-
-
-def read_final(point: Point) -> dict | None:
-    """The ``final.json`` of a finished point's run, None otherwise."""
-    folder = point.job.folder
-    return store.read_json(folder / "final.json") if store.inspect_run(folder).state == "finished" else None
 
 
 def sweep(overrides: Sequence[str], launcher: str, workers: int | None, log_dir: Path) -> tuple[list[Point], list[str]]:
@@ -255,15 +236,15 @@ def sweep(overrides: Sequence[str], launcher: str, workers: int | None, log_dir:
     base: list[float] = []
     failures: list[str] = []
     for round_ in range(1 + MAX_EXTEND):
-        planned = [(g, plan_points(g)) for g in groups]
-        todo = [(g, pending) for g, (pending, _) in planned]
-        new = [p for _, (pending, finished) in planned for p in (*pending, *finished)]
-        n_pending = sum(len(p) for _, p in todo)
+        planned = [(g, *launch.plan(EXPERIMENT, g)) for g in groups]  # finished runs tagged into the view
+        new = [Point.of(job) for _, pending, finished in planned for job in (*pending, *finished)]
+        n_pending = sum(len(pending) for _, pending, _ in planned)
         label = "base grid" if round_ == 0 else f"edge extension {round_}"
         print(f"tune, {label}: {len(new)} runs, {len(new) - n_pending} finished, {n_pending} to run", flush=True)
-        failures += launch_round(launcher, todo, workers, log_dir)
+        failures += launch_round(launcher, [(g, pending) for g, pending, _ in planned], workers, log_dir)
         for p in new:
-            p.final = read_final(p)
+            folder = p.job.folder
+            p.final = store.read_json(folder / "final.json") if store.inspect_run(folder).state == "finished" else None
             points[p.cell, p.factor, p.seed] = p
         if round_ == 0:
             base = sorted({p.factor for p in new})

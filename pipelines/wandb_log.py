@@ -23,15 +23,9 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig, OmegaConf
 
 MODES = ("offline", "online", "disabled")
-DEFAULT_BASE_URL = "https://api.wandb.ai"
 
 
-def base_url() -> str:
-    """The W&B server (``WANDB_BASE_URL``, else the public one)."""
-    return os.environ.get("WANDB_BASE_URL") or DEFAULT_BASE_URL
-
-
-def has_api_key(url: str | None = None) -> bool:
+def has_api_key(url: str) -> bool:
     """Whether W&B would find an API key without prompting: ``WANDB_API_KEY``, the ``api_key`` of
     W&B's settings file, or a ``.netrc`` entry for the server's host (where ``wandb login`` writes)."""
     if os.environ.get("WANDB_API_KEY"):
@@ -42,7 +36,7 @@ def has_api_key(url: str | None = None) -> bool:
         parser.read(settings)
     if parser.get("default", "api_key", fallback=""):
         return True
-    host = urlparse(url or base_url()).hostname or ""
+    host = urlparse(url).hostname or ""
     try:
         auth = netrc.netrc(os.environ.get("NETRC")).authenticators(host)
     except (OSError, netrc.NetrcParseError):
@@ -50,11 +44,11 @@ def has_api_key(url: str | None = None) -> bool:
     return bool(auth and auth[2])
 
 
-def access_problem(url: str | None = None, timeout_s: float = 5.0) -> str | None:
-    """Why W&B cannot be reached right now (no API key, or no TCP connection to the server within
-    ``timeout_s``), as ``<what>, <how to fix>``; ``None`` when both are there. W&B itself retries
-    for minutes on an unreachable server, so callers check first."""
-    url = url or base_url()
+def access_problem(timeout_s: float = 5.0) -> str | None:
+    """Why W&B cannot be reached right now (no API key, or no TCP connection to the server,
+    ``WANDB_BASE_URL`` or the public one, within ``timeout_s``), as ``<what>, <how to fix>``; ``None`` when
+    both are there. W&B itself retries for minutes on an unreachable server, so callers check first."""
+    url = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
     if not has_api_key(url):
         return (f"no W&B API key for {url}, run `wandb login` or set WANDB_API_KEY "
                 f"(offline runs stay under results/wandb until then)")
@@ -65,24 +59,6 @@ def access_problem(url: str | None = None, timeout_s: float = 5.0) -> str | None
     except OSError as err:
         return f"cannot reach the W&B server {url} ({err.strerror or err}), check the network or WANDB_BASE_URL"
     return None
-
-
-def run_id(cfg: DictConfig, run_hash: str, generation: int = 0) -> str:
-    """``<experiment>-<hash>``; ``-f<k>`` after the k-th ``force=true`` rerun of that folder."""
-    base = f"{cfg.experiment}-{run_hash}"
-    return base if generation == 0 else f"{base}-f{generation}"
-
-
-def tags(cfg: DictConfig) -> list[str]:
-    """One tag per grid axis: method, privacy, suite, backbone (the table row), rank, scale."""
-    return [
-        f"method:{cfg.method.name}",
-        f"privacy:{cfg.privacy.name}",
-        f"suite:{cfg.suite.name}",
-        f"backbone:{cfg.backbone.get('paper_name', cfg.backbone.name)}",
-        f"rank:{cfg.lora.r}",
-        f"scale:{cfg.suite.scale}",
-    ]
 
 
 def _finite(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -132,15 +108,16 @@ class WandbRun:
     def _init(self, cfg: DictConfig, run_hash: str, generation: int, directory: Path, mode: str) -> None:
         import wandb
 
+        backbone = cfg.backbone.get("paper_name", cfg.backbone.name)  # the table row
         self.run = wandb.init(
             project=str(cfg.logging.project),
             entity=cfg.logging.entity,
             dir=str(directory),
-            id=run_id(cfg, run_hash, generation),
-            name=f"{cfg.experiment}/{cfg.method.name}-{cfg.privacy.name}-{cfg.suite.name}-"
-                 f"{cfg.backbone.get('paper_name', cfg.backbone.name)}-r{cfg.lora.r}",
+            id=f"{cfg.experiment}-{run_hash}" + (f"-f{generation}" if generation else ""),  # -f<k>: k-th force=true
+            name=f"{cfg.experiment}/{cfg.method.name}-{cfg.privacy.name}-{cfg.suite.name}-{backbone}-r{cfg.lora.r}",
             group=str(cfg.experiment),
-            tags=tags(cfg),
+            tags=[f"method:{cfg.method.name}", f"privacy:{cfg.privacy.name}", f"suite:{cfg.suite.name}",
+                  f"backbone:{backbone}", f"rank:{cfg.lora.r}", f"scale:{cfg.suite.scale}"],  # one per grid axis
             config=OmegaConf.to_container(cfg, resolve=True),
             resume="allow",
             mode=mode,
@@ -161,7 +138,6 @@ class WandbRun:
         here and first logs ``history`` (the run folder's step records)."""
         if self.deferred and self._open is not None:
             self._open()
-            self._open = None
             self.deferred = False
             for record in history:
                 self.log_step(record)

@@ -6,9 +6,8 @@ hands each one job at a time: its resolved config, composed and validated once b
 (:func:`pipelines.launch.plan`). A job runs as ``python -m pipelines run <overrides>`` would
 (:func:`pipelines.run.run_config`: the run folder's lock, skip / resume, the store format, W&B), with
 two differences that change no result: the interpreter and its imports are already warm, and the
-frozen backbone comes from
-:class:`prism.models.KeptBackbones`, a deep copy of the weights the process loaded for its first
-job. Every job seeds its own RNGs in :func:`prism.train.build`, so a run's numbers do not depend on
+frozen backbone comes from :class:`prism.models.KeptBackbones`, a deep copy of the weights the process
+loaded for its first job. Every job seeds its own RNGs in :func:`prism.train.build`, so a run's numbers do not depend on
 which worker ran it or what ran before (``tests/test_worker.py`` checks them bitwise against a fresh
 ``python -m pipelines run``). What a shared process does change: ``final.json``'s
 ``run.peak_rss_mb`` and the CPU ``peak_memory_mb`` are the process's high-water mark so far, so
@@ -76,9 +75,8 @@ def run_job(cfg: DictConfig, log_path: str) -> int:
                 from prism.models import KeptBackbones
 
                 _kept = KeptBackbones()
-            kept = _kept
             return run.run_config(cfg, trainer=lambda job, folder, log_fn: run.default_trainer(job, folder, log_fn,
-                                                                                             load=kept))
+                                                                                             load=_kept))
     finally:
         if _stopping:  # the run is recorded (the log file is closed); nothing is left for this process to do
             os._exit(128 + signal.SIGTERM)

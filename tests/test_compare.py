@@ -30,7 +30,7 @@ def _args(task: Path, results: Path, *extra: str) -> list[str]:
 def _plan(argv: list[str]) -> compare.Plan:
     """The plan of ``python -m pipelines compare <argv>``."""
     [overrides], keys = parse("compare", function("compare"), argv)
-    return compare.plan(keys, overrides, "local")
+    return compare.plan(keys, overrides)
 
 
 def test_plan_is_methods_by_settings_by_seeds_and_pins_the_file(tmp_path: Path) -> None:

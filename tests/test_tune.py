@@ -234,15 +234,14 @@ def test_a_users_task_is_tuned_beside_its_runs_and_only_its_comparison_reads_the
     assert "held out of the training rows" in (results / "tables" / files[0].name.replace("custom-", "tune-")
                                                .replace(".yaml", ".md")).read_text()
     (entry,) = conf["rates"]
-    plan = compare.plan({"task": str(task), "labels": "yes,no", "methods": "adamw,prism", "eps": "6"}, common[1:-1],
-                        "local")
+    plan = compare.plan({"task": str(task), "labels": "yes,no", "methods": "adamw,prism", "eps": "6"}, common[1:-1])
     lr = {c.method.name: c.method.lr for c in plan.configs}
     default = job_config(["scale=smoke", "suite=custom", "method=prism", "privacy=eps6"]).method.lr
     assert lr["adamw"] == pytest.approx(entry["lr"]) == pytest.approx(100 * default)  # ScoreByRate's optimum
     assert lr["prism"] == pytest.approx(default)  # not tuned
     other = _task_file(tmp_path / "other.jsonl", 81)
-    assert compare.plan({"task": str(other), "labels": "yes,no", "methods": "adamw", "eps": "6"}, common[1:-1],
-                        "local").configs[0].method.lr == pytest.approx(default)
+    assert compare.plan({"task": str(other), "labels": "yes,no", "methods": "adamw", "eps": "6"},
+                        common[1:-1]).configs[0].method.lr == pytest.approx(default)
     assert job_config(["experiment=table2", "scale=smoke", "method=adamw", "privacy=eps6", "suite=glue8",
                        f"results_dir={results}"]).method.lr == pytest.approx(2e-3)  # Table 2 reads no user's rate
     from types import SimpleNamespace
