@@ -109,7 +109,7 @@ def test_rdp_is_opacus_rdp_at_integer_orders() -> None:
     from opacus.accountants.analysis import rdp as opacus_rdp
 
     for sigma, q in [(0.3, 0.032), (0.7, 0.064), (5.0, 0.001), (1.0, 1.0)]:
-        ours = dp_limits._rdp(sigma, q)
+        ours = dp_limits.rdp_curve(sigma, q)
         theirs = opacus_rdp.compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=list(dp_limits.ORDERS))
         assert ours == pytest.approx(theirs, rel=1e-9)
 

@@ -33,10 +33,10 @@ ORDERS = tuple(range(2, 64))
 
 def rdp_epsilon(sigma: float, sample_rate: float, steps: int, delta: float) -> float:
     """Upper bound on ε of ``steps`` Poisson-subsampled Gaussian steps (noise multiplier σ, rate q)."""
-    return float(np.min(_to_epsilon(steps * _rdp(sigma, sample_rate), delta)))
+    return float(np.min(rdp_to_epsilon(steps * rdp_curve(sigma, sample_rate), delta)))
 
 
-def _to_epsilon(rdp: np.ndarray, delta: float) -> np.ndarray:
+def rdp_to_epsilon(rdp: np.ndarray, delta: float) -> np.ndarray:
     """Balle et al. 2020, Thm 21, at each order (Opacus' ``get_privacy_spent``)."""
     return rdp - (math.log(delta) + np.log(_ALPHA)) / (_ALPHA - 1) + np.log((_ALPHA - 1) / _ALPHA)
 
@@ -47,7 +47,7 @@ _LOG_BINOM = np.array([[math.lgamma(a + 1) - math.lgamma(k + 1) - math.lgamma(a 
                         for k in range(ORDERS[-1] + 1)] for a in ORDERS])
 
 
-def _rdp(sigma: float, q: float) -> np.ndarray:
+def rdp_curve(sigma: float, q: float) -> np.ndarray:
     """One step's Rényi divergence at every order of :data:`ORDERS` (log-sum-exp of eq. 3's terms)."""
     if q >= 1.0:
         return _ALPHA / (2 * sigma**2)
@@ -72,9 +72,9 @@ def prv_grid_points(sigma: float, sample_rate: float, steps: int, delta: float) 
     """Grid points of one PRV evaluation at σ (Opacus' domain with ``δ_err = δ/1000``, with the
     RDP bound at integer orders for ``L``)."""
     delta_error = delta / 1000
-    one = _rdp(sigma, sample_rate)
-    tail = float(np.min(_to_epsilon(steps * one, delta_error / 4)))
-    single = float(np.min(_to_epsilon(one, delta_error / (8 * steps))))
+    one = rdp_curve(sigma, sample_rate)
+    tail = float(np.min(rdp_to_epsilon(steps * one, delta_error / 4)))
+    single = float(np.min(rdp_to_epsilon(one, delta_error / (8 * steps))))
     half_width = max(tail, single, EPS_ERROR) + 3
     return int(2 * half_width / _mesh(steps, delta_error)) + 2
 

@@ -1,0 +1,169 @@
+"""Accounting of a private learning-rate selection (Papernot & Steinke 2022; Liu & Talwar 2019).
+
+A selection draws a random number of candidates ``K``, runs each as an independent DP algorithm
+(DP-SGD training at a rate drawn from a public grid, then a noised count of correct validation
+rows), and publishes only the candidate with the best noised score. Its privacy cost grows with
+``log E[K]``, not with ``K``:
+
+* :func:`repeat_and_select_rdp` maps a candidate's Rényi-DP curve to the selection's, Papernot &
+  Steinke Thm 2 (``K`` truncated negative binomial of shape ``η``: geometric at ``η = 1``,
+  logarithmic at ``η = 0``) and Thm 6 (``K`` Poisson, ``η = inf``);
+* :func:`candidate_rdp` is one candidate's curve: ``T`` Poisson-subsampled Gaussian steps
+  (:mod:`prism.privacy.limits`) composed with one Gaussian count of sensitivity 1;
+* :func:`selection_epsilon` converts the selection's curve to (ε, δ) and
+  :func:`calibrate_candidate_sigma` finds the smallest training σ whose selection meets a target;
+* :func:`noised_count` is the score a candidate publishes.
+
+The bounds are in Rényi DP at the integer orders of :data:`prism.privacy.limits.ORDERS`; PRV
+accounting (the single-run default) has no repeat-and-select composition.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from prism.privacy.limits import ORDERS, rdp_curve, rdp_to_epsilon
+
+POISSON = math.inf
+
+
+def tnb_gamma(mean: float, shape: float) -> float:
+    """The success probability ``γ`` of the truncated negative binomial of shape ``η`` with mean ``μ``.
+
+    ``E[K] = η(1 − γ) / (γ(1 − γ^η))`` (``η > 0``; ``1/γ`` at ``η = 1``) and
+    ``(1 − γ) / (γ log(1/γ))`` at ``η = 0``; ``E[K]`` falls with ``γ``, so bisection finds it. The
+    smaller end is returned: a smaller ``γ`` is a larger ``log(1/γ)`` in Thm 2, the safe side.
+    """
+    _check_mean_shape(mean, shape)
+    if shape == 1:
+        return 1.0 / mean
+    lo, hi = 0.0, 1.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _tnb_mean(mid, shape) > mean else (lo, mid)
+    return lo
+
+
+def _tnb_mean(gamma: float, shape: float) -> float:
+    if gamma >= 1:
+        return 1.0
+    if shape == 0:
+        return (1 - gamma) / (gamma * math.log(1 / gamma))
+    return shape * (1 - gamma) / (gamma * -math.expm1(shape * math.log(gamma)))
+
+
+def _check_mean_shape(mean: float, shape: float) -> None:
+    if not mean >= 1:
+        raise ValueError(f"the mean number of candidates must be >= 1, got {mean}")
+    if not shape >= 0:
+        raise ValueError(f"the shape of the candidate count must be >= 0 (inf: Poisson), got {shape}")
+
+
+def repeat_and_select_rdp(rdp: np.ndarray, mean: float, shape: float,
+                          orders: np.ndarray | None = None) -> np.ndarray:
+    """Rényi DP of publishing the best of ``K`` independent candidates, each with RDP ``rdp``.
+
+    Thm 6 (Poisson ``K``): ``ε'(λ) = ε(λ) + μ δ̂ + log μ / (λ − 1)``, ``δ̂`` the candidate's δ at
+    ``ε̂ = log(1 + 1/(λ − 1))``. Thm 2 (truncated negative binomial):
+    ``ε'(λ) = ε(λ) + log μ / (λ − 1) + (1 + η) min_λ̂ [(1 − 1/λ̂) ε(λ̂) + log(1/γ)/λ̂]``, then made
+    non-decreasing in ``λ`` (an RDP bound at a higher order holds at every lower one).
+    """
+    _check_mean_shape(mean, shape)
+    alpha = np.asarray(ORDERS if orders is None else orders, dtype=np.float64)
+    rdp = np.asarray(rdp, dtype=np.float64)
+    log_mean = math.log(mean)
+    if shape == POISSON:
+        hat = np.array([delta_from_rdp(rdp, math.log1p(1 / (a - 1)), alpha) for a in alpha])
+        return rdp + mean * hat + log_mean / (alpha - 1)
+    gamma = tnb_gamma(mean, shape)
+    constant = (1 + shape) * float(np.min((1 - 1 / alpha) * rdp - math.log(gamma) / alpha))
+    out = rdp + log_mean / (alpha - 1) + constant
+    return np.minimum.accumulate(out[::-1])[::-1]
+
+
+def delta_from_rdp(rdp: np.ndarray, epsilon: float, orders: np.ndarray | None = None) -> float:
+    """The smallest δ an RDP curve gives at ``ε`` (Canonne, Kamath & Steinke 2020, Prop. 12).
+
+    ``δ ≤ exp((λ − 1)(ε(λ) − ε + log(1 − 1/λ)) − log λ)``, and ``δ ≤ sqrt(1 − exp(−ε(λ)))`` (the
+    KL bound), minimised over ``λ``.
+    """
+    alpha = np.asarray(ORDERS if orders is None else orders, dtype=np.float64)
+    rdp = np.asarray(rdp, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        kl = 0.5 * np.log(-np.expm1(-np.maximum(rdp, 0.0)))
+    tail = (alpha - 1) * (rdp - epsilon + np.log1p(-1 / alpha)) - np.log(alpha)
+    return float(min(1.0, math.exp(float(np.min(np.minimum(kl, tail))))))
+
+
+def candidate_rdp(sigma: float, sample_rate: float, steps: int, score_sigma: float) -> np.ndarray:
+    """One candidate's RDP: ``T`` subsampled Gaussian steps, then a count of sensitivity 1 with
+    Gaussian noise ``score_sigma`` (``λ / (2 σ_s²)``), composed by addition."""
+    if not score_sigma > 0:
+        raise ValueError(f"the score's noise must be > 0, got {score_sigma}")
+    return steps * rdp_curve(sigma, sample_rate) + np.asarray(ORDERS, dtype=np.float64) / (2 * score_sigma**2)
+
+
+def selection_epsilon(sigma: float, sample_rate: float, steps: int, delta: float, *, score_sigma: float,
+                      mean: float, shape: float) -> float:
+    """ε at ``δ`` of the whole selection (Balle et al. 2020, Thm 21, at the best order)."""
+    rdp = repeat_and_select_rdp(candidate_rdp(sigma, sample_rate, steps, score_sigma), mean, shape)
+    return float(np.min(rdp_to_epsilon(rdp, delta)))
+
+
+def calibrate_candidate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int, *,
+                              score_sigma: float, mean: float, shape: float, tolerance: float = 1e-6) -> float:
+    """The smallest training σ (to ``tolerance``, rounded up) whose selection is (ε, δ)-DP."""
+    floor = selection_epsilon(1e6, sample_rate, steps, delta, score_sigma=score_sigma, mean=mean, shape=shape)
+    if epsilon <= floor:
+        raise ValueError(f"ε = {epsilon:g} is out of reach of this selection: its score and candidate count alone "
+                         f"cost ε = {floor:.3g}; raise the score's noise or lower the mean candidate count")
+    lo, hi = 0.05, 1.0
+    while selection_epsilon(hi, sample_rate, steps, delta, score_sigma=score_sigma, mean=mean, shape=shape) > epsilon:
+        lo, hi = hi, 2 * hi
+    while hi - lo > tolerance * hi:
+        mid = (lo + hi) / 2
+        cost = selection_epsilon(mid, sample_rate, steps, delta, score_sigma=score_sigma, mean=mean, shape=shape)
+        lo, hi = (mid, hi) if cost > epsilon else (lo, mid)
+    return hi
+
+
+def draw_candidate_count(rng: np.random.Generator, mean: float, shape: float) -> int:
+    """One draw of ``K``: Poisson(μ) at ``η = inf``, else the truncated negative binomial (``K ≥ 1``),
+    by inverting :func:`_tnb_cdf`."""
+    _check_mean_shape(mean, shape)
+    if shape == POISSON:
+        return int(rng.poisson(mean))
+    return int(np.searchsorted(_tnb_cdf(mean, shape), rng.random(), side="right")) + 1
+
+
+@functools.lru_cache(maxsize=32)
+def _tnb_cdf(mean: float, shape: float) -> np.ndarray:
+    """``P(K ≤ k)`` for ``k = 1, 2, …`` until the tail is below 1e-12: ``P(K = k) ∝ C(k + η − 1, k)
+    (1 − γ)^k`` (``∝ (1 − γ)^k / k`` at ``η = 0``, the logarithmic law)."""
+    gamma = tnb_gamma(mean, shape)
+    if gamma >= 1:
+        return np.ones(1)
+    k = np.arange(1, 64, dtype=np.float64)
+    while True:
+        if shape == 0:
+            log_w = k * math.log1p(-gamma) - np.log(k)
+        else:
+            log_w = np.array([math.lgamma(i + shape) - math.lgamma(i + 1) - math.lgamma(shape) for i in k]) \
+                + k * math.log1p(-gamma)
+        w = np.exp(log_w - log_w.max())
+        if w[-1] < 1e-12 * w.sum():
+            return np.cumsum(w) / w.sum()
+        k = np.arange(1, 2 * k.size + 1, dtype=np.float64)
+
+
+def noised_count(correct: np.ndarray, score_sigma: float, rng: np.random.Generator) -> float:
+    """The published score: the number of correct validation rows plus ``N(0, σ_s²)`` noise.
+
+    Each row adds 0 or 1, so adding or removing one row moves the count by at most 1 (sensitivity 1).
+    """
+    correct = np.asarray(correct)
+    if correct.size and not np.isin(correct, (0, 1)).all():
+        raise ValueError("each validation row's correctness must be 0 or 1")
+    return float(correct.sum()) + float(rng.normal(0.0, score_sigma))
