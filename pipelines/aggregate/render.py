@@ -8,13 +8,13 @@ protocols have runs, ``<table>.<scale>.protocols.md`` sets them side by side, ce
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from pipelines.aggregate.build import DIFF_LABEL, FACTS, TableResult, average_label
+from pipelines.aggregate.build import DIFF_LABEL, FACTS, TableResult, average_label, blocks
 from pipelines.aggregate.intervals import METHOD_TEXT
 from pipelines.tuned_rates import TUNING_COST
 from prism.privacy.protocol import NOT_DP_AS_STATED
@@ -22,6 +22,19 @@ from prism.privacy.protocol import NOT_DP_AS_STATED
 DASH = "—"
 LABELS = {"GLUE8_Avg": "GLUE8 Avg", "Math_Avg": "Math Avg", "Avg_12": "Avg (12 tasks)",
           "Step_time_s": "Step time (s)", "Peak_memory_MB": "Peak memory (MB)"}
+
+
+def _md_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _tex_tabular(header: Sequence[str], rows: Iterable[Sequence[str] | None], values: int) -> list[str]:
+    """A booktabs ``tabular`` whose last ``values`` columns are right-aligned; a None row is a ``\\midrule``."""
+    def line(cells: Sequence[str]) -> str:
+        return " & ".join(_tex_escape(c).replace("\x00", r"\textbf{").replace("\x01", "}") for c in cells) + r" \\"
+
+    return [r"\begin{tabular}{" + "l" * (len(header) - values) + "r" * values + "}", r"\toprule", line(header),
+            r"\midrule", *(r"\midrule" if r is None else line(r) for r in rows), r"\bottomrule", r"\end{tabular}"]
 
 
 def _digits(result: TableResult, col: str) -> int:
@@ -98,17 +111,14 @@ def interval_line(result: TableResult) -> str:
     return line
 
 
-def rows_for_display(result: TableResult) -> list[tuple[str, pd.Series]]:
-    """(kind, row) in display order: each block's method rows, then its ``PRISM − best baseline`` row
-    and the row naming that baseline per column."""
-    spec, frame, diffs = result.spec, result.frame, result.differences
-    out: list[tuple[str, pd.Series]] = []
-    blocks = frame.groupby(spec.block, sort=False) if spec.block else [(None, frame)]
-    for block, part in blocks:
-        out += [("cell", row) for _, row in part.iterrows()]
-        if not diffs.empty:
-            mine = diffs[diffs[spec.block] == block] if spec.block else diffs
-            out += [("diff", row) for _, row in mine.iterrows()]
+def display_blocks(result: TableResult) -> list[list[tuple[str, pd.Series]]]:
+    """Per block, (kind, row) in display order: its method rows (``cell``), then its ``PRISM − best
+    baseline`` row (``diff``)."""
+    spec, diffs = result.spec, result.differences
+    out = []
+    for block, part in blocks(spec, result.frame):
+        mine = diffs[diffs[spec.block] == block] if spec.block and not diffs.empty else diffs
+        out.append([("cell", row) for _, row in part.iterrows()] + [("diff", row) for _, row in mine.iterrows()])
     return out
 
 
@@ -121,6 +131,15 @@ def _row_cells(result: TableResult, kind: str, row: pd.Series, bold: tuple[str, 
                                                          signed=True) for c in cols]
     vs = [*keys[:-1], "(best baseline)", ""] + [str(row.get(f"{c}_vs") or DASH) for c in cols]
     return [diff, vs]
+
+
+def _grid(result: TableResult, bold: tuple[str, str]) -> tuple[list[str], list[list[str] | None]]:
+    """The table's header and rows as text (``bold`` around a best value); None where a new block starts."""
+    rows: list[list[str] | None] = []
+    for i, block in enumerate(display_blocks(result)):
+        rows += [None] if i else []
+        rows += [cells for kind, row in block for cells in _row_cells(result, kind, row, bold)]
+    return [*result.spec.keys, "n", *(column_label(result, c) for c in shown_columns(result))], rows
 
 
 def scale_line(result: TableResult) -> str:
@@ -183,11 +202,8 @@ def header_lines(result: TableResult) -> list[str]:
     if not result.header:
         return []
     names = ["runs", *(n for n, _, _ in FACTS if any(n in f for f in result.header.values()))]
-    lines = [f"Runs behind the table ({result.n_finished} finished):", "",
-             "| suite | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for suite, facts in result.header.items():
-        lines.append(f"| {suite} | " + " | ".join(facts.get(n, DASH) for n in names) + " |")
-    lines.append("")
+    rows = ([suite, *(facts.get(n, DASH) for n in names)] for suite, facts in result.header.items())
+    lines = [f"Runs behind the table ({result.n_finished} finished):", "", *_md_table(["suite", *names], rows), ""]
     seen = [c for cols in result.columns_seen.values() for c in cols]
     relabelled = [c for c in result.spec.columns if column_label(result, c) != LABELS.get(c, c)]
     if relabelled:
@@ -225,19 +241,20 @@ def _paper_text(value: float) -> str:
     return f"{value:.{digits}f}"
 
 
+def paper_grid(result: TableResult) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of the paper's table (:func:`paper_rows`) as text."""
+    keys, cols = result.spec.keys, shown_columns(result)
+    rows = [[*(str(row[k]) for k in keys), *(_paper_text(row[c]) for c in cols)] for _, row in paper_rows(result).iterrows()]
+    return [*keys, *(LABELS.get(c, c) for c in cols)], rows
+
+
 def _paper_md(result: TableResult) -> list[str]:
-    paper = paper_rows(result)
-    if paper.empty:
+    header, rows = paper_grid(result)
+    if not rows:
         return []
-    spec, cols = result.spec, shown_columns(result)
     note = ("the paper's backbone and full tasks; not comparable with the stand-in cells above"
             if result.scale == "embedded" else "for comparison with the cells above")
-    lines = [f"## The paper's numbers ({note})", "",
-             "| " + " | ".join([*spec.keys, *(LABELS.get(c, c) for c in cols)]) + " |",
-             "|" + "---|" * (len(spec.keys) + len(cols))]
-    for _, row in paper.iterrows():
-        lines.append("| " + " | ".join([*(str(row[k]) for k in spec.keys), *(_paper_text(row[c]) for c in cols)]) + " |")
-    return [*lines, ""]
+    return [f"## The paper's numbers ({note})", "", *_md_table(header, rows), ""]
 
 
 def to_markdown(result: TableResult) -> str:
@@ -252,11 +269,8 @@ def to_markdown(result: TableResult) -> str:
     if result.stand_ins:
         head += ["Backbones run in place of the paper's: " + ", ".join(result.stand_ins) + ".", ""]
     head += [interval_line(result), "", _marks_line(result), ""]
-    cols = shown_columns(result)
-    header = [*spec.keys, "n", *(column_label(result, c) for c in cols)]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for kind, row in rows_for_display(result):
-        lines += ["| " + " | ".join(cells) + " |" for cells in _row_cells(result, kind, row, ("**", "**"))]
+    header, rows = _grid(result, ("**", "**"))
+    lines = _md_table(header, [r for r in rows if r is not None])
     foot = [line for line in (detectable_line(result), not_shown_line(result)) if line]
     return "\n".join(head + lines + ["", *foot, *([""] if foot else []), *_paper_md(result), *_missing_md(result)]) + "\n"
 
@@ -278,36 +292,17 @@ def _tex_escape(text: str) -> str:
 def to_latex(result: TableResult) -> str:
     """The table as a booktabs ``tabular`` with the same rows as the Markdown, the paper's numbers as a
     second ``tabular``; scale, run facts, interval method, footnote and missing runs as comments."""
-    spec, cols = result.spec, shown_columns(result)
-    align = "l" * (len(spec.keys) + 1) + "r" * len(cols)
+    values = len(shown_columns(result))
     lines = [f"% {scale_line(result)}", f"% {protocol_line(result)}",
              *([f"% {_tex_escape(tuning_line(result))}"] if result.tuned else []),
              *([f"% {seeds_line(result)}"] if result.tuning_seeds else []),
              *(f"% {line}" for line in header_lines(result) if line),
              f"% {_tex_escape(interval_line(result))}", f"% {_tex_escape(_marks_line(result))}",
-             r"\begin{tabular}{" + align + "}", r"\toprule",
-             " & ".join(_tex_escape(h) for h in (*spec.keys, "n", *(column_label(result, c) for c in cols)))
-             + r" \\", r"\midrule"]
-    previous = None
-    for kind, row in rows_for_display(result):
-        if spec.block and previous is not None and row[spec.block] != previous and kind == "cell":
-            lines.append(r"\midrule")
-        previous = row[spec.block] if spec.block else None
-        for cells in _row_cells(result, kind, row, ("\x00", "\x01")):
-            lines.append(" & ".join(_tex_escape(c).replace("\x00", r"\textbf{").replace("\x01", "}") for c in cells)
-                         + r" \\")
-    lines += [r"\bottomrule", r"\end{tabular}"]
+             *_tex_tabular(*_grid(result, ("\x00", "\x01")), values)]
     lines += [f"% {_tex_escape(foot)}" for foot in (detectable_line(result), not_shown_line(result)) if foot]
-    paper = paper_rows(result)
-    if not paper.empty:
-        lines += ["", "% The paper's numbers (its backbone and full tasks)",
-                  r"\begin{tabular}{" + "l" * len(spec.keys) + "r" * len(cols) + "}", r"\toprule",
-                  " & ".join(_tex_escape(h) for h in (*spec.keys, *(LABELS.get(c, c) for c in cols))) + r" \\",
-                  r"\midrule"]
-        lines += [" & ".join([*(_tex_escape(str(row[k])) for k in spec.keys),
-                              *(_tex_escape(_paper_text(row[c])) for c in cols)]) + r" \\"
-                  for _, row in paper.iterrows()]
-        lines += [r"\bottomrule", r"\end{tabular}"]
+    header, rows = paper_grid(result)
+    if rows:
+        lines += ["", "% The paper's numbers (its backbone and full tasks)", *_tex_tabular(header, rows, values)]
     lines += [f"% missing: {_tex_escape(m)}" for m in result.missing]
     return "\n".join(lines) + "\n"
 
@@ -322,7 +317,7 @@ def to_csv_frame(result: TableResult) -> pd.DataFrame:
     seeds = {"tuning_seeds": " ".join(map(str, result.tuning_seeds)),
              "table_seeds": " ".join(map(str, result.table_seeds))}
     out = []
-    for kind, row in rows_for_display(result):
+    for kind, row in (x for block in display_blocks(result) for x in block):
         rec = {"scale": result.scale, "row": "cell" if kind == "cell" else DIFF_LABEL,
                **{k: row[k] for k in spec.keys}, "dp_guarantee": dp_status(result, row.get("Setting")), **seeds}
         rec.update({f"{c}{p}": row.get(f"{c}{p}", "") for c in cols for p in parts})
@@ -420,8 +415,8 @@ def to_protocols_markdown(results: Sequence[TableResult]) -> str:
              f"their run facts and missing runs: {', '.join(output_stem(r) + '.md' for r in results)}.", ""]
     lines += [f"WARNING: {r.protocol}: {r.not_dp} private run(s) are {NOT_DP_AS_STATED}." for r in results if r.not_dp]
     header = [*spec.keys, *(f"{column_label(first, c)}: {n}" for c in cols for n in [*names, "Δ"])]
-    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     by_key = [{tuple(row[k] for k in spec.keys): row for _, row in r.frame.iterrows()} for r in results]
+    table = []
     for key in dict.fromkeys(k for rows in by_key for k in rows):
         cells = [str(k) for k in key]
         for c in cols:
@@ -430,8 +425,8 @@ def to_protocols_markdown(results: Sequence[TableResult]) -> str:
             delta = values[-1] - values[0]
             cells += [DASH if pd.isna(v) else f"{v:.{d}f}" for v in values]
             cells.append(DASH if pd.isna(delta) else f"{delta:+.{d}f}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        table.append(cells)
+    return "\n".join([*lines, "", *_md_table(header, table)]) + "\n"
 
 
 def write_protocols(results: Sequence[TableResult], out_dir: Path) -> Path | None:
