@@ -107,16 +107,14 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {k.rstrip("."): v for k, v in out.items()}
 
 
-def config_signature(record: RunRecord) -> str:
-    """Canonical JSON of the run's result-changing config minus the seed (equal ⇔ seeds of one cell)."""
-    fields = store.result_fields(record.config)
-    fields.pop("seed", None)
-    return store.canonical(fields)
+def unseeded_config(record: RunRecord) -> dict[str, Any]:
+    """The run's result-changing config minus the seed (equal for the seeds of one cell)."""
+    return {k: v for k, v in store.result_fields(record.config).items() if k != "seed"}
 
 
 def differing_fields(records: Sequence[RunRecord], limit: int = 4) -> str:
     """``field: a | b`` for the config fields (seed excluded) on which ``records`` disagree."""
-    flat = [_flatten({k: v for k, v in store.result_fields(r.config).items() if k != "seed"}) for r in records]
+    flat = [_flatten(unseeded_config(r)) for r in records]
     keys = sorted({k for f in flat for k in f})
     diffs = [f"{k}: {' | '.join(sorted({str(f.get(k)) for f in flat}))}" for k in keys
              if len({store.canonical(f.get(k)) for f in flat}) > 1]
@@ -293,7 +291,7 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str,
     warnings = []
     for key, by_suite in cells.items():
         for suite, rs in list(by_suite.items()):
-            if len({config_signature(r) for r in rs}) > 1:
+            if len({store.canonical(unseeded_config(r)) for r in rs}) > 1:
                 text = (f"{fmt_key(spec, key)} / {suite}: REFUSED, {len(rs)} runs differ in more than the "
                         f"seed ({differing_fields(rs)}); not averaged — keep one config per cell")
                 missing.append(text)
@@ -442,16 +440,3 @@ def prism_minus_best(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tu
         if any(not math.isnan(row[col]) for col in spec.columns):
             out.append(row)
     return pd.DataFrame(out)
-
-
-def average_label(result: TableResult, col: str, label: str) -> str:
-    """An average column's header: the paper's label when it covers every task of its suites, else
-    ``<label> (mean of K stand-in cols)`` — a stand-in table's Avg is not the paper's 12-task mean."""
-    suites = (result.spec.averages or {}).get(col)
-    if not suites:
-        return label
-    seen = sum(len(result.columns_seen.get(s, [])) for s in suites)
-    full = sum(len(SUITE_TASKS[s]) for s in suites)
-    if seen == 0 or seen >= full:
-        return label
-    return f"{label.replace(' (12 tasks)', '')} (mean of {seen} stand-in col{'s' * (seen != 1)})"

@@ -14,8 +14,9 @@ from typing import Any
 
 import pandas as pd
 
-from pipelines.aggregate.build import DIFF_LABEL, FACTS, TableResult, average_label, blocks
+from pipelines.aggregate.build import DIFF_LABEL, FACTS, TableResult, blocks
 from pipelines.aggregate.intervals import METHOD_TEXT
+from pipelines.aggregate.specs import SUITE_TASKS
 from pipelines.tuned_rates import TUNING_COST
 from prism.privacy.protocol import NOT_DP_AS_STATED
 
@@ -43,8 +44,13 @@ def _digits(result: TableResult, col: str) -> int:
 
 
 def column_label(result: TableResult, col: str) -> str:
-    """A value column's header (an average says how many stand-in columns it covers)."""
-    return average_label(result, col, LABELS.get(col, col))
+    """A value column's header; an average that does not cover every task of its suites says how many
+    stand-in columns it averages (a stand-in table's Avg is not the paper's 12-task mean)."""
+    label, suites = LABELS.get(col, col), (result.spec.averages or {}).get(col)
+    seen = sum(len(result.columns_seen.get(s, [])) for s in suites or ())
+    if not suites or seen == 0 or seen >= sum(len(SUITE_TASKS[s]) for s in suites):
+        return label
+    return f"{label.replace(' (12 tasks)', '')} (mean of {seen} stand-in col{'s' * (seen != 1)})"
 
 
 def shown_columns(result: TableResult) -> list[str]:
@@ -71,10 +77,11 @@ def not_shown_line(result: TableResult) -> str:
     return " ".join(f"{what}: {', '.join(column_label(result, c) for c in cols)}." for cols, what in parts if cols)
 
 
-def _interval_text(value: float, lo: float, hi: float, d: int, signed: bool = False) -> str:
+def _interval_text(result: TableResult, row: pd.Series, col: str, signed: bool = False) -> str:
+    value, lo, hi = row[col], row[f"{col}_lo"], row[f"{col}_hi"]
     if pd.isna(value):
         return DASH
-    fmt = f"{{:{'+' if signed else ''}.{d}f}}"
+    fmt = f"{{:{'+' if signed else ''}.{_digits(result, col)}f}}"
     text = fmt.format(value)
     if not (pd.isna(lo) or pd.isna(hi)):
         text += f" [{fmt.format(lo)}, {fmt.format(hi)}]"
@@ -84,9 +91,7 @@ def _interval_text(value: float, lo: float, hi: float, d: int, signed: bool = Fa
 def _cell_text(result: TableResult, row: pd.Series, col: str, bold: tuple[str, str]) -> str:
     """``value [lo, hi]``; the value in bold when it is best beyond noise, ``(tie)`` after it when it is
     the best value but not separated from the runner-up."""
-    d = _digits(result, col)
-    value = row[col]
-    text = _interval_text(value, row[f"{col}_lo"], row[f"{col}_hi"], d)
+    text = _interval_text(result, row, col)
     mark = row.get(f"{col}_mark", "")
     if mark == "best":
         head, _, tail = text.partition(" ")
@@ -127,8 +132,7 @@ def _row_cells(result: TableResult, kind: str, row: pd.Series, bold: tuple[str, 
     keys = [str(row[k]) for k in spec.keys]
     if kind == "cell":
         return [keys + [_n_text(row, cols)] + [_cell_text(result, row, c, bold) for c in cols]]
-    diff = keys + [_n_text(row, cols)] + [_interval_text(row[c], row[f"{c}_lo"], row[f"{c}_hi"], _digits(result, c),
-                                                         signed=True) for c in cols]
+    diff = keys + [_n_text(row, cols)] + [_interval_text(result, row, c, signed=True) for c in cols]
     vs = [*keys[:-1], "(best baseline)", ""] + [str(row.get(f"{c}_vs") or DASH) for c in cols]
     return [diff, vs]
 
@@ -197,8 +201,7 @@ def _seeds_text(seeds: float) -> str:
 
 
 def header_lines(result: TableResult) -> list[str]:
-    """The runs behind the table: one Markdown row per suite (backbone, steps, batch, N, eval rows,
-    protocol, run count), then the stand-in and average notes and any warnings."""
+    """The runs behind the table (a row of :data:`FACTS` per suite), the average note and any warnings."""
     if not result.header:
         return []
     names = ["runs", *(n for n, _, _ in FACTS if any(n in f for f in result.header.values()))]
@@ -258,9 +261,7 @@ def _paper_md(result: TableResult) -> list[str]:
 
 
 def to_markdown(result: TableResult) -> str:
-    """The table as Markdown: title, scale, run facts, interval method, rows (one number and its
-    interval per cell), the PRISM − best baseline rows, the left-out columns, the paper's numbers in
-    their own table, then the missing runs."""
+    """The table as Markdown: header lines, the grid, footnotes, the paper's numbers, the missing runs."""
     spec = result.spec
     head = [f"# Table {spec.name[-1]}: {spec.title}", "", scale_line(result), "", protocol_line(result), ""]
     head += [tuning_line(result), ""] if result.tuned else []
@@ -290,8 +291,7 @@ def _tex_escape(text: str) -> str:
 
 
 def to_latex(result: TableResult) -> str:
-    """The table as a booktabs ``tabular`` with the same rows as the Markdown, the paper's numbers as a
-    second ``tabular``; scale, run facts, interval method, footnote and missing runs as comments."""
+    """The Markdown's grid and paper table as booktabs tabulars, its other lines as comments."""
     values = len(shown_columns(result))
     lines = [f"% {scale_line(result)}", f"% {protocol_line(result)}",
              *([f"% {_tex_escape(tuning_line(result))}"] if result.tuned else []),
@@ -308,10 +308,8 @@ def to_latex(result: TableResult) -> str:
 
 
 def to_csv_frame(result: TableResult) -> pd.DataFrame:
-    """The CSV: the Markdown's rows (``row`` = cell | PRISM − best baseline | paper) with, per shown
-    column, the value, ``_lo``, ``_hi``, ``_n``, ``_ci`` (interval method), ``_mark``, ``_vs``, and on the
-    difference rows ``_mde`` and ``_seeds3pp`` (:func:`detectable_line`); ``tuning_seeds`` and
-    ``table_seeds`` on every row (:func:`seeds_line`)."""
+    """The CSV: the Markdown's rows (``row`` = cell | PRISM − best baseline | paper) with the columns
+    docs/comparison.md ("Layout") lists."""
     spec, cols = result.spec, shown_columns(result)
     parts = ("", "_lo", "_hi", "_n", "_ci", "_mark", "_vs", "_mde", "_seeds3pp")
     seeds = {"tuning_seeds": " ".join(map(str, result.tuning_seeds)),
@@ -330,9 +328,8 @@ def to_csv_frame(result: TableResult) -> pd.DataFrame:
 
 
 def dp_status(result: TableResult, setting: Any) -> str:
-    """A CSV row's DP status: ``non-private``, or for a private setting ``(ε, δ)-DP as accounted`` (with
-    ", rate tuning not included" when the runs trained at tuned rates) unless the
-    table holds runs whose ``final.json`` says :data:`NOT_DP_AS_STATED` (then that)."""
+    """A CSV row's DP status: non-private, :data:`NOT_DP_AS_STATED` when the table holds such runs, else
+    as accounted (and whether rate tuning is included)."""
     if setting is None or str(setting) == "Non-DP":
         return "non-private"
     if result.not_dp:
@@ -398,8 +395,7 @@ def plot_privacy_utility(result: TableResult, path: Path) -> Path:
 
 
 def output_stem(result: TableResult) -> str:
-    """``<table>.<scale>`` (``<table>.<scale>.<protocol>`` for a protocol other than ``corrected``):
-    the stem of every file of this table."""
+    """``<table>.<scale>``, plus ``.<protocol>`` for a protocol other than ``corrected``."""
     suffix = "" if result.protocol == "corrected" else f".{result.protocol}"
     return f"{result.spec.name}.{result.scale}{suffix}"
 
