@@ -18,23 +18,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.aggregate.build import (
-    PAPER_DIR,
-    PROTOCOLS,
-    SCALES,
-    TableResult,
-    build_table,
-    load_paper,
-    protocol_of,
-)
+from pipelines.aggregate.build import PAPER_DIR, PROTOCOLS, SCALES, TableResult, build_table, protocol_of
 from pipelines.aggregate.records import AggregateError, RunRecord, read_run_folder, read_run_folders
 from pipelines.aggregate.render import to_latex, to_markdown, write_outputs, write_protocols
 from pipelines.aggregate.specs import GLUE8, MATH4, SPECS, TableSpec
 from pipelines.aggregate.wandb_source import latest_generation, read_wandb, record_from_wandb
 
 __all__ = ["GLUE8", "MATH4", "PAPER_DIR", "SPECS", "AggregateError", "RunRecord", "TableResult", "TableSpec",
-           "aggregate", "build_table", "latest_generation", "load_paper", "read_run_folder",
-           "read_run_folders", "read_wandb", "record_from_wandb", "to_latex", "to_markdown", "write_outputs"]
+           "aggregate", "build_table", "latest_generation", "read_run_folder", "read_run_folders", "read_wandb",
+           "record_from_wandb", "to_latex", "to_markdown", "write_outputs"]
 
 
 def aggregate(*, experiment: str, source: str = "runs", runs_dir: str = "results/runs", out_dir: str = "results/tables",

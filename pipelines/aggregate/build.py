@@ -21,16 +21,7 @@ import numpy as np
 import pandas as pd
 
 from pipelines import store
-from pipelines.aggregate.intervals import (
-    Interval,
-    clears,
-    column_replicates,
-    detectable,
-    difference,
-    from_replicates,
-    from_seeds,
-    has_rows,
-)
+from pipelines.aggregate import intervals as iv
 from pipelines.aggregate.records import AggregateError, RunRecord
 from pipelines.aggregate.specs import SUITE_TASKS, TableSpec, as_float, norm_name
 from pipelines.tuned_rates import tuned_source, tuning_seeds
@@ -366,21 +357,21 @@ def component_columns(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord
     return [(s, col) for s in spec.suites if col in scored(s)]
 
 
-def cell_interval(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord]], col: str, value: float) -> Interval:
+def cell_interval(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord]], col: str, value: float) -> iv.Interval:
     """The 95 % interval of one cell (:mod:`pipelines.aggregate.intervals`): the bootstrap over rows and
     seeds when every run behind it has per-row outcomes, else t over the per-seed values of the cell."""
     if value is None or math.isnan(value):
-        return Interval(math.nan, math.nan, math.nan, 0, "none")
+        return iv.Interval(math.nan, math.nan, math.nan, 0, "none")
     seeds = sorted({_seed_of(r) for rs in by_suite.values() for r in rs})
     per_seed = {seed: spec.cell_values(spec, {s: [r for r in rs if _seed_of(r) == seed] for s, rs in by_suite.items()})[col]
                 for seed in seeds}
     parts = component_columns(spec, by_suite, col)
     runs = {s: sorted(by_suite.get(s, []), key=_seed_of) for s, _ in parts}
-    if parts and all(runs[s] and all(has_rows(r.final, c) for r in runs[s]) for s, c in parts):
-        reps = np.mean([column_replicates([r.final for r in runs[s]], [_seed_of(r) for r in runs[s]], c)
+    if parts and all(runs[s] and all(iv.has_rows(r.final, c) for r in runs[s]) for s, c in parts):
+        reps = np.mean([iv.column_replicates([r.final for r in runs[s]], [_seed_of(r) for r in runs[s]], c)
                         for s, c in parts], axis=0)
-        return from_replicates(value, reps, max(len(v) for v in runs.values()), per_seed)
-    return dataclasses.replace(from_seeds(list(per_seed.values())), value=value, per_seed=per_seed)
+        return iv.from_replicates(value, reps, max(len(v) for v in runs.values()), per_seed)
+    return dataclasses.replace(iv.from_seeds(list(per_seed.values())), value=value, per_seed=per_seed)
 
 
 def blocks(spec: TableSpec, frame: pd.DataFrame) -> list[tuple[Any, pd.DataFrame]]:
@@ -388,7 +379,7 @@ def blocks(spec: TableSpec, frame: pd.DataFrame) -> list[tuple[Any, pd.DataFrame
     return list(frame.groupby(spec.block, sort=False)) if spec.block else [(None, frame)]
 
 
-def mark_best(frame: pd.DataFrame, spec: TableSpec, intervals: Mapping[tuple, Interval]) -> pd.DataFrame:
+def mark_best(frame: pd.DataFrame, spec: TableSpec, intervals: Mapping[tuple, iv.Interval]) -> pd.DataFrame:
     """Add ``<col>_mark`` per cell: ``best`` where the column's best value within its block is better
     than the runner-up beyond noise (the 95 % interval of their paired difference excludes 0,
     :func:`pipelines.aggregate.intervals.clears`), ``tie`` on the best value where it is not; '' else."""
@@ -402,7 +393,7 @@ def mark_best(frame: pd.DataFrame, spec: TableSpec, intervals: Mapping[tuple, In
             order = vals.sort_values(ascending=spec.lower_is_better, kind="stable").index
             key = {i: tuple(frame.loc[i, k] for k in spec.keys) for i in order[:2]}
             best, runner = (intervals[key[i], col] for i in order[:2])
-            marks.loc[order[0]] = "best" if clears(best, runner, spec.lower_is_better) else "tie"
+            marks.loc[order[0]] = "best" if iv.clears(best, runner, spec.lower_is_better) else "tie"
         frame[f"{col}_mark"] = marks
     return frame
 
@@ -410,7 +401,7 @@ def mark_best(frame: pd.DataFrame, spec: TableSpec, intervals: Mapping[tuple, In
 DIFF_LABEL = "PRISM − best baseline"
 
 
-def prism_minus_best(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tuple, Interval]) -> pd.DataFrame:
+def prism_minus_best(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tuple, iv.Interval]) -> pd.DataFrame:
     """Per block and column, PRISM's cell minus the baseline with the best value there (chosen on the
     point estimates), with the paired bootstrap interval of the difference; ``<col>_vs`` names that
     baseline. Empty for tables without a Method key or without a PRISM row."""
@@ -429,12 +420,12 @@ def prism_minus_best(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tu
         for col in spec.columns:
             vals = pd.to_numeric(baselines[col], errors="coerce").dropna()
             if vals.empty or math.isnan(intervals[pkey, col].value):
-                diff, vs = Interval(math.nan, math.nan, math.nan, 0, "none"), ""
+                diff, vs = iv.Interval(math.nan, math.nan, math.nan, 0, "none"), ""
             else:
                 i = vals.idxmin() if spec.lower_is_better else vals.idxmax()
-                diff = difference(intervals[pkey, col], intervals[tuple(frame.loc[i, k] for k in spec.keys), col])
+                diff = iv.difference(intervals[pkey, col], intervals[tuple(frame.loc[i, k] for k in spec.keys), col])
                 vs = frame.loc[i, "Method"]
-            mde, seeds = detectable(diff)
+            mde, seeds = iv.detectable(diff)
             row.update({col: diff.value, f"{col}_lo": diff.lo, f"{col}_hi": diff.hi, f"{col}_n": diff.n,
                         f"{col}_ci": diff.method, f"{col}_vs": vs, f"{col}_mde": mde, f"{col}_seeds3pp": seeds})
         if any(not math.isnan(row[col]) for col in spec.columns):
