@@ -1,52 +1,25 @@
-"""One-run empirical privacy audit of whole training runs (``make audit-run``).
+"""One-run empirical privacy audit of whole training runs (``make audit-run``); docs/audit.md explains it.
 
 For each method × privacy level, the normal training loop (:func:`prism.train.build`,
-:func:`prism.train.train_step`: real sampler, backbone, per-example gradients) trains with ``m`` white-box
-gradient canaries (:mod:`prism.audit.canaries`): a secret fair coin includes each, included ones are
-Poisson-sampled at the run's rate and clipped and noised by the method's own step. Each step's released
-privatised quantity is projected on every canary's direction, and a canary's score is
-:func:`prism.audit.one_run.filtered_scores` of its per-step projections: high-passed in time, standardised
-per step and block, the largest step kept, since the real examples' gradients project on every canary
-with a spread per step above a tenth of the noise that drifts in time and differs between blocks
-(docs/MEASUREMENTS.md, 2026-12-03). The auditor guesses "in" for the ``k⁺`` highest scores and "out"
-for the ``k⁻`` lowest, with ``(k⁺, k⁻)`` fixed before any score is seen (``--split``: chosen on one half
-of the canaries, the other half audited). Two ε lower bounds at 95 % (δ of the run) come from the correct
-guesses: Steinke, Nasr & Jagielski (2023) (:func:`prism.audit.one_run.epsilon_lower_bound`) and, with "in"
-guesses only, the f-DP audit of Mahloujifar, Melis & Chaudhuri (2025) against the (ε, δ) trade-off curve
-(:func:`prism.audit.one_run.approx_dp_curve`), much tighter at large ``m``. Alongside: the f-DP bound an
-ideal run with the same ``(σ, q, T, m, k⁺, k⁻)`` gives (:func:`prism.audit.one_run.expected_bounds`,
-mean ± sd over 20 simulated runs). ``--expected-only`` prints those expectations for the planned runs
-without training (σ calibrated as the runs would be). docs/audit.md explains the rows and what they prove.
+:func:`prism.train.train_step`) trains with ``m`` white-box gradient canaries (:mod:`prism.audit.canaries`)
+that a secret fair coin includes; each step's privatised release is projected on every canary, a canary's
+score is :func:`prism.audit.one_run.filtered_scores` of its projections, and the auditor guesses "in" for
+the ``k⁺`` highest (default ``m/4``) and "out" for the ``k⁻`` lowest (default 0), fixed before any score is
+seen (``--split``: chosen on one half of the canaries, the other half audited). The correct guesses give
+two ε lower bounds at 95 %: Steinke, Nasr & Jagielski (2023) and the f-DP audit of Mahloujifar, Melis &
+Chaudhuri (2025); beside them, what an ideal run gives (:func:`prism.audit.one_run.expected_bounds`).
+``--expected-only`` prints those expectations for the planned runs without training.
 
-Default ``m = 30,000`` (the Steinke bound needs ``2mδ ≤ 1``: at most 50,000 at δ = 1e-5) and ``k⁺ = m/4``,
-a rule fixed before any run: with ``qT`` about 1 (embedded: q = 0.032, T = 30) about 62 % of the included
-canaries, 31 % of ``m``, are sampled at least once, so ``m/4`` guesses can all fall on sampled canaries.
-The canaries are exactly orthogonal cells of a random basis per LoRA tensor (PRISM: per module); no
-canary costs a forward pass, and their directions take 170 MB (DP-AdamW) to 330 MB (PRISM). A canary's
-cost is its per-example clipping in the method's ``accumulate`` (``m/2 · q · T`` canary gradients a run)
-and the per-step projection. An ideal run with a tenth of the noise then gives ≈ 7.8 (f-DP) when all
-7,500 guesses are right, and still above 6 with 10 of them wrong; ``--expected-only`` shows the bounds
-for other ``m`` and ``k⁺``.
-
-Default ``k⁻ = 0``: when ``qT`` is about 1 (embedded: q = 0.032, T = 30) a third of the included canaries
-is never sampled, so its scores look like the excluded ones' and "out" guesses are at best about 70 %
-right even without noise, while "in" guesses on the highest scores can all be right.
-
-Rows: every method at every ε; per method and ε a broken-noise control (the same run with every
-noise draw multiplied by :data:`BROKEN_NOISE_SCALE` = 0.1 while σ, the accountant and the claimed ε stay
-those of the run); and a non-private control per method (no clipping, no noise: the bound should be the
-largest ``m`` and ``k`` allow). The broken control exists only here: :class:`BrokenNoise` wraps the run's
-noise source after :func:`prism.train.build`, no config key or override reaches it, and nothing of it is
-exported (no adapter, run record or checkpoint: this module writes only its tables). Exit 1 if a genuine
-row's lower bound (either one) exceeds its claimed ε (a privacy defect), or if a broken control's bounds
-both stay at or below its claimed ε (the audit lacks the power to see a mechanism with a tenth of its
-noise). Output: ``results/tables/audit_run.<scale>.md`` and ``.csv``, printed at the end.
-``python -m pipelines audit-run --help`` lists the arguments (:func:`main`).
+Rows: every method at every ε; per method and ε a broken-noise control (the same run with every noise
+draw times :data:`BROKEN_NOISE_SCALE`, σ, accountant and claimed ε unchanged: :class:`BrokenNoise`, which
+exists only here and is never exported); a non-private control per method. Exit 1 if a genuine row's
+bound exceeds its claimed ε, or if a broken control's bounds both stay at or below it. Output:
+``results/tables/audit_run.<scale>.md`` and ``.csv``. ``python -m pipelines audit-run --help`` lists the
+arguments (:func:`main`).
 """
 from __future__ import annotations
 
 import csv
-import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -57,13 +30,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipelines.audit import names
+from pipelines.audit import PRINT, names
 from prism.audit.canaries import CanaryMethod, Space, draw_directions
 from prism.audit.one_run import OneRunAudit, audit, expected_bounds, split_audit
+from prism.audit.step import gdp_epsilon
 from prism.methods import registry
 from prism.privacy.noise import NoiseSource
 
-PRINT = functools.partial(print, flush=True)
 SCALES = ("embedded", "smoke")
 COLUMNS = ("method", "row", "claimed_epsilon", "canaries", "guesses", "correct", "epsilon_lower_95",
            "epsilon_fdp_lower_95", "mu_gdp_lower_95", "epsilon_gdp_lower_95", "ideal_epsilon_lower", "config_hash")
@@ -80,11 +53,6 @@ class BrokenNoise:
 
     def normal(self, shape: tuple[int, ...], device: torch.device) -> Tensor:
         return BROKEN_NOISE_SCALE * self.inner.normal(shape, device)
-
-
-def space_of(method_name: str) -> Space:
-    """Where the method clips: the tangent space (PRISM), else the flat factor vector."""
-    return "tangent" if registry.lookup(method_name).tangent else "factor"
 
 
 @dataclass(frozen=True)
@@ -139,23 +107,16 @@ def audit_method(method, space: Space, canaries: int, k_pos: int, k_neg: int, sa
     return audit(scores, included, k_pos, k_neg, delta), wrapped
 
 
-def _privacy_overrides(epsilon: float) -> list[str]:
-    if math.isinf(epsilon):
-        return ["privacy=nondp"]
-    if epsilon in (3.0, 6.0):
-        return [f"privacy=eps{epsilon:g}"]
-    return ["privacy=eps6", f"privacy.name=eps{epsilon:g}", f"privacy.epsilon={epsilon:g}"]
-
-
 def job_config(method_name: str, epsilon: float, scale: str):
     """The validated job config of ``method × ε`` at ``scale`` (what ``pipelines.run`` would train)."""
+    from pipelines.compare import privacy_overrides
     from pipelines.validate import load_job
 
-    return load_job([f"method={method_name}", f"scale={scale}", *_privacy_overrides(epsilon)])
+    return load_job([f"method={method_name}", f"scale={scale}", *privacy_overrides(epsilon)])
 
 
-def audit_training_run(cfg, canaries: int, k_pos: int, k_neg: int, split: bool, seed: int, broken: bool = False,
-                       filtered: bool = True, report: Callable[[str], None] = PRINT) -> AuditRow:
+def audit_training_run(cfg, canaries: int, k_pos: int, k_neg: int, split: bool, seed: int,
+                       broken: bool = False) -> AuditRow:
     """Build the run of ``cfg`` (:func:`job_config`) and train it with canaries; with ``broken`` (a DP
     ``cfg`` only) the run's noise source is wrapped in :class:`BrokenNoise`: the broken-noise control."""
     from pipelines.store import run_hash
@@ -173,26 +134,21 @@ def audit_training_run(cfg, canaries: int, k_pos: int, k_neg: int, split: bool, 
         s.method = wrapped
         train_step(s, cfg)
 
-    result, _ = audit_method(s.method, space_of(method_name), canaries, k_pos, k_neg, s.sampler.sample_rate, steps,
-                             step_fn, float(cfg.privacy.delta), seed, split, report, filtered)
+    space: Space = "tangent" if registry.lookup(method_name).tangent else "factor"  # where the method clips
+    result, _ = audit_method(s.method, space, canaries, k_pos, k_neg, s.sampler.sample_rate, steps, step_fn,
+                             float(cfg.privacy.delta), seed, split, filtered=True)
     ideal = ""
     if s.method.dp:
         sigma = s.sigma * (BROKEN_NOISE_SCALE if broken else 1.0)
         mean, sd, _ = expected_bounds(result.canaries, result.k_pos, result.k_neg, sigma, s.sampler.sample_rate,
                                       steps, delta=float(cfg.privacy.delta), seed=seed, fdp=result.k_neg == 0,
-                                      filtered=filtered)
+                                      filtered=True)
         ideal = f"{mean:.2f} ± {sd:.2f}"
     row = BROKEN if broken else GENUINE if s.method.dp else NONPRIVATE
+    mu = result.mu_lower
+    mu_eps = mu if math.isnan(mu) or mu == 0 else gdp_epsilon(mu, float(cfg.privacy.delta))  # ε at δ of the μ-GDP curve
     return AuditRow(method_name, row, epsilon, result.canaries, result.guesses, result.correct, result.epsilon_lower,
-                    result.epsilon_fdp_lower, result.mu_lower, gdp_equivalent(result.mu_lower, float(cfg.privacy.delta)),
-                    ideal, run_hash(cfg))
-
-
-def gdp_equivalent(mu: float, delta: float) -> float:
-    """The ε at δ of the μ-GDP curve (0 for μ = 0, NaN for NaN)."""
-    from prism.audit.step import gdp_epsilon
-
-    return mu if math.isnan(mu) or mu == 0 else gdp_epsilon(mu, delta)
+                    result.epsilon_fdp_lower, mu, mu_eps, ideal, run_hash(cfg))
 
 
 def training_rows(cfg) -> int:

@@ -3,13 +3,10 @@
     python -m pipelines diagnostics [scale=paper] [overrides...]
     make reproduce-diagnostics [SCALE=paper]
 
-One job (``experiment=diagnostics`` and the overrides) = one run folder ``results/runs/diagnostics/<hash>/`` through :func:`pipelines.run.execute`
-(lock, skip-if-finished, ``status.json``, ``final.json``, W&B); :func:`measure` is the job's trainer.
-It drives the training loop of :mod:`prism.train` (``build`` once per LoRA init, ``train_step`` for
-every step) and the measurement functions of :mod:`prism.audit.diagnostics`; every step of every short run
-is a line of ``metrics.jsonl`` (``part``, ``method``, ``c``, ``epsilon``, ``run_step``), the raw
-series go to ``diagnostics.json``, and :func:`render` turns that file into ``results/figures/*.png``
-and ``results/tables/diagnostics.md`` beside the paper's stated values.
+One job (``experiment=diagnostics`` and the overrides) is one run folder of :func:`pipelines.run.execute`
+whose trainer, :func:`measure`, drives :mod:`prism.train` and :mod:`prism.audit.diagnostics`: every step of
+every short run is a line of ``metrics.jsonl``, the raw series go to ``diagnostics.json``, and
+:func:`render` turns that file into ``results/figures/*.png`` and ``results/tables/diagnostics.md``.
 
 Items (the config node ``train.diagnostics`` sets their budgets; conf/diagnostics/*.yaml):
 
@@ -22,7 +19,6 @@ Items (the config node ``train.diagnostics`` sets their budgets; conf/diagnostic
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
 import sys
@@ -39,7 +35,6 @@ from pipelines.compose import CONF_DIR, compose_config, resolve
 from pipelines.run import ConfigError, check, execute, setup_logging
 from prism.privacy.accounting import is_private
 
-log = logging.getLogger("pipelines.diagnostics")
 LogFn = Callable[[dict[str, Any]], None]
 DATA_FILE = "diagnostics.json"
 MC_CHUNK = 128  # Monte-Carlo draws per batched call (bounds memory at paper shapes)
@@ -105,10 +100,6 @@ class Lab:
         self._sigmas: dict[tuple[float, int], float] = {}  # (ε, steps) → σ: PRV calibration costs seconds
         self._line = 0
 
-    def log(self, record: dict[str, Any]) -> None:
-        self._line += 1
-        self.log_fn({"step": self._line, **record})
-
     def setup(self, method: str) -> tuple[Any, dict[str, torch.Tensor]]:
         """``prism.train.build`` once per method (its LoRA init), with a copy of the initial factors."""
         from prism.train import build
@@ -150,8 +141,8 @@ class Lab:
     def step1_norms(self, s: Any, sub: DictConfig) -> dict[str, list[float]]:
         """Per-example factor and intrinsic norms on the first Poisson batch (the sampler is rewound)."""
         from prism.audit.diagnostics import factor_example_norms, intrinsic_example_norms
-        from prism.data.prompts import collate
         from prism.mechanism.lora import lora_pairs
+        from prism.train import _micro_batch
 
         state = s.sampler.state_dict()
         indices = s.sampler.sample()
@@ -159,13 +150,7 @@ class Lab:
         names, pairs = list(s.params), lora_pairs(s.params)
         factor, intrinsic = [], []
         for chunk in indices.split(sub.train.micro_batch_size):
-            ids = chunk.tolist()
-            if s.prefix is not None:
-                batch = s.prefix.batch(ids)
-            else:
-                batch = {k: v.to(s.device) for k, v in
-                         collate([s.features[i] for i in ids], pad_id=s.tokenizer.pad_token_id).items()}
-            _, grads = s.gradients(batch)
+            _, grads = s.gradients(_micro_batch(s, chunk.tolist()))
             factor.append(factor_example_norms(grads, names))
             if sub.method.init == "spectral":  # the intrinsic norm needs full-rank factors (peft init has A = 0)
                 intrinsic.append(intrinsic_example_norms(pairs, s.params, grads))
@@ -204,7 +189,8 @@ class Lab:
                 elif hasattr(s.method, "optimizer"):
                     row["amplification"] = adam_amplification(s.method.optimizer, amp_gen)
             result["steps"].append(row)
-            self.log({"part": part, "method": method, "c": c, "epsilon": epsilon, **row})
+            self._line += 1
+            self.log_fn({"step": self._line, "part": part, "method": method, "c": c, "epsilon": epsilon, **row})
         final = {n: p.detach().clone() for n, p in s.params.items()}
         result["final_S"] = factor_sum(pairs, final)
         result["_final"] = {p.module: tuple(t.detach().double() for t in read_pair(final, p)) for p in pairs}
@@ -219,23 +205,23 @@ def table1(lab: Lab) -> dict[str, Any]:
     from prism.mechanism.lora import lora_pairs, read_pair
 
     s, initial = lab.setup(str(lab.d.prism))
-    sub = sub_config(lab.cfg, str(lab.d.prism), lab.eps0, int(lab.d.gauge_steps))
-    tau = s.sigma * float(sub.privacy.clip_norm) / sub.train.batch_size
+    tau = s.sigma * float(lab.cfg.privacy.clip_norm) / lab.cfg.train.batch_size
     pairs = lora_pairs(initial)
     last = pairs[-1].module.rsplit(".", 1)[0].rsplit(".", 1)[0]  # e.g. ...layers.29
-    gen = torch.Generator(device=s.device).manual_seed(int(sub.seed) + 4)
+    gen = torch.Generator(device=s.device).manual_seed(int(lab.cfg.seed) + 4)
     draws = int(lab.d.table1_draws)
+    chunks = [min(MC_CHUNK, draws - i) for i in range(0, draws, MC_CHUNK)]
     rows = []
 
     def sample(fn: Callable[[int], torch.Tensor]) -> torch.Tensor:
-        return torch.cat([fn(min(MC_CHUNK, draws - i)) for i in range(0, draws, MC_CHUNK)])
+        return torch.cat([fn(k) for k in chunks])
 
     for pair in pairs:
         if not pair.module.startswith(last):
             continue
         A, B = (t.detach().double() for t in read_pair(initial, pair))
         (m, r), n = A.shape, B.shape[0]
-        both = [factor_noise_draws(A, B, tau, k, gen) for k in _chunks(draws)]
+        both = [factor_noise_draws(A, B, tau, k, gen) for k in chunks]
         first = torch.cat([x.first for x in both])
         bil = torch.cat([x.bilinear for x in both])
         total = torch.cat([x.total for x in both])
@@ -258,10 +244,6 @@ def table1(lab: Lab) -> dict[str, Any]:
               "prism": geometry.prism_effective_noise(A.shape[0], B.shape[0], A.shape[1], tau)}
              for c in (1e-3, 1e-1, 1.0, 1e1, 1e3)]
     return {"tau": tau, "sigma": s.sigma, "draws": draws, "rows": rows, "orbit": orbit, "layer": last}
-
-
-def _chunks(total: int) -> list[int]:
-    return [min(MC_CHUNK, total - i) for i in range(0, total, MC_CHUNK)]
 
 
 def gauge_sweep(lab: Lab) -> dict[str, Any]:
@@ -388,10 +370,9 @@ def summary(data: dict[str, Any], lab: Lab) -> dict[str, Any]:
            "fit_r2": data["noise"]["r2"], "fit_slope_over_tau2": data["noise"]["slope"] / data["noise"]["tau"] ** 2,
            "c_star_empirical": data["scan"]["c_star_empirical"], "c_star_eq34": data["scan"]["c_star_eq34"],
            "rho_rel_max_" + base: max(g[base]["rho_rel"]), "rho_rel_max_" + prism: max(g[prism]["rho_rel"])}
-    for row in g[base]["step1"]:
-        out[f"step1_clip_{base}_c{row['c']:g}"] = row["factor_clip_fraction"]
-    for row in g[prism]["step1"]:
-        out[f"step1_clip_{prism}_c{row['c']:g}"] = row["intrinsic_clip_fraction"]
+    for method, norm in ((base, "factor"), (prism, "intrinsic")):
+        for row in g[method]["step1"]:
+            out[f"step1_clip_{method}_c{row['c']:g}"] = row[f"{norm}_clip_fraction"]
     return out
 
 
@@ -433,9 +414,7 @@ def render(data: dict[str, Any], results_dir: Path, wall_time_s: float | None = 
         axes[1].plot(cs, [r[f"{key}_coef_mean"] for r in rows], "o-", label=label)
     for ax, title in zip(axes, ("clip fraction at step 1", "mean clip coefficient at step 1")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("gauge c in (cA, B/c)")
-        ax.set_title(title)
-        ax.set_ylim(-0.05, 1.05)
+        ax.set(xlabel="gauge c in (cA, B/c)", title=title, ylim=(-0.05, 1.05))
     axes[0].legend(fontsize=7)
     save(fig, "gauge_step1")
 
@@ -444,16 +423,14 @@ def render(data: dict[str, Any], results_dir: Path, wall_time_s: float | None = 
     for ax, method in zip(axes[:2], (base, prism)):
         for c, series in zip(g[method]["gauges"], g[method]["delta_z"]):
             ax.plot(range(1, len(series) + 1), series, label=f"c={c:g}")
-        ax.set_title(f"{method}: ‖ΔZ_t‖_F per gauge")
-        ax.set_xlabel("step")
+        ax.set(title=f"{method}: ‖ΔZ_t‖_F per gauge", xlabel="step")
         ax.legend(fontsize=7)
     for method in (base, prism):
         axes[2].plot(range(1, len(g[method]["rho_rel"]) + 1), g[method]["rho_rel"], "o-", label=method)
     if data.get("gauge_plain"):
         rr = data["gauge_plain"]["rho_rel"]
         axes[2].plot(range(1, len(rr) + 1), rr, "s--", label=f"{prism}, no adaptive transform")
-    axes[2].set_title("ρ_t / mean_c ‖ΔZ_t‖ (max_c − min_c)")
-    axes[2].set_xlabel("step")
+    axes[2].set(title="ρ_t / mean_c ‖ΔZ_t‖ (max_c − min_c)", xlabel="step")
     axes[2].set_yscale("symlog", linthresh=1e-6)
     axes[2].legend()
     save(fig, "gauge_training")
@@ -462,9 +439,7 @@ def render(data: dict[str, Any], results_dir: Path, wall_time_s: float | None = 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(range(1, len(nz["ratio"]) + 1), nz["ratio"], "o-")
     ax.axhline(1.0, color="grey", ls="--")
-    ax.set_xlabel("step")
-    ax.set_ylabel("‖N_Z‖ factor / ‖N_Z‖ PRISM")
-    ax.set_title("Fig. 1: intrinsic noise ratio (c = 1)")
+    ax.set(xlabel="step", ylabel="‖N_Z‖ factor / ‖N_Z‖ PRISM", title="Fig. 1: intrinsic noise ratio (c = 1)")
     save(fig, "noise_ratio")
 
     # Fig. 3: ‖N_Z‖² vs S_t.
@@ -475,10 +450,7 @@ def render(data: dict[str, Any], results_dir: Path, wall_time_s: float | None = 
     ax.plot(xs, nz["slope"] * xs + nz["intercept"], "k-", lw=1, label=f"fit R²={nz['r2']:.4f}")
     ax.plot(xs, nz["tau"] ** 2 * xs, "r--", lw=1, label="eq. 8: τ²S_t")
     ax.axhline(float(np.nanmean(nz["prism_N2"])), color="tab:orange", label=f"{prism} (c=1)")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("S_t = Σ(m‖B‖² + n‖A‖²)")
-    ax.set_ylabel("‖N_Z‖²_F")
+    ax.set(xscale="log", yscale="log", xlabel="S_t = Σ(m‖B‖² + n‖A‖²)", ylabel="‖N_Z‖²_F")
     fig.colorbar(sca, ax=ax, label="log2 c")
     ax.legend(fontsize=7)
     save(fig, "noise_vs_S")
@@ -492,9 +464,7 @@ def render(data: dict[str, Any], results_dir: Path, wall_time_s: float | None = 
     ax.plot(x, sc["bilinear_median"], ":", label="bilinear part")
     ax.axvline(math.log10(sc["c_star_empirical"]), color="tab:green", label=f"c* emp {sc['c_star_empirical']:.3g}")
     ax.axvline(math.log10(sc["c_star_eq34"]), color="tab:red", ls="--", label=f"c* eq. 34 {sc['c_star_eq34']:.3g}")
-    ax.set_yscale("log")
-    ax.set_xlabel("log10 c")
-    ax.set_ylabel("‖N_Z‖_F")
+    ax.set(yscale="log", xlabel="log10 c", ylabel="‖N_Z‖_F")
     ax.set_title(f"optimal gauge: {sc['module'].split('model.')[-1]}", fontsize=8)
     ax.legend(fontsize=6)
     save(fig, "optimal_gauge")
@@ -507,10 +477,7 @@ def render(data: dict[str, Any], results_dir: Path, wall_time_s: float | None = 
         ax.errorbar(sig, [r["amplification"] for r in rows],
                     yerr=[[r["amplification"] - r["amp_min"] for r in rows], [r["amp_max"] - r["amplification"] for r in rows]],
                     fmt="o-", capsize=3, label=method)
-    ax.set_xlabel("realised σ")
-    ax.set_ylabel("‖P^{-1/2}ξ‖ / ‖ξ‖")
-    ax.set_yscale("log")
-    ax.set_title("ε sweep: noise amplification")
+    ax.set(xlabel="realised σ", ylabel="‖P^{-1/2}ξ‖ / ‖ξ‖", yscale="log", title="ε sweep: noise amplification")
     ax.legend()
     save(fig, "eps_amplification")
 

@@ -1,23 +1,12 @@
 """`make gpu-check`: the paper's Table 5 on a random-initialised paper backbone, and the GPU-only paths.
 
-No download and no network: the model is built from an architecture file in ``conf/gpu_check/``
-(``gemma-3-4b-pt.json``: gemma-3-4b-pt's exact widths, multimodal class, SigLIP tower dropped after
-loading as in training) with random weights — step time and memory need no trained weights — and
-the data are synthetic token sequences of the paper's Math-10K length (``cutoff_len`` 256). The
-paper's policy throughout: bf16 frozen base, fp32 LoRA (r = 16, α = 16, dropout 0.05), ε = 6, B = 64,
-micro-batch 4. What it runs and prints:
-
-1. Table 5: step time and peak memory of DP-AdamW, DP-LoRA+, PRISM and non-private AdamW, with the
-   ratios to DP-AdamW, and beside them the host syncs and kernel launches of one logical step counted
-   with ``torch.profiler`` (on a CPU: aten ops, and value reads as syncs).
-2. A ``generate`` call of the trained PRISM model (the evaluator's path: KV cache on).
-3. Save / kill / resume: a PRISM run checkpointed half way, its in-memory state dropped (the "kill"),
-   rebuilt from scratch and resumed, must end bitwise equal to an uninterrupted run — with dropout on,
-   so the CUDA generator state must travel through the checkpoint.
-
-Profiles: ``paper`` (GPU, ≤ 8 minutes on one A100/H100-class device), ``sim`` (paper widths with 2
-layers and a 4k vocabulary, for a CPU), ``tiny`` (a 2-layer multimodal model, seconds on a CPU: the
-default test suite runs it). Exit status 1 when anything fails or a loss is non-finite.
+No download: the model is built from ``conf/gpu_check/`` with random weights and the data are synthetic
+rows of the paper's Math-10K length, under the paper's policy (bf16 frozen base, fp32 LoRA r = 16 with
+dropout 0.05, ε = 6, B = 64, micro-batch 4). It prints Table 5 with the host syncs and kernel launches of
+one logical step, runs a ``generate`` call of the trained PRISM model, and a save / kill / resume cycle of
+PRISM that must end bitwise equal to an uninterrupted run (docs/GPU.md). Profiles: ``paper`` (GPU), ``sim``
+(paper widths, 2 layers, for a CPU), ``tiny`` (seconds on a CPU: the test suite runs it). Exit status 1
+when anything fails or a loss is non-finite.
 
     python -m pipelines gpu-check [profile=paper|sim|tiny] [device=cuda|cpu] [methods=prism,adamw]
 """
@@ -30,10 +19,10 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.autograd import DeviceType
@@ -238,65 +227,50 @@ def format_table(rows: Sequence[Row], device: torch.device) -> str:
     return "\n".join(lines)
 
 
-@contextmanager
-def _sigma_calibrated_once() -> Iterator[None]:
-    """Every DP job here has the same (ε, δ, q, T), hence the same σ: calibrate it once (seconds each)."""
-    calibrate = T.calibrate_for_run
-    T.calibrate_for_run = functools.cache(calibrate)
-    try:
-        yield
-    finally:
-        T.calibrate_for_run = calibrate
-
-
 def run_check(profile: Profile, device: torch.device, methods: Sequence[str] | None = None,
               out: Callable[[str], None] = print) -> int:
-    """Every check of ``profile`` on ``device``; prints as it goes; returns the number of failures."""
-    with _sigma_calibrated_once():
-        return _run_check(profile, device, methods, out)
-
-
-def _run_check(profile: Profile, device: torch.device, methods: Sequence[str] | None,
-               out: Callable[[str], None]) -> int:
-    started = time.perf_counter()
-    suite = synthetic_suite(profile.examples, profile.cutoff_len)
-    rows, failures, prism_setup = [], 0, None
-    for label, method, privacy in TABLE5:
-        if methods and method not in methods:
-            continue
-        try:
-            row, setup = table5_row(profile, label, method, privacy, device, suite, keep=method == "prism")
-        except Exception as exc:  # noqa: BLE001 - report every method, then fail
-            failures += 1
-            out(f"{label:<12} FAILED: {type(exc).__name__}: {exc}")
-            continue
-        prism_setup = setup or prism_setup
-        failures += not math.isfinite(row.loss)
-        rows.append(row)
-        out(f"{label:<12} step {row.step_s:.3f} s  peak {row.peak_mb:.0f} MiB  syncs {row.syncs}  "
-            f"kernels {row.kernels}  loss {row.loss:.3f}  [{time.perf_counter() - started:.0f} s]")
-    if rows:
-        out("\nTable 5 (" + f"{profile.backbone}, B={profile.batch_size}, micro-batch {profile.micro_batch_size}, "
-            f"{profile.cutoff_len} tokens, median of {profile.measure} steps)\n" + format_table(rows, device))
-    if prism_setup is not None:
-        try:
-            out(f"generate: {generate_check(prism_setup)!r}")
-        except Exception as exc:  # noqa: BLE001
-            failures += 1
-            out(f"generate FAILED: {type(exc).__name__}: {exc}")
-        prism_setup = None
-    if not methods or "prism" in methods:
-        with tempfile.TemporaryDirectory(prefix="gpu-check-") as workdir:
+    """Every check of ``profile`` on ``device``; prints as it goes; returns the number of failures. Every DP
+    job here has the same (ε, δ, q, T), hence the same σ: it is calibrated once (seconds each)."""
+    with mock.patch.object(T, "calibrate_for_run", functools.cache(T.calibrate_for_run)):
+        started = time.perf_counter()
+        suite = synthetic_suite(profile.examples, profile.cutoff_len)
+        rows, failures, prism_setup = [], 0, None
+        for label, method, privacy in TABLE5:
+            if methods and method not in methods:
+                continue
             try:
-                same = resume_check(profile, device, suite, Path(workdir))
+                row, setup = table5_row(profile, label, method, privacy, device, suite, keep=method == "prism")
+            except Exception as exc:  # noqa: BLE001 - report every method, then fail
+                failures += 1
+                out(f"{label:<12} FAILED: {type(exc).__name__}: {exc}")
+                continue
+            prism_setup = setup or prism_setup
+            failures += not math.isfinite(row.loss)
+            rows.append(row)
+            out(f"{label:<12} step {row.step_s:.3f} s  peak {row.peak_mb:.0f} MiB  syncs {row.syncs}  "
+                f"kernels {row.kernels}  loss {row.loss:.3f}  [{time.perf_counter() - started:.0f} s]")
+        if rows:
+            out("\nTable 5 (" + f"{profile.backbone}, B={profile.batch_size}, micro-batch {profile.micro_batch_size}, "
+                f"{profile.cutoff_len} tokens, median of {profile.measure} steps)\n" + format_table(rows, device))
+        if prism_setup is not None:
+            try:
+                out(f"generate: {generate_check(prism_setup)!r}")
             except Exception as exc:  # noqa: BLE001
-                same = False
-                out(f"resume FAILED: {type(exc).__name__}: {exc}")
-        failures += not same
-        out(f"save/kill/resume after {profile.resume_steps} of {2 * profile.resume_steps} steps: "
-            f"{'bitwise identical' if same else 'DIFFERS'}")
-    out(f"gpu-check: {'ok' if not failures else f'{failures} failure(s)'} in {time.perf_counter() - started:.0f} s")
-    return failures
+                failures += 1
+                out(f"generate FAILED: {type(exc).__name__}: {exc}")
+            prism_setup = None
+        if not methods or "prism" in methods:
+            with tempfile.TemporaryDirectory(prefix="gpu-check-") as workdir:
+                try:
+                    same = resume_check(profile, device, suite, Path(workdir))
+                except Exception as exc:  # noqa: BLE001
+                    same = False
+                    out(f"resume FAILED: {type(exc).__name__}: {exc}")
+            failures += not same
+            out(f"save/kill/resume after {profile.resume_steps} of {2 * profile.resume_steps} steps: "
+                f"{'bitwise identical' if same else 'DIFFERS'}")
+        out(f"gpu-check: {'ok' if not failures else f'{failures} failure(s)'} in {time.perf_counter() - started:.0f} s")
+        return failures
 
 
 def main(*, profile: str = "paper", device: str | None = None, methods: str | None = None) -> int:
@@ -311,11 +285,11 @@ def main(*, profile: str = "paper", device: str | None = None, methods: str | No
                          f"comma-separated subset of {','.join(known)} (or leave methods= out for all)")
     if profile not in PROFILES:
         raise ValueError(f"profile={profile} is not a profile, use profile= one of {', '.join(sorted(PROFILES))}")
-    where = torch.device(device or PROFILES[profile].device)
+    spec = PROFILES[profile]
+    where = torch.device(device or spec.device)
     if where.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("no CUDA device is visible, run `make gpu-check` on a GPU machine "
                          "(or `python -m pipelines gpu-check profile=tiny` on a CPU)")
-    spec = replace(PROFILES[profile], device=where.type)
     name = torch.cuda.get_device_name(where) if where.type == "cuda" else "cpu"
     print(f"device: {name}  torch {torch.__version__}  profile {profile} ({spec.backbone})")
     return 1 if run_check(spec, where, chosen) else 0

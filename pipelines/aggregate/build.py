@@ -1,15 +1,13 @@
 """Cells of a table from run records: grouping, refusals, intervals, paper numbers, best marks, the
 "PRISM − best baseline" row, header facts.
 
-A cell averages *seeds only*: its finished runs must agree on every result-changing field but the
-seed (:func:`pipelines.store.result_fields`). A cell whose runs differ in anything else (backbone,
-steps, learning rate, …) is refused — left empty and listed with the differing fields — never
-averaged. A run whose realised ε (``final.json``'s ``epsilon_spent``) does not fit its row's ε is
-left out and listed too. Each cell carries its 95 % interval (:mod:`pipelines.aggregate.intervals`);
-"best" is marked only where the best value's paired difference from the runner-up excludes 0.
+A cell averages *seeds only*: a cell whose finished runs differ in another result-changing field
+(:func:`pipelines.store.result_fields`) is refused and listed, never averaged, and so is a run whose
+realised ε does not fit its row's ε.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import subprocess
@@ -23,16 +21,7 @@ import numpy as np
 import pandas as pd
 
 from pipelines import store
-from pipelines.aggregate.intervals import (
-    Interval,
-    clears,
-    column_replicates,
-    detectable,
-    difference,
-    from_replicates,
-    from_seeds,
-    has_rows,
-)
+from pipelines.aggregate import intervals as iv
 from pipelines.aggregate.records import AggregateError, RunRecord
 from pipelines.aggregate.specs import SUITE_TASKS, TableSpec, as_float, norm_name
 from pipelines.tuned_rates import tuned_source, tuning_seeds
@@ -48,13 +37,9 @@ CELL_PARTS = ("", "_lo", "_hi", "_n", "_ci", "_paper")  # per value column: valu
 
 @dataclass
 class TableResult:
-    """A built table: ``frame`` holds keys, per value column the cell value, its 95 % interval
-    (``<col>_lo``, ``<col>_hi``), seeds (``<col>_n``), interval method (``<col>_ci``), the paper's
-    number (``<col>_paper``) and mark (``<col>_mark``: best | tie | ''), then ``eps_spent_<suite>``
-    and ``n_runs``; ``differences`` the "PRISM − best baseline" row per block (same parts, and
-    ``<col>_vs``: the baseline; ``<col>_mde``, ``<col>_seeds3pp``: what it can detect,
-    :func:`pipelines.aggregate.intervals.detectable`); ``header`` the per-suite facts of the runs behind it
-    (``{suite: {fact: text}}``); ``warnings`` what a reader must know before trusting it."""
+    """A built table: ``frame`` holds the keys, per value column the parts of :data:`CELL_PARTS` and
+    ``<col>_mark``, then ``eps_spent_<suite>`` and ``n_runs``; ``differences`` the "PRISM − best baseline"
+    rows (with ``<col>_vs``, ``<col>_mde``, ``<col>_seeds3pp``); ``header`` the facts per suite."""
 
     spec: TableSpec
     scale: str
@@ -78,16 +63,6 @@ class TableResult:
 def load_paper(name: str) -> pd.DataFrame:
     """The paper's numbers for one table (``pipelines/paper_tables/<name>.csv``)."""
     return pd.read_csv(PAPER_DIR / f"{name}.csv")
-
-
-def choose_scale(records: Sequence[RunRecord], scale: str | None) -> str:
-    """The requested scale, else the scale of most records (embedded when there are none)."""
-    if scale:
-        if scale not in SCALES:
-            raise AggregateError(f"scale={scale} is not known, use scale=embedded or scale=paper")
-        return scale
-    seen = pd.Series([r.get("suite.scale") for r in records]).dropna()
-    return str(seen.mode().iloc[0]) if not seen.empty else "embedded"
 
 
 def protocol_of(record: RunRecord) -> str:
@@ -123,16 +98,14 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {k.rstrip("."): v for k, v in out.items()}
 
 
-def config_signature(record: RunRecord) -> str:
-    """Canonical JSON of the run's result-changing config minus the seed (equal ⇔ seeds of one cell)."""
-    fields = store.result_fields(record.config)
-    fields.pop("seed", None)
-    return store.canonical(fields)
+def unseeded_config(record: RunRecord) -> dict[str, Any]:
+    """The run's result-changing config minus the seed (equal for the seeds of one cell)."""
+    return {k: v for k, v in store.result_fields(record.config).items() if k != "seed"}
 
 
 def differing_fields(records: Sequence[RunRecord], limit: int = 4) -> str:
     """``field: a | b`` for the config fields (seed excluded) on which ``records`` disagree."""
-    flat = [_flatten({k: v for k, v in store.result_fields(r.config).items() if k != "seed"}) for r in records]
+    flat = [_flatten(unseeded_config(r)) for r in records]
     keys = sorted({k for f in flat for k in f})
     diffs = [f"{k}: {' | '.join(sorted({str(f.get(k)) for f in flat}))}" for k in keys
              if len({store.canonical(f.get(k)) for f in flat}) > 1]
@@ -270,16 +243,17 @@ def header_facts(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord]]) -
 
 # ----------------------------------------------------------------------------------------- table
 
-def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str | None = None,
+def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str,
                 paper: pd.DataFrame | None = None, protocol: str | None = None) -> TableResult:
     """Cells from the records of one scale and one protocol, paper numbers and deltas beside them,
     best marks, the missing list. Runs of another scale or protocol are listed as ignored, never
     averaged into a cell (a protocol changes the mechanism, so it is a table of its own). Without
-    ``scale``/``protocol``: the one most runs have."""
+    ``protocol``: the one most runs have."""
     if protocol is not None and protocol not in PROTOCOLS:
         raise AggregateError(f"protocol={protocol} is not known, use protocol= one of {', '.join(PROTOCOLS)}")
+    if scale not in SCALES:
+        raise AggregateError(f"scale={scale} is not known, use scale=embedded or scale=paper")
     paper = load_paper(spec.name) if paper is None else paper
-    scale = choose_scale(records, scale)
     ignored = [f"{r.run_id}: scale {r.get('suite.scale')}" for r in records
                if r.config and r.get("suite.scale") not in (None, scale)]
     records = [r for r in records if not r.config or r.get("suite.scale") in (None, scale)]
@@ -308,7 +282,7 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str | None
     warnings = []
     for key, by_suite in cells.items():
         for suite, rs in list(by_suite.items()):
-            if len({config_signature(r) for r in rs}) > 1:
+            if len({store.canonical(unseeded_config(r)) for r in rs}) > 1:
                 text = (f"{fmt_key(spec, key)} / {suite}: REFUSED, {len(rs)} runs differ in more than the "
                         f"seed ({differing_fields(rs)}); not averaged — keep one config per cell")
                 missing.append(text)
@@ -383,40 +357,43 @@ def component_columns(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord
     return [(s, col) for s in spec.suites if col in scored(s)]
 
 
-def cell_interval(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord]], col: str, value: float) -> Interval:
+def cell_interval(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord]], col: str, value: float) -> iv.Interval:
     """The 95 % interval of one cell (:mod:`pipelines.aggregate.intervals`): the bootstrap over rows and
     seeds when every run behind it has per-row outcomes, else t over the per-seed values of the cell."""
     if value is None or math.isnan(value):
-        return Interval(math.nan, math.nan, math.nan, 0, "none")
+        return iv.Interval(math.nan, math.nan, math.nan, 0, "none")
     seeds = sorted({_seed_of(r) for rs in by_suite.values() for r in rs})
     per_seed = {seed: spec.cell_values(spec, {s: [r for r in rs if _seed_of(r) == seed] for s, rs in by_suite.items()})[col]
                 for seed in seeds}
     parts = component_columns(spec, by_suite, col)
     runs = {s: sorted(by_suite.get(s, []), key=_seed_of) for s, _ in parts}
-    if parts and all(runs[s] and all(has_rows(r.final, c) for r in runs[s]) for s, c in parts):
-        reps = np.mean([column_replicates([r.final for r in runs[s]], [_seed_of(r) for r in runs[s]], c)
+    if parts and all(runs[s] and all(iv.has_rows(r.final, c) for r in runs[s]) for s, c in parts):
+        reps = np.mean([iv.column_replicates([r.final for r in runs[s]], [_seed_of(r) for r in runs[s]], c)
                         for s, c in parts], axis=0)
-        return from_replicates(value, reps, max(len(v) for v in runs.values()), per_seed)
-    fallback = from_seeds(list(per_seed.values()))
-    return Interval(value, fallback.lo, fallback.hi, fallback.n, fallback.method, None, per_seed)
+        return iv.from_replicates(value, reps, max(len(v) for v in runs.values()), per_seed)
+    return dataclasses.replace(iv.from_seeds(list(per_seed.values())), value=value, per_seed=per_seed)
 
 
-def mark_best(frame: pd.DataFrame, spec: TableSpec, intervals: Mapping[tuple, Interval]) -> pd.DataFrame:
+def blocks(spec: TableSpec, frame: pd.DataFrame) -> list[tuple[Any, pd.DataFrame]]:
+    """(block value, its rows) in table order; one block of all rows for a table without blocks."""
+    return list(frame.groupby(spec.block, sort=False)) if spec.block else [(None, frame)]
+
+
+def mark_best(frame: pd.DataFrame, spec: TableSpec, intervals: Mapping[tuple, iv.Interval]) -> pd.DataFrame:
     """Add ``<col>_mark`` per cell: ``best`` where the column's best value within its block is better
     than the runner-up beyond noise (the 95 % interval of their paired difference excludes 0,
     :func:`pipelines.aggregate.intervals.clears`), ``tie`` on the best value where it is not; '' else."""
     frame = frame.copy()
-    blocks = frame.groupby(spec.block, sort=False) if spec.block else [(None, frame)]
     for col in spec.columns:
         marks = pd.Series("", index=frame.index, dtype=object)
-        for _, part in blocks:
+        for _, part in blocks(spec, frame):
             vals = pd.to_numeric(part[col], errors="coerce").dropna()
             if len(vals) < 2:
                 continue
             order = vals.sort_values(ascending=spec.lower_is_better, kind="stable").index
             key = {i: tuple(frame.loc[i, k] for k in spec.keys) for i in order[:2]}
             best, runner = (intervals[key[i], col] for i in order[:2])
-            marks.loc[order[0]] = "best" if clears(best, runner, spec.lower_is_better) else "tie"
+            marks.loc[order[0]] = "best" if iv.clears(best, runner, spec.lower_is_better) else "tie"
         frame[f"{col}_mark"] = marks
     return frame
 
@@ -424,7 +401,7 @@ def mark_best(frame: pd.DataFrame, spec: TableSpec, intervals: Mapping[tuple, In
 DIFF_LABEL = "PRISM − best baseline"
 
 
-def prism_minus_best(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tuple, Interval]) -> pd.DataFrame:
+def prism_minus_best(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tuple, iv.Interval]) -> pd.DataFrame:
     """Per block and column, PRISM's cell minus the baseline with the best value there (chosen on the
     point estimates), with the paired bootstrap interval of the difference; ``<col>_vs`` names that
     baseline. Empty for tables without a Method key or without a PRISM row."""
@@ -433,8 +410,7 @@ def prism_minus_best(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tu
     prism_label = registry.lookup("prism").label
     not_baselines = {registry.lookup(n).label for n in registry.names() if registry.lookup(n).tangent}
     out = []
-    blocks = frame.groupby(spec.block, sort=False) if spec.block else [(None, frame)]
-    for block, part in blocks:
+    for block, part in blocks(spec, frame):
         prism = part[part["Method"] == prism_label]
         baselines = part[~part["Method"].isin(not_baselines)]
         if prism.empty or baselines.empty:
@@ -444,29 +420,14 @@ def prism_minus_best(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tu
         for col in spec.columns:
             vals = pd.to_numeric(baselines[col], errors="coerce").dropna()
             if vals.empty or math.isnan(intervals[pkey, col].value):
-                row.update({col: math.nan, f"{col}_lo": math.nan, f"{col}_hi": math.nan, f"{col}_n": 0,
-                            f"{col}_ci": "none", f"{col}_vs": "", f"{col}_mde": math.nan, f"{col}_seeds3pp": math.nan})
-                continue
-            i = vals.idxmin() if spec.lower_is_better else vals.idxmax()
-            bkey = tuple(frame.loc[i, k] for k in spec.keys)
-            diff = difference(intervals[pkey, col], intervals[bkey, col])
-            mde, seeds = detectable(diff)
+                diff, vs = iv.Interval(math.nan, math.nan, math.nan, 0, "none"), ""
+            else:
+                i = vals.idxmin() if spec.lower_is_better else vals.idxmax()
+                diff = iv.difference(intervals[pkey, col], intervals[tuple(frame.loc[i, k] for k in spec.keys), col])
+                vs = frame.loc[i, "Method"]
+            mde, seeds = iv.detectable(diff)
             row.update({col: diff.value, f"{col}_lo": diff.lo, f"{col}_hi": diff.hi, f"{col}_n": diff.n,
-                        f"{col}_ci": diff.method, f"{col}_vs": frame.loc[i, "Method"], f"{col}_mde": mde,
-                        f"{col}_seeds3pp": seeds})
+                        f"{col}_ci": diff.method, f"{col}_vs": vs, f"{col}_mde": mde, f"{col}_seeds3pp": seeds})
         if any(not math.isnan(row[col]) for col in spec.columns):
             out.append(row)
     return pd.DataFrame(out)
-
-
-def average_label(result: TableResult, col: str, label: str) -> str:
-    """An average column's header: the paper's label when it covers every task of its suites, else
-    ``<label> (mean of K stand-in cols)`` — a stand-in table's Avg is not the paper's 12-task mean."""
-    suites = (result.spec.averages or {}).get(col)
-    if not suites:
-        return label
-    seen = sum(len(result.columns_seen.get(s, [])) for s in suites)
-    full = sum(len(SUITE_TASKS[s]) for s in suites)
-    if seen == 0 or seen >= full:
-        return label
-    return f"{label.replace(' (12 tasks)', '')} (mean of {seen} stand-in col{'s' * (seen != 1)})"

@@ -1,23 +1,10 @@
-"""95 % intervals of table cells: a bootstrap over evaluation rows and seeds together.
+"""95 % intervals of table cells: a percentile bootstrap over evaluation rows and seeds together.
 
-A cell's value is the mean over its seeds of a column score, and each seed's score is a statistic
-of the fixed evaluation rows (``final.json`` ``per_example``, written by :func:`prism.evaluation.evaluate.evaluate_suite`).
-Both are samples: the seeds of the runs that could have been trained, the rows of the task that
-could have been drawn. One bootstrap replicate resamples both at once: S seeds with replacement
-from the cell's S seeds, and n rows with replacement from each task's n rows; the replicate's value
-is the mean over the drawn seeds of the score recomputed on the drawn rows (accuracy: the mean of
-per-row correctness; CoLA/MRPC/QQP/STS-B: :func:`prism.evaluation.metrics.glue_score` of the drawn rows; a user
-task's Macro-F1: :func:`prism.evaluation.metrics.macro_f1` of the drawn rows' labels). The
-interval is the 2.5 % and 97.5 % percentiles of ``B`` replicates. For an accuracy cell the
-replicates' variance is, in closed form, ``mean(α²)/S + mean(β²)/n + mean(γ²)/(S·n)`` with α, β, γ
-the seed, row and interaction effects of the S×n correctness matrix (``tests/test_intervals.py``).
-
-Resampling indices are a function of what is resampled: the seed indices of the seed list, the row
-indices of the rows' hash. Two cells with the same seeds and the same evaluation rows therefore get
-the *same* draws, so the replicates of their difference are a paired bootstrap (seed 42 of one
-method against seed 42 of the other, row i against row i). A cell whose runs carry no per-row data
-(runs written before it was recorded, W&B summaries without it) falls back to Student's t over its
-seeds (n ≥ 2) or has no interval (n = 1); its method says so.
+One replicate redraws the cell's seeds and every task's evaluation rows (``final.json`` ``per_example``)
+with replacement and recomputes the seed-mean score on them. The draws are a function of what is drawn
+(the seed list, the rows' hash), so two cells on the same seeds and rows draw alike and the difference of
+their replicates is a paired bootstrap. A cell without per-row data falls back to Student's t over its
+seeds (n ≥ 2) or has no interval (n = 1). docs/comparison.md explains the intervals and their closed form.
 """
 from __future__ import annotations
 
@@ -113,17 +100,6 @@ def percentile(replicates: np.ndarray) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
-def t_interval(values: Sequence[float]) -> tuple[float, float]:
-    """Student's t interval of the mean of ``values`` (NaN bounds for fewer than two)."""
-    from scipy import stats
-
-    x = np.asarray(values, dtype=float)
-    if len(x) < 2:
-        return math.nan, math.nan
-    half = stats.t.ppf((1 + LEVEL) / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
-    return float(x.mean() - half), float(x.mean() + half)
-
-
 def from_replicates(value: float, replicates: np.ndarray, n: int, per_seed: Mapping[int, float] | None = None) -> Interval:
     """An :class:`Interval` of a bootstrapped cell (``per_seed``: its value per seed)."""
     lo, hi = percentile(replicates)
@@ -131,11 +107,14 @@ def from_replicates(value: float, replicates: np.ndarray, n: int, per_seed: Mapp
 
 
 def from_seeds(values: Sequence[float]) -> Interval:
-    """The fallback :class:`Interval` of a cell without per-row data: t over its seeds' values."""
-    x = [v for v in values if v is not None and not math.isnan(v)]
-    value = float(np.mean(x)) if x else math.nan
-    lo, hi = t_interval(x)
-    return Interval(value, lo, hi, len(x), "t over seeds" if len(x) >= 2 else "none")
+    """The fallback :class:`Interval` of a cell without per-row data: Student's t over its seeds' values."""
+    from scipy import stats
+
+    x = np.asarray([v for v in values if v is not None and not math.isnan(v)], dtype=float)
+    if len(x) < 2:
+        return Interval(float(x.mean()) if len(x) else math.nan, math.nan, math.nan, len(x), "none")
+    half = stats.t.ppf((1 + LEVEL) / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
+    return Interval(float(x.mean()), float(x.mean() - half), float(x.mean() + half), len(x), "t over seeds")
 
 
 def difference(a: Interval, b: Interval) -> Interval:
@@ -156,15 +135,10 @@ Z_LEVEL, Z_POWER = 1.959964, 0.841621  # z_0.975 (the 95 % interval), z_0.8 (80 
 TARGET = 0.03  # the difference the seed count is sized for: 3 points on the 0–1 score scale
 
 
-def detectable(diff: Interval, target: float = TARGET) -> tuple[float, float]:
-    """(minimum detectable difference, seeds to detect ``target``) of a paired difference ``diff``
-    (docs/comparison.md, "What the table can detect"). The standard error is the interval's
-    half-width / z_0.975 and MDE = (z_0.975 + z_0.8) · SE: the smallest true difference whose 95 %
-    interval excludes 0 with 80 % probability. With S ≥ 2 seeds, SE² = A/S + R, where A is the
-    variance over seeds of the per-seed differences (ddof 1; it shrinks as 1/S) and R = max(SE² − A/S, 0)
-    the part that more seeds leave (the fixed evaluation rows); the seeds for ``target`` are the
-    smallest S' with (z_0.975 + z_0.8)·√(A/S' + R) ≤ ``target`` (∞ when R alone is too large). NaN
-    for what is unknown (no interval; fewer than two seeds)."""
+def detectable(diff: Interval) -> tuple[float, float]:
+    """(minimum detectable difference, seeds to detect :data:`TARGET`) of a paired difference ``diff``:
+    MDE = (z_0.975 + z_0.8)·SE and the smallest S' with (z_0.975 + z_0.8)·√(A/S' + R) ≤ TARGET, as
+    docs/comparison.md ("What the table can detect") derives them; NaN for what is unknown."""
     if math.isnan(diff.lo) or math.isnan(diff.hi):
         return math.nan, math.nan
     z = Z_LEVEL + Z_POWER
@@ -174,7 +148,7 @@ def detectable(diff: Interval, target: float = TARGET) -> tuple[float, float]:
         return z * math.sqrt(se2), math.nan
     seed_var = float(np.var(values, ddof=1))
     rest = max(se2 - seed_var / len(values), 0.0)
-    room = (target / z) ** 2 - rest
+    room = (TARGET / z) ** 2 - rest
     if room <= 0:
         return z * math.sqrt(se2), math.inf
     return z * math.sqrt(se2), float(max(1, math.ceil(seed_var / room - 1e-9)))

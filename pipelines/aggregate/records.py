@@ -41,6 +41,11 @@ class RunRecord:
         return node
 
 
+UNFINISHED = {"running": "running (its job holds the lock)",
+              "stale": "stale: started but no live job holds its lock (killed?); re-running the grid resumes it",
+              "stopped": "stopped by a signal; re-running the grid resumes it"}
+
+
 def _load_config(folder: Path) -> dict[str, Any] | None:
     try:
         config = yaml.safe_load((folder / "config.yaml").read_text())
@@ -61,13 +66,8 @@ def read_run_folder(folder: Path) -> RunRecord:
         return RunRecord(run_id, "corrupt", f"corrupt: {info.reason}", config or {})
     if config is None:
         return RunRecord(run_id, state if state == "running" else "incomplete", "no config.yaml")
-    if state == "running":
-        return RunRecord(run_id, "running", "running (its job holds the lock)", config)
-    if state == "stale":
-        return RunRecord(run_id, "stale", "stale: started but no live job holds its lock (killed?); "
-                                          "re-running the grid resumes it", config)
-    if state == "stopped":
-        return RunRecord(run_id, "stopped", "stopped by a signal; re-running the grid resumes it", config)
+    if state in UNFINISHED:
+        return RunRecord(run_id, state, UNFINISHED[state], config)
     if state == "failed":
         error = (info.status or {}).get("error") or ""
         return RunRecord(run_id, "failed", "failed" + (f": {error}" if error else ""), config)

@@ -8,14 +8,15 @@ protocols have runs, ``<table>.<scale>.protocols.md`` sets them side by side, ce
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from pipelines.aggregate.build import DIFF_LABEL, FACTS, TableResult, average_label
+from pipelines.aggregate.build import DIFF_LABEL, FACTS, TableResult, blocks
 from pipelines.aggregate.intervals import METHOD_TEXT
+from pipelines.aggregate.specs import SUITE_TASKS
 from pipelines.tuned_rates import TUNING_COST
 from prism.privacy.protocol import NOT_DP_AS_STATED
 
@@ -24,14 +25,32 @@ LABELS = {"GLUE8_Avg": "GLUE8 Avg", "Math_Avg": "Math Avg", "Avg_12": "Avg (12 t
           "Step_time_s": "Step time (s)", "Peak_memory_MB": "Peak memory (MB)"}
 
 
+def _md_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _tex_tabular(header: Sequence[str], rows: Iterable[Sequence[str] | None], values: int) -> list[str]:
+    """A booktabs ``tabular`` whose last ``values`` columns are right-aligned; a None row is a ``\\midrule``."""
+    def line(cells: Sequence[str]) -> str:
+        return " & ".join(_tex_escape(c).replace("\x00", r"\textbf{").replace("\x01", "}") for c in cells) + r" \\"
+
+    return [r"\begin{tabular}{" + "l" * (len(header) - values) + "r" * values + "}", r"\toprule", line(header),
+            r"\midrule", *(r"\midrule" if r is None else line(r) for r in rows), r"\bottomrule", r"\end{tabular}"]
+
+
 def _digits(result: TableResult, col: str) -> int:
     spec = result.spec
     return spec.digits[spec.columns.index(col)] if spec.digits else 3
 
 
 def column_label(result: TableResult, col: str) -> str:
-    """A value column's header (an average says how many stand-in columns it covers)."""
-    return average_label(result, col, LABELS.get(col, col))
+    """A value column's header; an average that does not cover every task of its suites says how many
+    stand-in columns it averages (a stand-in table's Avg is not the paper's 12-task mean)."""
+    label, suites = LABELS.get(col, col), (result.spec.averages or {}).get(col)
+    seen = sum(len(result.columns_seen.get(s, [])) for s in suites or ())
+    if not suites or seen == 0 or seen >= sum(len(SUITE_TASKS[s]) for s in suites):
+        return label
+    return f"{label.replace(' (12 tasks)', '')} (mean of {seen} stand-in col{'s' * (seen != 1)})"
 
 
 def shown_columns(result: TableResult) -> list[str]:
@@ -58,10 +77,11 @@ def not_shown_line(result: TableResult) -> str:
     return " ".join(f"{what}: {', '.join(column_label(result, c) for c in cols)}." for cols, what in parts if cols)
 
 
-def _interval_text(value: float, lo: float, hi: float, d: int, signed: bool = False) -> str:
+def _interval_text(result: TableResult, row: pd.Series, col: str, signed: bool = False) -> str:
+    value, lo, hi = row[col], row[f"{col}_lo"], row[f"{col}_hi"]
     if pd.isna(value):
         return DASH
-    fmt = f"{{:{'+' if signed else ''}.{d}f}}"
+    fmt = f"{{:{'+' if signed else ''}.{_digits(result, col)}f}}"
     text = fmt.format(value)
     if not (pd.isna(lo) or pd.isna(hi)):
         text += f" [{fmt.format(lo)}, {fmt.format(hi)}]"
@@ -71,9 +91,7 @@ def _interval_text(value: float, lo: float, hi: float, d: int, signed: bool = Fa
 def _cell_text(result: TableResult, row: pd.Series, col: str, bold: tuple[str, str]) -> str:
     """``value [lo, hi]``; the value in bold when it is best beyond noise, ``(tie)`` after it when it is
     the best value but not separated from the runner-up."""
-    d = _digits(result, col)
-    value = row[col]
-    text = _interval_text(value, row[f"{col}_lo"], row[f"{col}_hi"], d)
+    text = _interval_text(result, row, col)
     mark = row.get(f"{col}_mark", "")
     if mark == "best":
         head, _, tail = text.partition(" ")
@@ -98,17 +116,14 @@ def interval_line(result: TableResult) -> str:
     return line
 
 
-def rows_for_display(result: TableResult) -> list[tuple[str, pd.Series]]:
-    """(kind, row) in display order: each block's method rows, then its ``PRISM − best baseline`` row
-    and the row naming that baseline per column."""
-    spec, frame, diffs = result.spec, result.frame, result.differences
-    out: list[tuple[str, pd.Series]] = []
-    blocks = frame.groupby(spec.block, sort=False) if spec.block else [(None, frame)]
-    for block, part in blocks:
-        out += [("cell", row) for _, row in part.iterrows()]
-        if not diffs.empty:
-            mine = diffs[diffs[spec.block] == block] if spec.block else diffs
-            out += [("diff", row) for _, row in mine.iterrows()]
+def display_blocks(result: TableResult) -> list[list[tuple[str, pd.Series]]]:
+    """Per block, (kind, row) in display order: its method rows (``cell``), then its ``PRISM − best
+    baseline`` row (``diff``)."""
+    spec, diffs = result.spec, result.differences
+    out = []
+    for block, part in blocks(spec, result.frame):
+        mine = diffs[diffs[spec.block] == block] if spec.block and not diffs.empty else diffs
+        out.append([("cell", row) for _, row in part.iterrows()] + [("diff", row) for _, row in mine.iterrows()])
     return out
 
 
@@ -117,10 +132,18 @@ def _row_cells(result: TableResult, kind: str, row: pd.Series, bold: tuple[str, 
     keys = [str(row[k]) for k in spec.keys]
     if kind == "cell":
         return [keys + [_n_text(row, cols)] + [_cell_text(result, row, c, bold) for c in cols]]
-    diff = keys + [_n_text(row, cols)] + [_interval_text(row[c], row[f"{c}_lo"], row[f"{c}_hi"], _digits(result, c),
-                                                         signed=True) for c in cols]
+    diff = keys + [_n_text(row, cols)] + [_interval_text(result, row, c, signed=True) for c in cols]
     vs = [*keys[:-1], "(best baseline)", ""] + [str(row.get(f"{c}_vs") or DASH) for c in cols]
     return [diff, vs]
+
+
+def _grid(result: TableResult, bold: tuple[str, str]) -> tuple[list[str], list[list[str] | None]]:
+    """The table's header and rows as text (``bold`` around a best value); None where a new block starts."""
+    rows: list[list[str] | None] = []
+    for i, block in enumerate(display_blocks(result)):
+        rows += [None] if i else []
+        rows += [cells for kind, row in block for cells in _row_cells(result, kind, row, bold)]
+    return [*result.spec.keys, "n", *(column_label(result, c) for c in shown_columns(result))], rows
 
 
 def scale_line(result: TableResult) -> str:
@@ -178,16 +201,12 @@ def _seeds_text(seeds: float) -> str:
 
 
 def header_lines(result: TableResult) -> list[str]:
-    """The runs behind the table: one Markdown row per suite (backbone, steps, batch, N, eval rows,
-    protocol, run count), then the stand-in and average notes and any warnings."""
+    """The runs behind the table (a row of :data:`FACTS` per suite), the average note and any warnings."""
     if not result.header:
         return []
     names = ["runs", *(n for n, _, _ in FACTS if any(n in f for f in result.header.values()))]
-    lines = [f"Runs behind the table ({result.n_finished} finished):", "",
-             "| suite | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for suite, facts in result.header.items():
-        lines.append(f"| {suite} | " + " | ".join(facts.get(n, DASH) for n in names) + " |")
-    lines.append("")
+    rows = ([suite, *(facts.get(n, DASH) for n in names)] for suite, facts in result.header.items())
+    lines = [f"Runs behind the table ({result.n_finished} finished):", "", *_md_table(["suite", *names], rows), ""]
     seen = [c for cols in result.columns_seen.values() for c in cols]
     relabelled = [c for c in result.spec.columns if column_label(result, c) != LABELS.get(c, c)]
     if relabelled:
@@ -225,25 +244,24 @@ def _paper_text(value: float) -> str:
     return f"{value:.{digits}f}"
 
 
+def paper_grid(result: TableResult) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of the paper's table (:func:`paper_rows`) as text."""
+    keys, cols = result.spec.keys, shown_columns(result)
+    rows = [[*(str(row[k]) for k in keys), *(_paper_text(row[c]) for c in cols)] for _, row in paper_rows(result).iterrows()]
+    return [*keys, *(LABELS.get(c, c) for c in cols)], rows
+
+
 def _paper_md(result: TableResult) -> list[str]:
-    paper = paper_rows(result)
-    if paper.empty:
+    header, rows = paper_grid(result)
+    if not rows:
         return []
-    spec, cols = result.spec, shown_columns(result)
     note = ("the paper's backbone and full tasks; not comparable with the stand-in cells above"
             if result.scale == "embedded" else "for comparison with the cells above")
-    lines = [f"## The paper's numbers ({note})", "",
-             "| " + " | ".join([*spec.keys, *(LABELS.get(c, c) for c in cols)]) + " |",
-             "|" + "---|" * (len(spec.keys) + len(cols))]
-    for _, row in paper.iterrows():
-        lines.append("| " + " | ".join([*(str(row[k]) for k in spec.keys), *(_paper_text(row[c]) for c in cols)]) + " |")
-    return [*lines, ""]
+    return [f"## The paper's numbers ({note})", "", *_md_table(header, rows), ""]
 
 
 def to_markdown(result: TableResult) -> str:
-    """The table as Markdown: title, scale, run facts, interval method, rows (one number and its
-    interval per cell), the PRISM − best baseline rows, the left-out columns, the paper's numbers in
-    their own table, then the missing runs."""
+    """The table as Markdown: header lines, the grid, footnotes, the paper's numbers, the missing runs."""
     spec = result.spec
     head = [f"# Table {spec.name[-1]}: {spec.title}", "", scale_line(result), "", protocol_line(result), ""]
     head += [tuning_line(result), ""] if result.tuned else []
@@ -252,11 +270,8 @@ def to_markdown(result: TableResult) -> str:
     if result.stand_ins:
         head += ["Backbones run in place of the paper's: " + ", ".join(result.stand_ins) + ".", ""]
     head += [interval_line(result), "", _marks_line(result), ""]
-    cols = shown_columns(result)
-    header = [*spec.keys, "n", *(column_label(result, c) for c in cols)]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for kind, row in rows_for_display(result):
-        lines += ["| " + " | ".join(cells) + " |" for cells in _row_cells(result, kind, row, ("**", "**"))]
+    header, rows = _grid(result, ("**", "**"))
+    lines = _md_table(header, [r for r in rows if r is not None])
     foot = [line for line in (detectable_line(result), not_shown_line(result)) if line]
     return "\n".join(head + lines + ["", *foot, *([""] if foot else []), *_paper_md(result), *_missing_md(result)]) + "\n"
 
@@ -276,53 +291,31 @@ def _tex_escape(text: str) -> str:
 
 
 def to_latex(result: TableResult) -> str:
-    """The table as a booktabs ``tabular`` with the same rows as the Markdown, the paper's numbers as a
-    second ``tabular``; scale, run facts, interval method, footnote and missing runs as comments."""
-    spec, cols = result.spec, shown_columns(result)
-    align = "l" * (len(spec.keys) + 1) + "r" * len(cols)
+    """The Markdown's grid and paper table as booktabs tabulars, its other lines as comments."""
+    values = len(shown_columns(result))
     lines = [f"% {scale_line(result)}", f"% {protocol_line(result)}",
              *([f"% {_tex_escape(tuning_line(result))}"] if result.tuned else []),
              *([f"% {seeds_line(result)}"] if result.tuning_seeds else []),
              *(f"% {line}" for line in header_lines(result) if line),
              f"% {_tex_escape(interval_line(result))}", f"% {_tex_escape(_marks_line(result))}",
-             r"\begin{tabular}{" + align + "}", r"\toprule",
-             " & ".join(_tex_escape(h) for h in (*spec.keys, "n", *(column_label(result, c) for c in cols)))
-             + r" \\", r"\midrule"]
-    previous = None
-    for kind, row in rows_for_display(result):
-        if spec.block and previous is not None and row[spec.block] != previous and kind == "cell":
-            lines.append(r"\midrule")
-        previous = row[spec.block] if spec.block else None
-        for cells in _row_cells(result, kind, row, ("\x00", "\x01")):
-            lines.append(" & ".join(_tex_escape(c).replace("\x00", r"\textbf{").replace("\x01", "}") for c in cells)
-                         + r" \\")
-    lines += [r"\bottomrule", r"\end{tabular}"]
+             *_tex_tabular(*_grid(result, ("\x00", "\x01")), values)]
     lines += [f"% {_tex_escape(foot)}" for foot in (detectable_line(result), not_shown_line(result)) if foot]
-    paper = paper_rows(result)
-    if not paper.empty:
-        lines += ["", "% The paper's numbers (its backbone and full tasks)",
-                  r"\begin{tabular}{" + "l" * len(spec.keys) + "r" * len(cols) + "}", r"\toprule",
-                  " & ".join(_tex_escape(h) for h in (*spec.keys, *(LABELS.get(c, c) for c in cols))) + r" \\",
-                  r"\midrule"]
-        lines += [" & ".join([*(_tex_escape(str(row[k])) for k in spec.keys),
-                              *(_tex_escape(_paper_text(row[c])) for c in cols)]) + r" \\"
-                  for _, row in paper.iterrows()]
-        lines += [r"\bottomrule", r"\end{tabular}"]
+    header, rows = paper_grid(result)
+    if rows:
+        lines += ["", "% The paper's numbers (its backbone and full tasks)", *_tex_tabular(header, rows, values)]
     lines += [f"% missing: {_tex_escape(m)}" for m in result.missing]
     return "\n".join(lines) + "\n"
 
 
 def to_csv_frame(result: TableResult) -> pd.DataFrame:
-    """The CSV: the Markdown's rows (``row`` = cell | PRISM − best baseline | paper) with, per shown
-    column, the value, ``_lo``, ``_hi``, ``_n``, ``_ci`` (interval method), ``_mark``, ``_vs``, and on the
-    difference rows ``_mde`` and ``_seeds3pp`` (:func:`detectable_line`); ``tuning_seeds`` and
-    ``table_seeds`` on every row (:func:`seeds_line`)."""
+    """The CSV: the Markdown's rows (``row`` = cell | PRISM − best baseline | paper) with the columns
+    docs/comparison.md ("Layout") lists."""
     spec, cols = result.spec, shown_columns(result)
     parts = ("", "_lo", "_hi", "_n", "_ci", "_mark", "_vs", "_mde", "_seeds3pp")
     seeds = {"tuning_seeds": " ".join(map(str, result.tuning_seeds)),
              "table_seeds": " ".join(map(str, result.table_seeds))}
     out = []
-    for kind, row in rows_for_display(result):
+    for kind, row in (x for block in display_blocks(result) for x in block):
         rec = {"scale": result.scale, "row": "cell" if kind == "cell" else DIFF_LABEL,
                **{k: row[k] for k in spec.keys}, "dp_guarantee": dp_status(result, row.get("Setting")), **seeds}
         rec.update({f"{c}{p}": row.get(f"{c}{p}", "") for c in cols for p in parts})
@@ -335,9 +328,8 @@ def to_csv_frame(result: TableResult) -> pd.DataFrame:
 
 
 def dp_status(result: TableResult, setting: Any) -> str:
-    """A CSV row's DP status: ``non-private``, or for a private setting ``(ε, δ)-DP as accounted`` (with
-    ", rate tuning not included" when the runs trained at tuned rates) unless the
-    table holds runs whose ``final.json`` says :data:`NOT_DP_AS_STATED` (then that)."""
+    """A CSV row's DP status: non-private, :data:`NOT_DP_AS_STATED` when the table holds such runs, else
+    as accounted (and whether rate tuning is included)."""
     if setting is None or str(setting) == "Non-DP":
         return "non-private"
     if result.not_dp:
@@ -403,8 +395,7 @@ def plot_privacy_utility(result: TableResult, path: Path) -> Path:
 
 
 def output_stem(result: TableResult) -> str:
-    """``<table>.<scale>`` (``<table>.<scale>.<protocol>`` for a protocol other than ``corrected``):
-    the stem of every file of this table."""
+    """``<table>.<scale>``, plus ``.<protocol>`` for a protocol other than ``corrected``."""
     suffix = "" if result.protocol == "corrected" else f".{result.protocol}"
     return f"{result.spec.name}.{result.scale}{suffix}"
 
@@ -420,8 +411,8 @@ def to_protocols_markdown(results: Sequence[TableResult]) -> str:
              f"their run facts and missing runs: {', '.join(output_stem(r) + '.md' for r in results)}.", ""]
     lines += [f"WARNING: {r.protocol}: {r.not_dp} private run(s) are {NOT_DP_AS_STATED}." for r in results if r.not_dp]
     header = [*spec.keys, *(f"{column_label(first, c)}: {n}" for c in cols for n in [*names, "Δ"])]
-    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     by_key = [{tuple(row[k] for k in spec.keys): row for _, row in r.frame.iterrows()} for r in results]
+    table = []
     for key in dict.fromkeys(k for rows in by_key for k in rows):
         cells = [str(k) for k in key]
         for c in cols:
@@ -430,8 +421,8 @@ def to_protocols_markdown(results: Sequence[TableResult]) -> str:
             delta = values[-1] - values[0]
             cells += [DASH if pd.isna(v) else f"{v:.{d}f}" for v in values]
             cells.append(DASH if pd.isna(delta) else f"{delta:+.{d}f}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        table.append(cells)
+    return "\n".join([*lines, "", *_md_table(header, table)]) + "\n"
 
 
 def write_protocols(results: Sequence[TableResult], out_dir: Path) -> Path | None:

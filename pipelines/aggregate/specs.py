@@ -68,22 +68,6 @@ def backbone_label(record: RunRecord, paper_backbones: Iterable[str]) -> str:
     return next((b for b in paper_backbones if norm_name(b) == norm_name(name)), name)
 
 
-def _key_table2(record: RunRecord, paper: pd.DataFrame) -> tuple:
-    return (setting_label(record), method_label(record))
-
-
-def _key_table3(record: RunRecord, paper: pd.DataFrame) -> tuple:
-    return (backbone_label(record, paper["Backbone"].unique()), method_label(record))
-
-
-def _key_table4(record: RunRecord, paper: pd.DataFrame) -> tuple:
-    return (int(record.get("lora.r", -1)), method_label(record))
-
-
-def _key_table5(record: RunRecord, paper: pd.DataFrame) -> tuple:
-    return (method_label(record),)
-
-
 # ----------------------------------------------------------------------------------------- cell values
 
 def suite_columns(records: Sequence[RunRecord]) -> dict[str, float]:
@@ -121,12 +105,9 @@ def _cost_values(spec: TableSpec, by_suite: BySuite) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class TableSpec:
-    """Layout of one paper table.
-
-    ``cell_key(record, paper)`` gives a run's row; ``cell_values(spec, by_suite)`` the value
-    columns of a row from its finished runs per suite; ``axes`` are the config fields the rows
-    vary (they may differ between rows without being flagged); ``averages`` maps an average column
-    to the suites it averages over (its header says how many stand-in columns it covers)."""
+    """Layout of one paper table: ``cell_key(record, paper)`` is a run's row, ``cell_values(spec, by_suite)``
+    a row's values from its finished runs per suite; ``axes`` are the config fields the rows may vary,
+    ``averages`` maps an average column to the suites it averages over."""
 
     name: str
     title: str
@@ -145,16 +126,19 @@ class TableSpec:
 
 SPECS = {
     "table2": TableSpec("table2", "Utility on GLUE8 and Math-10K, r=16 [P Tab 2]", ("Setting", "Method"),
-                        "Setting", ("glue8", "math10k"), (*GLUE8, *MATH4, "Avg"), _key_table2, _task_values,
+                        "Setting", ("glue8", "math10k"), (*GLUE8, *MATH4, "Avg"),
+                        lambda r, paper: (setting_label(r), method_label(r)), _task_values,
                         axes=("method", "privacy"), averages={"Avg": ("glue8", "math10k")}, plot=True),
     "table3": TableSpec("table3", "Math-10K on larger backbones, DP ε=6, r=16 [P Tab 3]",
-                        ("Backbone", "Method"), "Backbone", ("math10k",), (*MATH4, "Avg"), _key_table3,
-                        _task_values, axes=("method", "backbone"), averages={"Avg": ("math10k",)}),
+                        ("Backbone", "Method"), "Backbone", ("math10k",), (*MATH4, "Avg"),
+                        lambda r, paper: (backbone_label(r, paper["Backbone"].unique()), method_label(r)), _task_values,
+                        axes=("method", "backbone"), averages={"Avg": ("math10k",)}),
     "table4": TableSpec("table4", "Rank sensitivity, DP ε=6 [P Tab 4]", ("Rank", "Method"), "Rank",
-                        ("glue8", "math10k"), ("GLUE8_Avg", "Math_Avg", "Avg_12"), _key_table4, _rank_values,
+                        ("glue8", "math10k"), ("GLUE8_Avg", "Math_Avg", "Avg_12"),
+                        lambda r, paper: (int(r.get("lora.r", -1)), method_label(r)), _rank_values,
                         axes=("method", "lora"),
                         averages={"GLUE8_Avg": ("glue8",), "Math_Avg": ("math10k",), "Avg_12": ("glue8", "math10k")}),
     "table5": TableSpec("table5", "Step time and peak memory, Math-10K, r=16, ε=6 [P Tab 5]", ("Method",), None,
-                        ("math10k",), ("Step_time_s", "Peak_memory_MB"), _key_table5, _cost_values,
-                        axes=("method",), lower_is_better=True, digits=(2, 1)),
+                        ("math10k",), ("Step_time_s", "Peak_memory_MB"), lambda r, paper: (method_label(r),),
+                        _cost_values, axes=("method",), lower_is_better=True, digits=(2, 1)),
 }

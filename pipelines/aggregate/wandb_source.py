@@ -28,12 +28,8 @@ def _unflatten(flat: Mapping[str, Any], sep: str) -> dict[str, Any]:
 
 
 def record_from_wandb(run: Any) -> RunRecord:
-    """A W&B public-API run (``.id``, ``.state``, ``.config``, ``.summary``) → RunRecord.
-
-    The runner logs the resolved config as the run config and the final record (final.json) into
-    the summary; keys flattened as ``columns/CoLA`` or ``columns.CoLA`` are folded back. W&B's
-    ``crashed`` and ``killed`` states count as failed.
-    """
+    """A W&B public-API run (``.id``, ``.state``, ``.config``, ``.summary`` holding final.json; keys flattened
+    as ``columns/CoLA`` or ``columns.CoLA`` folded back) → RunRecord; ``crashed`` and ``killed`` count as failed."""
     config = dict(run.config)
     if any("." in k for k in config) and not any(isinstance(v, Mapping) for v in config.values()):
         config = _unflatten(config, ".")
@@ -64,11 +60,8 @@ def latest_generation(runs: Iterable[Any]) -> list[Any]:
 
 
 def read_wandb(experiment: str, project: str, entity: str | None = None) -> list[RunRecord]:
-    """Runs of W&B group ``experiment`` in ``entity/project`` via ``wandb.Api()``.
-
-    A W&B run is grouped under the experiment that trained it: rows a table shares with another
-    (Table 4's r=16 rows are Table 2's runs) are in that table's group, so read those from the run
-    store (``source=runs``)."""
+    """Runs of W&B group ``experiment`` in ``entity/project`` via ``wandb.Api()`` (rows a table shares with
+    another, e.g. Table 4's r=16 rows, are in the group of the table that trained them)."""
     problem = access_problem()
     if problem:
         raise AggregateError(f"source=wandb: {problem}")
