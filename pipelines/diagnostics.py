@@ -142,7 +142,7 @@ class Lab:
         """Per-example factor and intrinsic norms on the first Poisson batch (the sampler is rewound)."""
         from prism.audit.diagnostics import factor_example_norms, intrinsic_example_norms
         from prism.mechanism.lora import lora_pairs
-        from prism.train import _micro_batch
+        from prism.train import micro_batch
 
         state = s.sampler.state_dict()
         indices = s.sampler.sample()
@@ -150,7 +150,7 @@ class Lab:
         names, pairs = list(s.params), lora_pairs(s.params)
         factor, intrinsic = [], []
         for chunk in indices.split(sub.train.micro_batch_size):
-            _, grads = s.gradients(_micro_batch(s, chunk.tolist()))
+            _, grads = s.gradients(micro_batch(s, chunk.tolist()))
             factor.append(factor_example_norms(grads, names))
             if sub.method.init == "spectral":  # the intrinsic norm needs full-rank factors (peft init has A = 0)
                 intrinsic.append(intrinsic_example_norms(pairs, s.params, grads))

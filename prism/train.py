@@ -176,7 +176,7 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
                  gradients, sigma, device, prefix, secure=secure)
 
 
-def _micro_batch(s: Setup, indices: list[int], padding_side: str = "right") -> dict[str, Any]:
+def micro_batch(s: Setup, indices: list[int], padding_side: str = "right") -> dict[str, Any]:
     """From the prefix cache when there is one, else tokens collated on the host (padded on
     ``padding_side``) with their supervised positions, copied without a device sync."""
     if s.prefix is not None:
@@ -254,7 +254,7 @@ def train_step(s: Setup, cfg: DictConfig, diagnostics: bool = True) -> dict[str,
         return {"batch_size": 0, **stats}
     loss_sum = torch.zeros((), device=s.device)
     for chunk in indices.split(cfg.train.micro_batch_size):
-        loss, grads = s.gradients(_micro_batch(s, chunk.tolist(), cfg.train.padding_side))
+        loss, grads = s.gradients(micro_batch(s, chunk.tolist(), cfg.train.padding_side))
         s.method.accumulate(grads)
         loss_sum = loss_sum + loss.detach().float().sum()
     denominator = (noise_denominator(cfg.privacy.denominator, len(indices), cfg.train.batch_size)

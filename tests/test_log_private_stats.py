@@ -18,7 +18,7 @@ def test_log_private_stats_false_drops_unnoised_statistics(
 ) -> None:
     """Every record handed to the metrics/W&B writer, and final.json, lack the private statistics."""
     monkeypatch.setattr(T, "build", lambda cfg, **_: fake_setup(tiny_pair_params(6)))
-    monkeypatch.setattr(T, "_micro_batch", lambda s, indices, *_: indices)
+    monkeypatch.setattr(T, "micro_batch", lambda s, indices, *_: indices)
     cfg = OmegaConf.create({
         "train": {"batch_size": 4, "micro_batch_size": 2, "steps": 4, "benchmark": {"warmup": 0, "measure": 4},
                   "padding_side": "right"},

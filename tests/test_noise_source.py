@@ -107,7 +107,7 @@ def test_os_noise_checkpoints_every_step_before_logging_it(tmp_path: Path, monke
     setup = fake_setup(tiny_pair_params(6), secure=secure)
     setup.suite.eval, setup.model, setup.tokenizer = {}, None, None
     monkeypatch.setattr(T, "build", lambda cfg, **_: setup)
-    monkeypatch.setattr(T, "_micro_batch", lambda s, indices, *_: indices)
+    monkeypatch.setattr(T, "micro_batch", lambda s, indices, *_: indices)
     events: list[tuple[str, int]] = []
     monkeypatch.setattr(T, "save_checkpoint", lambda path, state: events.append(("ckpt", state["step"])))
     monkeypatch.setattr(T, "evaluate_suite", lambda *a, **k: {})
