@@ -7,7 +7,8 @@ the LoRA rank against the narrowest targeted layer of the backbone (widths from
 :mod:`prism.backbones`, no weights loaded; a ``backbone=local`` folder's model_type, safetensors sizes,
 shards and tokenizer too), a ``suite=custom`` task's files line by line, the batch against the training-set
 size, a GPU present for ``train.device=cuda``, room for the label after ``suite.cutoff_len``, paper-scale
-data present, σ calibration feasible, a W&B key for ``logging=online``.
+data present, σ calibration feasible, a private selection's candidate (``privacy.selection``) scoring
+validation rows of a private run, a W&B key for ``logging=online``.
 Only the GPU check imports torch.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ def validate(cfg: DictConfig, *, here: bool = True) -> None:
     if here:
         _gpu(str(cfg.train.device))
     _lora_and_backbone(cfg)
+    _selection(cfg)
     n_train = _suite(cfg)
     _local_context(cfg)
     _budget(cfg, n_train, here)
@@ -80,6 +82,26 @@ def _lora_and_backbone(cfg: DictConfig) -> None:
             f"use lora.r <= {widths[narrowest]} (e.g. lora=r16) or drop {narrowest} from lora.targets")
 
 
+def _selection(cfg: DictConfig) -> None:
+    """A selection's candidate (docs/PRIVACY.md "ε includes tuning") trains privately with the exact
+    calibration, scores validation rows (embedded scale or a custom task) and publishes its test rows."""
+    if cfg.privacy.get("selection") is None:
+        return
+    suite = cfg.suite
+    require(math.isfinite(float(cfg.privacy.epsilon)), "privacy.selection needs a private run, choose privacy=eps6 "
+            "or privacy=eps3 (or leave privacy.selection out)")
+    require(cfg.privacy.calibration == "exact", f"privacy.selection is accounted for T steps at q = B/N, "
+            f"not privacy.calibration={cfg.privacy.calibration}, use protocol=corrected")
+    require(suite.scale == "embedded" or suite.name == "custom", "privacy.selection scores validation rows, built "
+            "at embedded scale or for suite=custom only, use scale=embedded")
+    require(suite.get("eval_split") != "validation", "privacy.selection publishes the test rows' scores, leave "
+            "suite.eval_split out (or set it to test)")
+    require(isinstance(suite.get("validation_per_task"), int) and suite.validation_per_task >= 1,
+            f"privacy.selection scores suite.validation_per_task={suite.get('validation_per_task')} validation "
+            "rows per task, set an integer >= 1, e.g. suite.validation_per_task=50")
+    require(cfg.train.benchmark is None, "privacy.selection scores a trained model, set train.benchmark=null")
+
+
 def _suite(cfg: DictConfig) -> int | None:
     """The suite's rules; returns the training-set size (None where only the data can tell)."""
     suite = cfg.suite
@@ -98,7 +120,7 @@ def _suite(cfg: DictConfig) -> int | None:
 
         try:
             check_task(suite.custom, cfg.train.batch_size, suite.cutoff_len, token_counter(cfg.backbone), cfg.backbone.name,
-                       validation_rows(suite))
+                       validation_rows(suite, cfg.privacy.get("selection") is not None))
         except TaskFileError as err:
             raise ConfigError(str(err)) from None
         return
@@ -140,6 +162,15 @@ def _budget(cfg: DictConfig, n_train: int | None, here: bool) -> None:
     if cfg.privacy.calibration == "epochs":  # the released code's epoch-rounded question (docs/DECISIONS.md D1)
         per_epoch = math.ceil(round(1.0 / rate, 9))
         steps, rate = math.ceil(steps / per_epoch) * per_epoch, 1.0 / per_epoch
+    if (selection := cfg.privacy.get("selection")) is not None:  # RDP, no accountant grid
+        from prism.privacy.selection import calibrate_candidate_sigma
+
+        try:
+            calibrate_candidate_sigma(float(cfg.privacy.epsilon), float(cfg.privacy.delta), rate, steps,
+                                      score_sigma=selection.score_noise, mean=selection.mean, shape=selection.shape)
+        except ValueError as err:
+            raise ConfigError(f"privacy.selection: {err}") from None
+        return
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if here else math.inf
     problem = calibration_problem(float(cfg.privacy.epsilon), float(cfg.privacy.delta), rate, steps, memory)
     require(problem is None, str(problem))

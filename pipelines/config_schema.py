@@ -4,12 +4,13 @@ Each field carries its type, its help (``metadata["help"]``) and, in ``__post_in
 range; ``Optional[...]`` says where ``null`` is allowed. The *values* live in ``conf/``: a field without
 a default is a key every composition has (a group yaml sets it); a field with the default ``None`` is a
 key that only some group options set (``suite.embedded`` at embedded scale, ``tune`` in the learning-rate
-sweep) and may be absent. :func:`conform` merges a resolved job config into :class:`JobConfig` in struct
-mode (an unknown key, a wrong type or a ``null`` where none is allowed is refused; an int given for a
-float becomes that float), builds the dataclasses (running every ``__post_init__``) and returns the job
-config with exactly the keys it had, so the run hash (:func:`pipelines.store.run_hash`) sees no key the
-yaml lacks. The ``method`` node is checked by the method's own schema (:func:`prism.methods.registry.check`).
-What needs two groups, the backbone's weights, the data or this machine is in :mod:`pipelines.config_rules`.
+sweep, ``privacy.selection`` in a private selection) and may be absent. :func:`conform` merges a resolved
+job config into :class:`JobConfig` in struct mode (an unknown key, a wrong type or a ``null`` where none
+is allowed is refused; an int given for a float becomes that float), builds the dataclasses (running every
+``__post_init__``) and returns the job config with exactly the keys it had, so the run hash
+(:func:`pipelines.store.run_hash`) sees no key the yaml lacks. The ``method`` node is checked by the
+method's own schema (:func:`prism.methods.registry.check`). What needs two groups, the backbone's weights,
+the data or this machine is in :mod:`pipelines.config_rules`.
 
 Every schema is registered in Hydra's ``ConfigStore`` (group ``schema``, one entry per config group,
 and ``job_schema`` for the whole job). No torch here.
@@ -202,6 +203,25 @@ class SuiteConfig:
 
 
 @dataclass
+class SelectionConfig:
+    """``privacy.selection`` (experiment/table2-accounted.yaml): the run is one candidate of a private
+    learning-rate selection (Papernot & Steinke 2022; docs/PRIVACY.md "ε includes tuning"). Absent from
+    every ordinary run's config, so no ordinary run hash changes."""
+
+    mean: float = help_field("E[K], the mean number of candidates (>= 1)")
+    shape: float = help_field("η of K's truncated negative binomial: 1 geometric (K >= 1), 0 logarithmic, inf Poisson")
+    score_noise: float = help_field("σ of the Gaussian noise on the count of correct validation rows, in rows")
+    candidate: int = help_field("this run's index among its selection's candidates: 0, 1, ...")
+
+    def __post_init__(self) -> None:
+        require(1 <= self.mean < math.inf, f"privacy.selection.mean={self.mean} must be a finite number >= 1, e.g. 3.0")
+        require(self.shape >= 0, f"privacy.selection.shape={self.shape} must be >= 0 (1: geometric, inf: Poisson)")
+        require(0 < self.score_noise < math.inf,
+                f"privacy.selection.score_noise={self.score_noise} must be a finite number > 0, e.g. 5.0")
+        positive_int(self.candidate, "privacy.selection.candidate", 0)
+
+
+@dataclass
 class PrivacyConfig:
     """``conf/privacy/*.yaml`` + ``protocol/``: the (ε, δ) target, clipping and the DP-SGD variant (D1-D3)."""
 
@@ -214,6 +234,7 @@ class PrivacyConfig:
     calibration: str = help_field("D1: exact (T steps at q = B/N) | epochs (the released code's)")
     denominator: str = help_field("D2: expected (σC/B) | realised (the batch's own size)")
     per_example_scale: str = help_field("D3: record (each record's own loss) | released")
+    selection: SelectionConfig | None = help_field("a private selection's candidate; absent: an ordinary run", None)
 
     def __post_init__(self) -> None:
         eps = self.epsilon
@@ -371,7 +392,7 @@ class LoggingConfig:
 
 @dataclass
 class TuneConfig:
-    """``tune`` (experiment/tune.yaml): the learning-rate sweep's factor."""
+    """``tune`` (experiment/tune.yaml, experiment/table2-accounted.yaml): the run's rate factor."""
 
     lr_factor: float = help_field("times the default rate")
 
@@ -395,7 +416,7 @@ class JobConfig:
     train: TrainConfig = help_field("the loop")
     protocol: ProtocolConfig = help_field("corrected | released conventions")
     logging: LoggingConfig = help_field("W&B")
-    tune: TuneConfig | None = help_field("experiment=tune only", None)
+    tune: TuneConfig | None = help_field("experiment=tune and table2-accounted only", None)
     diagnostics_budgets: dict[str, DiagnosticsConfig] | None = help_field("experiment=diagnostics only", None)
 
     def __post_init__(self) -> None:

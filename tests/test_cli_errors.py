@@ -99,6 +99,19 @@ CASES: list[tuple[str, str]] = [
     ("train.batch_size=100000", "train.batch_size"),
     ("backbone=tiny-llama suite=glue8", "suite.cutoff_len"),
     ("logging=online", "logging"),
+    # a private selection's candidate (docs/PRIVACY.md "ε includes tuning")
+    ("experiment=table2-accounted privacy=nondp", "privacy.selection"),
+    ("experiment=table2-accounted protocol=released", "privacy.calibration"),
+    ("experiment=table2-accounted scale=paper", "privacy.selection"),
+    ("experiment=table2-accounted suite.validation_per_task=null", "suite.validation_per_task"),
+    ("experiment=table2-accounted suite.eval_split=validation", "suite.eval_split"),
+    ("experiment=table2-accounted train.benchmark={warmup:1,measure:2}", "train.benchmark"),
+    ("experiment=table2-accounted privacy.selection.mean=0.5", "privacy.selection.mean"),
+    ("experiment=table2-accounted privacy.selection.shape=-1", "privacy.selection.shape"),
+    ("experiment=table2-accounted privacy.selection.score_noise=0", "privacy.selection.score_noise"),
+    ("experiment=table2-accounted privacy.selection.score_noise=0.1", "privacy.selection"),
+    ("experiment=table2-accounted privacy.selection.candidate=-1", "privacy.selection.candidate"),
+    ("privacy.selection.candidate=1", "privacy.selection.mean"),
     # paper-scale data that is not there
     ("scale=paper", "suite.paper"),
     ("suite=math10k scale=paper", "suite.paper.train_file"),
@@ -195,7 +208,7 @@ def test_good_input_is_converted_not_refused(isolated: Path) -> None:
     assert load_job(["backbone=tiny-llama", "suite.cutoff_len=1024"]).backbone.name == "tiny-llama"
 
 
-@pytest.mark.parametrize("experiment", ["table2", "table3", "table4", "table5"])
+@pytest.mark.parametrize("experiment", ["table2", "table3", "table4", "table5", "table2-accounted"])
 def test_shipped_jobs_pass(experiment: str) -> None:
     """Known keys and types are derived from conf/, so the shipped grids validate unchanged (the
     last job of every table: a non-default backbone, suite, method or privacy level)."""

@@ -327,10 +327,11 @@ def load_task(node: Mapping[str, Any], n_validation: int = 0) -> tuple[CustomTas
     return CustomTask(train, evals, rule, source, warning), files
 
 
-def validation_rows(cfg_suite: Mapping[str, Any]) -> int:
+def validation_rows(cfg_suite: Mapping[str, Any], selecting: bool = False) -> int:
     """How many validation rows a run of ``cfg_suite`` holds out: ``suite.validation_per_task`` under
-    ``suite.eval_split=validation``, else 0."""
-    return int(cfg_suite.get("validation_per_task") or 0) if cfg_suite.get("eval_split") == "validation" else 0
+    ``suite.eval_split=validation`` or in a private selection's candidate (``selecting``), else 0."""
+    validating = selecting or cfg_suite.get("eval_split") == "validation"
+    return int(cfg_suite.get("validation_per_task") or 0) if validating else 0
 
 
 def check_task(node: Mapping[str, Any], batch_size: int, cutoff_len: int, count_tokens: TokenCounter | None,
