@@ -200,6 +200,7 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
             raise StoreError(f"no space left on the disk of results_dir={cfg.results_dir} (writing {folder}); "
                              "free space there or point results_dir elsewhere, then rerun the same command "
                              "to resume from the last checkpoint") from None
+        store.SelectionBlock.from_final(record)  # a candidate's block as the store declares it
         commit, dirty = git_state()
         times = dict(wall_time_s=time.time() - t0, started=started, ended=store.utc_stamp(),
                      peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0) if timed else {}

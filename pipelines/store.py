@@ -34,7 +34,8 @@ Inside a run folder:
   ``n_train``, ``eval_rows``, ``peak_memory_mb``, ``step_time_s``, ``wall_time_s``, …) plus
   ``"run"``: ``{hash, experiment (the one that trained it), wall_time_s (whole job incl. loading),
   peak_rss_mb, started, ended, attempts, versions {…}, git_commit, git_dirty, hostname}``; under
-  ``privacy.log_private_stats=false`` neither block holds a time or memory figure.
+  ``privacy.log_private_stats=false`` neither block holds a time or memory figure. A private selection's
+  candidate (``privacy.selection``) also has the core's ``selection`` block (:class:`SelectionBlock`).
 * ``status.json`` — written atomically (tmp + ``os.replace``): ``{state: running|finished|failed|stopped,
   error: str|null, started, ended, attempts}`` (times ISO-8601 UTC, absent under
   ``privacy.log_private_stats=false``; ``attempts`` counts job starts).
@@ -309,6 +310,40 @@ class RecordError(ValueError):
     """A run record that cannot be trusted: the aggregator refuses it in one line naming the run."""
 
 
+@dataclass(frozen=True)
+class SelectionBlock:
+    """``final.json``'s ``selection`` block: what a private selection's candidate (``privacy.selection``;
+    docs/PRIVACY.md "ε includes tuning") publishes besides its test rows. Written by the core
+    (:func:`prism.train.train_and_evaluate`), checked by :mod:`pipelines.run` before ``final.json`` is
+    written and read back only through :meth:`from_final`. Nothing un-noised about the validation rows
+    is in it: their per-row outcomes and their count are not recorded."""
+
+    score: float  # the count of correct validation rows plus N(0, score_noise²)
+    rows: int  # validation rows scored (public: the config fixes them)
+    candidate: int
+    mean: float  # E[K]
+    shape: float  # η of K's law
+    score_noise: float
+    sigma: float  # the candidate's training σ (prism.privacy.selection.calibrate_candidate_sigma)
+    epsilon: float  # ε at privacy.delta of the whole selection (prism.privacy.selection.selection_epsilon)
+
+    KEY = "selection"
+
+    @classmethod
+    def from_final(cls, final: Mapping[str, Any]) -> SelectionBlock | None:
+        """The block of a parsed ``final.json`` (None for an ordinary run); :class:`RecordError` naming the
+        first missing field."""
+        block = final.get(cls.KEY)
+        if block is None:
+            return None
+        if not isinstance(block, Mapping):
+            raise RecordError("final.json's `selection` block is not a mapping")
+        names = [f.name for f in fields(cls)]
+        if missing := [n for n in names if n not in block]:
+            raise RecordError(f"final.json's `selection` block lacks `{missing[0]}`")
+        return cls(**{n: block[n] for n in names})
+
+
 SCORED_FIELDS = ("columns", "epsilon_spent", "per_example")
 """``final.json`` fields every scored (non-benchmark) run writes: its columns, its realised ε and the
 per-row outcomes of its evaluation rows (the tables' intervals are bootstraps over them)."""
@@ -316,9 +351,10 @@ per-row outcomes of its evaluation rows (the tables' intervals are bootstraps ov
 
 def final_problem(final: Mapping[str, Any]) -> str:
     """Why a parsed ``final.json`` cannot be averaged ('' when it can): a missing field of
-    :data:`SCORED_FIELDS` (a run that scored columns), or of its :class:`RunBlock`."""
+    :data:`SCORED_FIELDS` (a run that scored columns), or of its :class:`RunBlock` or :class:`SelectionBlock`."""
     try:
         RunBlock.from_final(final)
+        SelectionBlock.from_final(final)
     except RecordError as err:
         return str(err)
     return scores_problem(final)

@@ -2,7 +2,9 @@
 
 Every method gets the same Poisson sampler, σ (PRV-calibrated for the exact number of steps), clipping
 norm C and number of steps; they differ only in the :class:`~prism.methods.base.Method` that clips,
-noises and updates. The two privacy switches, ``privacy.noise_source`` (``os``: every step is
+noises and updates. A private selection's candidate (``privacy.selection``, docs/PRIVACY.md "ε includes
+tuning") trains at the selection's σ (:func:`prism.privacy.selection.calibrate_candidate_sigma`) from seeds
+of its own, outside the validation rows, and publishes the noised count of its correct validation rows. The two privacy switches, ``privacy.noise_source`` (``os``: every step is
 checkpointed before it is logged) and ``privacy.log_private_stats`` (off: :data:`PRIVATE_STATS` and
 :data:`PRIVATE_FINAL` are dropped from the logs), are explained in docs/PRIVACY.md.
 """
@@ -19,11 +21,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 from prism.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
-from prism.data import Suite, build_suite
+from prism.data import Suite, build_suite, sub_seed
 from prism.data.custom import TASK, answer_room, check_task, validation_rows
 from prism.data.prompts import collate, tokenize_example, tokenize_train_set
 from prism.evaluation.evaluate import evaluate_suite, new_tokens
@@ -56,6 +58,7 @@ from prism.privacy.noise import NoiseSource, SecureNoise, SeededNoise
 from prism.privacy.per_example import enable_activation_checkpointing, supervised_positions, token_loss_fn
 from prism.privacy.protocol import dp_caveats, protocol_record
 from prism.privacy.sampling import noise_denominator
+from prism.privacy.selection import calibrate_candidate_sigma, noised_count, selection_epsilon
 
 LogFn = Callable[[dict[str, Any]], None]
 narrate = logging.getLogger("prism.train").info  # one line per phase (pipelines/run.py prints it)
@@ -89,6 +92,7 @@ class Setup:
     device: torch.device
     prefix: PrefixCache | None  # exact cache of the frozen lower layers' hidden states (None: full forward)
     secure: bool = False  # privacy.noise_source=os: no RNG state to checkpoint; every step checkpointed
+    validation: Suite | None = None  # the validation rows a selection's candidate scores (None: an ordinary run)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -110,15 +114,32 @@ def public_record(record: dict[str, Any], log_private_stats: bool) -> dict[str, 
     return record if log_private_stats else {k: v for k, v in record.items() if k not in PRIVATE_STATS}
 
 
+def selection_of(cfg: DictConfig) -> DictConfig | None:
+    """``privacy.selection`` of a private run (a selection's candidate), else None."""
+    return cfg.privacy.get("selection") if is_private(cfg) else None
+
+
+def run_seed(cfg: DictConfig) -> int:
+    """The seed of the initialisation, the batches and the noise: ``seed``, or for candidate k of a private
+    selection one derived from ``seed`` and k, so that its candidates are independent runs."""
+    selection = selection_of(cfg)
+    return int(cfg.seed) if selection is None else sub_seed(cfg.seed, "selection-candidate", str(selection.candidate))
+
+
 def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = load_backbone) -> Setup:
     """Model, data, privacy calibration and method for one resolved config (``suite``: a prebuilt one, e.g.
     ``make gpu-check``'s; ``load``: :func:`prism.models.load_backbone` or :class:`prism.models.KeptBackbones`)."""
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    selection, seed = selection_of(cfg), run_seed(cfg)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
     device = resolve_device(cfg.train.device)
     narrate("building suite %s (%s scale)", cfg.suite.name, cfg.suite.scale)
     suite = suite if suite is not None else build_suite(cfg.suite, cfg.seed)  # before the model: a data error costs no model load
+    validation = None
+    if selection is not None:  # a candidate trains outside the validation rows it scores (the scored tasks')
+        validation = build_suite({**OmegaConf.to_container(cfg.suite), "eval_split": "validation"}, cfg.seed)
+        suite.train, validation.eval = validation.train, {t: validation.eval[t] for t in suite.eval}
     recipe = HFRecipe.from_config(cfg, len(suite.train))  # train.nondp_trainer=hf: docs/DECISIONS.md D7
     if recipe is not None:
         suite.train, holdout = holdout_split(suite.train, recipe.holdout, cfg.seed)
@@ -134,21 +155,25 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
     if suite.source:  # suite=custom: every training row's length again, with the loaded tokenizer
         count = lambda text: len(tokenizer(text)["input_ids"])  # noqa: E731
         check_task(cfg.suite.custom, cfg.train.batch_size, suite.cutoff_len, count, cfg.backbone.name,
-                   validation_rows(cfg.suite))
+                   validation_rows(cfg.suite, selection is not None))
         if warning := answer_room(suite.train, count, new_tokens(cfg.suite.decoding, TASK)):
             log.warning(warning)
-    init_generator = torch.Generator().manual_seed(cfg.seed)
+    init_generator = torch.Generator().manual_seed(seed)
     model = attach_lora(model, cfg.lora, cfg.backbone, init=cfg.method.init, generator=init_generator,
                         init_svd=cfg.method.init_svd)
     narrate("%s; %s", describe(model), speed_paths(model, cfg.train.prefix_cache))
     features = tokenize_train_set(tokenizer, suite.train, suite.cutoff_len, suite.train_on_inputs, cfg.backbone.name)
     secure = cfg.privacy.noise_source == "os"  # the sampler and the noise draw from the OS CSPRNG
-    sampler = PoissonSampler(n_train, cfg.train.batch_size, generator_seed=cfg.seed + 1, secure=secure)
+    sampler = PoissonSampler(n_train, cfg.train.batch_size, generator_seed=seed + 1, secure=secure)
     dp = is_private(cfg)
     sigma = 0.0
-    if dp:
+    if selection is not None:  # the whole selection is (ε, δ)-DP, every candidate and score included (RDP)
+        sigma = calibrate_candidate_sigma(cfg.privacy.epsilon, cfg.privacy.delta, sampler.sample_rate, total_steps(cfg),
+                                          score_sigma=selection.score_noise, mean=selection.mean, shape=selection.shape)
+    elif dp:
         sigma = calibrate_for_run(cfg.privacy.epsilon, cfg.privacy.delta, sampler.sample_rate, total_steps(cfg),
                                   cfg.privacy.calibration, cache_dir=cache_root() / "sigma")
+    if dp:
         for caveat in dp_caveats(cfg, lookup(cfg.method).tangent):  # protocol=released: docs/DECISIONS.md
             log.warning("NOT a valid DP guarantee as stated: %s", caveat)
     params = trainable_parameters(model)
@@ -163,7 +188,7 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
         held_prefix = prefix_cache(model, held, cfg.train.prefix_cache, name=cfg.backbone.name)
         method = HFTrainerBaseline(method, recipe, lambda: holdout_loss(
             model, held, tokenizer.pad_token_id, cfg.train.eval_batch_size, device, held_prefix))
-    noise = SecureNoise() if secure else SeededNoise(torch.Generator(device=device).manual_seed(cfg.seed + 2))
+    noise = SecureNoise() if secure else SeededNoise(torch.Generator(device=device).manual_seed(seed + 2))
     if cfg.train.activation_checkpointing:
         enable_activation_checkpointing(model)
     if dp:
@@ -173,7 +198,7 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
     else:
         gradients = lambda batch: summed_gradients(model, **batch)  # noqa: E731
     return Setup(model, tokenizer, suite, features, params, method, sampler, Accountant(), noise,
-                 gradients, sigma, device, prefix, secure=secure)
+                 gradients, sigma, device, prefix, secure=secure, validation=validation)
 
 
 def micro_batch(s: Setup, indices: list[int], padding_side: str = "right") -> dict[str, Any]:
@@ -323,11 +348,38 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
     if not benchmark:
         if isinstance(s.method, HFTrainerBaseline):  # released non-DP recipe: the best hold-out checkpoint
             final["best_step"] = s.method.restore_best()
+        if selection_of(cfg) is not None:
+            final["selection"] = _selection_score(s, cfg)
         narrate("evaluating %d tasks (%d rows)", len(s.suite.eval), sum(map(len, s.suite.eval.values())))
         final.update(evaluate_suite(s.model, s.tokenizer, s.suite, cfg.suite.decoding, cfg.train.eval_batch_size))
         export_adapter(s.model, Path(run_dir) / "adapter")
     final["wall_time_s"] = time.time() - started
     return final if log_private else {k: v for k, v in final.items() if k not in PRIVATE_FINAL}
+
+
+class _SecureDraws:
+    """``normal(loc, scale)`` from the OS CSPRNG (:class:`prism.privacy.noise.SecureNoise`), for :func:`noised_count`."""
+
+    def normal(self, loc: float, scale: float) -> float:
+        return loc + scale * float(SecureNoise().normal((1,), torch.device("cpu")))
+
+
+def _selection_score(s: Setup, cfg: DictConfig) -> dict[str, Any]:
+    """A candidate's ``selection`` block (the fields of :class:`pipelines.store.SelectionBlock`): the count of
+    its correct validation rows plus Gaussian noise of ``privacy.selection.score_noise`` rows (a generator
+    seeded by the run seed and the candidate, or the OS CSPRNG under ``privacy.noise_source=os``), and the
+    selection's ε. The per-row outcomes and the un-noised count are neither logged nor kept."""
+    selection = cfg.privacy.selection
+    narrate("scoring the validation rows (only their noised count is kept)")
+    outcomes = evaluate_suite(s.model, s.tokenizer, s.validation, cfg.suite.decoding, cfg.train.eval_batch_size)
+    correct = np.concatenate([outcomes["per_example"][task]["correct"] for task in s.validation.eval])
+    draws = _SecureDraws() if s.secure else np.random.default_rng(
+        sub_seed(cfg.seed, "selection-score", str(selection.candidate)))
+    knobs = dict(score_sigma=float(selection.score_noise), mean=float(selection.mean), shape=float(selection.shape))
+    epsilon = selection_epsilon(s.sigma, s.sampler.sample_rate, total_steps(cfg), float(cfg.privacy.delta), **knobs)
+    return {"score": noised_count(correct, knobs["score_sigma"], draws), "rows": int(correct.size),
+            "candidate": int(selection.candidate), "mean": knobs["mean"], "shape": knobs["shape"],
+            "score_noise": knobs["score_sigma"], "sigma": s.sigma, "epsilon": epsilon}
 
 
 def _assert_moved(params: dict[str, nn.Parameter], initial: dict[str, Tensor]) -> None:
