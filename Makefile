@@ -28,6 +28,7 @@ uses.reproduce-table3 := $(uses.reproduce-table2)
 uses.reproduce-table4 := $(uses.reproduce-table2)
 uses.reproduce-table5 := $(uses.reproduce-table2)
 uses.tune := SCALE LAUNCHER JOBS SEEDS $(TASK_VARS) ARGS
+uses.table2-accounted := SCALE LAUNCHER JOBS SEEDS METHODS EPS ARGS
 uses.compare := SCALE LAUNCHER JOBS SEEDS $(TASK_VARS) ARGS
 uses.reproduce-diagnostics := SCALE ARGS
 uses.audit := ARGS
@@ -42,7 +43,7 @@ $(foreach g,$(or $(MAKECMDGOALS),help),$(foreach v,$(USER_VARS),$(if $(and $(fil
 $(if $(and $(filter compare,$(MAKECMDGOALS)),$(if $(value TASK),,none)),\
   $(error error: TASK is not set, e.g. make compare TASK=examples/tweet_sentiment/train.jsonl LABELS=positive,negative,neutral))
 
-.PHONY: help setup setup-gemma3 test audit audit-run tune compare reproduce-table2 reproduce-table3 reproduce-table4 reproduce-table5 reproduce-diagnostics test-all test-slurm lint bench gpu-check data wandb-sync lock clean
+.PHONY: help setup setup-gemma3 test audit audit-run tune table2-accounted compare reproduce-table2 reproduce-table3 reproduce-table4 reproduce-table5 reproduce-diagnostics test-all test-slurm lint bench gpu-check data wandb-sync lock clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -103,6 +104,9 @@ tune: setup  ## learning-rate sweep on validation rows: the Table 2 grid -> conf
 	$(PY) -m pipelines tune $(LAUNCH) $(call arg,seed,SEEDS) $(if $(filter smoke,$(SCALE)),suite.validation_per_task=8) \
 	  $(call arg,task,TASK) $(call arg,eval,EVAL) $(call arg,model,MODEL) $(call arg,methods,METHODS) \
 	  $(call arg,eps,EPS) $(call arg,type,TYPE) $(call arg,labels,LABELS) $(ARGS)
+
+table2-accounted: setup  ## Table 2 with ε including the rate tuning: a private selection per cell and seed (docs/PRIVACY.md; SCALE=embedded SEEDS=42,43,44 JOBS=N METHODS=prism,adamw EPS=6,3)
+	$(PY) -m pipelines select $(LAUNCH) $(call arg,seed,SEEDS) $(call arg,methods,METHODS) $(call arg,eps,EPS) $(ARGS)
 
 reproduce-table2: setup  ## Table 2 grid, then render it (SCALE=embedded|paper LAUNCHER=local|slurm SEEDS=42,43,44 JOBS=N, default: what the cores and memory allow)
 	$(call REPRODUCE,2)

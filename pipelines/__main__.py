@@ -22,6 +22,7 @@ VERBS = {  # verb -> (its function, one line of help)
     "run": ("pipelines.run:command", "train one job (one run folder); -m: a Hydra multirun"),
     "reproduce": ("pipelines.reproduce:main", "a paper table: run its grid's unfinished jobs, then render it"),
     "tune": ("pipelines.tune:main", "learning-rate sweep on validation rows -> conf/tuned/<scale>.yaml"),
+    "select": ("pipelines.select:main", "Table 2 with ε including the rate tuning: a private selection per cell"),
     "compare": ("pipelines.compare:main", "PRISM and the baselines on your task file, then the table"),
     "grid": ("pipelines.grid:main", "print a grid's jobs, one line of overrides each (slurm/submit.sh)"),
     "diagnostics": ("pipelines.diagnostics:main", "Table 1 and the mechanism figures (Figs. 1-4, 8-15)"),

@@ -202,8 +202,11 @@ def lookup(cfg: DictConfig) -> tuple[float, Path] | None:
 
 
 def tuned_source(config: Mapping[str, Any] | DictConfig) -> Path | None:
-    """The tuned-rate file whose rate a run's resolved config (``config.yaml``) trained at, or None."""
+    """The tuned-rate file whose rate a run's resolved config (``config.yaml``) trained at, or None (also for a
+    run at a factor of the sweep's grid, ``tune.lr_factor``, which never reads a tuned file)."""
     cfg = config if isinstance(config, DictConfig) else OmegaConf.create(dict(config))
+    if OmegaConf.select(cfg, "tune.lr_factor", default=None) is not None:
+        return None
     hit = lookup(cfg)
     lr = OmegaConf.select(cfg, "method.lr", default=None)
     return hit[1] if hit is not None and isinstance(lr, (int, float)) and math.isclose(hit[0], lr, rel_tol=1e-9) else None

@@ -2,8 +2,9 @@
 "PRISM − best baseline" row, header facts.
 
 A cell averages *seeds only*: a cell whose finished runs differ in another result-changing field
-(:func:`pipelines.store.result_fields`) is refused and listed, never averaged, and so is a run whose
-realised ε does not fit its row's ε.
+(:func:`pipelines.store.result_fields`; in a table of private selections, one besides what each seed's
+selection chose, :data:`SELECTED`) is refused and listed, never averaged, and so is a run whose realised
+ε does not fit its row's ε.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ SCALES = ("embedded", "paper")
 PROTOCOLS = ("corrected", "released")  # conf/protocol/*.yaml; a run without the key ran `corrected`
 EPS_RTOL = 1e-3  # the accountant's calibration tolerance is far tighter
 CELL_PARTS = ("", "_lo", "_hi", "_n", "_ci", "_paper")  # per value column: value, 95 % interval, seeds, method, paper
+SELECTED = ("method.lr", "tune.lr_factor", "privacy.selection.candidate")  # what a private selection picks per seed
 
 
 @dataclass
@@ -58,6 +60,7 @@ class TableResult:
     table_seeds: list[int] = field(default_factory=list)  # the seeds of its runs
     differences: pd.DataFrame = field(default_factory=pd.DataFrame)  # the "PRISM − best baseline" rows
     unscored: list[str] = field(default_factory=list)  # stand-in columns the runs trained on but did not score
+    candidates: dict[tuple, dict[str, list[int]]] = field(default_factory=dict)  # spec.candidates: K per seed
 
 
 def load_paper(name: str) -> pd.DataFrame:
@@ -76,12 +79,19 @@ def is_private_run(record: RunRecord) -> bool:
     return target is not None and math.isfinite(target)
 
 
+def spent_epsilon(record: RunRecord) -> float | None:
+    """A run's realised ε: its private selection's (a published candidate's :class:`~pipelines.store.SelectionBlock`:
+    every candidate and score included), else its accountant's ``epsilon_spent``."""
+    block = store.SelectionBlock.from_final(record.final)
+    return block.epsilon if block is not None else as_float(record.final.get("epsilon_spent"))
+
+
 def epsilon_problem(record: RunRecord) -> str:
     """Why a finished run's realised ε does not fit the row of its target ε ('' when it does)."""
     target = as_float(record.get("privacy.epsilon"))
     if target is None or "epsilon_spent" not in record.final:
         return ""
-    spent = as_float(record.final.get("epsilon_spent"))
+    spent = spent_epsilon(record)
     if math.isinf(target):
         return "" if spent is None or math.isinf(spent) else f"non-DP config but realised ε={spent:g}"
     if spent is None or math.isnan(spent) or spent > target * (1 + EPS_RTOL):
@@ -279,10 +289,11 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str,
     cells: dict[tuple, dict[str, list[RunRecord]]] = {}
     for r in finished:
         cells.setdefault(spec.cell_key(r, paper), {}).setdefault(str(r.get("suite.name")), []).append(r)
-    warnings = []
+    warnings, free = [], SELECTED if spec.candidates else ()
     for key, by_suite in cells.items():
         for suite, rs in list(by_suite.items()):
-            if len({store.canonical(unseeded_config(r)) for r in rs}) > 1:
+            if len({store.canonical({k: v for k, v in _flatten(unseeded_config(r)).items() if k not in free})
+                    for r in rs}) > 1:
                 text = (f"{fmt_key(spec, key)} / {suite}: REFUSED, {len(rs)} runs differ in more than the "
                         f"seed ({differing_fields(rs)}); not averaged — keep one config per cell")
                 missing.append(text)
@@ -329,6 +340,9 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str,
     result.table_seeds = sorted({_seed_of(r) for r, _ in sources})
     result.differences = prism_minus_best(spec, frame, intervals)
     result.unscored = unscored_columns(finished)
+    if spec.candidates:
+        result.candidates = {key: {s: [spec.candidates(r) for r in sorted(rs, key=_seed_of)] for s, rs in by_suite.items()}
+                             for key, by_suite in cells.items()}
     return result
 
 
@@ -336,7 +350,7 @@ def cell_epsilon(by_suite: Mapping[str, Sequence[RunRecord]]) -> dict[str, float
     """Realised ε per suite (the largest over the cell's runs) as read back from the accountant."""
     out = {}
     for suite, rs in by_suite.items():
-        eps = [e for e in (as_float(r.final.get("epsilon_spent")) for r in rs) if e is not None]
+        eps = [e for e in (spent_epsilon(r) for r in rs) if e is not None]
         out[f"eps_spent_{suite}"] = max(eps) if eps else math.nan
     return out
 

@@ -21,6 +21,7 @@ from pipelines.tuned_rates import TUNING_COST
 from prism.privacy.protocol import NOT_DP_AS_STATED
 
 DASH = "—"
+TUNING_INCLUDED = "ε includes tuning"
 LABELS = {"GLUE8_Avg": "GLUE8 Avg", "Math_Avg": "Math Avg", "Avg_12": "Avg (12 tasks)",
           "Step_time_s": "Step time (s)", "Peak_memory_MB": "Peak memory (MB)"}
 
@@ -127,13 +128,21 @@ def display_blocks(result: TableResult) -> list[list[tuple[str, pd.Series]]]:
     return out
 
 
+def _k_text(result: TableResult, row: pd.Series, suite: str | None = None) -> str:
+    """The K each seed's selection drew, of one ``suite`` or of every suite (``/`` between them)."""
+    drawn = result.candidates.get(tuple(row[k] for k in result.spec.keys), {})
+    suites = [suite] if suite else result.spec.suites
+    return " / ".join(",".join(map(str, drawn[s])) if s in drawn else DASH for s in suites)
+
+
 def _row_cells(result: TableResult, kind: str, row: pd.Series, bold: tuple[str, str]) -> list[list[str]]:
     spec, cols = result.spec, shown_columns(result)
     keys = [str(row[k]) for k in spec.keys]
+    k = ([_k_text(result, row)] if kind == "cell" else [""]) if spec.candidates else []
     if kind == "cell":
-        return [keys + [_n_text(row, cols)] + [_cell_text(result, row, c, bold) for c in cols]]
-    diff = keys + [_n_text(row, cols)] + [_interval_text(result, row, c, signed=True) for c in cols]
-    vs = [*keys[:-1], "(best baseline)", ""] + [str(row.get(f"{c}_vs") or DASH) for c in cols]
+        return [keys + [_n_text(row, cols)] + k + [_cell_text(result, row, c, bold) for c in cols]]
+    diff = keys + [_n_text(row, cols)] + k + [_interval_text(result, row, c, signed=True) for c in cols]
+    vs = [*keys[:-1], "(best baseline)", ""] + k + [str(row.get(f"{c}_vs") or DASH) for c in cols]
     return [diff, vs]
 
 
@@ -143,7 +152,8 @@ def _grid(result: TableResult, bold: tuple[str, str]) -> tuple[list[str], list[l
     for i, block in enumerate(display_blocks(result)):
         rows += [None] if i else []
         rows += [cells for kind, row in block for cells in _row_cells(result, kind, row, bold)]
-    return [*result.spec.keys, "n", *(column_label(result, c) for c in shown_columns(result))], rows
+    k = [f"K ({' / '.join(result.spec.suites)})"] if result.spec.candidates else []
+    return [*result.spec.keys, "n", *k, *(column_label(result, c) for c in shown_columns(result))], rows
 
 
 def scale_line(result: TableResult) -> str:
@@ -164,6 +174,18 @@ def protocol_line(result: TableResult) -> str:
         line += (f" WARNING: {result.not_dp} private run(s) here are {NOT_DP_AS_STATED} — their ε is what "
                  "the accountant reports for a mechanism they did not run (final.json protocol.dp_caveats).")
     return line
+
+
+def selection_line(result: TableResult) -> str:
+    """What ε covers in a table of private selections' published runs (:mod:`pipelines.select`; '' otherwise)."""
+    if not result.spec.candidates:
+        return ""
+    return (f"{TUNING_INCLUDED}: each cell and seed is the published run of a private learning-rate selection "
+            "(Papernot & Steinke 2022): K candidates (column K, per seed), each DP-SGD at a rate drawn from the "
+            "tuning grid and scored by a noised count of its correct validation rows; the best one's test rows are "
+            "the cell. The whole selection, every candidate and score included, is (ε, δ)-DP by RDP accounting "
+            "for the published model, rate and score; K, the candidate index and the other candidates are kept "
+            "for audit and are not covered (docs/PRIVACY.md, \"ε includes tuning\").")
 
 
 def tuning_line(result: TableResult) -> str:
@@ -263,7 +285,9 @@ def _paper_md(result: TableResult) -> list[str]:
 def to_markdown(result: TableResult) -> str:
     """The table as Markdown: header lines, the grid, footnotes, the paper's numbers, the missing runs."""
     spec = result.spec
-    head = [f"# Table {spec.name[-1]}: {spec.title}", "", scale_line(result), "", protocol_line(result), ""]
+    number = spec.name.removeprefix("table").partition("-")[0]
+    head = [f"# Table {number}: {spec.title}", "", scale_line(result), "", protocol_line(result), ""]
+    head += [selection_line(result), ""] if spec.candidates else []
     head += [tuning_line(result), ""] if result.tuned else []
     head += [seeds_line(result), ""] if result.tuning_seeds else []
     head += header_lines(result)
@@ -294,6 +318,7 @@ def to_latex(result: TableResult) -> str:
     """The Markdown's grid and paper table as booktabs tabulars, its other lines as comments."""
     values = len(shown_columns(result))
     lines = [f"% {scale_line(result)}", f"% {protocol_line(result)}",
+             *([f"% {_tex_escape(selection_line(result))}"] if result.spec.candidates else []),
              *([f"% {_tex_escape(tuning_line(result))}"] if result.tuned else []),
              *([f"% {seeds_line(result)}"] if result.tuning_seeds else []),
              *(f"% {line}" for line in header_lines(result) if line),
@@ -309,21 +334,26 @@ def to_latex(result: TableResult) -> str:
 
 def to_csv_frame(result: TableResult) -> pd.DataFrame:
     """The CSV: the Markdown's rows (``row`` = cell | PRISM − best baseline | paper) with the columns
-    docs/comparison.md ("Layout") lists."""
+    docs/comparison.md ("Layout") lists; in a table of private selections also ``tuning`` (ε includes tuning)
+    and ``K_<suite>`` (the K each seed's selection drew, space-separated)."""
     spec, cols = result.spec, shown_columns(result)
     parts = ("", "_lo", "_hi", "_n", "_ci", "_mark", "_vs", "_mde", "_seeds3pp")
     seeds = {"tuning_seeds": " ".join(map(str, result.tuning_seeds)),
              "table_seeds": " ".join(map(str, result.table_seeds))}
+    drawn = ["tuning", *(f"K_{s}" for s in spec.suites)] if spec.candidates else []
     out = []
     for kind, row in (x for block in display_blocks(result) for x in block):
         rec = {"scale": result.scale, "row": "cell" if kind == "cell" else DIFF_LABEL,
                **{k: row[k] for k in spec.keys}, "dp_guarantee": dp_status(result, row.get("Setting")), **seeds}
+        if drawn and kind == "cell":
+            rec.update({"tuning": TUNING_INCLUDED, **{f"K_{s}": _k_text(result, row, s).replace(",", " ")
+                                                      .replace(DASH, "") for s in spec.suites}})
         rec.update({f"{c}{p}": row.get(f"{c}{p}", "") for c in cols for p in parts})
         out.append(rec)
     for _, row in paper_rows(result).iterrows():
         out.append({"scale": result.scale, "row": "paper", **{k: row[k] for k in spec.keys},
                     **{c: row[c] for c in cols}, **seeds})
-    return pd.DataFrame(out, columns=["scale", "row", *spec.keys, "dp_guarantee", *seeds,
+    return pd.DataFrame(out, columns=["scale", "row", *spec.keys, "dp_guarantee", *seeds, *drawn,
                                       *(f"{c}{p}" for c in cols for p in parts)])
 
 
@@ -334,6 +364,8 @@ def dp_status(result: TableResult, setting: Any) -> str:
         return "non-private"
     if result.not_dp:
         return NOT_DP_AS_STATED
+    if result.spec.candidates:
+        return f"(ε, δ)-DP as accounted, {TUNING_INCLUDED}"
     return "(ε, δ)-DP as accounted, rate tuning not included" if result.tuned else "(ε, δ)-DP as accounted"
 
 
@@ -385,6 +417,8 @@ def plot_privacy_utility(result: TableResult, path: Path) -> Path:
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     warning = f"\n{result.not_dp} private run(s) are {NOT_DP_AS_STATED.upper()}" if result.not_dp else ""
     warning += "\nε excludes the rate tuning (`make tune`): it covers one training run per cell" if result.tuned else ""
+    warning += f"\n{TUNING_INCLUDED}: each point is the published run of a private rate selection" \
+        if result.spec.candidates else ""
     fig.suptitle(f"Privacy–utility, {result.scale} scale, {result.protocol} protocol: accuracy vs ε "
                  f"(δ = 1e-5; ∞ = non-DP); solid = these runs with 95 % intervals, dashed = paper{warning}",
                  fontsize=9, color="red" if result.not_dp else "black")

@@ -107,7 +107,9 @@ def _cost_values(spec: TableSpec, by_suite: BySuite) -> dict[str, float]:
 class TableSpec:
     """Layout of one paper table: ``cell_key(record, paper)`` is a run's row, ``cell_values(spec, by_suite)``
     a row's values from its finished runs per suite; ``axes`` are the config fields the rows may vary,
-    ``averages`` maps an average column to the suites it averages over."""
+    ``averages`` maps an average column to the suites it averages over; ``candidates(record)``, in a table of
+    private selections' published runs (ε includes tuning, :mod:`pipelines.select`), is the K a run's
+    selection drew."""
 
     name: str
     title: str
@@ -122,6 +124,7 @@ class TableSpec:
     lower_is_better: bool = False
     digits: tuple[int, ...] = ()
     plot: bool = False
+    candidates: Callable[[RunRecord], int] | None = None
 
 
 SPECS = {

@@ -1,0 +1,185 @@
+"""Table 2 with ε including the learning-rate tuning: a private selection per cell and table seed.
+
+    python -m pipelines select [methods=prism,adamw] [eps=6,3] [suites=glue8,math10k] [seed=42,43,44]
+                              [scale=embedded] [launcher=local|slurm] [jobs=K] [overrides]
+    make table2-accounted SCALE=embedded SEEDS=42,43,44 JOBS=2 [METHODS=..] [EPS=6,3]
+
+Per cell (method × suite × ε) and table seed, Papernot & Steinke's repeat-and-select (docs/PRIVACY.md,
+"ε includes tuning"; the accounting is :mod:`prism.privacy.selection`):
+
+1. **plan** (:func:`draws`): a generator seeded from the cell and the seed draws the candidate count K
+   (:func:`prism.privacy.selection.draw_candidate_count`, ``privacy.selection.mean`` and ``.shape``), then K
+   rate factors uniformly from the grid of ``conf/experiment/tune.yaml``. Candidate k is an ordinary job of
+   the shared store (``experiment=table2-accounted``, ``tune.lr_factor=<its factor>``,
+   ``privacy.selection.candidate=k``), tagged into the view ``table2-accounted-candidates``;
+2. **train** the candidates not finished, as :mod:`pipelines.reproduce` does (``launcher=local``: one
+   worker pool for all of them; SLURM or submitit: one Hydra multirun per candidate, one after another).
+   Each trains at the selection's σ and publishes only a noised count of its correct validation rows
+   (:mod:`prism.train`); rerunning skips the finished ones;
+3. **select** (:meth:`Selection.published`): per cell and seed the candidate with the largest noised score
+   (ties: the lowest index). Nothing but the noised scores is read, and only the published one is printed;
+4. **render**: the published runs are tagged into the view ``table2-accounted`` and rendered by
+   :mod:`pipelines.aggregate` in Table 2's layout (private rows only) with the realised K per cell and seed,
+   "ε includes tuning" in the Markdown header, the CSV (column ``tuning``) and the figure's title:
+   ``<results_dir>/tables/table2-accounted.<scale>.{md,csv,tex,_privacy_utility.png}``.
+
+No extra training run follows the selection: the published candidate's own test rows are the cell.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from omegaconf import DictConfig
+
+from pipelines import compare, launch, store
+from pipelines.aggregate import build_table, read_run_folders, to_markdown, write_outputs
+from pipelines.aggregate.build import load_paper
+from pipelines.aggregate.records import RunRecord
+from pipelines.aggregate.specs import SPECS, TableSpec
+from pipelines.compose import compose_config, job_config
+from pipelines.tune import Cell
+from pipelines.validate import load_grid
+from prism.data import sub_seed
+from prism.privacy.selection import draw_candidate_count
+
+EXPERIMENT = "table2-accounted"  # conf/experiment/table2-accounted.yaml, and the view of the published runs
+CANDIDATES = f"{EXPERIMENT}-candidates"  # the view of every candidate (the yaml's `experiment`)
+
+
+def tune_grid() -> list[float]:
+    """The rate factors of ``conf/experiment/tune.yaml``'s sweep (``tune.lr_factor``)."""
+    params = compose_config(["experiment=tune"], with_hydra=True).hydra.sweeper.params
+    return [float(f) for f in str(params["tune.lr_factor"]).split(",")]
+
+
+def draws(cell: Cell, seed: int, mean: float, shape: float, grid: Sequence[float]) -> list[float]:
+    """The rate factor of each candidate of ``cell``'s selection at table seed ``seed``: K from
+    :func:`~prism.privacy.selection.draw_candidate_count`, then K factors drawn uniformly from ``grid``, by one
+    generator seeded from the cell and the seed (the same draws on every rerun)."""
+    rng = np.random.default_rng(sub_seed(seed, EXPERIMENT, cell.suite, cell.privacy, cell.method))
+    count = draw_candidate_count(rng, mean, shape)
+    return [float(grid[i]) for i in rng.integers(len(grid), size=count)]
+
+
+@dataclass
+class Selection:
+    """One cell's selection at one table seed: its candidates' rate factors and store jobs (candidate k: index k)."""
+
+    cell: Cell
+    seed: int
+    factors: list[float]
+    jobs: list[launch.Job]
+
+    def published(self) -> launch.Job | None:
+        """The candidate with the largest noised score (ties: the lowest index); None until every
+        candidate finished, and for K = 0 (a Poisson K)."""
+        scores = []
+        for job in self.jobs:
+            if store.inspect_run(job.folder).state != "finished":
+                return None
+            scores.append(store.SelectionBlock.from_final(store.read_json(job.folder / "final.json")).score)
+        return self.jobs[int(np.argmax(scores))] if scores else None
+
+
+def plan(cfg: DictConfig, overrides: Sequence[str], methods: list[str], epsilons: list[float], suites: list[str],
+         seeds: list[int]) -> list[Selection]:
+    """Every cell's selection at every seed (``cfg``: the experiment's config, its ``privacy.selection``), its
+    candidates' jobs validated (one line naming a bad job)."""
+    grid, selections, jobs = tune_grid(), [], []
+    for epsilon in epsilons:
+        for suite in suites:
+            for method in methods:
+                cell = Cell(suite, f"eps{epsilon:g}", method)  # privacy.name of compare.privacy_overrides
+                for seed in seeds:
+                    factors = draws(cell, seed, float(cfg.privacy.selection.mean), float(cfg.privacy.selection.shape),
+                                    grid)
+                    selections.append(Selection(cell, seed, factors, []))
+                    jobs += [[f"experiment={EXPERIMENT}", f"method={method}", *compare.privacy_overrides(epsilon),
+                              f"suite={suite}", f"seed={seed}", f"tune.lr_factor={factor!r}",
+                              f"privacy.selection.candidate={k}", *overrides] for k, factor in enumerate(factors)]
+    planned = iter([launch.Job.of(job, c) for job, c in zip(jobs, load_grid(jobs), strict=True)])
+    for s in selections:
+        s.jobs = [next(planned) for _ in s.factors]
+    return selections
+
+
+def table_spec(cfg: DictConfig) -> TableSpec:
+    """Table 2's layout for the published runs, with the K each run's selection drew (``cfg``: as in :func:`plan`)."""
+    mean, shape, grid = float(cfg.privacy.selection.mean), float(cfg.privacy.selection.shape), tune_grid()
+
+    def candidates(record: RunRecord) -> int:
+        cell = Cell(str(record.get("suite.name")), str(record.get("privacy.name")), str(record.get("method.name")))
+        return len(draws(cell, int(record.get("seed")), mean, shape, grid))
+
+    return dataclasses.replace(SPECS["table2"], name=EXPERIMENT, candidates=candidates,
+                               title="Utility on GLUE8 and Math-10K, r=16, ε includes tuning [P Tab 2]")
+
+
+def render(selections: Sequence[Selection], cfg: DictConfig) -> list[Path]:
+    """Tag the published runs into the view ``table2-accounted`` and write its table (the paper's private rows
+    beside it); returns the paths."""
+    root = Path(str(cfg.results_dir)) / "runs"
+    for s in selections:
+        if (job := s.published()) is not None:
+            store.tag(root, EXPERIMENT, job.run_hash)
+    paper = load_paper("table2")
+    result = build_table(table_spec(cfg), read_run_folders(root, EXPERIMENT), str(cfg.suite.scale),
+                         paper=paper[paper["Setting"] != "Non-DP"])
+    paths = write_outputs(result, root.parent / "tables")
+    print(to_markdown(result))
+    return paths
+
+
+def main(overrides: Sequence[str], *, methods: str | None = None, eps: str | None = None, suites: str | None = None,
+         seed: str | None = None, jobs: int | None = None) -> int:
+    """Table 2 with ε including the rate tuning: per cell and seed, train K candidates of a private selection,
+    publish the best by its noised validation score, render the table. ``methods`` (default Table 2's six),
+    ``eps`` (default 6,3; private budgets only), ``suites`` (default glue8,math10k) and ``seed`` (default 42)
+    are comma-separated lists; ``jobs``: local worker processes; the overrides (``scale=``, ``launcher=``,
+    ``privacy.selection.mean=``, ...) apply to every candidate. Exit 0, 1 (a candidate failed), 2 (bad input)."""
+    launcher = launch.override_value(overrides, "launcher", "local")
+    if (code := launch.launcher_error(launcher)) is not None:  # before every candidate is validated
+        return code
+    params = compose_config([f"experiment={EXPERIMENT}"], with_hydra=True).hydra.sweeper.params
+    methods_ = compare.comma_list(methods or str(params["method"]), "methods")
+    suites_ = compare.comma_list(suites or str(params["suite"]), "suites")
+    epsilons = compare.budgets({"eps": eps or "6,3"})
+    if not all(e < float("inf") for e in epsilons):
+        raise ValueError(f"eps={eps}: a private selection needs a finite ε, e.g. eps=6,3")
+    cfg = job_config([f"experiment={EXPERIMENT}", *overrides])
+    seeds_text = compare.comma_list(seed, "seed") if seed else [str(cfg.seed)]
+    if not all(s.isdigit() for s in seeds_text):
+        raise ValueError(f"seed={seed} must list integers, e.g. seed=42,43,44")
+    selections = plan(cfg, overrides, methods_, epsilons, suites_, [int(s) for s in seeds_text])
+    every = [job for s in selections for job in s.jobs]
+    pending, finished = launch.split_finished(CANDIDATES, every)
+    print(f"{EXPERIMENT}, plan: {len(selections)} selections (cell x seed), {len(every)} candidates, "
+          f"{len(finished)} finished, {len(pending)} to train", flush=True)
+    failure, log_dir = "", Path(str(cfg.results_dir)) / "logs" / EXPERIMENT
+    if pending and launcher == "local":
+        print(f"{EXPERIMENT}, train: {len(pending)} candidates on the local pool", flush=True)
+        _, failure = launch.launch(EXPERIMENT, launcher, pending, jobs, overrides, log_dir)
+    for job in pending if launcher != "local" else []:  # one multirun per candidate (its overrides pin it)
+        print(f"{EXPERIMENT}, train: {' '.join(job.overrides[1:])}", flush=True)
+        submitted, failure = launch.launch(EXPERIMENT, launcher, [job], jobs, job.overrides[1:], log_dir)
+        if failure and not submitted:
+            break
+    print(f"{EXPERIMENT}, select: the best noised validation score of each selection", flush=True)
+    for s in selections:
+        job = s.published()
+        what = ("not every candidate finished" if job is None and s.jobs else "K = 0, nothing published" if job is None
+                else f"candidate {s.jobs.index(job)} (rate x{s.factors[s.jobs.index(job)]:g}), noised score "
+                     f"{store.SelectionBlock.from_final(store.read_json(job.folder / 'final.json')).score:.2f}")
+        print(f"  {s.cell.suite} {s.cell.privacy} {s.cell.method} seed {s.seed}: {what}")
+    print(f"{EXPERIMENT}, render: the published runs (view {EXPERIMENT})", flush=True)
+    for path in render(selections, cfg):
+        print("wrote", path)
+    if failure:
+        print(failure, file=sys.stderr)
+        return 1
+    return 0
