@@ -42,6 +42,7 @@ from pipelines.aggregate.build import load_paper
 from pipelines.aggregate.records import RunRecord
 from pipelines.aggregate.specs import SPECS, TableSpec
 from pipelines.compose import compose_config, job_config
+from pipelines.config_schema import conform
 from pipelines.tune import Cell
 from pipelines.validate import load_grid
 from prism.data import sub_seed
@@ -151,7 +152,7 @@ def main(overrides: Sequence[str], *, methods: str | None = None, eps: str | Non
     epsilons = compare.budgets({"eps": eps or "6,3"})
     if not all(e < float("inf") for e in epsilons):
         raise ValueError(f"eps={eps}: a private selection needs a finite ε, e.g. eps=6,3")
-    cfg = job_config([f"experiment={EXPERIMENT}", *overrides])
+    cfg = conform(job_config([f"experiment={EXPERIMENT}", *overrides]))  # privacy.selection's ranges, before K is drawn
     seeds_text = compare.comma_list(seed, "seed") if seed else [str(cfg.seed)]
     if not all(s.isdigit() for s in seeds_text):
         raise ValueError(f"seed={seed} must list integers, e.g. seed=42,43,44")
