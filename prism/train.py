@@ -4,9 +4,10 @@ Every method gets the same Poisson sampler, σ (PRV-calibrated for the exact num
 norm C and number of steps; they differ only in the :class:`~prism.methods.base.Method` that clips,
 noises and updates. A private selection's candidate (``privacy.selection``, docs/PRIVACY.md "ε includes
 tuning") trains at the selection's σ (:func:`prism.privacy.selection.calibrate_candidate_sigma`) from seeds
-of its own, outside the validation rows, and publishes the noised count of its correct validation rows. The two privacy switches, ``privacy.noise_source`` (``os``: every step is
-checkpointed before it is logged) and ``privacy.log_private_stats`` (off: :data:`PRIVATE_STATS` and
-:data:`PRIVATE_FINAL` are dropped from the logs), are explained in docs/PRIVACY.md.
+of its own, outside the validation rows, and publishes the noised count of its correct validation rows.
+The two privacy switches, ``privacy.noise_source`` (``os``: every step is checkpointed before it is
+logged) and ``privacy.log_private_stats`` (off: :data:`PRIVATE_STATS` and :data:`PRIVATE_FINAL` are
+dropped from the logs), are explained in docs/PRIVACY.md.
 """
 from __future__ import annotations
 
