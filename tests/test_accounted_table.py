@@ -32,6 +32,11 @@ def test_a_selection_publishes_the_best_noised_candidate_and_its_table_says_epsi
         return True, ""
 
     monkeypatch.setattr(launch, "launch", in_process)
+    from matplotlib.figure import Figure
+
+    titles: list[str] = []
+    suptitle = Figure.suptitle
+    monkeypatch.setattr(Figure, "suptitle", lambda fig, text, **kw: titles.append(text) or suptitle(fig, text, **kw))
     args = ["select", "methods=prism,adamw", "eps=6", "suites=glue8", *TINY_RUN, "suite.validation_per_task=2",
             f"results_dir={tmp_path}"]
     assert cli(args) == 0
@@ -71,5 +76,6 @@ def test_a_selection_publishes_the_best_noised_candidate_and_its_table_says_epsi
     assert set(cells["dp_guarantee"]) == {"(ε, δ)-DP as accounted, ε includes tuning"}
     assert math.isnan(cells.loc["PRISM", "K_math10k"])
     assert (tmp_path / "tables" / "table2-accounted.embedded_privacy_utility.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(titles) == 1 and "ε includes tuning" in titles[0]
     # rerunning trains nothing: every candidate is finished in the store
     assert cli(args) == 0 and len(trained) == 3
