@@ -50,6 +50,7 @@ from prism.privacy.selection import draw_candidate_count
 
 EXPERIMENT = "table2-accounted"  # conf/experiment/table2-accounted.yaml, and the view of the published runs
 CANDIDATES = f"{EXPERIMENT}-candidates"  # the view of every candidate (the yaml's `experiment`)
+PLANNED = ("experiment", "method", "privacy", "suite", "seed", "tune.lr_factor", "privacy.selection.candidate")
 
 
 def tune_grid() -> list[float]:
@@ -146,6 +147,9 @@ def main(overrides: Sequence[str], *, methods: str | None = None, eps: str | Non
     launcher = launch.override_value(overrides, "launcher", "local")
     if (code := launch.launcher_error(launcher)) is not None:  # before every candidate is validated
         return code
+    if fixed := [o for o in overrides if o.split("=")[0].lstrip("+~") in PLANNED]:
+        raise ValueError(f"{fixed[0]}: the plan sets {', '.join(PLANNED)} per candidate; choose the cells with "
+                         "methods=, eps=, suites= and seed=")
     params = compose_config([f"experiment={EXPERIMENT}"], with_hydra=True).hydra.sweeper.params
     methods_ = compare.comma_list(methods or str(params["method"]), "methods")
     suites_ = compare.comma_list(suites or str(params["suite"]), "suites")

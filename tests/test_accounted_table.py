@@ -37,8 +37,11 @@ def test_a_selection_publishes_the_best_noised_candidate_and_its_table_says_epsi
     titles: list[str] = []
     suptitle = Figure.suptitle
     monkeypatch.setattr(Figure, "suptitle", lambda fig, text, **kw: titles.append(text) or suptitle(fig, text, **kw))
-    args = ["select", "methods=prism,adamw", "eps=6", "suites=glue8", *TINY_RUN, "suite.validation_per_task=2",
+    tiny = [o for o in TINY_RUN if o != "suite=glue8"]  # the plan sets the cells
+    args = ["select", "methods=prism,adamw", "eps=6", "suites=glue8", *tiny, "suite.validation_per_task=2",
             f"results_dir={tmp_path}"]
+    assert cli([*args, "method=lamb"]) == 2  # a cell's key among the overrides is refused in one line
+    assert "method=lamb: the plan sets" in capsys.readouterr().err
     assert cli(args) == 0
     out = capsys.readouterr().out
     for phase in ("plan", "train", "select", "render"):
