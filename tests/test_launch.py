@@ -222,13 +222,17 @@ def test_make_passes_every_value_as_one_verbatim_argument(tmp_path: Path) -> Non
     done = make(tmp_path, "reproduce-table2", "SEEDS=42,43", "ARGS=train.steps=2 'results_dir=/tmp/a b'")
     assert json.loads(done.stdout) == ["-m", "pipelines", "reproduce", "experiment=table2", "scale=embedded", "launcher=local",
                                        "seed=42,43", "train.steps=2", "results_dir=/tmp/a b"]  # ARGS: shell words
+    done = make(tmp_path, "table2-accounted", "SEEDS=42,43", "METHODS=prism,adamw", "EPS=6", "JOBS=2")
+    assert json.loads(done.stdout) == ["-m", "pipelines", "select", "scale=embedded", "launcher=local", "jobs=2",
+                                       "seed=42,43", "methods=prism,adamw", "eps=6"]
 
 
 @pytest.mark.parametrize(("goal", "variable", "users"), [
     ("reproduce-table2", "TASK=x.jsonl", "compare tune"),
     ("reproduce-diagnostics", "JOBS=4", "compare reproduce-table2 reproduce-table3 reproduce-table4 "
-                                        "reproduce-table5 tune"),
-    ("test", "SEEDS=1", "compare reproduce-table2 reproduce-table3 reproduce-table4 reproduce-table5 tune"),
+                                        "reproduce-table5 table2-accounted tune"),
+    ("test", "SEEDS=1", "compare reproduce-table2 reproduce-table3 reproduce-table4 reproduce-table5 "
+                        "table2-accounted tune"),
 ])
 def test_make_refuses_a_variable_its_goal_does_not_use(goal: str, variable: str, users: str, tmp_path: Path) -> None:
     unset = make(tmp_path, "compare")
