@@ -19,26 +19,30 @@ Per cell (method × suite × ε) and table seed, Papernot & Steinke's repeat-and
 3. **select** (:meth:`Selection.published`): per cell and seed the candidate with the largest noised score
    (ties: the lowest index). Nothing but the noised scores is read, and only the published one is printed;
 4. **render**: the published runs are tagged into the view ``table2-accounted`` and rendered by
-   :mod:`pipelines.aggregate` in Table 2's layout (private rows only) with the realised K per cell and seed,
-   "ε includes tuning" in the Markdown header, the CSV (column ``tuning``) and the figure's title:
-   ``<results_dir>/tables/table2-accounted.<scale>.{md,csv,tex,_privacy_utility.png}``.
+   :mod:`pipelines.aggregate` in Table 2's layout (private rows only), "ε includes tuning" in the Markdown
+   header, the CSV (column ``tuning``) and the figure's title:
+   ``<results_dir>/tables/table2-accounted.<scale>.{md,csv,tex,_privacy_utility.png}``. The realised K and
+   every candidate's rate and noised score go to ``table2-accounted.<scale>.audit.{csv,md}`` beside it: not
+   covered by ε (given K, the published run is a best-of-K), never to be published with the table.
 
 No extra training run follows the selection: the published candidate's own test rows are the cell.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from omegaconf import DictConfig
 
 from pipelines import compare, launch, store
 from pipelines.aggregate import build_table, read_run_folders, to_markdown, write_outputs
-from pipelines.aggregate.build import load_paper
+from pipelines.aggregate.build import SELECTED, fixed_config, load_paper
 from pipelines.aggregate.records import RunRecord
 from pipelines.aggregate.specs import SPECS, TableSpec
 from pipelines.compose import compose_config, job_config
@@ -110,13 +114,23 @@ def plan(cfg: DictConfig, overrides: Sequence[str], methods: list[str], epsilons
     return selections
 
 
-def table_spec(cfg: DictConfig) -> TableSpec:
-    """Table 2's layout for the published runs, with the K each run's selection drew (``cfg``: as in :func:`plan`)."""
+def table_spec(cfg: DictConfig, trained: Sequence[RunRecord]) -> TableSpec:
+    """Table 2's layout for the published runs (``cfg``: as in :func:`plan`); its audit of a published run's
+    selection lists each candidate the plan drew with its rate factor, and, from the finished runs of ``trained``
+    (the candidates' view) of the same selection, its rate and noised score (NaN where none)."""
     mean, shape, grid = float(cfg.privacy.selection.mean), float(cfg.privacy.selection.shape), tune_grid()
+    runs = {(r.get("seed"), fixed_config(r, SELECTED), r.get("privacy.selection.candidate")): r
+            for r in trained if r.state == "finished"}
 
-    def candidates(record: RunRecord) -> int:
+    def candidates(record: RunRecord) -> list[dict[str, Any]]:
         cell = Cell(str(record.get("suite.name")), str(record.get("privacy.name")), str(record.get("method.name")))
-        return len(draws(cell, int(record.get("seed")), mean, shape, grid))
+        out, selection = [], (record.get("seed"), fixed_config(record, SELECTED))
+        for k, factor in enumerate(draws(cell, int(record.get("seed")), mean, shape, grid)):
+            run = runs.get((*selection, k))
+            block = store.SelectionBlock.from_final(run.final) if run else None
+            out.append({"candidate": k, "lr_factor": factor, "lr": run.get("method.lr") if run else math.nan,
+                        "noised_score": block.score if block else math.nan})
+        return out
 
     return dataclasses.replace(SPECS["table2"], name=EXPERIMENT, candidates=candidates,
                                title="Utility on GLUE8 and Math-10K, r=16, ε includes tuning [P Tab 2]")
@@ -124,14 +138,14 @@ def table_spec(cfg: DictConfig) -> TableSpec:
 
 def render(selections: Sequence[Selection], cfg: DictConfig) -> list[Path]:
     """Tag the published runs into the view ``table2-accounted`` and write its table (the paper's private rows
-    beside it); returns the paths."""
+    beside it) and its audit files; returns the paths."""
     root = Path(str(cfg.results_dir)) / "runs"
     for s in selections:
         if (job := s.published()) is not None:
             store.tag(root, EXPERIMENT, job.run_hash)
     paper = load_paper("table2")
-    result = build_table(table_spec(cfg), read_run_folders(root, EXPERIMENT), str(cfg.suite.scale),
-                         paper=paper[paper["Setting"] != "Non-DP"])
+    result = build_table(table_spec(cfg, read_run_folders(root, CANDIDATES)), read_run_folders(root, EXPERIMENT),
+                         str(cfg.suite.scale), paper=paper[paper["Setting"] != "Non-DP"])
     paths = write_outputs(result, root.parent / "tables")
     print(to_markdown(result))
     return paths

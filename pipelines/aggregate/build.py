@@ -60,7 +60,7 @@ class TableResult:
     table_seeds: list[int] = field(default_factory=list)  # the seeds of its runs
     differences: pd.DataFrame = field(default_factory=pd.DataFrame)  # the "PRISM − best baseline" rows
     unscored: list[str] = field(default_factory=list)  # stand-in columns the runs trained on but did not score
-    candidates: dict[tuple, dict[str, list[int]]] = field(default_factory=dict)  # spec.candidates: K per seed
+    audit: pd.DataFrame = field(default_factory=pd.DataFrame)  # spec.candidates: every selection's candidates
 
 
 def load_paper(name: str) -> pd.DataFrame:
@@ -111,6 +111,11 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 def unseeded_config(record: RunRecord) -> dict[str, Any]:
     """The run's result-changing config minus the seed (equal for the seeds of one cell)."""
     return {k: v for k, v in store.result_fields(record.config).items() if k != "seed"}
+
+
+def fixed_config(record: RunRecord, free: Sequence[str] = ()) -> str:
+    """The canonical text of :func:`unseeded_config` without the dotted fields ``free``."""
+    return store.canonical({k: v for k, v in _flatten(unseeded_config(record)).items() if k not in free})
 
 
 def differing_fields(records: Sequence[RunRecord], limit: int = 4) -> str:
@@ -292,8 +297,7 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str,
     warnings, free = [], SELECTED if spec.candidates else ()
     for key, by_suite in cells.items():
         for suite, rs in list(by_suite.items()):
-            if len({store.canonical({k: v for k, v in _flatten(unseeded_config(r)).items() if k not in free})
-                    for r in rs}) > 1:
+            if len({fixed_config(r, free) for r in rs}) > 1:
                 text = (f"{fmt_key(spec, key)} / {suite}: REFUSED, {len(rs)} runs differ in more than the "
                         f"seed ({differing_fields(rs)}); not averaged — keep one config per cell")
                 missing.append(text)
@@ -341,8 +345,10 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str,
     result.differences = prism_minus_best(spec, frame, intervals)
     result.unscored = unscored_columns(finished)
     if spec.candidates:
-        result.candidates = {key: {s: [spec.candidates(r) for r in sorted(rs, key=_seed_of)] for s, rs in by_suite.items()}
-                             for key, by_suite in cells.items()}
+        result.audit = pd.DataFrame([{**dict(zip(spec.keys, key)), "suite": suite, "seed": _seed_of(r), "K": len(drawn),
+                                      **c, "published": c["candidate"] == r.get("privacy.selection.candidate")}
+                                     for key, by_suite in cells.items() for suite, rs in by_suite.items()
+                                     for r in sorted(rs, key=_seed_of) for drawn in [spec.candidates(r)] for c in drawn])
     return result
 
 

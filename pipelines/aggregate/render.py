@@ -128,21 +128,13 @@ def display_blocks(result: TableResult) -> list[list[tuple[str, pd.Series]]]:
     return out
 
 
-def _k_text(result: TableResult, row: pd.Series, suite: str | None = None) -> str:
-    """The K each seed's selection drew, of one ``suite`` or of every suite (``/`` between them)."""
-    drawn = result.candidates.get(tuple(row[k] for k in result.spec.keys), {})
-    suites = [suite] if suite else result.spec.suites
-    return " / ".join(",".join(map(str, drawn[s])) if s in drawn else DASH for s in suites)
-
-
 def _row_cells(result: TableResult, kind: str, row: pd.Series, bold: tuple[str, str]) -> list[list[str]]:
     spec, cols = result.spec, shown_columns(result)
     keys = [str(row[k]) for k in spec.keys]
-    k = ([_k_text(result, row)] if kind == "cell" else [""]) if spec.candidates else []
     if kind == "cell":
-        return [keys + [_n_text(row, cols)] + k + [_cell_text(result, row, c, bold) for c in cols]]
-    diff = keys + [_n_text(row, cols)] + k + [_interval_text(result, row, c, signed=True) for c in cols]
-    vs = [*keys[:-1], "(best baseline)", ""] + k + [str(row.get(f"{c}_vs") or DASH) for c in cols]
+        return [keys + [_n_text(row, cols)] + [_cell_text(result, row, c, bold) for c in cols]]
+    diff = keys + [_n_text(row, cols)] + [_interval_text(result, row, c, signed=True) for c in cols]
+    vs = [*keys[:-1], "(best baseline)", ""] + [str(row.get(f"{c}_vs") or DASH) for c in cols]
     return [diff, vs]
 
 
@@ -152,8 +144,7 @@ def _grid(result: TableResult, bold: tuple[str, str]) -> tuple[list[str], list[l
     for i, block in enumerate(display_blocks(result)):
         rows += [None] if i else []
         rows += [cells for kind, row in block for cells in _row_cells(result, kind, row, bold)]
-    k = [f"K ({' / '.join(result.spec.suites)})"] if result.spec.candidates else []
-    return [*result.spec.keys, "n", *k, *(column_label(result, c) for c in shown_columns(result))], rows
+    return [*result.spec.keys, "n", *(column_label(result, c) for c in shown_columns(result))], rows
 
 
 def scale_line(result: TableResult) -> str:
@@ -181,11 +172,19 @@ def selection_line(result: TableResult) -> str:
     if not result.spec.candidates:
         return ""
     return (f"{TUNING_INCLUDED}: each cell and seed is the published run of a private learning-rate selection "
-            "(Papernot & Steinke 2022): K candidates (column K, per seed), each DP-SGD at a rate drawn from the "
+            "(Papernot & Steinke 2022): a random number K of candidates, each DP-SGD at a rate drawn from the "
             "tuning grid and scored by a noised count of its correct validation rows; the best one's test rows are "
-            "the cell. The whole selection, every candidate and score included, is (ε, δ)-DP by RDP accounting "
-            "for the published model, rate and score; K, the candidate index and the other candidates are kept "
-            "for audit and are not covered (docs/PRIVACY.md, \"ε includes tuning\").")
+            "the cell. ε (RDP accounting of the whole selection) covers what is published: that model, its rate "
+            "and its noised score, while K stays unknown. K, the candidate index and the other candidates' runs "
+            "are audit material outside the table: released, they void the bound (docs/PRIVACY.md, "
+            "\"ε includes tuning\").")
+
+
+def audit_line(result: TableResult) -> str:
+    """Under the Markdown table of private selections: where the audit file is and why it is apart."""
+    return (f"The realised K of each selection and every candidate's rate and noised score are in "
+            f"{output_stem(result)}.audit.csv, kept apart from this table: ε holds only while K stays unknown, "
+            "so that file is not covered by ε and must not be published with the table.")
 
 
 def tuning_line(result: TableResult) -> str:
@@ -297,6 +296,7 @@ def to_markdown(result: TableResult) -> str:
     header, rows = _grid(result, ("**", "**"))
     lines = _md_table(header, [r for r in rows if r is not None])
     foot = [line for line in (detectable_line(result), not_shown_line(result)) if line]
+    foot += [audit_line(result)] if spec.candidates else []
     return "\n".join(head + lines + ["", *foot, *([""] if foot else []), *_paper_md(result), *_missing_md(result)]) + "\n"
 
 
@@ -334,20 +334,18 @@ def to_latex(result: TableResult) -> str:
 
 def to_csv_frame(result: TableResult) -> pd.DataFrame:
     """The CSV: the Markdown's rows (``row`` = cell | PRISM − best baseline | paper) with the columns
-    docs/comparison.md ("Layout") lists; in a table of private selections also ``tuning`` (ε includes tuning)
-    and ``K_<suite>`` (the K each seed's selection drew, space-separated)."""
+    docs/comparison.md ("Layout") lists; in a table of private selections also ``tuning`` (ε includes tuning)."""
     spec, cols = result.spec, shown_columns(result)
     parts = ("", "_lo", "_hi", "_n", "_ci", "_mark", "_vs", "_mde", "_seeds3pp")
     seeds = {"tuning_seeds": " ".join(map(str, result.tuning_seeds)),
              "table_seeds": " ".join(map(str, result.table_seeds))}
-    drawn = ["tuning", *(f"K_{s}" for s in spec.suites)] if spec.candidates else []
+    drawn = ["tuning"] if spec.candidates else []
     out = []
     for kind, row in (x for block in display_blocks(result) for x in block):
         rec = {"scale": result.scale, "row": "cell" if kind == "cell" else DIFF_LABEL,
                **{k: row[k] for k in spec.keys}, "dp_guarantee": dp_status(result, row.get("Setting")), **seeds}
         if drawn and kind == "cell":
-            rec.update({"tuning": TUNING_INCLUDED, **{f"K_{s}": _k_text(result, row, s).replace(",", " ")
-                                                      .replace(DASH, "") for s in spec.suites}})
+            rec["tuning"] = TUNING_INCLUDED
         rec.update({f"{c}{p}": row.get(f"{c}{p}", "") for c in cols for p in parts})
         out.append(rec)
     for _, row in paper_rows(result).iterrows():
@@ -469,9 +467,24 @@ def write_protocols(results: Sequence[TableResult], out_dir: Path) -> Path | Non
     return path
 
 
+def write_audit(result: TableResult, out_dir: Path) -> list[Path]:
+    """``<table>.<scale>.audit.{csv,md}``: per cell, suite and seed of a table of private selections, the realised
+    K and each candidate's rate and noised score, under a first line that says ε does not cover them."""
+    frame, stem = result.audit.sort_values([*result.spec.keys, "suite", "seed", "candidate"]), output_stem(result)
+    warning = (f"NOT COVERED BY ε, DO NOT PUBLISH with the table {stem}: the realised K of each private selection and "
+               "every candidate's rate and noised score, for an audit of the compute; given K, the published run "
+               "is a best-of-K that the table's ε does not bound (docs/PRIVACY.md, \"ε includes tuning\").")
+    csv, md = out_dir / f"{stem}.audit.csv", out_dir / f"{stem}.audit.md"
+    csv.write_text(f"# {warning}\n" + frame.to_csv(index=False, float_format="%.6g"))
+    md.write_text("\n".join([f"# {warning}", "", *_md_table(list(frame.columns), frame.map(
+        lambda v: f"{v:.6g}" if isinstance(v, float) else str(v)).values)]) + "\n")
+    return [csv, md]
+
+
 def write_outputs(result: TableResult, out_dir: Path) -> list[Path]:
-    """Write ``<table>.<scale>.{md,csv,tex}``, ``<table>.<scale>_missing.csv`` (and Table 2's plot);
-    return the paths. Writes nothing (returns ``[]``) for a table without a finished run."""
+    """Write ``<table>.<scale>.{md,csv,tex}``, ``<table>.<scale>_missing.csv`` (and Table 2's plot, and a table of
+    private selections' audit files, :func:`write_audit`); return the paths. Writes nothing (returns ``[]``) for
+    a table without a finished run."""
     if result.n_finished == 0:
         return []
     out_dir = Path(out_dir)
@@ -486,4 +499,6 @@ def write_outputs(result: TableResult, out_dir: Path) -> list[Path]:
     paths.append(missing)
     if result.spec.plot:
         paths.append(plot_privacy_utility(result, out_dir / f"{stem}_privacy_utility.png"))
+    if result.spec.candidates:
+        paths += write_audit(result, out_dir)
     return paths

@@ -108,8 +108,8 @@ class TableSpec:
     """Layout of one paper table: ``cell_key(record, paper)`` is a run's row, ``cell_values(spec, by_suite)``
     a row's values from its finished runs per suite; ``axes`` are the config fields the rows may vary,
     ``averages`` maps an average column to the suites it averages over; ``candidates(record)``, in a table of
-    private selections' published runs (ε includes tuning, :mod:`pipelines.select`), is the K a run's
-    selection drew."""
+    private selections' published runs (ε includes tuning, :mod:`pipelines.select`), is the audit of a run's
+    selection: one mapping per candidate (``candidate``, its index, first), never part of the table itself."""
 
     name: str
     title: str
@@ -124,7 +124,7 @@ class TableSpec:
     lower_is_better: bool = False
     digits: tuple[int, ...] = ()
     plot: bool = False
-    candidates: Callable[[RunRecord], int] | None = None
+    candidates: Callable[[RunRecord], list[dict[str, Any]]] | None = None
 
 
 SPECS = {
