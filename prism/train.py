@@ -368,14 +368,16 @@ class _SecureDraws:
 def _selection_score(s: Setup, cfg: DictConfig) -> dict[str, Any]:
     """A candidate's ``selection`` block (the fields of :class:`pipelines.store.SelectionBlock`): the count of
     its correct validation rows plus Gaussian noise of ``privacy.selection.score_noise`` rows (a generator
-    seeded by the run seed and the candidate, or the OS CSPRNG under ``privacy.noise_source=os``), and the
+    seeded by the run seed, the cell (method, suite, ε) and the candidate, so that no two cells share a
+    score's noise, or the OS CSPRNG under ``privacy.noise_source=os``), and the
     selection's ε. The per-row outcomes and the un-noised count are neither logged nor kept."""
     selection = cfg.privacy.selection
     narrate("scoring the validation rows (only their noised count is kept)")
     outcomes = evaluate_suite(s.model, s.tokenizer, s.validation, cfg.suite.decoding, cfg.train.eval_batch_size)
     correct = np.concatenate([outcomes["per_example"][task]["correct"] for task in s.validation.eval])
     draws = _SecureDraws() if s.secure else np.random.default_rng(
-        sub_seed(cfg.seed, "selection-score", str(selection.candidate)))
+        sub_seed(cfg.seed, "selection-score", cfg.method.name, cfg.suite.name, str(cfg.privacy.epsilon),
+                 str(selection.candidate)))
     knobs = dict(score_sigma=float(selection.score_noise), mean=float(selection.mean), shape=float(selection.shape))
     epsilon = selection_epsilon(s.sigma, s.sampler.sample_rate, total_steps(cfg), float(cfg.privacy.delta), **knobs)
     return {"score": noised_count(correct, knobs["score_sigma"], draws), "rows": int(correct.size),
