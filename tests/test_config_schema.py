@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
@@ -123,8 +124,16 @@ def _line(lines: list[str], text: str, start: int = 0) -> int:
 
 
 def test_the_committed_tuned_file_reads_clean_and_sets_the_rates() -> None:
+    entries = yaml.safe_load(TUNED.read_text())["rates"]
+    want = next(e["lr"] for e in entries if (e["method"], e["suite"], e["epsilon"]) == ("adamw", "glue8", 3.0))
     cfg = validate.load_job(["method=adamw", "privacy=eps3", "suite=glue8"])
-    assert cfg.method.lr == pytest.approx(0.00632)
+    assert cfg.method.lr == pytest.approx(want)
+
+
+def _entry_lines(lines: list[str]) -> int:
+    """Lines per entry of the tuned file: the distance between its first two entries."""
+    starts = [i for i, text in enumerate(lines) if text.startswith("- method: ")]
+    return starts[1] - starts[0]
 
 
 def test_a_tuned_value_of_the_wrong_type_names_its_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -138,7 +147,7 @@ def test_a_tuned_value_of_the_wrong_type_names_its_line(tmp_path: Path, monkeypa
 
 def test_an_unknown_tuned_key_names_its_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def edit(lines: list[str]) -> None:
-        lines.insert(_line(lines, "  lr: 0.00632"), "  learning_rate: 0.1")
+        lines.insert(_line(lines, next(text for text in lines if text.startswith("  lr: "))), "  learning_rate: 0.1")
 
     path, lines = _tuned(tmp_path, monkeypatch, edit)
     message = _refusal(tmp_path)
@@ -148,7 +157,7 @@ def test_an_unknown_tuned_key_names_its_line(tmp_path: Path, monkeypatch: pytest
 def test_a_duplicated_tuned_cell_names_its_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def edit(lines: list[str]) -> None:
         first = _line(lines, "- method: adamw") - 1
-        lines.extend(lines[first:first + 13])  # the first entry again, at the end
+        lines.extend(lines[first:first + _entry_lines(lines)])  # the first entry again, at the end
 
     path, lines = _tuned(tmp_path, monkeypatch, edit)
     copy = max(i for i, text in enumerate(lines) if text == "- method: adamw") + 1
@@ -160,7 +169,7 @@ def test_a_missing_tuned_cell_is_refused_not_run_at_the_default_rate(tmp_path: P
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     def edit(lines: list[str]) -> None:  # the entry of prism, glue8, ε = 6
         start = next(i for i in range(len(lines)) if lines[i] == "- method: prism" and lines[i + 3] == "  epsilon: 6.0")
-        del lines[start:start + 13]
+        del lines[start:start + _entry_lines(lines)]
 
     path, lines = _tuned(tmp_path, monkeypatch, edit)
     message = _refusal(tmp_path)

@@ -164,7 +164,7 @@ def test_sweep_runs_through_the_store_extends_edges_resumes_and_writes_the_rates
 
 def test_tuning_seeds_sweep_apart_from_the_tables_and_are_recorded(tmp_path: Path, monkeypatch) -> None:
     """Default tuning seed 1 (not a table seed); ``seed=1,2`` trains each rate on both, scores the mean,
-    records ``seeds: [1, 2]``; the committed file (written with one ``seed: 42``) reads as [42]."""
+    records ``seeds: [1, 2]``; a file written with one ``seed: 42`` reads as [42]."""
     assert job_config(["experiment=tune"]).seed == 1 and job_config(["experiment=table2"]).seed == 42
     monkeypatch.setenv("PRISM_TUNED_DIR", str(tmp_path / "tuned"))
     trainer = ScoreByRate()
@@ -181,7 +181,9 @@ def test_tuning_seeds_sweep_apart_from_the_tables_and_are_recorded(tmp_path: Pat
     path = tmp_path / "tuned" / "smoke.yaml"
     assert yaml.safe_load(path.read_text())["generated"]["seeds"] == [1, 2]
     assert tuned_rates.tuning_seeds(path) == [1, 2]
-    assert tuned_rates.tuning_seeds(tuned_rates.TUNED_DIR / "embedded.yaml") == [42]
+    legacy = tmp_path / "legacy.yaml"  # a file written before the seed list was recorded
+    legacy.write_text("generated:\n  seed: 42\nrates: []\n")
+    assert tuned_rates.tuning_seeds(legacy) == [42]
 
 
 def test_a_bad_validation_size_is_a_config_error_before_any_model_load() -> None:
