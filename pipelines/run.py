@@ -66,7 +66,7 @@ INFO_TOPICS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchp
 def default_trainer(cfg: DictConfig, folder: Path, log_fn: Callable[[dict[str, Any]], None],
                     load: Any = None) -> dict[str, Any]:
     """``prism.train.train_and_evaluate`` (imported lazily: the pipeline tests never load torch models),
-    with subnormal floats flushed to zero on the CPU (docs/DECISIONS.md D64: a diverging run's
+    with subnormal floats flushed to zero on the CPU while it trains (docs/DECISIONS.md D64: a diverging run's
     subnormals made its CPU steps 10–25× slower; the losses are the same to the printed digits).
     ``load``: the backbone loader (default :func:`prism.models.load_backbone`; a local-launcher worker
     passes its :class:`prism.models.KeptBackbones`)."""
@@ -76,7 +76,10 @@ def default_trainer(cfg: DictConfig, folder: Path, log_fn: Callable[[dict[str, A
     from prism.train import train_and_evaluate
 
     torch.set_flush_denormal(True)
-    return train_and_evaluate(cfg, folder, log_fn, load=load or load_backbone)
+    try:
+        return train_and_evaluate(cfg, folder, log_fn, load=load or load_backbone)
+    finally:  # the process's float mode as it was: a caller's own arithmetic keeps its subnormals
+        torch.set_flush_denormal(False)
 
 
 def versions() -> dict[str, str | None]:

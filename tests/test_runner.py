@@ -173,3 +173,23 @@ def test_offline_wandb_run_is_written_and_readable(tmp_path: Path) -> None:
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
             steps[items["_step"]] = items
     assert sorted(steps) == [1, 2, 3] and steps[2]["loss"] == pytest.approx(0.5)
+
+
+def test_the_trainer_flushes_subnormals_only_while_it_trains(monkeypatch: pytest.MonkeyPatch) -> None:
+    """D64's flush-to-zero covers the training call and no later arithmetic of the same process."""
+    import torch
+
+    import prism.train
+    from pipelines import run
+
+    subnormal = lambda: float(torch.tensor(1e-40, dtype=torch.float32) * 1.0)  # noqa: E731
+    seen = {}
+
+    def train(cfg, folder, log_fn, load=None):
+        seen["during"] = subnormal()
+        return {}
+
+    monkeypatch.setattr(prism.train, "train_and_evaluate", train)
+    assert run.default_trainer(None, Path("."), lambda record: None) == {}
+    assert seen["during"] == 0.0
+    assert subnormal() > 0.0
