@@ -124,17 +124,22 @@ class ScoreByRate:
         return {"columns": {"SST-2": score}, "average": score, "n_train": 32}
 
 
-def test_sweep_runs_through_the_store_extends_edges_resumes_and_writes_the_rates(tmp_path: Path, monkeypatch,
-                                                                                 capsys) -> None:
-    monkeypatch.setenv("PRISM_TUNED_DIR", str(tmp_path / "tuned"))
-    trainer = ScoreByRate()
-
+def _launch_in_process(monkeypatch, trainer: ScoreByRate) -> None:
+    """The launcher replaced by training each pending job in this process with ``trainer``."""
     def in_process(experiment, launcher, pending, workers, overrides, log_dir):
         for job in pending:
             execute(load_job(job.overrides), trainer)
         return True, ""
 
     monkeypatch.setattr(launch, "launch", in_process)
+
+
+def test_sweep_runs_through_the_store_extends_edges_resumes_and_writes_the_rates(tmp_path: Path, monkeypatch,
+                                                                                 capsys) -> None:
+    monkeypatch.setenv("PRISM_TUNED_DIR", str(tmp_path / "tuned"))
+    trainer = ScoreByRate()
+
+    _launch_in_process(monkeypatch, trainer)
     args = ["scale=smoke", f"results_dir={tmp_path}", "logging=disabled", "method=adamw", "privacy=eps6",
             "suite=glue8", "tune.lr_factor=0.1,1,10"]
     assert cli(["tune", *args]) == 0
@@ -169,12 +174,7 @@ def test_tuning_seeds_sweep_apart_from_the_tables_and_are_recorded(tmp_path: Pat
     monkeypatch.setenv("PRISM_TUNED_DIR", str(tmp_path / "tuned"))
     trainer = ScoreByRate()
 
-    def in_process(experiment, launcher, pending, workers, overrides, log_dir):
-        for job in pending:
-            execute(load_job(job.overrides), trainer)
-        return True, ""
-
-    monkeypatch.setattr(launch, "launch", in_process)
+    _launch_in_process(monkeypatch, trainer)
     args = ["scale=smoke", f"results_dir={tmp_path}", "logging=disabled", "method=adamw", "privacy=eps6",
             "suite=glue8", "tune.lr_factor=0.1,1", "seed=1,2"]
     assert cli(["tune", *args]) == 0 and trainer.calls == 2 * (2 + 2)  # 2 seeds × (base grid + 2 extensions)
