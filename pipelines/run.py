@@ -78,7 +78,7 @@ def default_trainer(cfg: DictConfig, folder: Path, log_fn: Callable[[dict[str, A
     torch.set_flush_denormal(True)
     try:
         return train_and_evaluate(cfg, folder, log_fn, load=load or load_backbone)
-    finally:  # the process's float mode as it was: a caller's own arithmetic keeps its subnormals
+    finally:  # back to torch's default (it has no getter for the mode): a caller's arithmetic keeps its subnormals
         torch.set_flush_denormal(False)
 
 

@@ -136,13 +136,12 @@ def table_spec(cfg: DictConfig, trained: Sequence[RunRecord]) -> TableSpec:
                                title="Utility on GLUE8 and Math-10K, r=16, ε includes tuning [P Tab 2]")
 
 
-def render(selections: Sequence[Selection], cfg: DictConfig) -> list[Path]:
-    """Tag the published runs into the view ``table2-accounted`` and write its table (the paper's private rows
+def render(published: Sequence[launch.Job], cfg: DictConfig) -> list[Path]:
+    """Tag the ``published`` runs into the view ``table2-accounted`` and write its table (the paper's private rows
     beside it) and its audit files; returns the paths."""
     root = Path(str(cfg.results_dir)) / "runs"
-    for s in selections:
-        if (job := s.published()) is not None:
-            store.tag(root, EXPERIMENT, job.run_hash)
+    for job in published:
+        store.tag(root, EXPERIMENT, job.run_hash)
     paper = load_paper("table2")
     result = build_table(table_spec(cfg, read_run_folders(root, CANDIDATES)), read_run_folders(root, EXPERIMENT),
                          str(cfg.suite.scale), paper=paper[paper["Setting"] != "Non-DP"])
@@ -189,14 +188,18 @@ def main(overrides: Sequence[str], *, methods: str | None = None, eps: str | Non
         if failure and not submitted:
             break
     print(f"{EXPERIMENT}, select: the best noised validation score of each selection", flush=True)
+    published = []
     for s in selections:
         job = s.published()
-        what = ("not every candidate finished" if job is None and s.jobs else "K = 0, nothing published" if job is None
-                else f"candidate {s.jobs.index(job)} (rate x{s.factors[s.jobs.index(job)]:g}), noised score "
-                     f"{store.SelectionBlock.from_final(store.read_json(job.folder / 'final.json')).score:.2f}")
+        if job is None:
+            what = "not every candidate finished" if s.jobs else "K = 0, nothing published"
+        else:
+            k, score = s.jobs.index(job), store.SelectionBlock.from_final(store.read_json(job.folder / "final.json")).score
+            what = f"candidate {k} (rate x{s.factors[k]:g}), noised score {score:.2f}"
+            published.append(job)
         print(f"  {s.cell.suite} {s.cell.privacy} {s.cell.method} seed {s.seed}: {what}")
     print(f"{EXPERIMENT}, render: the published runs (view {EXPERIMENT})", flush=True)
-    for path in render(selections, cfg):
+    for path in render(published, cfg):
         print("wrote", path)
     if failure:
         print(failure, file=sys.stderr)
