@@ -34,7 +34,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +213,8 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
         store.write_json_atomic(folder / "final.json", final)
         store.write_status(folder, "finished", started=started, attempts=attempts, ended=run.ended)
     except BaseException as exc:
-        _record_failure(folder, run_hash, exc, started, attempts, timed)
+        with _signals_deferred(exc):
+            _record_failure(folder, run_hash, exc, started, attempts, timed)
         if wb is not None:
             with contextlib.suppress(Exception):
                 wb.finish(None, exit_code=1, history=store.read_metrics(folder))
@@ -223,6 +224,31 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
     took = f" in {run.wall_time_s:.0f} s" if run.wall_time_s is not None else ""
     log.info("run %s finished%s: %s; results in %s", run_hash, took, scores_line(final), folder / "final.json")
     return "finished"
+
+
+@contextlib.contextmanager
+def _signals_deferred(exc: BaseException) -> Iterator[None]:
+    """Hold SIGINT and SIGTERM while a stopped or failed run records its state, so that a second signal
+    cannot cut off the status write: a second Ctrl-C, or submitit's local controller forwarding the
+    SIGINT its job already got. A held signal is dropped when ``exc`` is already an interrupt (the run
+    is stopping) and raised as one after the block otherwise. Only the main thread can set handlers;
+    a handler not installed from Python is left alone."""
+    held: list[int] = []
+    kinds = (signal.SIGINT, signal.SIGTERM)
+    if threading.current_thread() is threading.main_thread():
+        previous = {kind: signal.getsignal(kind) for kind in kinds}
+        previous = {kind: handler for kind, handler in previous.items() if handler is not None}
+    else:
+        previous = {}
+    for kind in previous:
+        signal.signal(kind, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        for kind, handler in previous.items():
+            signal.signal(kind, handler)
+    if held and not isinstance(exc, KeyboardInterrupt):
+        raise KeyboardInterrupt(signal.Signals(held[0]).name)
 
 
 def _record_failure(folder: Path, run_hash: str, exc: BaseException, started: str | None, attempts: int,

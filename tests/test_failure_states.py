@@ -13,6 +13,7 @@ import errno
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -119,6 +120,30 @@ def test_ctrl_c_marks_the_run_interrupted_without_a_traceback(tmp_path: Path, mo
     assert err.count("\n") == 1 and "interrupted" in err and "Traceback" not in err
     assert _status(folder)["state"] == "stopped" and "interrupted" in _status(folder)["error"]
     assert not list(folder.glob(".*tmp*"))
+
+
+@pytest.mark.parametrize("first", ["interrupt", "failure"])
+def test_a_second_signal_while_the_stop_is_recorded_still_leaves_the_run_recorded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first: str) -> None:
+    """A second Ctrl-C, or submitit's local controller forwarding the SIGINT its job already got, lands
+    while the run writes its status: the status is still written. After a failure the held signal
+    is the user's stop and ends the run as one; after an interrupt it is the same stop and is dropped."""
+    def trainer(cfg: Any, folder: Path, log_fn: Any) -> dict[str, Any]:
+        raise KeyboardInterrupt if first == "interrupt" else RuntimeError("boom")
+
+    write_status = store.write_status
+
+    def signalled_write(folder: Path, state: str, **kwargs: Any) -> None:
+        if state != "running":
+            os.kill(os.getpid(), signal.SIGINT)  # delivered here, before the write, unless held
+        write_status(folder, state, **kwargs)
+
+    monkeypatch.setattr(run, "default_trainer", trainer)
+    monkeypatch.setattr(store, "write_status", signalled_write)
+    assert cli(["run", *_job(tmp_path)]) == 130
+    status = _status(_folder(tmp_path))
+    assert status["state"] == ("stopped" if first == "interrupt" else "failed")
+    assert ("interrupted" if first == "interrupt" else "boom") in status["error"]
 
 
 def test_a_read_only_store_still_reports_a_finished_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
