@@ -234,14 +234,11 @@ def _signals_deferred(exc: BaseException) -> Iterator[None]:
     is stopping) and raised as one after the block otherwise. Only the main thread can set handlers;
     a handler not installed from Python is left alone."""
     held: list[int] = []
-    kinds = (signal.SIGINT, signal.SIGTERM)
+    previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = {kind: signal.getsignal(kind) for kind in kinds}
-        previous = {kind: handler for kind, handler in previous.items() if handler is not None}
-    else:
-        previous = {}
-    for kind in previous:
-        signal.signal(kind, lambda signum, frame: held.append(signum))
+        for kind in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(kind) is not None:
+                previous[kind] = signal.signal(kind, lambda signum, frame: held.append(signum))
     try:
         yield
     finally:
