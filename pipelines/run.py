@@ -306,16 +306,19 @@ def command(overrides: Sequence[str], trainer: Trainer | None = None, debug: boo
 def run_config(cfg: DictConfig, trainer: Trainer | None = None) -> int:
     """Run one job of a grid from its validated config (the local launcher's workers,
     :mod:`pipelines.worker`) as ``python -m pipelines run <its overrides>`` would, without composing or
-    validating it again; returns that command's exit code."""
-    return _stoppable(lambda: _run(cfg, trainer, debug=False), False)
+    validating it again; returns that command's exit code. SIGTERM stays with the worker's own handler
+    (:func:`pipelines.worker.init`: the first one interrupts the job, a repeat is ignored, and the
+    worker then exits without an interpreter shutdown a further SIGTERM could cut into)."""
+    return _stoppable(lambda: _run(cfg, trainer, debug=False), False, sigterm=False)
 
 
-def _stoppable(body: Callable[[], int], debug: bool) -> int:
-    """``body()`` with SIGTERM taken as Ctrl-C; an interrupt is exit code 130 (re-raised under ``--debug``)."""
+def _stoppable(body: Callable[[], int], debug: bool, sigterm: bool = True) -> int:
+    """``body()`` with SIGTERM taken as Ctrl-C (unless ``sigterm`` is false); an interrupt is exit code 130
+    (re-raised under ``--debug``)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     quiet_third_party_warnings()
     previous = None
-    if threading.current_thread() is threading.main_thread():  # SIGTERM (scancel, preemption) stops as Ctrl-C does
+    if sigterm and threading.current_thread() is threading.main_thread():  # scancel, preemption: as Ctrl-C
         previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         return body()

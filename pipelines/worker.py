@@ -57,7 +57,7 @@ def _stop(signum: int, _frame: object) -> None:
         raise SystemExit(128 + signum)
     if not _stopping:
         _stopping = True
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def run_job(cfg: DictConfig, log_path: str) -> int:
