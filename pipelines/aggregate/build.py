@@ -101,11 +101,8 @@ def epsilon_problem(record: RunRecord) -> str:
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(node, Mapping):
-        return {prefix: node}
-    out: dict[str, Any] = {}
-    for key, value in node.items():
-        out.update(_flatten(value, f"{prefix}{key}."))
-    return {k.rstrip("."): v for k, v in out.items()}
+        return {prefix.rstrip("."): node}
+    return {k: v for key, value in node.items() for k, v in _flatten(value, f"{prefix}{key}.").items()}
 
 
 def unseeded_config(record: RunRecord) -> dict[str, Any]:
@@ -244,14 +241,12 @@ def header_facts(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord]]) -
         facts: dict[str, str] = {"runs": str(len(records))}
         for name, source, get in FACTS:
             counts = Counter(v for v in (get(r) for r in records) if v is not None)
-            if not counts:
-                continue
             if len(counts) == 1:
                 facts[name] = next(iter(counts))
-                continue
-            facts[name] = ", ".join(f"{v} ({n} runs)" for v, n in sorted(counts.items()))
-            if source not in spec.axes:
-                warnings.append(f"{suite}: runs of different rows differ in {name} ({facts[name]})")
+            elif counts:
+                facts[name] = ", ".join(f"{v} ({n} runs)" for v, n in sorted(counts.items()))
+                if source not in spec.axes:
+                    warnings.append(f"{suite}: runs of different rows differ in {name} ({facts[name]})")
         header[suite] = facts
     return header, warnings
 
@@ -298,11 +293,10 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str,
     for key, by_suite in cells.items():
         for suite, rs in list(by_suite.items()):
             if len({fixed_config(r, free) for r in rs}) > 1:
-                text = (f"{fmt_key(spec, key)} / {suite}: REFUSED, {len(rs)} runs differ in more than the "
-                        f"seed ({differing_fields(rs)}); not averaged — keep one config per cell")
-                missing.append(text)
-                warnings.append(text)
+                warnings.append(f"{fmt_key(spec, key)} / {suite}: REFUSED, {len(rs)} runs differ in more than the "
+                                f"seed ({differing_fields(rs)}); not averaged — keep one config per cell")
                 del by_suite[suite]
+    missing += warnings
     rows = expected_rows(paper, spec.keys, [*cells, *(spec.cell_key(r, paper) for r in problems if r.config)])
     paper_idx = paper.set_index(list(spec.keys)).to_dict("index")
     table, intervals = [], {}
@@ -334,16 +328,15 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str,
     header, fact_warnings = header_facts(spec, {s: rs for s, rs in used.items() if rs})
     fact_warnings = [w for w in fact_warnings if " differ in code " not in w] + mixed_code(spec, cells)
     seen = {s: sorted({c for r in rs for c in r.final.get("columns", {})}) for s, rs in used.items()}
-    not_dp = sum(isinstance(p := r.final.get("protocol"), Mapping) and p.get("dp_guarantee") == NOT_DP_AS_STATED
-                 for rs in used.values() for r in rs)
-    result = TableResult(spec, scale, frame, missing, ignored, protocol, stand_ins(records),
-                         header, fact_warnings + warnings, seen, sum(len(rs) for rs in used.values()), not_dp)
     sources = [(r, tuned_source(r.config)) for rs in used.values() for r in rs]
-    result.tuned = sum(is_private_run(r) and path is not None for r, path in sources)
-    result.tuning_seeds = sorted({s for path in {p for _, p in sources if p} for s in tuning_seeds(path)})
-    result.table_seeds = sorted({_seed_of(r) for r, _ in sources})
-    result.differences = prism_minus_best(spec, frame, intervals)
-    result.unscored = unscored_columns(finished)
+    not_dp = sum(isinstance(p := r.final.get("protocol"), Mapping) and p.get("dp_guarantee") == NOT_DP_AS_STATED
+                 for r, _ in sources)
+    result = TableResult(spec, scale, frame, missing, ignored, protocol, stand_ins(records), header,
+                         fact_warnings + warnings, seen, len(sources), not_dp,
+                         tuned=sum(is_private_run(r) and path is not None for r, path in sources),
+                         tuning_seeds=sorted({s for path in {p for _, p in sources if p} for s in tuning_seeds(path)}),
+                         table_seeds=sorted({_seed_of(r) for r, _ in sources}),
+                         differences=prism_minus_best(spec, frame, intervals), unscored=unscored_columns(finished))
     if spec.candidates:
         result.audit = pd.DataFrame([{**dict(zip(spec.keys, key)), "suite": suite, "seed": _seed_of(r), "K": len(drawn),
                                       **c, "published": c["candidate"] == r.get("privacy.selection.candidate")}
@@ -354,11 +347,8 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str,
 
 def cell_epsilon(by_suite: Mapping[str, Sequence[RunRecord]]) -> dict[str, float]:
     """Realised ε per suite (the largest over the cell's runs) as read back from the accountant."""
-    out = {}
-    for suite, rs in by_suite.items():
-        eps = [e for e in (spent_epsilon(r) for r in rs) if e is not None]
-        out[f"eps_spent_{suite}"] = max(eps) if eps else math.nan
-    return out
+    return {f"eps_spent_{suite}": max([e for r in rs if (e := spent_epsilon(r)) is not None], default=math.nan)
+            for suite, rs in by_suite.items()}
 
 
 def _seed_of(record: RunRecord) -> int:

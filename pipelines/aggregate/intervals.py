@@ -147,11 +147,8 @@ def detectable(diff: Interval) -> tuple[float, float]:
     if len(values) < 2:
         return z * math.sqrt(se2), math.nan
     seed_var = float(np.var(values, ddof=1))
-    rest = max(se2 - seed_var / len(values), 0.0)
-    room = (TARGET / z) ** 2 - rest
-    if room <= 0:
-        return z * math.sqrt(se2), math.inf
-    return z * math.sqrt(se2), float(max(1, math.ceil(seed_var / room - 1e-9)))
+    room = (TARGET / z) ** 2 - max(se2 - seed_var / len(values), 0.0)
+    return z * math.sqrt(se2), math.inf if room <= 0 else float(max(1, math.ceil(seed_var / room - 1e-9)))
 
 
 def clears(best: Interval, runner_up: Interval, lower_is_better: bool = False) -> bool:

@@ -187,16 +187,16 @@ def audit_line(result: TableResult) -> str:
             "so that file is not covered by ε and must not be published with the table.")
 
 
-def tuning_line(result: TableResult) -> str:
-    """What ε leaves out when the private runs trained at tuned rates ('' when none did)."""
-    return TUNING_COST.format(n=result.tuned) if result.tuned else ""
-
-
-def seeds_line(result: TableResult) -> str:
-    """The seeds the table's rates were tuned on and the table's own ('' when no run used a tuned rate)."""
-    if not result.tuning_seeds:
-        return ""
-    return f"Rates tuned on seeds {result.tuning_seeds}; table seeds {result.table_seeds}."
+def notes(result: TableResult) -> list[tuple[str, bool]]:
+    """The lines above the run facts, each with whether LaTeX escapes it: the scale, the protocol, what ε
+    covers in a table of private selections, what ε leaves out when private runs trained at tuned rates, and
+    the seeds those rates were tuned on beside the table's own; the last three only where they apply."""
+    lines = [(scale_line(result), False), (protocol_line(result), False), (selection_line(result), True)]
+    if result.tuned:
+        lines.append((TUNING_COST.format(n=result.tuned), True))
+    if result.tuning_seeds:
+        lines.append((f"Rates tuned on seeds {result.tuning_seeds}; table seeds {result.table_seeds}.", False))
+    return [(line, escape) for line, escape in lines if line]
 
 
 def detectable_line(result: TableResult) -> str:
@@ -285,10 +285,7 @@ def to_markdown(result: TableResult) -> str:
     """The table as Markdown: header lines, the grid, footnotes, the paper's numbers, the missing runs."""
     spec = result.spec
     number = spec.name.removeprefix("table").partition("-")[0]
-    head = [f"# Table {number}: {spec.title}", "", scale_line(result), "", protocol_line(result), ""]
-    head += [selection_line(result), ""] if spec.candidates else []
-    head += [tuning_line(result), ""] if result.tuned else []
-    head += [seeds_line(result), ""] if result.tuning_seeds else []
+    head = [f"# Table {number}: {spec.title}", "", *(x for line, _ in notes(result) for x in (line, ""))]
     head += header_lines(result)
     if result.stand_ins:
         head += ["Backbones run in place of the paper's: " + ", ".join(result.stand_ins) + ".", ""]
@@ -317,10 +314,7 @@ def _tex_escape(text: str) -> str:
 def to_latex(result: TableResult) -> str:
     """The Markdown's grid and paper table as booktabs tabulars, its other lines as comments."""
     values = len(shown_columns(result))
-    lines = [f"% {scale_line(result)}", f"% {protocol_line(result)}",
-             *([f"% {_tex_escape(selection_line(result))}"] if result.spec.candidates else []),
-             *([f"% {_tex_escape(tuning_line(result))}"] if result.tuned else []),
-             *([f"% {seeds_line(result)}"] if result.tuning_seeds else []),
+    lines = [*(f"% {_tex_escape(line) if escape else line}" for line, escape in notes(result)),
              *(f"% {line}" for line in header_lines(result) if line),
              f"% {_tex_escape(interval_line(result))}", f"% {_tex_escape(_marks_line(result))}",
              *_tex_tabular(*_grid(result, ("\x00", "\x01")), values)]

@@ -26,8 +26,6 @@ BySuite = Mapping[str, Sequence[RunRecord]]
 
 def as_float(value: Any) -> float | None:
     """``float(value)``, or None for missing / non-numeric values."""
-    if value is None:
-        return None
     try:
         return float(value)
     except (TypeError, ValueError):
