@@ -401,8 +401,7 @@ def mark_best(frame: pd.DataFrame, spec: TableSpec, intervals: Mapping[tuple, iv
             if len(vals) < 2:
                 continue
             order = vals.sort_values(ascending=spec.lower_is_better, kind="stable").index
-            key = {i: tuple(frame.loc[i, k] for k in spec.keys) for i in order[:2]}
-            best, runner = (intervals[key[i], col] for i in order[:2])
+            best, runner = (intervals[tuple(frame.loc[i, k] for k in spec.keys), col] for i in order[:2])
             marks.loc[order[0]] = "best" if iv.clears(best, runner, spec.lower_is_better) else "tie"
         frame[f"{col}_mark"] = marks
     return frame

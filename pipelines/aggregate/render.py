@@ -89,10 +89,10 @@ def _interval_text(result: TableResult, row: pd.Series, col: str, signed: bool =
     return text
 
 
-def _cell_text(result: TableResult, row: pd.Series, col: str, bold: tuple[str, str]) -> str:
-    """``value [lo, hi]``; the value in bold when it is best beyond noise, ``(tie)`` after it when it is
-    the best value but not separated from the runner-up."""
-    text = _interval_text(result, row, col)
+def _cell_text(result: TableResult, row: pd.Series, col: str, bold: tuple[str, str], signed: bool) -> str:
+    """``value [lo, hi]`` (``signed``: with its sign); the value in bold when it is best beyond noise, ``(tie)``
+    after it when it is the best value but not separated from the runner-up."""
+    text = _interval_text(result, row, col, signed)
     mark = row.get(f"{col}_mark", "")
     if mark == "best":
         head, _, tail = text.partition(" ")
@@ -128,23 +128,19 @@ def display_blocks(result: TableResult) -> list[list[tuple[str, pd.Series]]]:
     return out
 
 
-def _row_cells(result: TableResult, kind: str, row: pd.Series, bold: tuple[str, str]) -> list[list[str]]:
-    spec, cols = result.spec, shown_columns(result)
-    keys = [str(row[k]) for k in spec.keys]
-    if kind == "cell":
-        return [keys + [_n_text(row, cols)] + [_cell_text(result, row, c, bold) for c in cols]]
-    diff = keys + [_n_text(row, cols)] + [_interval_text(result, row, c, signed=True) for c in cols]
-    vs = [*keys[:-1], "(best baseline)", ""] + [str(row.get(f"{c}_vs") or DASH) for c in cols]
-    return [diff, vs]
-
-
 def _grid(result: TableResult, bold: tuple[str, str]) -> tuple[list[str], list[list[str] | None]]:
-    """The table's header and rows as text (``bold`` around a best value); None where a new block starts."""
+    """The table's header and rows as text (``bold`` around a best value); None where a new block starts;
+    a ``diff`` row's signed cells are followed by a row naming the baseline of each."""
+    spec, cols = result.spec, shown_columns(result)
     rows: list[list[str] | None] = []
     for i, block in enumerate(display_blocks(result)):
         rows += [None] if i else []
-        rows += [cells for kind, row in block for cells in _row_cells(result, kind, row, bold)]
-    return [*result.spec.keys, "n", *(column_label(result, c) for c in shown_columns(result))], rows
+        for kind, row in block:
+            keys = [str(row[k]) for k in spec.keys]
+            rows.append(keys + [_n_text(row, cols)] + [_cell_text(result, row, c, bold, kind == "diff") for c in cols])
+            if kind == "diff":
+                rows.append([*keys[:-1], "(best baseline)", ""] + [str(row.get(f"{c}_vs") or DASH) for c in cols])
+    return [*spec.keys, "n", *(column_label(result, c) for c in cols)], rows
 
 
 def scale_line(result: TableResult) -> str:
@@ -202,11 +198,8 @@ def notes(result: TableResult) -> list[tuple[str, bool]]:
 def detectable_line(result: TableResult) -> str:
     """What each shown column's "PRISM − best baseline" cell can detect (docs/comparison.md, "What the
     table can detect"): its minimum detectable difference and the seeds to detect 3 points ('' if none)."""
-    spec, diffs = result.spec, result.differences
-    if diffs.empty:
-        return ""
-    parts = []
-    for _, row in diffs.iterrows():
+    spec, parts = result.spec, []
+    for _, row in result.differences.iterrows():
         cells = [f"{column_label(result, c)} {row[f'{c}_mde']:.3f} ({_seeds_text(row[f'{c}_seeds3pp'])})"
                  for c in shown_columns(result) if not pd.isna(row.get(f"{c}_mde", math.nan))]
         if cells:
