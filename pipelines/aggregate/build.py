@@ -233,8 +233,9 @@ FACTS = (  # (header column, config field it comes from or None, value of one ru
 
 
 def header_facts(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord]]) -> tuple[dict, list[str]]:
-    """Per suite, each fact of its runs (one value, or every value with its run count); and a
-    warning for each fact that differs between rows although it is not an axis of the table."""
+    """Per suite, each fact of its runs (one value, or every value with its run count); and a warning for
+    each fact but the code (:func:`mixed_code` warns where its ``prism/`` differs) that differs between
+    rows although it is not an axis of the table."""
     header: dict[str, dict[str, str]] = {}
     warnings = []
     for suite, records in by_suite.items():
@@ -245,7 +246,7 @@ def header_facts(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord]]) -
                 facts[name] = next(iter(counts))
             elif counts:
                 facts[name] = ", ".join(f"{v} ({n} runs)" for v, n in sorted(counts.items()))
-                if source not in spec.axes:
+                if source not in (*spec.axes, "code"):
                     warnings.append(f"{suite}: runs of different rows differ in {name} ({facts[name]})")
         header[suite] = facts
     return header, warnings
@@ -326,13 +327,12 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str,
     frame = mark_best(pd.DataFrame(table, columns=columns), spec, intervals)
     used = {s: [r for by_suite in cells.values() for r in by_suite.get(s, [])] for s in spec.suites}
     header, fact_warnings = header_facts(spec, {s: rs for s, rs in used.items() if rs})
-    fact_warnings = [w for w in fact_warnings if " differ in code " not in w] + mixed_code(spec, cells)
     seen = {s: sorted({c for r in rs for c in r.final.get("columns", {})}) for s, rs in used.items()}
     sources = [(r, tuned_source(r.config)) for rs in used.values() for r in rs]
     not_dp = sum(isinstance(p := r.final.get("protocol"), Mapping) and p.get("dp_guarantee") == NOT_DP_AS_STATED
                  for r, _ in sources)
     result = TableResult(spec, scale, frame, missing, ignored, protocol, stand_ins(records), header,
-                         fact_warnings + warnings, seen, len(sources), not_dp,
+                         fact_warnings + mixed_code(spec, cells) + warnings, seen, len(sources), not_dp,
                          tuned=sum(is_private_run(r) and path is not None for r, path in sources),
                          tuning_seeds=sorted({s for path in {p for _, p in sources if p} for s in tuning_seeds(path)}),
                          table_seeds=sorted({_seed_of(r) for r, _ in sources}),

@@ -62,8 +62,7 @@ def latest_generation(runs: Iterable[Any]) -> list[Any]:
 def read_wandb(experiment: str, project: str, entity: str | None = None) -> list[RunRecord]:
     """Runs of W&B group ``experiment`` in ``entity/project`` via ``wandb.Api()`` (rows a table shares with
     another, e.g. Table 4's r=16 rows, are in the group of the table that trained them)."""
-    problem = access_problem()
-    if problem:
+    if problem := access_problem():
         raise AggregateError(f"source=wandb: {problem}")
     import wandb
 
