@@ -52,8 +52,6 @@ CONF = Path(__file__).resolve().parents[1] / "conf" / "method"
 M, N, R = 8, 6, 2
 CLIP, DENOMINATOR, DELTA = 1.0, 4.0, 1e-5
 A_NAME, B_NAME = "x.lora_B.default.weight", "x.lora_A.default.weight"  # paper A, paper Bᵀ (prism.mechanism.lora)
-
-
 PRINT = functools.partial(print, flush=True)
 
 
@@ -151,15 +149,6 @@ def _capture(method: Method, sink: list) -> None:
     method.add_noise = recorded
 
 
-def _canary_direction(method_name: str, case: Case) -> tuple[Tensor, Tensor]:
-    """The canary's contribution to the privatised direction, up to its clip factor."""
-    gA, gB = (x[0] for x in case.canary)
-    method = registry.lookup(method_name)
-    if method.tangent:
-        return geometry.lift(case.A, case.B, gA, gB)
-    return gA, (gB if "lora_A" in method.factors else torch.zeros_like(gB))  # paper B = peft lora_A
-
-
 def release(
     method_name: str, case: Case, with_canary: bool, draws: int, sigma: float, seed: int
 ) -> dict[str, np.ndarray]:
@@ -167,8 +156,13 @@ def release(
     cfg = method_config(method_name)
     privacy = PrivacySpec(sigma=sigma, clip_norm=CLIP)
     grads = _peft_grads(*(torch.cat([b, c]) if with_canary else b for b, c in zip(case.base, case.canary)))
-    prism = registry.lookup(method_name).tangent
-    cA, cB = _canary_direction(method_name, case)
+    spec = registry.lookup(method_name)
+    prism = spec.tangent
+    gA, gB = (x[0] for x in case.canary)
+    if prism:  # the canary's contribution to the privatised direction, up to its clip factor
+        cA, cB = geometry.lift(case.A, case.B, gA, gB)
+    else:
+        cA, cB = gA, (gB if "lora_A" in spec.factors else torch.zeros_like(gB))  # paper B = peft lora_A
     c_norm = math.sqrt(float(cA.square().sum() + cB.square().sum()))
     image = cA @ case.B.T + case.A @ cB.T
     if prism and case.imaged is not None:  # the gauge part's image is exactly zero: take the rest's

@@ -76,8 +76,7 @@ class AuditRow:
     @property
     def bound(self) -> float:
         """The larger of the two ε lower bounds (for a correct run, above ε with probability ≤ 10 %)."""
-        return self.epsilon_lower_95 if math.isnan(self.epsilon_fdp_lower_95) else max(self.epsilon_lower_95,
-                                                                                        self.epsilon_fdp_lower_95)
+        return max(self.epsilon_lower_95, self.epsilon_fdp_lower_95)  # max keeps its first argument over a NaN
 
 
 def split_candidates(half: int) -> list[tuple[int, int]]:
@@ -280,9 +279,8 @@ def main(*, scale: str = "embedded", methods: str = "prism,adamw", epsilons: str
     rows = []
     for i, ((method_name, epsilon, kind), cfg) in enumerate(zip(plan, configs), 1):
         PRINT(f"[{i}/{len(plan)}] {method_name} at ε = {epsilon:g} ({kind}): training with {canaries} canaries")
-        rows.append(audit_training_run(cfg, canaries, k_pos, k_neg, split, seed,
-                                       broken=kind == BROKEN))
-        r = rows[-1]
+        r = audit_training_run(cfg, canaries, k_pos, k_neg, split, seed, broken=kind == BROKEN)
+        rows.append(r)
         PRINT(f"  {r.correct}/{r.guesses} correct guesses: ε ≥ {r.epsilon_lower_95:.2f} (Steinke), "
               f"{_cell(r.epsilon_fdp_lower_95)} (f-DP) at 95 %; ideal run {r.ideal_epsilon_lower or '–'}")
     md, csv_path = write_table(rows, scale, Path(out))

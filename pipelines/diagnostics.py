@@ -33,6 +33,12 @@ from omegaconf import DictConfig, OmegaConf
 from pipelines import store
 from pipelines.compose import CONF_DIR, compose_config, resolve
 from pipelines.run import ConfigError, check, execute, setup_logging
+from prism.audit import diagnostics as dg
+from prism.mechanism import geometry
+from prism.mechanism.lora import lora_pairs, read_pair
+from prism.methods import PrivacySpec, build_method
+from prism.methods.factor import OPACUS_NORM_EPS
+from prism.privacy import Accountant, PoissonSampler, calibrate_sigma, calibration_steps
 from prism.privacy.accounting import is_private
 
 LogFn = Callable[[dict[str, Any]], None]
@@ -114,17 +120,12 @@ class Lab:
               method_overrides: dict[str, Any] | None = None) -> tuple[Any, DictConfig]:
         """A Setup at the initial factors rescaled to ``(cA, c⁻¹B)`` with a new method, sampler, accountant
         and noise stream (seeded as :func:`prism.train.build` seeds them) and σ calibrated for ``steps``."""
-        from prism.audit.diagnostics import apply_gauge
-        from prism.mechanism.lora import lora_pairs
-        from prism.methods import PrivacySpec, build_method
-        from prism.privacy import Accountant, PoissonSampler, calibrate_sigma, calibration_steps
-
         s, initial = self.setup(method)
         sub = sub_config(self.cfg, method, epsilon, steps, method_overrides)
         with torch.no_grad():
             for n, p in s.params.items():
                 p.copy_(initial[n])
-        apply_gauge(s.params, lora_pairs(s.params), c)
+        dg.apply_gauge(s.params, lora_pairs(s.params), c)
         torch.manual_seed(sub.seed)
         sampler = PoissonSampler(len(s.suite.train), sub.train.batch_size, generator_seed=sub.seed + 1)
         q = sampler.sample_rate
@@ -140,8 +141,6 @@ class Lab:
 
     def step1_norms(self, s: Any, sub: DictConfig) -> dict[str, list[float]]:
         """Per-example factor and intrinsic norms on the first Poisson batch (the sampler is rewound)."""
-        from prism.audit.diagnostics import factor_example_norms, intrinsic_example_norms
-        from prism.mechanism.lora import lora_pairs
         from prism.train import micro_batch
 
         state = s.sampler.state_dict()
@@ -151,9 +150,9 @@ class Lab:
         factor, intrinsic = [], []
         for chunk in indices.split(sub.train.micro_batch_size):
             _, grads = s.gradients(micro_batch(s, chunk.tolist()))
-            factor.append(factor_example_norms(grads, names))
+            factor.append(dg.factor_example_norms(grads, names))
             if sub.method.init == "spectral":  # the intrinsic norm needs full-rank factors (peft init has A = 0)
-                intrinsic.append(intrinsic_example_norms(pairs, s.params, grads))
+                intrinsic.append(dg.intrinsic_example_norms(pairs, s.params, grads))
         out = {"factor": torch.cat(factor).tolist()}
         if intrinsic:
             out["intrinsic"] = torch.cat(intrinsic).tolist()
@@ -163,8 +162,6 @@ class Lab:
             method_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """A short run; per step: ``S_t`` (before the step), ``‖ΔZ_t‖_F``, the method's statistics and
         the noise amplification after the step (memoised per (method, overrides, c, ε, steps))."""
-        from prism.audit.diagnostics import adam_amplification, delta_z_norm, factor_sum, prism_amplification
-        from prism.mechanism.lora import lora_pairs, read_pair
         from prism.train import train_step
 
         key = (method, float(c), float(epsilon), int(steps), tuple(sorted((method_overrides or {}).items())))
@@ -178,21 +175,21 @@ class Lab:
         amp_gen = torch.Generator(device=s.device).manual_seed(int(sub.seed) + 3)
         for t in range(1, steps + 1):
             before = {n: p.detach().clone() for n, p in s.params.items()}
-            S = factor_sum(pairs, before)
+            S = dg.factor_sum(pairs, before)
             stats = train_step(s, sub)
             row = {k: float(v) for k, v in stats.items()}
-            row.update(run_step=t, S_t=sum(S.values()), delta_z=delta_z_norm(pairs, before, s.params))
+            row.update(run_step=t, S_t=sum(S.values()), delta_z=dg.delta_z_norm(pairs, before, s.params))
             if t > discard and row.get("batch_size", 0) > 0:
                 if hasattr(s.method, "adaptive"):
                     factors = {p.module: tuple(x.detach().float() for x in read_pair(s.params, p)) for p in pairs}
-                    row["amplification"] = prism_amplification(s.method.adaptive, factors, tau, amp_gen)
+                    row["amplification"] = dg.prism_amplification(s.method.adaptive, factors, tau, amp_gen)
                 elif hasattr(s.method, "optimizer"):
-                    row["amplification"] = adam_amplification(s.method.optimizer, amp_gen)
+                    row["amplification"] = dg.adam_amplification(s.method.optimizer, amp_gen)
             result["steps"].append(row)
             self._line += 1
             self.log_fn({"step": self._line, "part": part, "method": method, "c": c, "epsilon": epsilon, **row})
         final = {n: p.detach().clone() for n, p in s.params.items()}
-        result["final_S"] = factor_sum(pairs, final)
+        result["final_S"] = dg.factor_sum(pairs, final)
         result["_final"] = {p.module: tuple(t.detach().double() for t in read_pair(final, p)) for p in pairs}
         self.runs[key] = result
         return result
@@ -200,10 +197,6 @@ class Lab:
 
 def table1(lab: Lab) -> dict[str, Any]:
     """Monte-Carlo ``E_Z`` vs closed forms on every LoRA module of the last adapted layer (PRISM's init)."""
-    from prism.audit.diagnostics import effective_noise, factor_noise_draws, prism_noise_draws
-    from prism.mechanism import geometry
-    from prism.mechanism.lora import lora_pairs, read_pair
-
     s, initial = lab.setup(str(lab.d.prism))
     tau = s.sigma * float(lab.cfg.privacy.clip_norm) / lab.cfg.train.batch_size
     pairs = lora_pairs(initial)
@@ -221,19 +214,18 @@ def table1(lab: Lab) -> dict[str, Any]:
             continue
         A, B = (t.detach().double() for t in read_pair(initial, pair))
         (m, r), n = A.shape, B.shape[0]
-        both = [factor_noise_draws(A, B, tau, k, gen) for k in chunks]
-        first = torch.cat([x.first for x in both])
-        bil = torch.cat([x.bilinear for x in both])
-        total = torch.cat([x.total for x in both])
-        one = sample(lambda k: factor_noise_draws(A, B, tau, k, gen, noised="A").total)  # noqa: B023
-        prism = sample(lambda k: prism_noise_draws(A, B, tau, k, gen))  # noqa: B023
+        both = [dg.factor_noise_draws(A, B, tau, k, gen) for k in chunks]
+        first, bil, total = (torch.cat(parts) for parts in zip(*both))  # FactorNoise's fields, over the chunks
+        one = sample(lambda k: dg.factor_noise_draws(A, B, tau, k, gen, noised="A").total)  # noqa: B023
+        prism = sample(lambda k: dg.prism_noise_draws(A, B, tau, k, gen))  # noqa: B023
         e8, e9 = geometry.factor_noise_energy(A, B, tau), geometry.bilinear_noise_energy(m, n, r, tau)
         entries = [
-            ("DP-LoRA first order (eq. 8)", effective_noise(first), math.sqrt(e8)),
-            ("DP-LoRA bilinear (eq. 9)", effective_noise(bil), math.sqrt(e9)),
-            ("DP-LoRA total (eqs. 8+9)", effective_noise(total), math.sqrt(e8 + e9)),
-            ("FFA one-sided (eq. 32)", effective_noise(one), math.sqrt(geometry.one_sided_noise_energy(A, B, tau, "A"))),
-            ("PRISM (eq. 21)", effective_noise(prism), geometry.prism_effective_noise(m, n, r, tau)),
+            ("DP-LoRA first order (eq. 8)", dg.effective_noise(first), math.sqrt(e8)),
+            ("DP-LoRA bilinear (eq. 9)", dg.effective_noise(bil), math.sqrt(e9)),
+            ("DP-LoRA total (eqs. 8+9)", dg.effective_noise(total), math.sqrt(e8 + e9)),
+            ("FFA one-sided (eq. 32)", dg.effective_noise(one),
+             math.sqrt(geometry.one_sided_noise_energy(A, B, tau, "A"))),
+            ("PRISM (eq. 21)", dg.effective_noise(prism), geometry.prism_effective_noise(m, n, r, tau)),
         ]
         for name, mc, closed in entries:
             rows.append({"module": pair.module.rsplit(".", 1)[-1], "m": m, "n": n, "r": r, "mechanism": name,
@@ -248,9 +240,6 @@ def table1(lab: Lab) -> dict[str, Any]:
 
 def gauge_sweep(lab: Lab) -> dict[str, Any]:
     """Figs. 2, 8–11: a short run per gauge for the baseline and PRISM (step 1 is the first step of each)."""
-    from prism.audit.diagnostics import clip_stats
-    from prism.methods.factor import OPACUS_NORM_EPS
-
     C, out = float(lab.cfg.privacy.clip_norm), {}
     for method in (str(lab.d.baseline), str(lab.d.prism)):
         runs = [lab.run("gauge", method, float(c), lab.eps0, int(lab.d.gauge_steps)) for c in lab.d.gauges]
@@ -261,7 +250,7 @@ def gauge_sweep(lab: Lab) -> dict[str, Any]:
             for kind, eps in (("factor", OPACUS_NORM_EPS), ("intrinsic", 0.0)):
                 if kind in run["step1_norms"]:
                     norms = torch.tensor(run["step1_norms"][kind])
-                    row[f"{kind}_clip_fraction"], row[f"{kind}_coef_mean"] = clip_stats(norms, C, eps)
+                    row[f"{kind}_clip_fraction"], row[f"{kind}_coef_mean"] = dg.clip_stats(norms, C, eps)
             step1.append(row)
         clip = np.array([[r.get("clip_fraction", np.nan) for r in run["steps"]] for run in runs])
         out[method] = {"gauges": [run["c"] for run in runs], "step1": step1, **_spread(runs),
@@ -289,8 +278,6 @@ def _spread(runs: list[dict[str, Any]]) -> dict[str, list]:
 
 def noise_along_training(lab: Lab) -> dict[str, Any]:
     """Figs. 1, 3: per-step ‖N_Z‖ ratio baseline/PRISM at c = 1, and baseline ‖N_Z‖² against ``S_t``."""
-    from prism.audit.diagnostics import linear_fit
-
     base = lab.run("gauge", str(lab.d.baseline), 1.0, lab.eps0, int(lab.d.gauge_steps))
     prism = lab.run("gauge", str(lab.d.prism), 1.0, lab.eps0, int(lab.d.gauge_steps))
     nb = [r.get("noise_norm", np.nan) for r in base["steps"]]
@@ -299,9 +286,9 @@ def noise_along_training(lab: Lab) -> dict[str, Any]:
               if key[0] == str(lab.d.baseline) and key[2] == lab.eps0 and key[3] == int(lab.d.gauge_steps)
               for r in run["steps"] if "noise_norm" in r]
     S, N2, cs = zip(*points)
-    a, b, r2 = linear_fit(S, N2)
+    a, b, r2 = dg.linear_fit(S, N2)
     own = [(r["S_t"], r["noise_norm"] ** 2) for r in base["steps"] if "noise_norm" in r]
-    _, _, r2_own = linear_fit(*zip(*own)) if len(own) > 2 else (0, 0, float("nan"))
+    _, _, r2_own = dg.linear_fit(*zip(*own)) if len(own) > 2 else (0, 0, float("nan"))
     return {"ratio": (np.array(nb) / np.array(npr)).tolist(), "noise_base": nb, "noise_prism": npr,
             "tau": base["tau"], "S": list(S), "N2": list(N2), "c": list(cs), "slope": a, "intercept": b,
             "r2": r2, "r2_c1": r2_own, "prism_N2": [x**2 for x in npr]}
@@ -309,15 +296,12 @@ def noise_along_training(lab: Lab) -> dict[str, Any]:
 
 def optimal_gauge(lab: Lab) -> dict[str, Any]:
     """Figs. 12–13: the gauge scan on the baseline's module with the largest ``S`` at the end of its c = 1 run."""
-    from prism.audit.diagnostics import gauge_scan
-    from prism.mechanism import geometry
-
     base = lab.run("gauge", str(lab.d.baseline), 1.0, lab.eps0, int(lab.d.gauge_steps))
     module = max(base["final_S"], key=base["final_S"].get)
     A, B = base["_final"][module]
     sc = lab.d.scan
     log_c = np.linspace(float(sc.log10_min), float(sc.log10_max), int(sc.points))
-    scan = gauge_scan(A, B, base["tau"], (10.0**log_c).tolist(), int(sc.draws),
+    scan = dg.gauge_scan(A, B, base["tau"], (10.0**log_c).tolist(), int(sc.draws),
                       torch.Generator(device=A.device).manual_seed(int(lab.cfg.seed) + 5))
     total, first, bil = (x.clamp_min(0).sqrt().cpu().numpy() for x in (scan.total, scan.first, scan.bilinear))
     med = np.median(total, 1)

@@ -142,10 +142,8 @@ def count_step(step: Callable[[], object], device: torch.device) -> tuple[int, i
         step()
     events = list(prof.events())
     if device.type == "cuda":
-        syncs = sum(e.name in CUDA_SYNCS for e in events)
-        kernels = sum(e.device_type == DeviceType.CUDA for e in events)
-        kernels = kernels or sum(len(e.kernels) for e in events)
-        return syncs, kernels
+        kernels = sum(e.device_type == DeviceType.CUDA for e in events) or sum(len(e.kernels) for e in events)
+        return sum(e.name in CUDA_SYNCS for e in events), kernels
     return sum(e.name in CPU_SYNCS for e in events), sum(e.name.startswith("aten::") for e in events)
 
 
@@ -209,9 +207,7 @@ def resume_check(profile: Profile, device: torch.device, suite: Suite, workdir: 
     resumed = T.build(cfg, suite=suite)
     T._restore(resumed, load_checkpoint(workdir))
     run(resumed, k)
-    same = all(torch.equal(p.detach().cpu(), expected[name]) for name, p in resumed.params.items())
-    del resumed
-    return same
+    return all(torch.equal(p.detach().cpu(), expected[name]) for name, p in resumed.params.items())
 
 
 # -------------------------------------------------------------------------------------------- report

@@ -16,8 +16,8 @@ import pytest
 from scipy import optimize, stats
 
 from prism.audit.one_run import (
+    _upper_tail,
     audit,
-    binomial_upper_tail,
     dpsgd_canary_scores,
     epsilon_lower_bound,
     fdp_lower_bound,
@@ -29,6 +29,11 @@ from prism.audit.one_run import (
     top_bottom_guesses,
 )
 from prism.audit.step import gdp_epsilon
+
+
+def binomial_upper_tail(r: int, p: float, v: int) -> float:
+    """``P[Bin(r, p) ≥ v]`` for ``0 < p < 1`` by the bound's own log-space tail."""
+    return _upper_tail(r, v, math.log(p), math.log1p(-p))
 
 
 @pytest.mark.parametrize("r,p", [(1, 0.5), (17, 0.3), (100, 0.73), (1000, 0.999), (1000, 1e-3)])

@@ -51,10 +51,8 @@ def factor_noise_energies(A: Tensor, B: Tensor, xi_A: Tensor, xi_B: Tensor) -> F
     return FactorNoise(first=first, bilinear=bilinear, total=first + bilinear + cross)
 
 
-def factor_noise_draws(
-    A: Tensor, B: Tensor, tau: float, draws: int, generator: torch.Generator | None = None,
-    noised: str = "AB",
-) -> FactorNoise:
+def factor_noise_draws(A: Tensor, B: Tensor, tau: float, draws: int, generator: torch.Generator | None = None,
+                       noised: str = "AB") -> FactorNoise:
     """:func:`factor_noise_energies` of ``draws`` i.i.d. ``ξ_A ~ N(0, τ²I_{m×r})``, ``ξ_B ~ N(0, τ²I_{n×r})``;
     only the factors in ``noised`` get noise (``"A"``: FFA's one-sided noise, eq. 32)."""
     if noised not in ("AB", "A", "B"):
@@ -65,10 +63,9 @@ def factor_noise_draws(
     return factor_noise_energies(A, B, xi_A, xi_B)
 
 
-def sample_tangent_noise(
-    A: Tensor, B: Tensor, generator: torch.Generator | None = None, frame: geometry.Frame | None = None,
-    sample_shape: tuple[int, ...] = (), damping: float | None = None,
-) -> tuple[Tensor, Tensor]:
+def sample_tangent_noise(A: Tensor, B: Tensor, generator: torch.Generator | None = None,
+                         frame: geometry.Frame | None = None, sample_shape: tuple[int, ...] = (),
+                         damping: float | None = None) -> tuple[Tensor, Tensor]:
     """:func:`geometry.tangent_noise` of fresh unit draws ``Ω_A``, ``Ω_B`` (``torch.randn`` from ``generator``,
     ``sample_shape`` independent draws in front), for measurements of the sampler's law."""
     fr = geometry.frame(A, B) if frame is None else frame
@@ -103,12 +100,11 @@ def apply_gauge(params: Mapping[str, Tensor], pairs: Sequence[LoraPair], c: floa
         write_pair(params, pair, *gauge(*read_pair(params, pair), c))
 
 
-def gauge_scan(
-    A: Tensor, B: Tensor, tau: float, cs: Sequence[float], draws: int, generator: torch.Generator | None = None
-) -> FactorNoise:
+def gauge_scan(A: Tensor, B: Tensor, tau: float, cs: Sequence[float], draws: int,
+               generator: torch.Generator | None = None) -> FactorNoise:
     """Factor noise energies of eq. 7 at every gauge in ``cs`` (App. C.2): fields are ``[len(cs), draws]``."""
     rows = [factor_noise_draws(*gauge(A, B, c), tau, draws, generator) for c in cs]
-    return FactorNoise(*(torch.stack([getattr(row, f) for row in rows]) for f in FactorNoise._fields))
+    return FactorNoise(*(torch.stack(parts) for parts in zip(*rows)))
 
 
 def factor_sum(pairs: Sequence[LoraPair], params: Mapping[str, Tensor]) -> dict[str, float]:
@@ -128,9 +124,7 @@ def product_distance(A: Tensor, B: Tensor, A2: Tensor, B2: Tensor) -> float:
     return float((Ru @ Rv.mT).norm())
 
 
-def delta_z_norm(
-    pairs: Sequence[LoraPair], before: Mapping[str, Tensor], after: Mapping[str, Tensor]
-) -> float:
+def delta_z_norm(pairs: Sequence[LoraPair], before: Mapping[str, Tensor], after: Mapping[str, Tensor]) -> float:
     """Fig. 2's ``‖ΔZ_t‖_F = ‖Z_{t+1} − Z_t‖_F`` over all modules (in quadrature)."""
     sq = sum(product_distance(*read_pair(before, p), *read_pair(after, p)) ** 2 for p in pairs)
     return float(np.sqrt(sq))
@@ -142,9 +136,8 @@ def factor_example_norms(grads: Mapping[str, Tensor], names: Sequence[str]) -> T
     return torch.sqrt(sum(grads[n].double().reshape(k, -1).square().sum(1) for n in names))
 
 
-def intrinsic_example_norms(
-    pairs: Sequence[LoraPair], params: Mapping[str, Tensor], grads: Mapping[str, Tensor]
-) -> Tensor:
+def intrinsic_example_norms(pairs: Sequence[LoraPair], params: Mapping[str, Tensor],
+                            grads: Mapping[str, Tensor]) -> Tensor:
     """Per-example intrinsic norms ``s_i = (Σ_ℓ ‖P_{A,B}(G_{i,ℓ})‖²_F)^{1/2}`` (eqs. 14–16; gauge invariant)."""
     total = 0.0
     for pair in pairs:
@@ -181,10 +174,8 @@ def adam_amplification(optimizer: torch.optim.Optimizer, generator: torch.Genera
     return float(np.sqrt(num / den))
 
 
-def prism_amplification(
-    adaptive: Mapping[str, RankSpaceAdaptive], factors: Mapping[str, tuple[Tensor, Tensor]], tau: float,
-    generator: torch.Generator | None = None,
-) -> float:
+def prism_amplification(adaptive: Mapping[str, RankSpaceAdaptive], factors: Mapping[str, tuple[Tensor, Tensor]],
+                        tau: float, generator: torch.Generator | None = None) -> float:
     """``‖(Ξ_A P_A, Ξ_B P_B)‖/‖(Ξ_A, Ξ_B)‖`` over modules, ``P = P(V̂)`` the rank-space preconditioner
     (eq. 25, with the floor of eq. 26 at ``τ``) and ``Ξ`` the tangent noise of eq. 19 at the factors."""
     num = den = 0.0

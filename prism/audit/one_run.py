@@ -43,11 +43,6 @@ import numpy as np
 from scipy import special
 
 
-def _log_p(epsilon: float) -> tuple[float, float]:
-    """``log p_ε`` and ``log(1 − p_ε)`` for ``p_ε = e^ε/(1 + e^ε)``, accurate for every ε ≥ 0."""
-    return -math.log1p(math.exp(-epsilon)), -epsilon - math.log1p(math.exp(-epsilon))
-
-
 def binomial_log_pmf(r: int, log_p: float, log_q: float, ks: np.ndarray) -> np.ndarray:
     """``log P[Bin(r, p) = k]`` for integer ``ks`` in ``[0, r]``, from ``log p`` and ``log(1 − p)``."""
     ks = np.asarray(ks, dtype=np.float64)
@@ -56,20 +51,12 @@ def binomial_log_pmf(r: int, log_p: float, log_q: float, ks: np.ndarray) -> np.n
 
 
 def _upper_tail(r: int, v: int, log_p: float, log_q: float) -> float:
+    """``P[Bin(r, p) ≥ v]`` as a log-space sum of pmf terms."""
     if v <= 0:
         return 1.0
     if v > r:
         return 0.0
     return float(min(1.0, math.exp(special.logsumexp(binomial_log_pmf(r, log_p, log_q, np.arange(v, r + 1))))))
-
-
-def binomial_upper_tail(r: int, p: float, v: int) -> float:
-    """``P[Bin(r, p) ≥ v]`` as a log-space sum of pmf terms."""
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"p={p} must lie in [0, 1]")
-    if p in (0.0, 1.0):  # all mass at 0 or at r
-        return float(v <= (0 if p == 0.0 else r))
-    return _upper_tail(r, v, math.log(p), math.log1p(-p))
 
 
 def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
@@ -78,7 +65,8 @@ def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
     _check_counts(m, r, v)
     if epsilon < 0 or not 0.0 <= delta <= 1.0:
         raise ValueError(f"need epsilon ≥ 0 and 0 ≤ delta ≤ 1 (got {epsilon}, {delta})")
-    log_p, log_q = _log_p(epsilon)
+    log_p = -math.log1p(math.exp(-epsilon))  # log p_ε, and log(1 − p_ε) = log p_ε − ε: accurate for every ε ≥ 0
+    log_q = log_p - epsilon
     tail = _upper_tail(r, v, log_p, log_q)
     if delta == 0.0 or v == 0:
         return tail
@@ -176,8 +164,7 @@ def top_bottom_guesses(scores: np.ndarray, k_pos: int, k_neg: int) -> np.ndarray
     order = np.argsort(scores, kind="stable")
     guesses = np.zeros(len(scores), dtype=np.int64)
     guesses[order[: k_neg]] = -1
-    if k_pos:
-        guesses[order[len(scores) - k_pos:]] = 1
+    guesses[order[len(scores) - k_pos:]] = 1
     return guesses
 
 
@@ -271,10 +258,8 @@ def expected_bounds(canaries: int, k_pos: int, k_neg: int, sigma: float, sample_
     is the f-DP audit's (:attr:`OneRunAudit.epsilon_fdp_lower`, ``k⁻ = 0``); ``filtered``: the scores of
     :func:`dpsgd_canary_scores` with ``filtered``."""
     rng = np.random.default_rng(seed)
-    results = []
-    for _ in range(trials):
-        included = rng.random(canaries) < 0.5
-        results.append(audit(dpsgd_canary_scores(included, sample_rate, steps, sigma, rng, filtered), included, k_pos,
-                             k_neg, delta, confidence))
+    coins = (rng.random(canaries) < 0.5 for _ in range(trials))  # drawn lazily: each run's coins, then its scores
+    results = [audit(dpsgd_canary_scores(c, sample_rate, steps, sigma, rng, filtered), c, k_pos, k_neg, delta,
+                     confidence) for c in coins]
     eps = [r.epsilon_fdp_lower if fdp else r.epsilon_lower for r in results]
     return float(np.mean(eps)), float(np.std(eps)), float(np.mean([r.mu_lower for r in results]))

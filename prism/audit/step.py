@@ -77,9 +77,8 @@ class ThresholdAudit:
 
 
 def _rates(without: np.ndarray, with_: np.ndarray, threshold: float, upper_tail: bool) -> tuple[int, int]:
-    if upper_tail:
-        return int((with_ > threshold).sum()), int((without > threshold).sum())
-    return int((with_ < threshold).sum()), int((without < threshold).sum())
+    beyond = np.greater if upper_tail else np.less
+    return int(beyond(with_, threshold).sum()), int(beyond(without, threshold).sum())
 
 
 def _bounds(tp: int, fp: int, n_with: int, n_without: int, confidence: float) -> tuple[float, float]:
