@@ -35,7 +35,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
 
-from pipelines.config_schema import ConfigError, help_field
+from pipelines.config_schema import ConfigError, help_field, require
 from prism.methods.schema import KINDS
 
 TUNED_DIR = Path(__file__).resolve().parents[1] / "conf" / "tuned"
@@ -76,8 +76,7 @@ class TunedRate:
     model_path: str | None = help_field("a user's model folder", None)
 
     def __post_init__(self) -> None:
-        if not 0 < self.lr < math.inf:
-            raise ConfigError(f"lr={self.lr} must be a finite number > 0")
+        require(0 < self.lr < math.inf, f"lr={self.lr} must be a finite number > 0")
 
 
 @dataclass
