@@ -75,24 +75,18 @@ def resolve(cfg: DictConfig) -> DictConfig:
     return resolved
 
 
-def expand(params: Mapping[str, str], overrides: Sequence[str]) -> list[list[str]]:
-    """Cartesian product of sweep ``params`` and ``overrides`` (later keys win, as in Hydra)."""
-    parser = OverridesParser.create()
-    parsed = parser.parse_overrides([f"{k}={v}" for k, v in params.items()] + list(overrides))
-    axes: dict[str, list[str]] = {}
-    for override in parsed:
-        key = override.get_key_element()
-        sweep = override.is_sweep_override()
-        values = override.sweep_string_iterator() if sweep else [override.get_value_element_as_str()]
-        axes[key] = [f"{key}={value}" for value in values]
-    return [list(job) for job in itertools.product(*axes.values())]
-
-
 def sweep_jobs(overrides: Sequence[str], head: Sequence[str] = ()) -> list[list[str]]:
-    """Every job of a grid: ``[*head, *overrides]``'s ``hydra.sweeper.params`` expanded with ``overrides``."""
-    fixed = [*head, *(o for o in overrides if not OverridesParser.create().parse_override(o).is_sweep_override())]
+    """Every job of a grid: ``head`` and the cartesian product of ``[*head, *overrides]``'s
+    ``hydra.sweeper.params`` and ``overrides`` (later keys win, as in Hydra)."""
+    parser = OverridesParser.create()
+    fixed = [*head, *(o for o in overrides if not parser.parse_override(o).is_sweep_override())]
     params = compose_config(fixed, with_hydra=True).hydra.sweeper.params or {}
-    return [[*head, *job] for job in expand({str(k): str(v) for k, v in params.items()}, overrides)]
+    axes: dict[str, list[str]] = {}
+    for override in parser.parse_overrides([f"{k}={v}" for k, v in params.items()] + list(overrides)):
+        key = override.get_key_element()
+        values = override.sweep_string_iterator() if override.is_sweep_override() else [override.get_value_element_as_str()]
+        axes[key] = [f"{key}={value}" for value in values]
+    return [[*head, *job] for job in itertools.product(*axes.values())]
 
 
 def experiment_jobs(experiment: str, overrides: Sequence[str] = ()) -> list[list[str]]:
@@ -206,7 +200,7 @@ def _is_group(override: Override) -> bool:
 
 def _compose(overrides: Sequence[str]) -> DictConfig:
     try:
-        return compose_config(list(overrides))
+        return compose_config(overrides)
     except MissingConfigException as err:
         missing = str(getattr(err, "missing_cfg_file", "") or "")
         group, _, option = missing.rpartition("/")

@@ -202,18 +202,17 @@ def _embedded_size(name: str, node: Mapping) -> int:
         require(not unknown, f"suite.embedded.train_per_task names {unknown}, not among suite.embedded.tasks {tasks}")
         for task, count in sizes.items():
             positive_int(count, f"suite.embedded.train_per_task.{task}")
-        total = sum(int(sizes[t]) for t in tasks if t in sizes)
     else:
         positive_int(sizes, "suite.embedded.train_per_task")
-        total = len(tasks) * int(sizes)
+        sizes = dict.fromkeys(tasks, sizes)
     n_eval = int(node.get("eval_per_task") or DEFAULT_EVAL_PER_TASK)
     for task in set(tasks) & set(FINITE_POOLS):
-        n_task = int(sizes) if not isinstance(sizes, Mapping) else int(sizes.get(task, 0))
+        n_task = int(sizes.get(task, 0))
         got_train, got_eval = _pool_supply(task, n_task, n_eval, float(node.get("min_confidence") or 0.8))
         require(got_train >= n_task and got_eval >= n_eval,
                 f"the embedded task {task} yields {got_train} train / {got_eval} eval rows, fewer than the "
                 f"{n_task} / {n_eval} asked for: lower suite.embedded.train_per_task or suite.embedded.eval_per_task")
-    return total
+    return sum(int(sizes.get(t, 0)) for t in tasks)
 
 
 FINITE_POOLS = ("tweet_sentiment",)  # embedded stand-ins drawn from a fixed corpus (the others are generated)

@@ -320,18 +320,15 @@ class DiagnosticsConfig:
     scan: ScanConfig = help_field("the gauge scan")
 
     def __post_init__(self) -> None:
-        checks = [
-            (len(self.gauges) >= 2 and all(c > 0 for c in self.gauges), "train.diagnostics.gauges needs ≥ 2 positive c"),
-            (1.0 in self.gauges, "train.diagnostics.gauges must contain 1.0 (the identity gauge)"),
-            (self.gauge_steps >= 2, "train.diagnostics.gauge_steps must be ≥ 2"),
-            (self.plain_steps >= 0, "train.diagnostics.plain_steps must be ≥ 0 (0 skips the plain-PRISM sweep)"),
-            (len(self.epsilons) >= 1 and all(e > 0 for e in self.epsilons), "train.diagnostics.epsilons must be > 0"),
-            (0 <= self.eps_discard < self.eps_steps, "train.diagnostics.eps_discard must lie in [0, eps_steps)"),
-            (self.table1_draws >= 16, "train.diagnostics.table1_draws must be ≥ 16"),
-            (self.scan.points >= 3 and self.scan.draws >= 4, "train.diagnostics.scan needs points ≥ 3, draws ≥ 4"),
-        ]
-        for ok, message in checks:
-            require(ok, message)
+        require(len(self.gauges) >= 2 and all(c > 0 for c in self.gauges),
+                "train.diagnostics.gauges needs ≥ 2 positive c")
+        require(1.0 in self.gauges, "train.diagnostics.gauges must contain 1.0 (the identity gauge)")
+        require(self.gauge_steps >= 2, "train.diagnostics.gauge_steps must be ≥ 2")
+        require(self.plain_steps >= 0, "train.diagnostics.plain_steps must be ≥ 0 (0 skips the plain-PRISM sweep)")
+        require(len(self.epsilons) >= 1 and all(e > 0 for e in self.epsilons), "train.diagnostics.epsilons must be > 0")
+        require(0 <= self.eps_discard < self.eps_steps, "train.diagnostics.eps_discard must lie in [0, eps_steps)")
+        require(self.table1_draws >= 16, "train.diagnostics.table1_draws must be ≥ 16")
+        require(self.scan.points >= 3 and self.scan.draws >= 4, "train.diagnostics.scan needs points ≥ 3, draws ≥ 4")
 
 
 @dataclass
@@ -428,17 +425,16 @@ class JobConfig:
 GROUPS = get_type_hints(JobConfig)
 _STORE = ConfigStore.instance()
 _STORE.store(name="job_schema", node=JobConfig)
-for _name, _node in (("backbone", BackboneConfig), ("suite", SuiteConfig), ("privacy", PrivacyConfig),
-                     ("lora", LoraConfig), ("train", TrainConfig), ("protocol", ProtocolConfig),
-                     ("logging", LoggingConfig), ("tune", TuneConfig), ("diagnostics", DiagnosticsConfig)):
-    _STORE.store(group="schema", name=_name, node=_node)
+for _node in (BackboneConfig, SuiteConfig, PrivacyConfig, LoraConfig, TrainConfig, ProtocolConfig, LoggingConfig,
+              TuneConfig, DiagnosticsConfig):  # group schema/<name>: the class name less "Config", lower case
+    _STORE.store(group="schema", name=_node.__name__.removesuffix("Config").lower(), node=_node)
 
 
 # ------------------------------------------------------------------------------------------ conform
-def conform(cfg: DictConfig | Mapping[str, Any]) -> DictConfig:
+def conform(cfg: DictConfig) -> DictConfig:
     """The resolved job config ``cfg`` checked against :class:`JobConfig` (see the module docstring);
     returns it with typed values and exactly its own keys (struct mode), or raises :class:`ConfigError`."""
-    plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    plain = OmegaConf.to_container(cfg, resolve=True)
     for key, value in plain.items():  # a section given a value: named before the merge, which cannot say
         kind = GROUPS.get(key)
         if is_dataclass(kind) and not isinstance(value, Mapping):
@@ -502,7 +498,7 @@ def _wrong_type(key: str, err: ValidationError) -> ConfigError:
         return ConfigError(f"{key} may not be null, give it a value")
     for name, kind in (("Integer", "an integer"), ("Float", "a number"), ("Boolean", "true or false"),
                        ("valid bool", "true or false")):
-        if f"converted to {name}" in text or name in text:
+        if name in text:
             return ConfigError(f"{key} must be {kind}, got {shown}; write e.g. {key}=<{kind.split()[-1]}>")
     if "is not a subclass of" in text or "Merge error" in text:
         return ConfigError(f"{key} must be a section with its keys, got a value; set one of its keys instead")

@@ -35,7 +35,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
 
-from pipelines.config_schema import ConfigError, help_field
+from pipelines.config_schema import ConfigError, help_field, require
 from prism.methods.schema import KINDS
 
 TUNED_DIR = Path(__file__).resolve().parents[1] / "conf" / "tuned"
@@ -76,8 +76,7 @@ class TunedRate:
     model_path: str | None = help_field("a user's model folder", None)
 
     def __post_init__(self) -> None:
-        if not 0 < self.lr < math.inf:
-            raise ConfigError(f"lr={self.lr} must be a finite number > 0")
+        require(0 < self.lr < math.inf, f"lr={self.lr} must be a finite number > 0")
 
 
 @dataclass
@@ -118,7 +117,7 @@ def _load(path: str, mtime_ns: int) -> tuple[dict, ...]:
     rates_line, rates_node = lines["rates"]
     entries = [_entry(path, i, node, value) for i, (node, value) in enumerate(zip(rates_node.value, data["rates"]))]
     seen: dict[tuple, int] = {}
-    for (line, entry) in entries:
+    for line, entry in entries:
         cell = tuple(entry.get(k) for k in MATCH)
         if cell in seen:
             raise ConfigError(f"{path}:{line}: a second entry for the cell of line {seen[cell]} "
@@ -189,12 +188,12 @@ def cell_fields(cfg: DictConfig) -> dict[str, Any]:
 def lookup(cfg: DictConfig) -> tuple[float, Path] | None:
     """The tuned rate of ``cfg``'s cell and its file (:func:`tuned_dir` or the run's :func:`user_tuned_dir`),
     or None; two files with the cell are an error. A paper-suite run (no OPTIONAL fields) matches no user entry."""
-    fields = {name: OmegaConf.select(cfg, dotted, default=None) for name, dotted in MATCH.items()}
+    fields = cell_fields(cfg)  # an OPTIONAL field left out is null: it matches only an entry without it
     results = OmegaConf.select(cfg, "results_dir", default=None)
     folders = (tuned_dir(), *([user_tuned_dir(str(results))] if results else []))
     files = [path for f in folders for path in sorted(f.glob("*.yaml"))]
     found = [(float(e["lr"]), path) for path in files for e in _load(str(path), path.stat().st_mtime_ns)
-             if all(e.get(k) == v for k, v in fields.items())]
+             if all(e.get(k) == fields.get(k) for k in MATCH)]
     if len(found) > 1:
         raise ConfigError(f"tuned rates for the same cell in {', '.join(str(p) for _, p in found)}: keep one "
                          f"(rerun `make tune` for that scale, or delete the stale file)")

@@ -43,8 +43,9 @@ def load_grid(jobs: Sequence[Sequence[str]], *, here: bool | None = None) -> lis
     ``here=None``: a job with ``launcher=slurm`` runs elsewhere (its device is not checked here)."""
     configs = []
     for k, job in enumerate(jobs, 1):
+        runs_here = "launcher=slurm" not in (o.lstrip("+") for o in job) if here is None else here
         try:
-            configs.append(load_job(job, here=_runs_here(job) if here is None else here))
+            configs.append(load_job(job, here=runs_here))
         except ConfigError as err:
             raise ConfigError(f"job {k} of {len(jobs)} ({' '.join(job)}): {err}") from None
         except Exception as err:  # a rule that itself failed on an odd value: still one line
@@ -80,7 +81,3 @@ def _jobs(overrides: Sequence[str], head: Sequence[str] = ()) -> list[list[str]]
     except Exception:  # the fixed part again, for its one-line error
         load_job(fixed, here=False)
         raise
-
-
-def _runs_here(job: Sequence[str]) -> bool:
-    return "launcher=slurm" not in (o.lstrip("+") for o in job)

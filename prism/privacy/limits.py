@@ -79,20 +79,8 @@ def prv_grid_points(sigma: float, sample_rate: float, steps: int, delta: float) 
     return int(2 * half_width / _mesh(steps, delta_error)) + 2
 
 
-def search_grid_points(epsilon: float, delta: float, sample_rate: float, steps: int) -> int:
-    """Largest grid of Opacus' σ search (``get_noise_multiplier``): its first evaluation is at
-    σ = 20 and its bisection goes no lower than half the answer (estimated by :func:`rdp_sigma`)."""
-    lowest = rdp_sigma(epsilon, delta, sample_rate, steps) / 2
-    return max(prv_grid_points(sigma, sample_rate, steps, delta) for sigma in (20.0, lowest))
-
-
 def _mesh(steps: int, delta_error: float) -> float:
     return EPS_ERROR / math.sqrt(steps * math.log(12 / delta_error) / 2)
-
-
-def min_grid_points(steps: int, delta: float) -> int:
-    """Fewest grid points any σ gives (``L ≥ 3 + ε_err``)."""
-    return int(2 * (3 + EPS_ERROR) / _mesh(steps, delta / 1000)) + 2
 
 
 @functools.lru_cache(maxsize=256)
@@ -106,7 +94,8 @@ def calibration_problem(epsilon: float, delta: float, sample_rate: float, steps:
     if epsilon <= EPS_ERROR / 2:
         return (f"privacy.epsilon={epsilon:g} is within the accountant's error ({EPS_ERROR:g}) of 0, no σ reaches it; "
                 f"use privacy.epsilon > {EPS_ERROR:g}")
-    if np.finfo(np.longdouble).eps * min_grid_points(steps, delta) > delta * 0.999:
+    fewest = int(2 * (3 + EPS_ERROR) / _mesh(steps, delta / 1000)) + 2  # grid points of any σ (L ≥ 3 + ε_err)
+    if np.finfo(np.longdouble).eps * fewest > delta * 0.999:
         return (f"privacy.delta={delta:g} is below what the PRV accountant resolves over {steps} steps (float "
                 "rounding on its grid dominates), use privacy.delta >= 1e-12 (the paper: 1e-5)")
     ceiling = rdp_epsilon(SIGMA_FLOOR, sample_rate, steps, delta)
@@ -114,7 +103,10 @@ def calibration_problem(epsilon: float, delta: float, sample_rate: float, steps:
         return (f"privacy.epsilon={epsilon:g} is beyond what σ calibration can reach: it would need σ < {SIGMA_FLOOR} "
                 f"(ε ≤ {ceiling:.4g} at this q = {sample_rate:.3g}, T = {steps}); lower privacy.epsilon, "
                 "or use privacy=nondp for a non-private run")
-    needed = BYTES_PER_POINT * search_grid_points(epsilon, delta, sample_rate, steps)
+    # the largest grid of Opacus' σ search (get_noise_multiplier): its first evaluation is at σ = 20 and its
+    # bisection goes no lower than half the answer (estimated by rdp_sigma)
+    lowest = rdp_sigma(epsilon, delta, sample_rate, steps) / 2
+    needed = BYTES_PER_POINT * max(prv_grid_points(sigma, sample_rate, steps, delta) for sigma in (20.0, lowest))
     if needed > memory_bytes:
         return (f"σ calibration for train.steps={steps} would need about {needed / 2**30:.0f} GiB for the PRV "
                 f"accountant's grid, more than the {memory_bytes / 2**30:.0f} GiB of this machine; lower train.steps")
