@@ -284,20 +284,20 @@ def store_problem(directory: Path, name: str, header: dict[str, Any], inputs: st
 
 
 def stored_tensors(root: Path, name: str, header: dict[str, Any], inputs: str, lengths: list[int],
-                   compute: Callable[[], dict[str, Tensor]], rebuilding: Callable[[Path, str], None] | None = None
+                   compute: Callable[[], dict[str, Tensor]], rebuilding: Callable[[Path, str], Any] | None = None
                    ) -> tuple[Path, dict[str, Tensor] | None, float]:
     """The safetensors file ``root/<header["key"]>/name`` (its ``lengths`` tensor: ``lengths``), (re)built, once
-    under a file lock per key, from ``compute()`` when :func:`store_problem` finds it unusable
-    (``rebuilding(directory, why)`` is told first): the tensors go to ``name`` first, then ``meta.json``,
-    ``header`` and that file's sha256 (the commit marker). Returns the file, the computed tensors (None on a
-    hit) and the seconds spent computing (0 on a hit)."""
+    under a file lock per key, from ``compute()`` when :func:`store_problem` finds it unusable (a present but
+    unusable one is first reported to ``rebuilding(directory, why)``): the tensors go to ``name`` first, then
+    ``meta.json``, ``header`` and that file's sha256 (the commit marker). Returns the file, the computed tensors
+    (None on a hit) and the seconds spent computing (0 on a hit)."""
     root.mkdir(parents=True, exist_ok=True)
     directory = root / header["key"]
     with FileLock(str(root / f"{header['key']}.lock")):
         why = store_problem(directory, name, header, inputs, lengths)
         if why is None:
             return directory / name, None, 0.0
-        if rebuilding is not None:
+        if rebuilding is not None and why != "absent":
             rebuilding(directory, why)
         tic = time.perf_counter()
         tensors = compute()

@@ -13,6 +13,7 @@ rebuilt, and the log says so.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -71,7 +72,8 @@ class FrozenPrompts:
                     "lengths": torch.tensor(lengths, dtype=torch.long)}
 
         header = {"format": FORMAT, "key": key, "rows": len(rows)}
-        path, _, seconds = stored_tensors(root, _TENSORS, header, "prompts", lengths, compute, _rebuilding)
+        rebuilding = functools.partial(log.warning, "prompt cache %s: %s; rebuilding it")
+        path, _, seconds = stored_tensors(root, _TENSORS, header, "prompts", lengths, compute, rebuilding)
         return cls(_decoder(model), depth, path, lengths, build_seconds=seconds)
 
     @torch.no_grad()
@@ -100,8 +102,3 @@ class FrozenPrompts:
         for layer in range(self.depth):
             cache.update(kv[layer, 0].contiguous(), kv[layer, 1].contiguous(), layer)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "cache": cache}
-
-
-def _rebuilding(directory: Path, why: str) -> None:
-    if why != "absent":
-        log.warning("prompt cache %s: %s; rebuilding it", directory, why)
