@@ -42,7 +42,12 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    with contextlib.suppress(OSError):  # persist the rename (POSIX); folders cannot be opened on Windows
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     return path
 
 
@@ -54,13 +59,3 @@ def write_bytes_atomic(path: Path, data: bytes) -> Path:
 def write_text_atomic(path: Path, text: str) -> Path:
     """:func:`atomic_write` of ``text`` in UTF-8."""
     return write_bytes_atomic(path, text.encode("utf-8"))
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Persist a rename (POSIX); a no-op where folders cannot be opened (Windows)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

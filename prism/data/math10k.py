@@ -52,7 +52,6 @@ def resolve(spec: str, what: str) -> Path:
     return path
 
 
-
 def sha256_matches(actual: str, expected: str) -> bool:
     """Compare a digest with a full or abbreviated (``prefix...suffix``) expected value."""
     if "..." in expected:

@@ -150,11 +150,8 @@ def collate(
     out: dict[str, list[list[int]]] = {"input_ids": [], "attention_mask": [], "labels": []}
     for f in features:
         ids = list(f["input_ids"])
-        labels = list(f.get("labels", ids))
-        n_pad = length - len(ids)
-        rows = (ids, [1] * len(ids), labels)
-        fills = (pad_id, 0, IGNORE_INDEX)
-        for key, row, fill in zip(out, rows, fills):
-            pad = [fill] * n_pad
+        rows = (ids, [1] * len(ids), list(f.get("labels", ids)))
+        for key, row, fill in zip(out, rows, (pad_id, 0, IGNORE_INDEX)):
+            pad = [fill] * (length - len(ids))
             out[key].append(pad + row if padding_side == "left" else row + pad)
     return {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}

@@ -44,11 +44,6 @@ __all__ = [
 N_SAMPLES = 3  # generated responses kept per task in the result, for inspection
 
 
-def _pad_id(tokenizer: Any) -> int:
-    """Padding id for generation: the tokenizer's pad, else EOS, else 0 (the released code's choice)."""
-    return next((int(c) for c in (tokenizer.pad_token_id, tokenizer.eos_token_id) if c is not None), 0)
-
-
 def _left_padded(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> dict[str, torch.Tensor]:
     """``input_ids`` and ``attention_mask`` of `rows` left-padded with `pad`, on `device`."""
     batch = collate([{"input_ids": row} for row in rows], pad, pad_to_multiple_of=None, padding_side="left")
@@ -88,7 +83,8 @@ def generate_responses(
     :func:`prism.data.prompts.encode_prompt_as_trained`), ``renormalize_logits`` / ``remove_invalid_values``
     (passed to ``generate``; the released evaluation sets both)."""
     max_input = cfg_decoding.get("max_input_length")
-    pad = _pad_id(tokenizer)
+    # padding: the tokenizer's pad, else EOS, else 0 (the released code's choice)
+    pad = next((int(c) for c in (tokenizer.pad_token_id, tokenizer.eos_token_id) if c is not None), 0)
     device = next(model.parameters()).device
     encoding = cfg_decoding.get("prompt_encoding", "text")
     if encoding == "as_trained":
@@ -162,23 +158,14 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
                 max_new_tokens=new_tokens(cfg_decoding, task),
             )
             golds, choice_rule = [ex.answer for ex in rows], cfg_decoding.get("choice_regex", "lookaround")
-            if rule:  # a user task (suite=custom): its metrics are its columns
+            keys = "\x1e".join(f"{ex.instruction}\x1f{ex.input}" for ex in rows)
+            rows_hash = hashlib.sha256(keys.encode()).hexdigest()[:16]
+            if rule:  # a user task (suite=custom): its metrics are its columns; per row, the first one's (Accuracy)
                 metrics, failures = score_task(rule, texts, golds)
                 result.setdefault("metrics", {})[task] = metrics
                 result.setdefault("unparseable", {})[task] = failures
-                score = metrics[rule.columns[0]]
-            else:
-                score, failures = score_outputs(column, texts, golds, choice_rule=choice_rule)
-            result["scores"][task] = score
-            result["parse_failure"][task] = failures / len(rows) if rows else 0.0
-            result["n"][task] = len(rows)
-            result["skipped"][task] = len(examples) - len(rows)
-            result["eval_rows"][task] = len(examples)
-            result["samples"][task] = texts[:N_SAMPLES]
-            keys = "\x1e".join(f"{ex.instruction}\x1f{ex.input}" for ex in rows)
-            rows_hash = hashlib.sha256(keys.encode()).hexdigest()[:16]
-            if rule:  # a user task: the per-row correctness of its first metric (Accuracy)
                 column = rule.columns[0]
+                score = metrics[column]
                 preds, correct = task_predictions(rule, texts, golds)
                 outcomes = {"correct": [int(c) for c in correct]}
                 if rule.kind == "classification":  # and the label per row, for Macro-F1's interval
@@ -186,7 +173,14 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
                         "column": "Macro-F1", "pred": [-1 if p is None else int(p) for p in preds],
                         "gold": [int(g) for g in golds], "labels": len(rule.labels), "rows": rows_hash}
             else:
+                score, failures = score_outputs(column, texts, golds, choice_rule=choice_rule)
                 outcomes = row_outcomes(column, texts, golds, choice_rule=choice_rule)
+            result["scores"][task] = score
+            result["parse_failure"][task] = failures / len(rows) if rows else 0.0
+            result["n"][task] = len(rows)
+            result["skipped"][task] = len(examples) - len(rows)
+            result["eval_rows"][task] = len(examples)
+            result["samples"][task] = texts[:N_SAMPLES]
             result["per_example"][task] = {"column": column, **outcomes, "rows": rows_hash}
             result["seconds"][task] = time.perf_counter() - started
     finally:
@@ -202,4 +196,3 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
         average = sum(result["scores"].values()) / len(result["scores"])
     extra = {"data": suite.source} if suite.source else {}
     return {**result, "columns": columns, "average": average, "suite": suite.name, "scale": suite.scale, **extra}
-

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import transformers
 from filelock import FileLock
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import DynamicCache
@@ -210,47 +211,45 @@ def shared_prefix_groups(input_ids: Sequence[Sequence[int]], min_group: int = 64
     return sorted(groups, key=lambda group: group[1][0])
 
 
-def prefix_batches(run: Callable[[Tensor, Tensor, Any], Tensor], rows: Sequence[Sequence[int]],
-                   micro_batch_size: int, device: torch.device,
-                   new_cache: Callable[[int], Any]) -> Iterator[tuple[list[int], int, Tensor | None, Tensor, Any]]:
-    """``(indices, shared, head, hidden, cache)`` per micro-batch of ``rows``, grouped by shared leading tokens
-    (:func:`shared_prefix_groups`) and by length within a group: the common prefix of ``shared`` tokens runs
-    once (batch 1, into ``new_cache(shared)``, then repeated per row; ``head``: its states, None when nothing
-    is shared), the remainders right-padded behind it at positions ``shared..len−1`` (``hidden``), which causal
-    attention makes each row's full forward up to float rounding. ``run``: :func:`layer_input_capture`'s."""
-    for _, members in shared_prefix_groups(rows, min_group=micro_batch_size):
-        order = sorted(members, key=lambda i: len(rows[i]))
-        for start in range(0, len(order), micro_batch_size):
-            chunk = order[start:start + micro_batch_size]
-            chunk_rows = [rows[i] for i in chunk]
-            shared = common_prefix_length(chunk_rows)
-            cache = new_cache(shared)
-            head: Tensor | None = None
-            if shared:
-                head_ids = torch.tensor([list(chunk_rows[0][:shared])], dtype=torch.long, device=device)
-                head = run(head_ids, torch.ones_like(head_ids), cache)[0]
-                cache.batch_repeat_interleave(len(chunk))
-            ids = _pad([row[shared:] for row in chunk_rows], 0, device)
-            mask = _pad([[1] * len(row) for row in chunk_rows], 0, device)
-            yield chunk, shared, head, run(ids, mask, cache), cache
-
-
 @torch.no_grad()
 def compute_prefix_states(model: nn.Module, depth: int, input_ids: Sequence[Sequence[int]],
-                          micro_batch_size: int = 16) -> list[Tensor]:
+                          micro_batch_size: int = 16, with_kv: bool = False) -> Any:
     """Per example, the hidden states ``[len_i, hidden]`` (CPU, model dtype) entering decoder layer ``depth``
-    (the model's own forward in ``eval()``, stopped there), micro-batched by :func:`prefix_batches`."""
+    (the model's own forward in ``eval()``, stopped there); ``with_kv``: ``(kv, states)``, ``kv`` per example the
+    keys and values of layers ``< depth`` ``[depth, 2, kv_heads, len_i, head_dim]``. Micro-batches are grouped
+    by shared leading tokens (:func:`shared_prefix_groups`) and by length within a group: the common prefix of
+    ``shared`` tokens runs once (batch 1, its KV cache then repeated per row), the remainders right-padded
+    behind it at positions ``shared..len−1``, which causal attention makes each row's full forward up to float
+    rounding."""
     decoder = _supported_decoder(model)
+    device = decoder.embed_tokens.weight.device
     states: list[Tensor | None] = [None] * len(input_ids)
-    new_cache = lambda shared: DynamicCache(config=decoder.config) if shared else None  # noqa: E731
+    kv: list[Tensor | None] = [None] * len(input_ids)
     with layer_input_capture(decoder, depth) as run:
-        batches = prefix_batches(run, input_ids, micro_batch_size, decoder.embed_tokens.weight.device, new_cache)
-        for chunk, shared, head, hidden, _ in batches:
-            head, hidden = (head.cpu() if head is not None else None), hidden.cpu()
-            for row, i in enumerate(chunk):
-                tail = hidden[row, :len(input_ids[i]) - shared]
-                states[i] = torch.cat([head, tail]) if head is not None else tail.clone()
-    return [s for s in states if s is not None]
+        for _, members in shared_prefix_groups(input_ids, min_group=micro_batch_size):
+            order = sorted(members, key=lambda i: len(input_ids[i]))
+            for start in range(0, len(order), micro_batch_size):
+                chunk = order[start:start + micro_batch_size]
+                rows = [input_ids[i] for i in chunk]
+                shared = common_prefix_length(rows)
+                # with_kv: full layers (sliding windows come from the mask)
+                cache = DynamicCache() if with_kv else DynamicCache(config=decoder.config) if shared else None
+                head: Tensor | None = None
+                if shared:
+                    head_ids = torch.tensor([list(rows[0][:shared])], dtype=torch.long, device=device)
+                    head = run(head_ids, torch.ones_like(head_ids), cache)[0].cpu()
+                    cache.batch_repeat_interleave(len(chunk))
+                hidden = run(_pad([row[shared:] for row in rows], 0, device),
+                             _pad([[1] * len(row) for row in rows], 0, device), cache).cpu()
+                for b, i in enumerate(chunk):
+                    n = len(input_ids[i])
+                    tail = hidden[b, :n - shared]
+                    states[i] = torch.cat([head, tail]) if head is not None else tail.clone()
+                    if with_kv:
+                        kv[i] = torch.stack([torch.stack([cache.layers[layer].keys[b, :, :n],
+                                                          cache.layers[layer].values[b, :, :n]])
+                                             for layer in range(depth)]).cpu().clone()
+    return (kv, states) if with_kv else states
 
 
 def common_prefix_length(rows: Sequence[Sequence[int]]) -> int:
@@ -263,17 +262,10 @@ def common_prefix_length(rows: Sequence[Sequence[int]]) -> int:
 
 
 # ------------------------------------------------------------------------------------------ storage
-def save_store(directory: Path, name: str, tensors: dict[str, Tensor], header: dict[str, Any]) -> None:
-    """``tensors`` to ``directory/name`` first, then ``meta.json``: ``header`` and that file's sha256 (the
-    commit marker)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    atomic_write(directory / name, lambda tmp: save_file(tensors, str(tmp)))
-    write_text_atomic(directory / _META, json.dumps({**header, "sha256": sha256_file(directory / name)}, indent=2))
-
-
-def store_problem(directory: Path, name: str, header: dict[str, Any], inputs: str) -> str | None:
-    """Why the store of :func:`save_store` in ``directory`` cannot be used (None: it can): absent, built for
-    other ``inputs`` or an older format (``header`` differs), or content unlike the sha256 recorded at build."""
+def store_problem(directory: Path, name: str, header: dict[str, Any], inputs: str, lengths: list[int]) -> str | None:
+    """Why the store of :func:`stored_tensors` in ``directory`` cannot be used (None: it can): absent, built for
+    other ``inputs`` or an older format (``header`` differs), content unlike the sha256 recorded at build, or
+    other row ``lengths``."""
     try:
         meta = json.loads((directory / _META).read_text())
     except FileNotFoundError:
@@ -283,25 +275,36 @@ def store_problem(directory: Path, name: str, header: dict[str, Any], inputs: st
     if not isinstance(meta, dict) or any(meta.get(field) != value for field, value in header.items()):
         return f"built for other {inputs} or an older format"
     try:
-        intact = sha256_file(directory / name) == meta.get("sha256")
-    except OSError as err:
+        if sha256_file(directory / name) != meta.get("sha256"):
+            return "content does not match the sha256 recorded at build"
+        with safe_open(str(directory / name), framework="pt") as fh:
+            return None if fh.get_tensor("lengths").tolist() == lengths else "row lengths differ"
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
         return f"unreadable tensors ({type(err).__name__})"
-    return None if intact else "content does not match the sha256 recorded at build"
 
 
-def _load(directory: Path, key: str, lengths: list[int]) -> list[Tensor] | None:
-    """The stored states, or ``None`` when missing, incomplete, corrupt or for other inputs."""
-    if store_problem(directory, _STATES, {"format": FORMAT, "key": key, "examples": len(lengths)}, "examples"):
-        return None
-    try:
-        tensors = load_file(str(directory / _STATES))
-    except (OSError, ValueError):
-        return None
-    stored = tensors.get("lengths")
-    states = tensors.get("states")
-    if stored is None or states is None or stored.tolist() != lengths or states.shape[0] != sum(lengths):
-        return None
-    return list(states.split(lengths))
+def stored_tensors(root: Path, name: str, header: dict[str, Any], inputs: str, lengths: list[int],
+                   compute: Callable[[], dict[str, Tensor]], rebuilding: Callable[[Path, str], Any] | None = None
+                   ) -> tuple[Path, dict[str, Tensor] | None, float]:
+    """The safetensors file ``root/<header["key"]>/name`` (its ``lengths`` tensor: ``lengths``), (re)built, once
+    under a file lock per key, from ``compute()`` when :func:`store_problem` finds it unusable (a present but
+    unusable one is first reported to ``rebuilding(directory, why)``): the tensors go to ``name`` first, then
+    ``meta.json``, ``header`` and that file's sha256 (the commit marker). Returns the file, the computed tensors
+    (None on a hit) and the seconds spent computing (0 on a hit)."""
+    root.mkdir(parents=True, exist_ok=True)
+    directory = root / header["key"]
+    with FileLock(str(root / f"{header['key']}.lock")):
+        why = store_problem(directory, name, header, inputs, lengths)
+        if why is None:
+            return directory / name, None, 0.0
+        if rebuilding is not None and why != "absent":
+            rebuilding(directory, why)
+        tic = time.perf_counter()
+        tensors = compute()
+        seconds = time.perf_counter() - tic
+        atomic_write(directory / name, lambda tmp: save_file(tensors, str(tmp)))
+        write_text_atomic(directory / _META, json.dumps({**header, "sha256": sha256_file(directory / name)}, indent=2))
+    return directory / name, tensors, seconds
 
 
 # ------------------------------------------------------------------------------------------ cache
@@ -369,17 +372,14 @@ class PrefixCache:
             raise ValueError("every training example needs at least one token; check the tokenised features")
         key = prefix_key(model, depth, input_ids, name)
         root = Path(cache_dir) if cache_dir is not None else cache_root() / "prefix"
-        root.mkdir(parents=True, exist_ok=True)
-        seconds = 0.0
-        with FileLock(str(root / f"{key}.lock")):
-            states = _load(root / key, key, lengths)
-            if states is None:
-                tic = time.perf_counter()
-                states = compute_prefix_states(model, depth, input_ids, micro_batch_size)
-                seconds = time.perf_counter() - tic
-                tensors = {"states": torch.cat(states).contiguous(),
-                           "lengths": torch.tensor([s.shape[0] for s in states], dtype=torch.long)}
-                save_store(root / key, _STATES, tensors, {"format": FORMAT, "key": key, "examples": len(states)})
+
+        def compute() -> dict[str, Tensor]:
+            states = compute_prefix_states(model, depth, input_ids, micro_batch_size)
+            return {"states": torch.cat(states).contiguous(), "lengths": torch.tensor(lengths, dtype=torch.long)}
+
+        header = {"format": FORMAT, "key": key, "examples": len(lengths)}
+        path, tensors, seconds = stored_tensors(root, _STATES, header, "examples", lengths, compute)
+        states = list((tensors or load_file(str(path)))["states"].split(lengths))
         labels = [f.get("labels", f["input_ids"]) for f in features]
         return cls(model, depth, states, labels, build_seconds=seconds)
 

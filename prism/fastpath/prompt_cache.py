@@ -13,17 +13,16 @@ rebuilt, and the log says so.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
-import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
-from filelock import FileLock
 from safetensors import safe_open
 from torch import Tensor, nn
 from transformers import DynamicCache
@@ -32,41 +31,16 @@ from prism.fastpath import top_layer
 from prism.fastpath.prefix import (
     _decoder,
     _top_layers_only,
-    layer_input_capture,
-    prefix_batches,
+    compute_prefix_states,
     prefix_depth,
     prefix_key,
-    save_store,
-    store_problem,
+    stored_tensors,
 )
 from prism.models import cache_root
 
 FORMAT = 2  # 2: meta.json records the tensors' sha256 (1 recorded only their byte count)
 _TENSORS = "prompts.safetensors"
 log = logging.getLogger(__name__)
-
-
-@torch.no_grad()
-def compute_frozen_prompts(decoder: nn.Module, depth: int, rows: Sequence[Sequence[int]],
-                           micro_batch_size: int = 16) -> tuple[list[Tensor], list[Tensor]]:
-    """Per row (prompt minus its last token, ``n = len − 1 ≥ 1``): keys and values of layers ``< depth``
-    ``[depth, 2, kv_heads, n, head_dim]`` and the hidden states entering layer ``depth`` ``[n, hidden]``.
-    Micro-batched by :func:`prism.fastpath.prefix.prefix_batches`; the model's own forward, stopped at ``depth``."""
-    heads = [list(row[:-1]) for row in rows]
-    kv: list[Tensor | None] = [None] * len(rows)
-    states: list[Tensor | None] = [None] * len(rows)
-    new_cache = lambda shared: DynamicCache()  # noqa: E731  full layers: sliding windows come from the mask
-    with layer_input_capture(decoder, depth) as run:
-        for chunk, shared, head, hidden, cache in prefix_batches(run, heads, micro_batch_size,
-                                                                 decoder.embed_tokens.weight.device, new_cache):
-            for b, i in enumerate(chunk):
-                n = len(heads[i])
-                tail = hidden[b, :n - shared]
-                states[i] = (torch.cat([head, tail]) if head is not None else tail).cpu().clone()
-                kv[i] = torch.stack([torch.stack([cache.layers[layer].keys[b, :, :n],
-                                                  cache.layers[layer].values[b, :, :n]])
-                                     for layer in range(depth)]).cpu().clone()
-    return [t for t in kv if t is not None], [t for t in states if t is not None]
 
 
 class FrozenPrompts:
@@ -86,24 +60,21 @@ class FrozenPrompts:
         depth = prefix_depth(model)
         if depth is None or min((len(r) for r in rows), default=0) < 2:
             return None
-        decoder = _decoder(model)
         key = prefix_key(model, depth, rows, "prompts")
         root = (Path(cache_dir) if cache_dir is not None else cache_root() / "prompts")
-        root.mkdir(parents=True, exist_ok=True)
-        directory = root / key
         lengths = [len(r) - 1 for r in rows]
-        seconds = 0.0
-        with FileLock(str(root / f"{key}.lock")):
-            if (why := _invalid(directory, key, lengths)) is not None:
-                if why != "absent":
-                    log.warning("prompt cache %s: %s; rebuilding it", directory, why)
-                tic = time.perf_counter()
-                kv, states = compute_frozen_prompts(decoder, depth, rows, micro_batch_size)
-                seconds = time.perf_counter() - tic
-                tensors = {"kv": torch.cat(kv, dim=3).contiguous(), "states": torch.cat(states).contiguous(),
-                           "lengths": torch.tensor(lengths, dtype=torch.long)}
-                save_store(directory, _TENSORS, tensors, {"format": FORMAT, "key": key, "rows": len(rows)})
-        return cls(decoder, depth, directory / _TENSORS, lengths, build_seconds=seconds)
+
+        def compute() -> dict[str, Tensor]:
+            # per row (prompt minus its last token): the kv of layers < depth and the states entering layer depth
+            kv, states = compute_prefix_states(model, depth, [list(r[:-1]) for r in rows], micro_batch_size,
+                                               with_kv=True)
+            return {"kv": torch.cat(kv, dim=3).contiguous(), "states": torch.cat(states).contiguous(),
+                    "lengths": torch.tensor(lengths, dtype=torch.long)}
+
+        header = {"format": FORMAT, "key": key, "rows": len(rows)}
+        rebuilding = functools.partial(log.warning, "prompt cache %s: %s; rebuilding it")
+        path, _, seconds = stored_tensors(root, _TENSORS, header, "prompts", lengths, compute, rebuilding)
+        return cls(_decoder(model), depth, path, lengths, build_seconds=seconds)
 
     @torch.no_grad()
     def generate_inputs(self, indices: Sequence[int], input_ids: Tensor, attention_mask: Tensor) -> dict[str, Any]:
@@ -131,15 +102,3 @@ class FrozenPrompts:
         for layer in range(self.depth):
             cache.update(kv[layer, 0].contiguous(), kv[layer, 1].contiguous(), layer)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "cache": cache}
-
-
-def _invalid(directory: Path, key: str, lengths: list[int]) -> str | None:
-    """Why the stored prompts cannot be used (None: they can): :func:`prism.fastpath.prefix.store_problem`,
-    or other row lengths."""
-    if why := store_problem(directory, _TENSORS, {"format": FORMAT, "key": key, "rows": len(lengths)}, "prompts"):
-        return why
-    try:
-        with safe_open(str(directory / _TENSORS), framework="pt") as fh:
-            return None if fh.get_tensor("lengths").tolist() == lengths else "row lengths differ"
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
-        return f"unreadable tensors ({type(err).__name__})"
