@@ -430,11 +430,9 @@ def quarantine(folder: Path, names: tuple[str, ...]) -> list[Path]:
 def remove_temporaries(folder: Path) -> list[Path]:
     """Delete the half-written temporary files of an atomic write (``.<name>.*tmp*``, e.g. a
     checkpoint cut off by a full disk) under a run folder whose lock the caller holds."""
-    removed = []
-    for path in sorted(folder.rglob(".*tmp*")) if folder.is_dir() else []:
-        if path.is_file():
-            path.unlink(missing_ok=True)
-            removed.append(path)
+    removed = [path for path in sorted(folder.rglob(".*tmp*")) if path.is_file()] if folder.is_dir() else []
+    for path in removed:
+        path.unlink(missing_ok=True)
     return removed
 
 
