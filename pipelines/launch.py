@@ -59,8 +59,8 @@ class Job:
 
     @property
     def folder(self) -> Path:
-        """Where the run lives now (the runner may move an old-layout folder into the store)."""
-        return store.find_run(self.root, self.run_hash)
+        """The run folder, ``<root>/<hash>``."""
+        return self.root / self.run_hash
 
 
 def default_jobs(cores: int, available_bytes: int, worker_bytes: float = WORKER_RSS_GB * 1e9) -> int:
@@ -107,8 +107,10 @@ def plan(experiment: str, overrides: Sequence[str]) -> tuple[list[Job], list[Job
 
 
 def split_finished(experiment: str, jobs: Sequence[Job]) -> tuple[list[Job], list[Job]]:
-    """(pending, finished) ``jobs``; finished runs (trained for any experiment, in the store or the old
-    layout) are tagged into ``experiment``'s view, as the runner would."""
+    """(pending, finished) ``jobs``; finished runs (trained for any experiment) are tagged into ``experiment``'s
+    view, as the runner would. A store in the older layout is refused first (:func:`pipelines.store.refuse_older_layout`)."""
+    for root in {job.root for job in jobs}:
+        store.refuse_older_layout(root)
     pending, finished = [], []
     for job in jobs:
         done = store.inspect_run(job.folder).state == "finished" and not job.cfg.force

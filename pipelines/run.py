@@ -112,6 +112,7 @@ def execute(cfg: DictConfig, trainer: Trainer | None = None) -> str:
     now), ``skipped`` (already finished) or ``busy`` (another process holds the run folder's lock). A
     failing trainer marks the run ``failed`` and re-raises."""
     run_hash, folder = store.run_hash(cfg), store.run_dir(cfg)
+    store.refuse_older_layout(folder.parent)
     lock = FileLock(store.lock_path(folder))
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -121,14 +122,13 @@ def execute(cfg: DictConfig, trainer: Trainer | None = None) -> str:
                     folder, store.lock_path(folder))
         return "busy"
     except OSError as err:  # a read-only (or full) store: a finished run is still read (not tagged into the view)
-        found = store.find_run(store.runs_root(cfg), run_hash)
-        if store.inspect_run(found).state == "finished" and not cfg.force:
-            return _skipped(found, run_hash, f"the store is not writable: {err.strerror or err}; not tagged into "
+        if store.inspect_run(folder).state == "finished" and not cfg.force:
+            return _skipped(folder, run_hash, f"the store is not writable: {err.strerror or err}; not tagged into "
                                              f"{cfg.experiment}")
         raise StoreError(f"results_dir={cfg.results_dir} is not writable ({err.strerror or err}: "
-                         f"{store.lock_path(found)}), point results_dir at a writable folder") from None
+                         f"{store.lock_path(folder)}), point results_dir at a writable folder") from None
     try:
-        store.adopt(folder, str(cfg.experiment))  # old-layout folder moved in; run tagged with the experiment
+        store.tag(folder.parent, str(cfg.experiment), run_hash)
         info = store.inspect_run(folder)
         if info.state == "finished" and not cfg.force:
             return _skipped(folder, run_hash, "force=true trains it again")
@@ -342,7 +342,11 @@ def _command(args: list[str], trainer: Trainer | None, debug: bool) -> int:
         flags, overrides = split_flags(args)
         if flags:
             if not any(f.split("=", 1)[0] in OTHER_CONFIG for f in flags):
-                load_sweep(overrides) if {"-m", "--multirun"} & set(flags) else load_job(overrides)
+                if {"-m", "--multirun"} & set(flags):  # its jobs read the store: an older layout refused here
+                    for root in {store.runs_root(job) for job in load_sweep(overrides)}:
+                        store.refuse_older_layout(root)
+                else:
+                    load_job(overrides)
             return _hydra(args)
         cfg = load_job(overrides)
     except Exception as err:  # bad input, or a check that itself failed on an odd config: one line either way

@@ -18,9 +18,10 @@ r=16 rows reuse Table 2's finished runs instead of training them again.
 * ``<results_dir>/runs/_views/<experiment>/<hash>`` — empty files: the experiments a run belongs
   to. A job tags its run when it starts or skips it, and :mod:`pipelines.reproduce` tags the
   finished runs it finds, so an experiment is a view over the shared store.
-* Older checkouts wrote ``<results_dir>/runs/<experiment>/<hash>/``. Those folders are still read
-  (:func:`find_run`), moved into the store by the job that next needs them (:func:`adopt`) or all
-  at once by ``python -m pipelines migrate results_dir=<results_dir>``.
+* Older checkouts wrote ``<results_dir>/runs/<experiment>/<hash>/``. Such folders are not read in
+  place: a command that reads the store refuses it in one line until
+  ``python -m pipelines migrate results_dir=<results_dir>`` has moved them in (:func:`refuse_older_layout`,
+  docs/DECISIONS.md D82).
 
 Inside a run folder:
 
@@ -68,6 +69,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from pipelines.config_schema import ConfigError
 from prism.fileio import write_text_atomic
 
 REQUIRED_KEYS = ("seed", "backbone", "suite", "method", "privacy", "lora", "train")
@@ -157,65 +159,47 @@ def tag(root: Path, experiment: str, run_hash_: str) -> bool:
 
 
 def view(root: Path, experiment: str) -> list[str]:
-    """Run hashes of ``experiment``: its view plus folders of the old ``runs/<experiment>/`` layout."""
-    root = Path(root)
-    tagged = root / VIEWS / experiment
-    names = [p.name for p in tagged.iterdir()] if tagged.is_dir() else []
-    legacy = root / experiment
-    if legacy.is_dir() and experiment != VIEWS:
-        names += [p.name for p in legacy.iterdir() if p.is_dir() and not p.name.startswith(".")
-                  and ".old-" not in p.name and ".corrupt-" not in p.name]
-    return sorted(dict.fromkeys(names))
-
-
-def legacy_dirs(root: Path, run_hash_: str) -> list[Path]:
-    """Folders of ``run_hash_`` in the old ``<root>/<experiment>/<hash>/`` layout."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(p / run_hash_ for p in root.iterdir()
-                  if p.is_dir() and p.name != VIEWS and not HASH_RE.fullmatch(p.name.split(".")[0])
-                  and (p / run_hash_).is_dir())
+    """Run hashes of ``experiment``'s view (:func:`refuse_older_layout` first)."""
+    refuse_older_layout(root)
+    tagged = Path(root) / VIEWS / experiment
+    return sorted(p.name for p in tagged.iterdir()) if tagged.is_dir() else []
 
 
 def find_run(root: Path, run_hash_: str) -> Path:
-    """Where run ``run_hash_`` lives: the store folder if present, else an old-layout folder (a
-    finished one first), else the (absent) store folder."""
-    folder = Path(root) / run_hash_
-    if folder.exists():
-        return folder
-    old = legacy_dirs(root, run_hash_)
-    finished = [p for p in old if inspect_run(p).state == "finished"]
-    return (finished or old or [folder])[0]
+    """Where run ``run_hash_`` lives: ``<root>/<hash>`` (absent until a job starts it)."""
+    return Path(root) / run_hash_
 
 
-def adopt(folder: Path, experiment: str) -> Path | None:
-    """Call with the run's lock held: move an old-layout copy of the run into the store folder
-    (when the store has none) and tag the run with ``experiment``. Returns the folder moved in."""
-    root, run_hash_ = folder.parent, folder.name
-    moved = None
-    old = legacy_dirs(root, run_hash_)
-    if not folder.exists() and old:
-        source = find_run(root, run_hash_)
-        if not lock_held(source):  # an old checkout may still be training it
-            source.rename(folder)
-            moved = source
-    for experiment_ in {p.parent.name for p in old}:
-        tag(root, experiment_, run_hash_)
-    tag(root, experiment, run_hash_)
-    return moved
+def older_layout(root: Path) -> dict[str, list[Path]]:
+    """Run folders of the older ``<root>/<experiment>/<hash>/`` layout, by hash (each hash's in sorted order)."""
+    root, runs = Path(root), {}
+    parents = sorted(p for p in root.iterdir() if p.name != VIEWS and not HASH_RE.fullmatch(p.name.split(".")[0])
+                     and p.is_dir()) if root.is_dir() else []
+    for folder in (p for parent in parents for p in sorted(parent.iterdir())):
+        if HASH_RE.fullmatch(folder.name) and folder.is_dir():
+            runs.setdefault(folder.name, []).append(folder)
+    return runs
+
+
+def refuse_older_layout(root: Path) -> None:
+    """A one-line :class:`ConfigError` when ``root`` (``<results_dir>/runs``) holds an older-layout folder that
+    :func:`migrate` has not taken in (its run not in the store, or not tagged into its experiment's view)."""
+    root = Path(root)
+    if any(not (root / h).exists() or not (root / VIEWS / p.parent.name / h).exists()
+           for h, copies in older_layout(root).items() for p in copies):
+        raise ConfigError(f"{root} holds runs in the older layout; run python -m pipelines migrate "
+                          f"results_dir={root.parent} once")
 
 
 def migrate(results_dir: Path) -> list[tuple[Path, Path]]:
-    """Move every old-layout run folder into the store (a run already in the store, or a second
-    copy of a run, stays where it is and is still read through the views)."""
+    """Move every older-layout run folder into the store and tag its run into its experiment's view (a run
+    already in the store, or a second copy of a run, stays where it is: the store's copy is read, a finished
+    copy moved in first; a copy whose lock an older checkout holds is left for a later call)."""
     from filelock import FileLock, Timeout
 
     root = Path(results_dir) / "runs"
     moved = []
-    hashes = sorted({p.name for p in root.glob("*/*") if p.is_dir() and HASH_RE.fullmatch(p.name)
-                     and p.parent.name != VIEWS})
-    for run_hash_ in hashes:
+    for run_hash_, copies in sorted(older_layout(root).items()):
         folder = root / run_hash_
         lock = FileLock(lock_path(folder))
         try:
@@ -223,9 +207,12 @@ def migrate(results_dir: Path) -> list[tuple[Path, Path]]:
         except Timeout:
             continue
         try:
-            source = adopt(folder, legacy_dirs(root, run_hash_)[0].parent.name)
-            if source is not None:
+            source = ([p for p in copies if inspect_run(p).state == "finished"] or copies)[0]
+            if not folder.exists() and not lock_held(source):  # an older checkout may still be training it
+                source.rename(folder)
                 moved.append((source, folder))
+            for copy in copies:
+                tag(root, copy.parent.name, run_hash_)
         finally:
             lock.release()
     return moved
@@ -443,11 +430,9 @@ def quarantine(folder: Path, names: tuple[str, ...]) -> list[Path]:
 def remove_temporaries(folder: Path) -> list[Path]:
     """Delete the half-written temporary files of an atomic write (``.<name>.*tmp*``, e.g. a
     checkpoint cut off by a full disk) under a run folder whose lock the caller holds."""
-    removed = []
-    for path in sorted(folder.rglob(".*tmp*")) if folder.is_dir() else []:
-        if path.is_file():
-            path.unlink(missing_ok=True)
-            removed.append(path)
+    removed = [path for path in sorted(folder.rglob(".*tmp*")) if path.is_file()] if folder.is_dir() else []
+    for path in removed:
+        path.unlink(missing_ok=True)
     return removed
 
 

@@ -20,12 +20,8 @@ from pipelines.wandb_log import access_problem
 
 def offline_runs(directory: Path) -> list[Path]:
     """Offline run folders under ``directory`` holding a ``.wandb`` log not yet marked synced."""
-    runs = []
-    for folder in sorted(Path(directory).rglob("offline-run-*")):
-        logs = list(folder.glob("run-*.wandb"))
-        if folder.is_dir() and logs and not all(log.with_name(log.name + ".synced").exists() for log in logs):
-            runs.append(folder)
-    return runs
+    return [folder for folder in sorted(Path(directory).rglob("offline-run-*")) if folder.is_dir()
+            and any(not log.with_name(log.name + ".synced").exists() for log in folder.glob("run-*.wandb"))]
 
 
 def wandb_cli() -> str:

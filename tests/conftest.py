@@ -178,8 +178,8 @@ def make_run(root: Path, run_hash: str, *, method: str, privacy: str, suite: str
              paper_name: str = "gemma-3-4b-pt", final_text: str | None = None, status_text: str | None = None,
              experiment: str | None = None, seed: int = 42, steps: int = 30, epsilon: float | None = None,
              extra_config: dict | None = None, **final_extra) -> Path:
-    """A run folder at ``root/<run_hash>``; with ``experiment`` (``root`` = the store) it is tagged
-    into that view, without it ``root`` is an old-layout ``runs/<experiment>/`` folder."""
+    """A run folder at ``root/<run_hash>`` (``root``: the store), tagged into the view of ``experiment``
+    when given."""
     from pipelines import store
 
     folder = root / run_hash

@@ -28,22 +28,27 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def table2_runs(tmp_path: Path) -> Path:
-    root = tmp_path / "runs" / "table2"
-    make_run(root, "a1", method="prism", privacy="eps6", suite="glue8", columns={"SST-2": 0.8, "CoLA": 0.3})
-    make_run(root, "a2", method="prism", privacy="eps6", suite="math10k", columns={"GSM8K": 0.2})
-    make_run(root, "a3", method="prism", privacy="eps6", suite="math10k", columns={"GSM8K": 0.4}, seed=43)  # 2nd seed
-    make_run(root, "b1", method="adamw", privacy="eps6", suite="glue8", columns={"SST-2": 0.9, "CoLA": 0.1})
-    make_run(root, "b2", method="adamw", privacy="eps6", suite="math10k", columns={"GSM8K": 0.5})
-    make_run(root, "c1", method="loraplus", privacy="eps6", suite="glue8", columns={"SST-2": 0.85, "CoLA": 0.2})
-    make_run(root, "c2", method="loraplus", privacy="eps6", suite="math10k", state="failed")
-    make_run(root, "d1", method="prism", privacy="nondp", suite="glue8", final_text="{not json")
-    make_run(root, "d2", method="prism", privacy="nondp", suite="math10k", columns={"GSM8K": 0.6})
-    make_run(root, "e1", method="ffa", privacy="eps3", suite="glue8", status_text="[broken")
-    make_run(root, "f1", method="ffa", privacy="eps3", suite="math10k", state="running")
-    make_run(root, "b3", method="adamw", privacy="eps6", suite="glue8", state="failed")  # superseded by b1
-    make_run(root, "g1", method="adamw", privacy="eps6", suite="glue8", scale="paper", columns={"SST-2": 0.1})
+    root = tmp_path / "runs"
+
+    def make(name: str, **kw) -> None:
+        make_run(root, name, experiment="table2", **kw)
+
+    make("a1", method="prism", privacy="eps6", suite="glue8", columns={"SST-2": 0.8, "CoLA": 0.3})
+    make("a2", method="prism", privacy="eps6", suite="math10k", columns={"GSM8K": 0.2})
+    make("a3", method="prism", privacy="eps6", suite="math10k", columns={"GSM8K": 0.4}, seed=43)  # 2nd seed
+    make("b1", method="adamw", privacy="eps6", suite="glue8", columns={"SST-2": 0.9, "CoLA": 0.1})
+    make("b2", method="adamw", privacy="eps6", suite="math10k", columns={"GSM8K": 0.5})
+    make("c1", method="loraplus", privacy="eps6", suite="glue8", columns={"SST-2": 0.85, "CoLA": 0.2})
+    make("c2", method="loraplus", privacy="eps6", suite="math10k", state="failed")
+    make("d1", method="prism", privacy="nondp", suite="glue8", final_text="{not json")
+    make("d2", method="prism", privacy="nondp", suite="math10k", columns={"GSM8K": 0.6})
+    make("e1", method="ffa", privacy="eps3", suite="glue8", status_text="[broken")
+    make("f1", method="ffa", privacy="eps3", suite="math10k", state="running")
+    make("b3", method="adamw", privacy="eps6", suite="glue8", state="failed")  # superseded by b1
+    make("g1", method="adamw", privacy="eps6", suite="glue8", scale="paper", columns={"SST-2": 0.1})
     (root / "h1").mkdir()  # a folder the runner created but never wrote into
-    return tmp_path / "runs"
+    store.tag(root, "table2", "h1")
+    return root
 
 
 def _row(frame: pd.DataFrame, *key) -> pd.Series:
@@ -169,10 +174,12 @@ def test_columns_trained_on_but_not_scored_have_their_own_footnote(tmp_path: Pat
 
 def test_table4_and_table5_layouts(tmp_path: Path) -> None:
     root = tmp_path / "runs"
-    make_run(root / "table4", "r8g", method="adamw", privacy="eps6", suite="glue8", r=8,
+    make_run(root, "r8g", experiment="table4", method="adamw", privacy="eps6", suite="glue8", r=8,
              columns={"SST-2": 0.6, "CoLA": 0.2})
-    make_run(root / "table4", "r8m", method="adamw", privacy="eps6", suite="math10k", r=8, columns={"GSM8K": 0.3})
-    make_run(root / "table4", "r8p", method="prism", privacy="eps6", suite="glue8", r=8, columns={"SST-2": 0.7})
+    make_run(root, "r8m", experiment="table4", method="adamw", privacy="eps6", suite="math10k", r=8,
+             columns={"GSM8K": 0.3})
+    make_run(root, "r8p", experiment="table4", method="prism", privacy="eps6", suite="glue8", r=8,
+             columns={"SST-2": 0.7})
     t4 = agg.build_table(agg.SPECS["table4"], agg.read_run_folders(root, "table4"), "embedded").frame
     row = _row(t4, 8, "AdamW")
     assert (row["GLUE8_Avg"], row["Math_Avg"]) == (pytest.approx(0.4), pytest.approx(0.3))
@@ -181,8 +188,8 @@ def test_table4_and_table5_layouts(tmp_path: Path) -> None:
     assert math.isnan(_row(t4, 8, "PRISM")["Avg_12"])
 
     for name, method, step, mem in (("x", "adamw", 1.5, 900.0), ("y", "prism", 2.5, 800.0)):
-        make_run(root / "table5", name, method=method, privacy="eps6", suite="math10k", columns={"GSM8K": 0.1},
-                 step_time_s=step, peak_memory_mb=mem)
+        make_run(root, name, experiment="table5", method=method, privacy="eps6", suite="math10k",
+                 columns={"GSM8K": 0.1}, step_time_s=step, peak_memory_mb=mem)
     t5 = agg.build_table(agg.SPECS["table5"], agg.read_run_folders(root, "table5"), "embedded").frame
     assert _row(t5, "AdamW")["Step_time_s_mark"] == "tie" and not _row(t5, "PRISM")["Step_time_s_mark"]  # lower wins
     assert _row(t5, "PRISM")["Peak_memory_MB_mark"] == "tie"
@@ -192,11 +199,12 @@ def test_table4_and_table5_layouts(tmp_path: Path) -> None:
 
 def test_table3_backbones_paper_and_embedded(tmp_path: Path) -> None:
     root = tmp_path / "runs"
-    make_run(root / "table3", "p", method="prism", privacy="eps6", suite="math10k", scale="paper",
-             backbone="gemma-2-9b", paper_name="gemma-2-9b", columns={"GSM8K": 0.66, "AQuA": 0.5, "MAWPS": 0.8, "SVAMP": 0.7})
-    make_run(root / "table3", "e", method="prism", privacy="eps6", suite="math10k", backbone="gemma3-270m",
+    make_run(root, "p", experiment="table3", method="prism", privacy="eps6", suite="math10k", scale="paper",
+             backbone="gemma-2-9b", paper_name="gemma-2-9b",
+             columns={"GSM8K": 0.66, "AQuA": 0.5, "MAWPS": 0.8, "SVAMP": 0.7})
+    make_run(root, "e", experiment="table3", method="prism", privacy="eps6", suite="math10k", backbone="gemma3-270m",
              paper_name="gemma-2-9b", columns={"GSM8K": 0.1})
-    make_run(root / "table3", "x", method="adamw", privacy="eps6", suite="math10k", backbone="tiny-llama",
+    make_run(root, "x", experiment="table3", method="adamw", privacy="eps6", suite="math10k", backbone="tiny-llama",
              paper_name="tiny-llama", columns={"GSM8K": 0.2})
     records = agg.read_run_folders(root, "table3")
     paper = agg.build_table(agg.SPECS["table3"], records, "paper").frame
@@ -227,7 +235,7 @@ def _as_wandb_run(folder: Path, flatten: bool) -> SimpleNamespace:
 
 @pytest.mark.parametrize("flatten", [False, True])
 def test_wandb_records_give_the_same_table(table2_runs: Path, flatten: bool) -> None:
-    folders = [p for p in sorted((table2_runs / "table2").iterdir()) if p.name[0] in "abc"]
+    folders = [p for p in sorted(table2_runs.iterdir()) if p.name[0] in "abc"]
     spec = agg.SPECS["table2"]
     from_runs = agg.build_table(spec, [agg.read_run_folder(p) for p in folders], "embedded")
     from_wandb = agg.build_table(spec, [agg.record_from_wandb(_as_wandb_run(p, flatten)) for p in folders],

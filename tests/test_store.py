@@ -124,30 +124,48 @@ def test_run_state_tells_running_from_stale_by_the_lock(tmp_path: Path) -> None:
     assert store.run_state(tmp_path / "none") == "absent"
 
 
-def test_views_tag_runs_and_read_the_old_layout(tmp_path: Path) -> None:
+def test_views_tag_runs_and_refuse_the_older_layout(tmp_path: Path) -> None:
     root = tmp_path / "runs"
     new = make_run(root / "aaaaaaaaaaaa")
     store.tag(root, "table2", new.name)
     store.tag(root, "table2", new.name)  # idempotent
-    old = make_run(root / "table4" / "bbbbbbbbbbbb")
-    make_run(root / "table4" / "bbbbbbbbbbbb.old-2026")  # a forced rerun's predecessor: not in the view
-    store.tag(root, "table4", new.name)
-    assert store.view(root, "table2") == ["aaaaaaaaaaaa"]
-    assert store.view(root, "table4") == ["aaaaaaaaaaaa", "bbbbbbbbbbbb"]
-    assert store.find_run(root, "aaaaaaaaaaaa") == new and store.find_run(root, "bbbbbbbbbbbb") == old
-    assert store.find_run(root, "cccccccccccc") == root / "cccccccccccc"
+    make_run(root / "aaaaaaaaaaaa.old-2026")  # a forced rerun's predecessor: not in the view
+    assert store.view(root, "table2") == ["aaaaaaaaaaaa"] and store.view(root, "table4") == []
+    assert store.find_run(root, "aaaaaaaaaaaa") == new
+    make_run(root / "table4" / "bbbbbbbbbbbb")  # the older runs/<experiment>/<hash>/ layout
+    with pytest.raises(store.ConfigError) as refused:
+        store.view(root, "table2")
+    assert str(refused.value) == (f"{root} holds runs in the older layout; run python -m pipelines migrate "
+                                  f"results_dir={tmp_path} once")
 
 
-def test_adopt_moves_an_old_layout_run_into_the_store_and_keeps_its_views(tmp_path: Path) -> None:
+def test_commands_refuse_the_older_layout_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "runs"
+    make_run(root / "table2" / "bbbbbbbbbbbb")
+    line = f"error: {root} holds runs in the older layout; run python -m pipelines migrate results_dir={tmp_path} once\n"
+    job = [f"results_dir={tmp_path}", "logging=disabled", "backbone=tiny-llama", "suite.cutoff_len=1024"]
+    for argv in (["aggregate", "experiment=table2", f"runs_dir={root}", f"out_dir={tmp_path / 'tables'}"],
+                 ["run", *job], ["run", "-m", *job, "seed=1,2"],
+                 ["reproduce", "experiment=table2", *job, "method=adamw", "privacy=eps6", "suite=glue8"]):
+        assert cli(argv) == 2, argv
+        assert capsys.readouterr().err == line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"] and sorted(p.name for p in root.iterdir()) == [
+        "table2"]  # no lock, view, log or table
+    assert cli(["migrate", f"results_dir={tmp_path}"]) == 0
+    store.refuse_older_layout(root)  # migrated: read again
+    assert store.view(root, "table2") == ["bbbbbbbbbbbb"]
+
+
+def test_migrate_moves_the_finished_copy_and_tags_every_view(tmp_path: Path) -> None:
     root = tmp_path / "runs"
     unfinished = make_run(root / "table2" / "bbbbbbbbbbbb", state="failed", final=None)
     finished = make_run(root / "table4" / "bbbbbbbbbbbb")
     folder = root / "bbbbbbbbbbbb"
-    assert store.adopt(folder, "table3") == finished  # the finished copy wins
+    assert store.migrate(tmp_path) == [(finished, folder)]  # the finished copy wins
     assert store.inspect_run(folder).state == "finished" and unfinished.exists() and not finished.exists()
-    for experiment in ("table2", "table3", "table4"):
-        assert "bbbbbbbbbbbb" in store.view(root, experiment)
-    assert store.adopt(folder, "table5") is None and store.view(root, "table5") == ["bbbbbbbbbbbb"]
+    for experiment in ("table2", "table4"):
+        assert store.view(root, experiment) == ["bbbbbbbbbbbb"]
+    assert store.migrate(tmp_path) == []
 
 
 def test_migrate_cli_moves_every_old_layout_run(tmp_path: Path) -> None:
