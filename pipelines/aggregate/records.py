@@ -78,8 +78,8 @@ def read_run_folder(folder: Path) -> RunRecord:
 
 
 def read_run_folders(runs_dir: Path, experiment: str) -> list[RunRecord]:
-    """Every run in the view of ``experiment`` (new store and old ``runs/<experiment>/`` layout;
-    folders moved aside by ``force=true`` left out)."""
+    """Every run in the view of ``experiment`` (folders moved aside by ``force=true`` left out; a store in
+    the older ``runs/<experiment>/`` layout is refused by :func:`pipelines.store.view`)."""
     root = Path(runs_dir)
     if not root.is_dir():
         raise AggregateError(f"runs_dir={runs_dir} does not exist, pass the folder that holds the run store "
