@@ -76,9 +76,9 @@ class FactorDPMethod(Method):
         """The torch optimizer over ``self.params``, from ``self.config``."""
 
     def zero_accumulators(self) -> None:
-        dtype = (lambda p: torch.float64) if self.dp else (lambda p: torch.promote_types(p.dtype, torch.float32))
-        self.summed = {n: torch.zeros(p.shape, dtype=dtype(p), device=p.device)
-                       for n, p in self.params.items()}  # contiguous whatever the parameter's strides
+        self.summed = {n: torch.zeros(p.shape, device=p.device,  # contiguous whatever the parameter's strides
+                                      dtype=torch.float64 if self.dp else torch.promote_types(p.dtype, torch.float32))
+                       for n, p in self.params.items()}
         self.examples = 0
         self.norms: list[Tensor] = []
 

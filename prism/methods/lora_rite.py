@@ -45,10 +45,6 @@ def inverse_sqrt_psd(V: Tensor, eps: float) -> Tensor:
     return (U * (w.clamp(min=0.0).sqrt() + eps).reciprocal()) @ U.mT
 
 
-def rms(x: Tensor) -> Tensor:
-    return x.pow(2).mean().sqrt()
-
-
 class LoRARite(torch.optim.Optimizer):
     """LoRA-RITE over peft LoRA factors paired by module name; per-pair state under peft ``lora_B.weight``:
     ``t``, ``V_A``, ``V_B`` (r×r), ``m_A`` (m×r), ``m_B`` (n×r) and ``Q_A``, ``Q_B`` (the last step's bases)."""
@@ -72,10 +68,8 @@ class LoRARite(torch.optim.Optimizer):
             if A.ndim != 2 or B.ndim != 2 or A.shape[1] != B.shape[1]:
                 raise ValueError(f"{pair.module}: factor shapes {tuple(A.shape)} and {tuple(B.shape)} do not share a rank")
         self._pairs = [(params[p.a_name], params[p.b_name]) for p in pairs]
-        defaults = {
-            "lr": lr, "betas": tuple(betas), "eps": eps,
-            "update_skipping": update_skipping, "clip_unmagnified_grad": clip_unmagnified_grad,
-        }
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "update_skipping": update_skipping,
+                    "clip_unmagnified_grad": clip_unmagnified_grad}
         super().__init__([t for pair in self._pairs for t in pair], defaults)
 
     @torch.no_grad()
@@ -96,8 +90,9 @@ class LoRARite(torch.optim.Optimizer):
             Q_B, R_B = torch.linalg.qr(B)
             R_A_inv, R_B_inv = torch.linalg.pinv(R_A), torch.linalg.pinv(R_B)
             u_A, u_B = g_A @ R_B_inv, g_B @ R_A_inv
-            if group["update_skipping"] > 0:
-                u_A, u_B = (torch.where(rms(u) > group["update_skipping"], torch.zeros_like(u), u) for u in (u_A, u_B))
+            if group["update_skipping"] > 0:  # a tensor whose RMS exceeds the threshold is zeroed
+                u_A, u_B = (torch.where(u.pow(2).mean().sqrt() > group["update_skipping"], torch.zeros_like(u), u)
+                            for u in (u_A, u_B))
             prepared.append((lora_B_w, A, B, Q_A, Q_B, R_A_inv, R_B_inv, u_A, u_B))
         if not prepared:
             return loss
