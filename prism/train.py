@@ -56,7 +56,7 @@ from prism.privacy import (
 from prism.privacy.accounting import is_private
 from prism.privacy.budget import total_steps
 from prism.privacy.noise import NoiseSource, SecureNoise, SeededNoise
-from prism.privacy.per_example import enable_activation_checkpointing, supervised_positions, token_loss_fn
+from prism.privacy.per_example import TokenBatch, enable_activation_checkpointing, supervised_positions
 from prism.privacy.protocol import dp_caveats, protocol_record
 from prism.privacy.sampling import noise_denominator
 from prism.privacy.selection import calibrate_candidate_sigma, noised_count, selection_epsilon
@@ -159,9 +159,8 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
                    validation_rows(cfg.suite, selection is not None))
         if warning := answer_room(suite.train, count, new_tokens(cfg.suite.decoding, TASK)):
             log.warning(warning)
-    init_generator = torch.Generator().manual_seed(seed)
-    model = attach_lora(model, cfg.lora, cfg.backbone, init=cfg.method.init, generator=init_generator,
-                        init_svd=cfg.method.init_svd)
+    model = attach_lora(model, cfg.lora, cfg.backbone, init=cfg.method.init,
+                        generator=torch.Generator().manual_seed(seed), init_svd=cfg.method.init_svd)
     narrate("%s; %s", describe(model), speed_paths(model, cfg.train.prefix_cache))
     features = tokenize_train_set(tokenizer, suite.train, suite.cutoff_len, suite.train_on_inputs, cfg.backbone.name)
     secure = cfg.privacy.noise_source == "os"  # the sampler and the noise draw from the OS CSPRNG
@@ -174,9 +173,8 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
     elif dp:
         sigma = calibrate_for_run(cfg.privacy.epsilon, cfg.privacy.delta, sampler.sample_rate, total_steps(cfg),
                                   cfg.privacy.calibration, cache_dir=cache_root() / "sigma")
-    if dp:
-        for caveat in dp_caveats(cfg, lookup(cfg.method).tangent):  # protocol=released: docs/DECISIONS.md
-            log.warning("NOT a valid DP guarantee as stated: %s", caveat)
+    for caveat in dp_caveats(cfg, lookup(cfg.method).tangent):  # protocol=released: docs/DECISIONS.md
+        log.warning("NOT a valid DP guarantee as stated: %s", caveat)
     params = trainable_parameters(model)
     privacy = PrivacySpec(sigma=sigma, clip_norm=float(cfg.privacy.clip_norm)) if dp else None
     method = build_method(cfg.method, params, privacy)
@@ -210,8 +208,8 @@ def micro_batch(s: Setup, indices: list[int], padding_side: str = "right") -> di
     host = collate([s.features[i] for i in indices], pad_id=s.tokenizer.pad_token_id, padding_side=padding_side)
     host["positions"], host["targets"] = supervised_positions(host["labels"], host["attention_mask"])
     dev = batch_to_device(host, s.device)
-    return {"loss_fn": token_loss_fn(dev["input_ids"], dev["attention_mask"], dev["labels"],
-                                     (dev["positions"], dev["targets"]))}
+    return {"loss_fn": TokenBatch(dev["input_ids"], dev["attention_mask"], dev["labels"],
+                                  (dev["positions"], dev["targets"]))}
 
 
 def _check_finite(loss_sum: Tensor, params: dict[str, Tensor]) -> None:
@@ -221,12 +219,10 @@ def _check_finite(loss_sum: Tensor, params: dict[str, Tensor]) -> None:
     norms = torch._foreach_norm(list(params.values()), ord=math.inf)
     if bool(torch.isfinite(loss_sum.float() + torch.stack(norms).float().sum())):
         return
-    bad = "loss" if not bool(torch.isfinite(loss_sum)) else next(
+    bad = "loss" if not bool(torch.isfinite(loss_sum)) else "factor " + next(
         name for name, norm in zip(params, norms) if not bool(torch.isfinite(norm)))
-    raise TrainingDivergedError(
-        f"non-finite {'loss' if bad == 'loss' else 'factor ' + bad} after the update; the run stopped and "
-        "its last checkpoint is kept (lower method.lr or check the data)"
-    )
+    raise TrainingDivergedError(f"non-finite {bad} after the update; the run stopped and its last checkpoint is "
+                                "kept (lower method.lr or check the data)")
 
 
 def _to_host(record: dict[str, Any]) -> dict[str, Any]:
@@ -265,9 +261,9 @@ def _restore(s: Setup, state: dict[str, Any]) -> int:
     return int(state["step"])
 
 
-def train_step(s: Setup, cfg: DictConfig, diagnostics: bool = True) -> dict[str, Any]:
+def train_step(s: Setup, cfg: DictConfig) -> dict[str, Any]:
     """One logical step: Poisson batch → micro-batches → clip & sum → noise once → update; statistics stay 0-dim
-    device tensors (``diagnostics``, off only in mechanism benchmarks: the noise and update norms too)."""
+    device tensors."""
     indices = s.sampler.sample()
     if s.method.dp:
         s.accountant.step(noise_multiplier=s.sigma, sample_rate=s.sampler.sample_rate)
@@ -275,7 +271,7 @@ def train_step(s: Setup, cfg: DictConfig, diagnostics: bool = True) -> dict[str,
     if len(indices) == 0:
         # DP: the noisy step is released on an empty batch too (noise only, the same σC/B), since
         # skipping it would reveal that the batch was empty. Non-DP: nothing to average.
-        stats = s.method.step(float(cfg.train.batch_size), s.noise, diagnostics) if s.method.dp else {}
+        stats = s.method.step(float(cfg.train.batch_size), s.noise) if s.method.dp else {}
         _check_finite(torch.zeros(()), s.params)  # a non-finite noise draw stops here too (0-dim: any device)
         return {"batch_size": 0, **stats}
     loss_sum = torch.zeros((), device=s.device)
@@ -285,7 +281,7 @@ def train_step(s: Setup, cfg: DictConfig, diagnostics: bool = True) -> dict[str,
         loss_sum = loss_sum + loss.detach().float().sum()
     denominator = (noise_denominator(cfg.privacy.denominator, len(indices), cfg.train.batch_size)
                    if s.method.dp else len(indices))
-    stats = s.method.step(float(denominator), s.noise, diagnostics)
+    stats = s.method.step(float(denominator), s.noise)
     _check_finite(loss_sum, s.params)
     return {"loss": loss_sum / len(indices), "batch_size": len(indices), **stats}
 
@@ -331,6 +327,7 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
         if s.secure:
             log(public_record(record, log_private))
     train_time = time.time() - started
+    measured = step_times[benchmark.warmup:] if benchmark else step_times
     final: dict[str, Any] = {
         "sigma": s.sigma,
         "sample_rate": s.sampler.sample_rate,
@@ -343,9 +340,8 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
         "prefix_depth": s.prefix.depth if s.prefix is not None else None,
         "prefix_build_s": s.prefix.build_seconds if s.prefix is not None else 0.0,
         "protocol": protocol_record(cfg, lookup(cfg.method).tangent),
+        "step_time_s": float(np.mean(measured)) if measured else float("nan"),
     }
-    measured = step_times[benchmark.warmup:] if benchmark else step_times
-    final["step_time_s"] = float(np.mean(measured)) if measured else float("nan")
     if not benchmark:
         if isinstance(s.method, HFTrainerBaseline):  # released non-DP recipe: the best hold-out checkpoint
             final["best_step"] = s.method.restore_best()
