@@ -211,14 +211,8 @@ class PerExampleGradients:
         self.module = GradSampleModule(model, batch_first=True, loss_reduction="sum", strict=True)
         self.module.disable_hooks()
 
-    def compute(
-        self,
-        input_ids: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-        labels: Tensor | None = None,
-        *,
-        loss_fn: LossFn | None = None,
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    def compute(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                labels: Tensor | None = None, *, loss_fn: LossFn | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """Losses ``[k]`` and per-example gradients ``{name: [k, *shape]}`` of one micro-batch, given
         as tokens or as a ``loss_fn`` (e.g. :meth:`prism.fastpath.prefix.PrefixCache.batch`)."""
         forward = _loss_fn(input_ids, attention_mask, labels, loss_fn)
@@ -301,14 +295,9 @@ def _input_requires_grad(module: nn.Module, args: tuple) -> tuple | None:
     return None
 
 
-def summed_gradients(
-    model: nn.Module,
-    input_ids: Tensor | None = None,
-    attention_mask: Tensor | None = None,
-    labels: Tensor | None = None,
-    *,
-    loss_fn: LossFn | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def summed_gradients(model: nn.Module, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                     labels: Tensor | None = None, *,
+                     loss_fn: LossFn | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Non-DP: losses ``[k]`` and ``{name: Σ_i ∇ℓ_i}`` (shape ``[*param.shape]``) by plain autograd;
     the micro-batch is given as tokens or as a ``loss_fn``."""
     forward = _loss_fn(input_ids, attention_mask, labels, loss_fn)
