@@ -44,8 +44,7 @@ class PoissonSampler:
         """Sorted int64 indices of one logical batch; possibly empty (the step still counts for ε)."""
         coins = os_uniform(self.num_examples) if self.secure else torch.rand(
             self.num_examples, generator=self.generator, dtype=torch.float64)
-        include = coins < self.sample_rate
-        return torch.nonzero(include).flatten()
+        return torch.nonzero(coins < self.sample_rate).flatten()
 
     def state_dict(self) -> dict[str, Any]:
         return {
