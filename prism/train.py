@@ -146,10 +146,8 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
         suite.train, holdout = holdout_split(suite.train, recipe.holdout, cfg.seed)
     n_train = len(suite.train)
     if cfg.train.batch_size > n_train:
-        raise ValueError(
-            f"train.batch_size={cfg.train.batch_size} is larger than the {n_train} training examples "
-            f"of suite {suite.name}; lower train.batch_size"
-        )
+        raise ValueError(f"train.batch_size={cfg.train.batch_size} is larger than the {n_train} training examples "
+                         f"of suite {suite.name}; lower train.batch_size")
     narrate("loading backbone %s on %s (an embedded one is converted from its GGUF on first use, ~1 min)",
             cfg.backbone.name, device)
     model, tokenizer = load(cfg.backbone, device)
@@ -384,7 +382,5 @@ def _selection_score(s: Setup, cfg: DictConfig) -> dict[str, Any]:
 def _assert_moved(params: dict[str, nn.Parameter], initial: dict[str, Tensor]) -> None:
     """Guard against a known silent failure: an update that never reaches the LoRA weights."""
     if all(torch.equal(p.detach(), initial[name]) for name, p in params.items()):
-        raise RuntimeError(
-            "the LoRA weights did not change after the first update: the optimizer is not wired to "
-            "the model's trainable parameters (check the peft/Opacus wrapping)"
-        )
+        raise RuntimeError("the LoRA weights did not change after the first update: the optimizer is not wired to "
+                           "the model's trainable parameters (check the peft/Opacus wrapping)")

@@ -40,10 +40,8 @@ def _check(delta: float | None = None, sample_rate: float | None = None, steps: 
     if delta is not None and not 0.0 < delta < 1.0:
         raise ValueError(f"delta={delta} must lie in (0, 1); set privacy.delta, e.g. 1e-5")
     if sample_rate is not None and not 0.0 < sample_rate <= 1.0:
-        raise ValueError(
-            f"sample_rate={sample_rate} must lie in (0, 1]; it is q = train.batch_size / #examples, "
-            "so lower train.batch_size or use more training examples"
-        )
+        raise ValueError(f"sample_rate={sample_rate} must lie in (0, 1]; it is q = train.batch_size / #examples, "
+                         "so lower train.batch_size or use more training examples")
     if steps is not None and steps < 1:
         raise ValueError(f"steps={steps} must be ≥ 1; set train.steps to a positive integer")
     if accountant is not None and accountant not in ACCOUNTANTS:
@@ -253,10 +251,8 @@ class Accountant:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state["mechanism"] != self._mechanism:
-            raise ValueError(
-                f"checkpoint was accounted with {state['mechanism']!r}, this run uses {self._mechanism!r}; "
-                "resume with the same accountant"
-            )
+            raise ValueError(f"checkpoint was accounted with {state['mechanism']!r}, this run uses "
+                             f"{self._mechanism!r}; resume with the same accountant")
         self._accountant.history = [(float(s), float(q), int(t)) for s, q, t in state["history"]]
         self._cache = None
 

@@ -219,10 +219,8 @@ class PerExampleGradients:
         params = _trainable(self.model)
         if list(params) != list(self.params):
             # Opacus hooks follow the trainable set at wrapping time; a factor frozen later still fires them
-            raise RuntimeError(
-                "the trainable parameters changed after PerExampleGradients was built; "
-                "build it after the method has frozen its factors (e.g. FFA's lora_A)"
-            )
+            raise RuntimeError("the trainable parameters changed after PerExampleGradients was built; "
+                               "build it after the method has frozen its factors (e.g. FFA's lora_A)")
         self.module.enable_hooks()
         try:
             losses = forward(self.module)
@@ -244,10 +242,8 @@ class PerExampleGradients:
         grad_sample = getattr(p, "grad_sample", None)
         if not isinstance(grad_sample, Tensor) or grad_sample.shape != (k, *p.shape):
             got = tuple(grad_sample.shape) if isinstance(grad_sample, Tensor) else type(grad_sample).__name__
-            raise RuntimeError(
-                f"no per-example gradient of shape {(k, *p.shape)} for trainable parameter {name} (got {got}); "
-                "freeze it, or make sure the forward uses it"
-            )
+            raise RuntimeError(f"no per-example gradient of shape {(k, *p.shape)} for trainable parameter {name} "
+                               f"(got {got}); freeze it, or make sure the forward uses it")
         return grad_sample.detach()
 
     def _clear(self, params: Iterable[nn.Parameter]) -> None:
