@@ -259,9 +259,9 @@ def _restore(s: Setup, state: dict[str, Any]) -> int:
     return int(state["step"])
 
 
-def train_step(s: Setup, cfg: DictConfig) -> dict[str, Any]:
+def train_step(s: Setup, cfg: DictConfig, diagnostics: bool = True) -> dict[str, Any]:
     """One logical step: Poisson batch → micro-batches → clip & sum → noise once → update; statistics stay 0-dim
-    device tensors."""
+    device tensors (``diagnostics``, off only in mechanism benchmarks: the noise and update norms too)."""
     indices = s.sampler.sample()
     if s.method.dp:
         s.accountant.step(noise_multiplier=s.sigma, sample_rate=s.sampler.sample_rate)
@@ -269,7 +269,7 @@ def train_step(s: Setup, cfg: DictConfig) -> dict[str, Any]:
     if len(indices) == 0:
         # DP: the noisy step is released on an empty batch too (noise only, the same σC/B), since
         # skipping it would reveal that the batch was empty. Non-DP: nothing to average.
-        stats = s.method.step(float(cfg.train.batch_size), s.noise) if s.method.dp else {}
+        stats = s.method.step(float(cfg.train.batch_size), s.noise, diagnostics) if s.method.dp else {}
         _check_finite(torch.zeros(()), s.params)  # a non-finite noise draw stops here too (0-dim: any device)
         return {"batch_size": 0, **stats}
     loss_sum = torch.zeros((), device=s.device)
@@ -279,7 +279,7 @@ def train_step(s: Setup, cfg: DictConfig) -> dict[str, Any]:
         loss_sum = loss_sum + loss.detach().float().sum()
     denominator = (noise_denominator(cfg.privacy.denominator, len(indices), cfg.train.batch_size)
                    if s.method.dp else len(indices))
-    stats = s.method.step(float(denominator), s.noise)
+    stats = s.method.step(float(denominator), s.noise, diagnostics)
     _check_finite(loss_sum, s.params)
     return {"loss": loss_sum / len(indices), "batch_size": len(indices), **stats}
 
