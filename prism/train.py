@@ -56,7 +56,7 @@ from prism.privacy import (
 from prism.privacy.accounting import is_private
 from prism.privacy.budget import total_steps
 from prism.privacy.noise import NoiseSource, SecureNoise, SeededNoise
-from prism.privacy.per_example import enable_activation_checkpointing, supervised_positions, token_loss_fn
+from prism.privacy.per_example import TokenBatch, enable_activation_checkpointing, supervised_positions
 from prism.privacy.protocol import dp_caveats, protocol_record
 from prism.privacy.sampling import noise_denominator
 from prism.privacy.selection import calibrate_candidate_sigma, noised_count, selection_epsilon
@@ -146,10 +146,8 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
         suite.train, holdout = holdout_split(suite.train, recipe.holdout, cfg.seed)
     n_train = len(suite.train)
     if cfg.train.batch_size > n_train:
-        raise ValueError(
-            f"train.batch_size={cfg.train.batch_size} is larger than the {n_train} training examples "
-            f"of suite {suite.name}; lower train.batch_size"
-        )
+        raise ValueError(f"train.batch_size={cfg.train.batch_size} is larger than the {n_train} training examples "
+                         f"of suite {suite.name}; lower train.batch_size")
     narrate("loading backbone %s on %s (an embedded one is converted from its GGUF on first use, ~1 min)",
             cfg.backbone.name, device)
     model, tokenizer = load(cfg.backbone, device)
@@ -159,9 +157,8 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
                    validation_rows(cfg.suite, selection is not None))
         if warning := answer_room(suite.train, count, new_tokens(cfg.suite.decoding, TASK)):
             log.warning(warning)
-    init_generator = torch.Generator().manual_seed(seed)
-    model = attach_lora(model, cfg.lora, cfg.backbone, init=cfg.method.init, generator=init_generator,
-                        init_svd=cfg.method.init_svd)
+    model = attach_lora(model, cfg.lora, cfg.backbone, init=cfg.method.init,
+                        generator=torch.Generator().manual_seed(seed), init_svd=cfg.method.init_svd)
     narrate("%s; %s", describe(model), speed_paths(model, cfg.train.prefix_cache))
     features = tokenize_train_set(tokenizer, suite.train, suite.cutoff_len, suite.train_on_inputs, cfg.backbone.name)
     secure = cfg.privacy.noise_source == "os"  # the sampler and the noise draw from the OS CSPRNG
@@ -174,9 +171,8 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
     elif dp:
         sigma = calibrate_for_run(cfg.privacy.epsilon, cfg.privacy.delta, sampler.sample_rate, total_steps(cfg),
                                   cfg.privacy.calibration, cache_dir=cache_root() / "sigma")
-    if dp:
-        for caveat in dp_caveats(cfg, lookup(cfg.method).tangent):  # protocol=released: docs/DECISIONS.md
-            log.warning("NOT a valid DP guarantee as stated: %s", caveat)
+    for caveat in dp_caveats(cfg, lookup(cfg.method).tangent):  # protocol=released: docs/DECISIONS.md
+        log.warning("NOT a valid DP guarantee as stated: %s", caveat)
     params = trainable_parameters(model)
     privacy = PrivacySpec(sigma=sigma, clip_norm=float(cfg.privacy.clip_norm)) if dp else None
     method = build_method(cfg.method, params, privacy)
@@ -210,8 +206,8 @@ def micro_batch(s: Setup, indices: list[int], padding_side: str = "right") -> di
     host = collate([s.features[i] for i in indices], pad_id=s.tokenizer.pad_token_id, padding_side=padding_side)
     host["positions"], host["targets"] = supervised_positions(host["labels"], host["attention_mask"])
     dev = batch_to_device(host, s.device)
-    return {"loss_fn": token_loss_fn(dev["input_ids"], dev["attention_mask"], dev["labels"],
-                                     (dev["positions"], dev["targets"]))}
+    return {"loss_fn": TokenBatch(dev["input_ids"], dev["attention_mask"], dev["labels"],
+                                  (dev["positions"], dev["targets"]))}
 
 
 def _check_finite(loss_sum: Tensor, params: dict[str, Tensor]) -> None:
@@ -221,12 +217,10 @@ def _check_finite(loss_sum: Tensor, params: dict[str, Tensor]) -> None:
     norms = torch._foreach_norm(list(params.values()), ord=math.inf)
     if bool(torch.isfinite(loss_sum.float() + torch.stack(norms).float().sum())):
         return
-    bad = "loss" if not bool(torch.isfinite(loss_sum)) else next(
+    bad = "loss" if not bool(torch.isfinite(loss_sum)) else "factor " + next(
         name for name, norm in zip(params, norms) if not bool(torch.isfinite(norm)))
-    raise TrainingDivergedError(
-        f"non-finite {'loss' if bad == 'loss' else 'factor ' + bad} after the update; the run stopped and "
-        "its last checkpoint is kept (lower method.lr or check the data)"
-    )
+    raise TrainingDivergedError(f"non-finite {bad} after the update; the run stopped and its last checkpoint is "
+                                "kept (lower method.lr or check the data)")
 
 
 def _to_host(record: dict[str, Any]) -> dict[str, Any]:
@@ -331,6 +325,7 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
         if s.secure:
             log(public_record(record, log_private))
     train_time = time.time() - started
+    measured = step_times[benchmark.warmup:] if benchmark else step_times
     final: dict[str, Any] = {
         "sigma": s.sigma,
         "sample_rate": s.sampler.sample_rate,
@@ -343,9 +338,8 @@ def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = No
         "prefix_depth": s.prefix.depth if s.prefix is not None else None,
         "prefix_build_s": s.prefix.build_seconds if s.prefix is not None else 0.0,
         "protocol": protocol_record(cfg, lookup(cfg.method).tangent),
+        "step_time_s": float(np.mean(measured)) if measured else float("nan"),
     }
-    measured = step_times[benchmark.warmup:] if benchmark else step_times
-    final["step_time_s"] = float(np.mean(measured)) if measured else float("nan")
     if not benchmark:
         if isinstance(s.method, HFTrainerBaseline):  # released non-DP recipe: the best hold-out checkpoint
             final["best_step"] = s.method.restore_best()
@@ -388,7 +382,5 @@ def _selection_score(s: Setup, cfg: DictConfig) -> dict[str, Any]:
 def _assert_moved(params: dict[str, nn.Parameter], initial: dict[str, Tensor]) -> None:
     """Guard against a known silent failure: an update that never reaches the LoRA weights."""
     if all(torch.equal(p.detach(), initial[name]) for name, p in params.items()):
-        raise RuntimeError(
-            "the LoRA weights did not change after the first update: the optimizer is not wired to "
-            "the model's trainable parameters (check the peft/Opacus wrapping)"
-        )
+        raise RuntimeError("the LoRA weights did not change after the first update: the optimizer is not wired to "
+                           "the model's trainable parameters (check the peft/Opacus wrapping)")

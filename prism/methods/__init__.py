@@ -18,9 +18,7 @@ if TYPE_CHECKING:
     from prism.methods.base import Method, PrivacySpec
 
 
-def build_method(
-    cfg: DictConfig, params: Mapping[str, nn.Parameter], privacy: PrivacySpec | None
-) -> Method:
+def build_method(cfg: DictConfig, params: Mapping[str, nn.Parameter], privacy: PrivacySpec | None) -> Method:
     """The method ``cfg.name`` (a ``conf/method/*.yaml`` node, ``cfg.lr`` a float) over ``params``: its
     registered class given its config dataclass, built (and checked) from the node."""
     return registry.lookup(cfg)(registry.check(cfg), params, privacy)

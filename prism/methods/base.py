@@ -105,9 +105,8 @@ class Method(abc.ABC):
         """``clip_fraction`` (share of examples whose norm exceeded C) and ``grad_norm_mean`` (their mean
         norm before clipping) of this step's examples, under DP; not covered by ε."""
 
-    def step(
-        self, denominator: float, noise: NoiseSource | torch.Generator | None, diagnostics: bool = True
-    ) -> dict[str, Tensor]:
+    def step(self, denominator: float, noise: NoiseSource | torch.Generator | None,
+             diagnostics: bool = True) -> dict[str, Tensor]:
         """:meth:`add_noise` then :meth:`update`; returns the step statistics as 0-dim device tensors, never read
         on the host here: :meth:`clip_stats` and, with ``diagnostics``, ``update_norm`` and ``noise_norm`` (the
         intrinsic noise added to ΔZ after division by ``denominator``, modules in quadrature). A non-finite

@@ -76,9 +76,9 @@ class FactorDPMethod(Method):
         """The torch optimizer over ``self.params``, from ``self.config``."""
 
     def zero_accumulators(self) -> None:
-        dtype = (lambda p: torch.float64) if self.dp else (lambda p: torch.promote_types(p.dtype, torch.float32))
-        self.summed = {n: torch.zeros(p.shape, dtype=dtype(p), device=p.device)
-                       for n, p in self.params.items()}  # contiguous whatever the parameter's strides
+        self.summed = {n: torch.zeros(p.shape, device=p.device,  # contiguous whatever the parameter's strides
+                                      dtype=torch.float64 if self.dp else torch.promote_types(p.dtype, torch.float32))
+                       for n, p in self.params.items()}
         self.examples = 0
         self.norms: list[Tensor] = []
 
@@ -110,9 +110,8 @@ class FactorDPMethod(Method):
         self.norms.append(norms)
 
     @torch.no_grad()
-    def privatize(
-        self, denominator: float, noise: NoiseSource | torch.Generator | None
-    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    def privatize(self, denominator: float,
+                  noise: NoiseSource | torch.Generator | None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """The gradient handed to the optimizer and the noise inside it (float64), both divided by ``denominator``.
 
         DP (eq. 3): ``(Σ_i clip(g_i) + σC ξ)/B``, ``ξ ~ N(0, I)`` in float64 from ``noise`` once per logical step
@@ -124,9 +123,9 @@ class FactorDPMethod(Method):
         noise = as_noise_source(noise)
         sums = self.summed
         if self.dp:
-            scale = self.tau(denominator)
-            flat = noise.normal((sum(a.numel() for a in sums.values()),), next(iter(sums.values())).device)
-            parts = flat.mul_(scale).split([a.numel() for a in sums.values()])
+            sizes = [a.numel() for a in sums.values()]
+            flat = noise.normal((sum(sizes),), next(iter(sums.values())).device)
+            parts = flat.mul_(self.tau(denominator)).split(sizes)
             xi = {n: x.view(a.shape) for (n, a), x in zip(sums.items(), parts)}
         else:
             xi = {n: torch.zeros_like(a) for n, a in sums.items()}

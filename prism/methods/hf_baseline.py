@@ -28,7 +28,7 @@ from prism.methods.factor import FactorDPMethod
 from prism.methods.registry import lookup
 from prism.privacy.accounting import is_private
 from prism.privacy.noise import NoiseSource
-from prism.privacy.per_example import IGNORE_INDEX, per_example_loss
+from prism.privacy.per_example import IGNORE_INDEX, per_example_loss, supervised_mask
 
 TRAINERS = ("shared", "hf")
 NORM_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_
@@ -99,7 +99,7 @@ def holdout_loss(model: nn.Module, features: Sequence[dict], pad_id: int, batch_
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                use_cache=False).logits
                 losses = per_example_loss(logits, batch["labels"], batch["attention_mask"])
-                counts = ((batch["labels"][:, 1:] != IGNORE_INDEX) & (batch["attention_mask"][:, :-1] != 0)).sum(1)
+                counts = supervised_mask(batch["labels"], batch["attention_mask"]).sum(1)
             total += float((losses * counts).sum())
             tokens += int(counts.sum())
     finally:

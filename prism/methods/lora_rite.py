@@ -45,23 +45,12 @@ def inverse_sqrt_psd(V: Tensor, eps: float) -> Tensor:
     return (U * (w.clamp(min=0.0).sqrt() + eps).reciprocal()) @ U.mT
 
 
-def rms(x: Tensor) -> Tensor:
-    return x.pow(2).mean().sqrt()
-
-
 class LoRARite(torch.optim.Optimizer):
     """LoRA-RITE over peft LoRA factors paired by module name; per-pair state under peft ``lora_B.weight``:
     ``t``, ``V_A``, ``V_B`` (r×r), ``m_A`` (m×r), ``m_B`` (n×r) and ``Q_A``, ``Q_B`` (the last step's bases)."""
 
-    def __init__(
-        self,
-        params: Mapping[str, nn.Parameter],
-        lr: float,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-6,
-        update_skipping: float = 1.0,
-        clip_unmagnified_grad: float = 1.0,
-    ) -> None:
+    def __init__(self, params: Mapping[str, nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, update_skipping: float = 1.0, clip_unmagnified_grad: float = 1.0) -> None:
         pairs = lora_pairs(params)
         paired = {n for p in pairs for n in (p.a_name, p.b_name)}
         unpaired = [n for n in params if n not in paired]
@@ -72,10 +61,8 @@ class LoRARite(torch.optim.Optimizer):
             if A.ndim != 2 or B.ndim != 2 or A.shape[1] != B.shape[1]:
                 raise ValueError(f"{pair.module}: factor shapes {tuple(A.shape)} and {tuple(B.shape)} do not share a rank")
         self._pairs = [(params[p.a_name], params[p.b_name]) for p in pairs]
-        defaults = {
-            "lr": lr, "betas": tuple(betas), "eps": eps,
-            "update_skipping": update_skipping, "clip_unmagnified_grad": clip_unmagnified_grad,
-        }
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "update_skipping": update_skipping,
+                    "clip_unmagnified_grad": clip_unmagnified_grad}
         super().__init__([t for pair in self._pairs for t in pair], defaults)
 
     @torch.no_grad()
@@ -96,8 +83,9 @@ class LoRARite(torch.optim.Optimizer):
             Q_B, R_B = torch.linalg.qr(B)
             R_A_inv, R_B_inv = torch.linalg.pinv(R_A), torch.linalg.pinv(R_B)
             u_A, u_B = g_A @ R_B_inv, g_B @ R_A_inv
-            if group["update_skipping"] > 0:
-                u_A, u_B = (torch.where(rms(u) > group["update_skipping"], torch.zeros_like(u), u) for u in (u_A, u_B))
+            if group["update_skipping"] > 0:  # a tensor whose RMS exceeds the threshold is zeroed
+                u_A, u_B = (torch.where(u.pow(2).mean().sqrt() > group["update_skipping"], torch.zeros_like(u), u)
+                            for u in (u_A, u_B))
             prepared.append((lora_B_w, A, B, Q_A, Q_B, R_A_inv, R_B_inv, u_A, u_B))
         if not prepared:
             return loss
@@ -115,21 +103,17 @@ class LoRARite(torch.optim.Optimizer):
             t = state["t"]
             b1, b2 = (bias_corrected_decay(beta, t) for beta in group["betas"])
             # A's moments live in B's basis and vice versa.
-            state["m_A"], state["V_A"] = _moment_step(
-                u_A * scale, state["m_A"], state["V_A"], Q_B.mT @ state["Q_B"], b1, b2, group["eps"]
-            )
-            state["m_B"], state["V_B"] = _moment_step(
-                u_B * scale, state["m_B"], state["V_B"], Q_A.mT @ state["Q_A"], b1, b2, group["eps"]
-            )
+            state["m_A"], state["V_A"] = _moment_step(u_A * scale, state["m_A"], state["V_A"], Q_B.mT @ state["Q_B"],
+                                                      b1, b2, group["eps"])
+            state["m_B"], state["V_B"] = _moment_step(u_B * scale, state["m_B"], state["V_B"], Q_A.mT @ state["Q_A"],
+                                                      b1, b2, group["eps"])
             A.sub_(group["lr"] * (state["m_A"] @ R_B_inv.mT))
             B.sub_(group["lr"] * (state["m_B"] @ R_A_inv.mT))
             state.update(t=t + 1, Q_A=Q_A, Q_B=Q_B)
         return loss
 
 
-def _moment_step(
-    u: Tensor, m: Tensor, V: Tensor, P: Tensor, b1: float, b2: float, eps: float
-) -> tuple[Tensor, Tensor]:
+def _moment_step(u: Tensor, m: Tensor, V: Tensor, P: Tensor, b1: float, b2: float, eps: float) -> tuple[Tensor, Tensor]:
     """Transport ``(m, V)`` by the basis change ``P``, then take the EMAs (steps 4–5); returns ``(m, V)``."""
     V = b2 * (P @ V @ P.mT) + (1.0 - b2) * (u.mT @ u) / u.shape[0]
     m = b1 * (m @ P.mT) + (1.0 - b1) * (u @ inverse_sqrt_psd(V, eps))

@@ -24,12 +24,8 @@ def loraplus_param_groups(
     other = [n for n in params if ".lora_A." not in n and ".lora_B." not in n]
     if other:
         raise ValueError(f"loraplus splits learning rates over LoRA factors only; {other[0]} is neither lora_A nor lora_B")
-    group_a = [p for n, p in params.items() if ".lora_A." in n]
-    group_b = [p for n, p in params.items() if ".lora_B." in n]
-    return [
-        {"params": group_a, "lr": lr, "weight_decay": weight_decay},
-        {"params": group_b, "lr": lr * ratio, "weight_decay": weight_decay},
-    ]
+    return [{"params": [p for n, p in params.items() if f".{factor}." in n], "lr": rate, "weight_decay": weight_decay}
+            for factor, rate in (("lora_A", lr), ("lora_B", lr * ratio))]
 
 
 class AdamWMethod(FactorDPMethod):

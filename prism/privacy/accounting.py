@@ -40,10 +40,8 @@ def _check(delta: float | None = None, sample_rate: float | None = None, steps: 
     if delta is not None and not 0.0 < delta < 1.0:
         raise ValueError(f"delta={delta} must lie in (0, 1); set privacy.delta, e.g. 1e-5")
     if sample_rate is not None and not 0.0 < sample_rate <= 1.0:
-        raise ValueError(
-            f"sample_rate={sample_rate} must lie in (0, 1]; it is q = train.batch_size / #examples, "
-            "so lower train.batch_size or use more training examples"
-        )
+        raise ValueError(f"sample_rate={sample_rate} must lie in (0, 1]; it is q = train.batch_size / #examples, "
+                         "so lower train.batch_size or use more training examples")
     if steps is not None and steps < 1:
         raise ValueError(f"steps={steps} must be ≥ 1; set train.steps to a positive integer")
     if accountant is not None and accountant not in ACCOUNTANTS:
@@ -70,14 +68,8 @@ def _epsilon_kwargs(accountant: str, eps_error: float) -> dict[str, float]:
     return {"eps_error": eps_error} if accountant == "prv" else {}
 
 
-def calibrate_sigma(
-    epsilon: float,
-    delta: float,
-    sample_rate: float,
-    steps: int,
-    accountant: str = "prv",
-    eps_error: float = 0.01,
-) -> float:
+def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "prv",
+                    eps_error: float = 0.01) -> float:
     """Noise multiplier σ such that ``T = steps`` Poisson-subsampled Gaussian steps are (ε, δ)-DP:
     Opacus' ``get_noise_multiplier`` with the accountant passed explicitly (Opacus defaults to RDP; the
     paper used PRV), within ``eps_error`` below the target. ``epsilon = inf`` (non-DP) gives 0.0."""
@@ -97,29 +89,17 @@ def calibrate_sigma(
         raise ValueError(problem)
     with _quiet_rdp_bound():
         try:
-            sigma = get_noise_multiplier(
-                target_epsilon=epsilon,
-                target_delta=delta,
-                sample_rate=sample_rate,
-                steps=steps,
-                accountant=accountant,
-                epsilon_tolerance=eps_error,
-                **_epsilon_kwargs(accountant, eps_error),
-            )
+            sigma = get_noise_multiplier(target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
+                                         steps=steps, accountant=accountant, epsilon_tolerance=eps_error,
+                                         **_epsilon_kwargs(accountant, eps_error))
         except ValueError as err:  # Opacus: σ > 1e6 still spends more ("The privacy budget is too low.")
             raise ValueError(f"privacy.epsilon={epsilon:g} is too small to calibrate: even σ = 1e6 spends more "
                              f"({err}); raise privacy.epsilon") from None
     return float(sigma)
 
 
-def epsilon_spent(
-    sigma: float,
-    sample_rate: float,
-    steps: int,
-    delta: float,
-    accountant: str = "prv",
-    eps_error: float = 0.01,
-) -> float:
+def epsilon_spent(sigma: float, sample_rate: float, steps: int, delta: float, accountant: str = "prv",
+                  eps_error: float = 0.01) -> float:
     """ε after ``steps`` Poisson-subsampled Gaussian steps with noise multiplier σ (upper bound; σ = 0: ∞)."""
     if sigma < 0:
         raise ValueError(f"sigma={sigma} must be ≥ 0")
@@ -196,11 +176,8 @@ def _batches_per_epoch(sample_rate: float) -> int:
 @functools.lru_cache(maxsize=64)
 def _rdp_curve(sigma: float, sample_rate: float) -> np.ndarray:
     """RDP of one Poisson-subsampled Gaussian step at Opacus' default orders."""
-    return np.asarray(
-        rdp_analysis.compute_rdp(
-            q=sample_rate, noise_multiplier=sigma, steps=1, orders=RDPAccountant.DEFAULT_ALPHAS
-        )
-    )
+    return np.asarray(rdp_analysis.compute_rdp(q=sample_rate, noise_multiplier=sigma, steps=1,
+                                               orders=RDPAccountant.DEFAULT_ALPHAS))
 
 
 def _rdp_epsilon(rdp: np.ndarray, delta: float) -> float:
@@ -213,9 +190,8 @@ class _RunningPRVAccountant(PRVAccountant):
     reuses each (σ, q)'s one-step RDP curve: RDP composes additively, so the domain, hence ε, is unchanged,
     without Opacus' recomputation of the curve, about 3/4 of an ``epsilon`` call."""
 
-    def _get_domain(
-        self, prvs: list[Any], num_self_compositions: list[int], eps_error: float, delta_error: float
-    ) -> Domain:
+    def _get_domain(self, prvs: list[Any], num_self_compositions: list[int], eps_error: float,
+                    delta_error: float) -> Domain:
         total = sum(num_self_compositions)
         curves = [_rdp_curve(prv.noise_multiplier, prv.sample_rate) for prv in prvs]
         L = _rdp_epsilon(sum(n * c for n, c in zip(num_self_compositions, curves)), delta_error / 4)
@@ -275,10 +251,8 @@ class Accountant:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state["mechanism"] != self._mechanism:
-            raise ValueError(
-                f"checkpoint was accounted with {state['mechanism']!r}, this run uses {self._mechanism!r}; "
-                "resume with the same accountant"
-            )
+            raise ValueError(f"checkpoint was accounted with {state['mechanism']!r}, this run uses "
+                             f"{self._mechanism!r}; resume with the same accountant")
         self._accountant.history = [(float(s), float(q), int(t)) for s, q, t in state["history"]]
         self._cache = None
 

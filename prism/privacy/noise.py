@@ -25,7 +25,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-NOISE_SOURCES = ("seeded", "os")
 SECURE_TERMS = 4  # inverse-CDF normals summed per secure draw (their sum divided by √4)
 UNIFORM_BITS = 52  # random bits per OS uniform: one fewer than float64's 53, so (b + ½) stays exact
 

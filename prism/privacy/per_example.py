@@ -86,10 +86,18 @@ def kept_token_loss(logits: Tensor, targets: Tensor, keep: Tensor) -> Tensor:
     return sums / keep.sum(dim=1).clamp(min=1).to(sums.dtype)
 
 
+def supervised_mask(labels: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """``[k, L − 1]``: whether ``ℓ_i`` reads the prediction at ``t``, i.e. token ``t+1`` is supervised
+    (label ≠ −100) and ``t`` is not padding, as in :func:`per_example_loss`; its row sums are the ``T_i``."""
+    supervised = labels[:, 1:] != IGNORE_INDEX
+    if attention_mask is not None:
+        supervised &= attention_mask[:, :-1] != 0
+    return supervised
+
+
 def supervised_positions(labels: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The positions whose logits ``ℓ_i`` reads: row ``i`` lists, in order, every ``t`` whose next
-    token ``t+1`` is supervised (label ≠ −100, and ``t`` is not padding, as in
-    :func:`per_example_loss`), padded to a common count ``P ≥ 1`` with position 0 and target −100.
+    """The positions whose logits ``ℓ_i`` reads: row ``i`` lists, in order, every ``t`` of :func:`supervised_mask`,
+    padded to a common count ``P ≥ 1`` with position 0 and target −100.
 
     Returns ``positions`` ``[k, P]`` (HF's 2-D ``logits_to_keep``) and the aligned ``targets``
     ``[k, P]``, so ``mean_token_loss(logits[:, positions], targets)`` equals ``per_example_loss``.
@@ -97,9 +105,7 @@ def supervised_positions(labels: Tensor, attention_mask: Tensor | None) -> tuple
     k, length = labels.shape
     if length < 2:  # nothing to predict
         return labels.new_zeros(k, 1), labels.new_full((k, 1), IGNORE_INDEX)
-    supervised = labels[:, 1:] != IGNORE_INDEX
-    if attention_mask is not None:
-        supervised &= attention_mask[:, :-1] != 0
+    supervised = supervised_mask(labels, attention_mask)
     counts = supervised.sum(dim=1)
     width = max(int(counts.max()), 1)
     # a stable sort of "unsupervised" flags puts each row's supervised positions first, in order
@@ -128,24 +134,13 @@ Positions = tuple[Tensor, Tensor]
 """``(positions, targets)`` of :func:`supervised_positions`."""
 
 
-def supervised_losses(model: nn.Module, labels: Tensor, attention_mask: Tensor,
-                      positions: Positions | None = None, **inputs: Tensor) -> Tensor:
-    """Training-mode forward (dropout as configured) of ``inputs`` (``input_ids`` or ``inputs_embeds``,
-    optionally ``position_ids``) with the LM head applied only at :func:`supervised_positions`;
-    returns the per-example losses ``ℓ_i`` ``[k]`` (equal to :func:`per_example_loss` of the full logits).
+@dataclass(frozen=True)
+class TokenBatch:
+    """The :data:`LossFn` of a token micro-batch (as produced by ``prism.data.prompts.collate``); its
+    ``labels`` and ``attention_mask`` stay readable (the released per-example weights need the token counts).
 
     ``positions``: :func:`supervised_positions` of ``labels`` already computed, on the host before the
     copy to the device (its width is a host value, so computing it on a GPU costs a device sync)."""
-    positions, targets = positions if positions is not None else supervised_positions(labels, attention_mask)
-    model.train()
-    logits = model(attention_mask=attention_mask, logits_to_keep=positions, use_cache=False, **inputs).logits
-    return mean_token_loss(logits, targets)
-
-
-@dataclass(frozen=True)
-class TokenBatch:
-    """The :data:`LossFn` of a token micro-batch; its ``labels`` and ``attention_mask`` stay readable
-    (the released per-example weights need the token counts)."""
 
     input_ids: Tensor
     attention_mask: Tensor
@@ -153,14 +148,15 @@ class TokenBatch:
     positions: Positions | None = None
 
     def __call__(self, model: nn.Module) -> Tensor:
-        return supervised_losses(model, self.labels, self.attention_mask, self.positions, input_ids=self.input_ids)
-
-
-def token_loss_fn(input_ids: Tensor, attention_mask: Tensor, labels: Tensor,
-                  positions: Positions | None = None) -> LossFn:
-    """The :data:`LossFn` of a token micro-batch (as produced by ``prism.data.prompts.collate``),
-    optionally with its precomputed :func:`supervised_positions`."""
-    return TokenBatch(input_ids, attention_mask, labels, positions)
+        """Training-mode forward (dropout as configured) with the LM head applied only at
+        :func:`supervised_positions`; the per-example losses ``ℓ_i`` ``[k]`` (equal to :func:`per_example_loss`
+        of the full logits)."""
+        positions, targets = (self.positions if self.positions is not None
+                              else supervised_positions(self.labels, self.attention_mask))
+        model.train()
+        logits = model(attention_mask=self.attention_mask, logits_to_keep=positions, use_cache=False,
+                       input_ids=self.input_ids).logits
+        return mean_token_loss(logits, targets)
 
 
 def _loss_fn(input_ids: Tensor | None, attention_mask: Tensor | None, labels: Tensor | None,
@@ -172,17 +168,7 @@ def _loss_fn(input_ids: Tensor | None, attention_mask: Tensor | None, labels: Te
         return loss_fn
     if any(t is None for t in tokens):
         raise ValueError("a token micro-batch needs input_ids, attention_mask and labels (or pass loss_fn=...)")
-    return token_loss_fn(input_ids, attention_mask, labels)
-
-
-def supervised_counts(labels: Tensor, attention_mask: Tensor | None) -> Tensor:
-    """``T_i``: the number of targets ``ℓ_i`` averages over (as :func:`supervised_positions` selects)."""
-    if labels.shape[1] < 2:
-        return labels.new_zeros(labels.shape[0])
-    supervised = labels[:, 1:] != IGNORE_INDEX
-    if attention_mask is not None:
-        supervised &= attention_mask[:, :-1] != 0
-    return supervised.sum(dim=1)
+    return TokenBatch(input_ids, attention_mask, labels)
 
 
 def released_weights(counts: Tensor, power: int) -> Tensor:
@@ -197,15 +183,13 @@ def released_weights(counts: Tensor, power: int) -> Tensor:
     return float(counts.numel()) ** power * counts / counts.sum().clamp(min=1.0)  # no device sync
 
 
-def _counts(input_ids: Tensor | None, attention_mask: Tensor | None, labels: Tensor | None,
-            loss_fn: LossFn | None) -> Tensor:
-    """``T_i`` of a token micro-batch, or of a ``loss_fn`` that carries ``labels``/``attention_mask``
-    (:class:`TokenBatch`, :class:`prism.fastpath.prefix.PrefixBatch`)."""
-    if loss_fn is not None:
-        labels, attention_mask = getattr(loss_fn, "labels", None), getattr(loss_fn, "attention_mask", None)
-        if labels is None:
-            raise ValueError("scale='released' needs the micro-batch's labels; this loss_fn does not expose them")
-    return supervised_counts(labels, attention_mask)
+def _counts(loss_fn: LossFn) -> Tensor:
+    """``T_i``, the number of targets ``ℓ_i`` averages over, of a ``loss_fn`` that carries ``labels`` and
+    ``attention_mask`` (:class:`TokenBatch`, :class:`prism.fastpath.prefix.PrefixBatch`)."""
+    labels = getattr(loss_fn, "labels", None)
+    if labels is None:
+        raise ValueError("scale='released' needs the micro-batch's labels; this loss_fn does not expose them")
+    return supervised_mask(labels, getattr(loss_fn, "attention_mask", None)).sum(dim=1)
 
 
 class PerExampleGradients:
@@ -227,31 +211,23 @@ class PerExampleGradients:
         self.module = GradSampleModule(model, batch_first=True, loss_reduction="sum", strict=True)
         self.module.disable_hooks()
 
-    def compute(
-        self,
-        input_ids: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-        labels: Tensor | None = None,
-        *,
-        loss_fn: LossFn | None = None,
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    def compute(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                labels: Tensor | None = None, *, loss_fn: LossFn | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """Losses ``[k]`` and per-example gradients ``{name: [k, *shape]}`` of one micro-batch, given
         as tokens or as a ``loss_fn`` (e.g. :meth:`prism.fastpath.prefix.PrefixCache.batch`)."""
         forward = _loss_fn(input_ids, attention_mask, labels, loss_fn)
         params = _trainable(self.model)
         if list(params) != list(self.params):
             # Opacus hooks follow the trainable set at wrapping time; a factor frozen later still fires them
-            raise RuntimeError(
-                "the trainable parameters changed after PerExampleGradients was built; "
-                "build it after the method has frozen its factors (e.g. FFA's lora_A)"
-            )
+            raise RuntimeError("the trainable parameters changed after PerExampleGradients was built; "
+                               "build it after the method has frozen its factors (e.g. FFA's lora_A)")
         self.module.enable_hooks()
         try:
             losses = forward(self.module)
             k = losses.shape[0]
             objective = losses.sum()
             if self.scale == "released":
-                counts = _counts(input_ids, attention_mask, labels, loss_fn).to(losses.device)
+                counts = _counts(forward).to(losses.device)
                 objective = (released_weights(counts, self.released_power).to(losses.dtype) * losses).sum()
             with _quiet_input_hook_warning():
                 objective.backward()
@@ -266,10 +242,8 @@ class PerExampleGradients:
         grad_sample = getattr(p, "grad_sample", None)
         if not isinstance(grad_sample, Tensor) or grad_sample.shape != (k, *p.shape):
             got = tuple(grad_sample.shape) if isinstance(grad_sample, Tensor) else type(grad_sample).__name__
-            raise RuntimeError(
-                f"no per-example gradient of shape {(k, *p.shape)} for trainable parameter {name} (got {got}); "
-                "freeze it, or make sure the forward uses it"
-            )
+            raise RuntimeError(f"no per-example gradient of shape {(k, *p.shape)} for trainable parameter {name} "
+                               f"(got {got}); freeze it, or make sure the forward uses it")
         return grad_sample.detach()
 
     def _clear(self, params: Iterable[nn.Parameter]) -> None:
@@ -317,14 +291,9 @@ def _input_requires_grad(module: nn.Module, args: tuple) -> tuple | None:
     return None
 
 
-def summed_gradients(
-    model: nn.Module,
-    input_ids: Tensor | None = None,
-    attention_mask: Tensor | None = None,
-    labels: Tensor | None = None,
-    *,
-    loss_fn: LossFn | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def summed_gradients(model: nn.Module, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                     labels: Tensor | None = None, *,
+                     loss_fn: LossFn | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Non-DP: losses ``[k]`` and ``{name: Σ_i ∇ℓ_i}`` (shape ``[*param.shape]``) by plain autograd;
     the micro-batch is given as tokens or as a ``loss_fn``."""
     forward = _loss_fn(input_ids, attention_mask, labels, loss_fn)

@@ -32,11 +32,6 @@ ITEMS: dict[str, str] = {
 NOT_DP_AS_STATED = "not a valid DP guarantee as stated"
 
 
-def item_values(cfg: DictConfig) -> dict[str, Any]:
-    """The value of every protocol item in ``cfg`` (``None`` where a config lacks the key)."""
-    return {item: OmegaConf.select(cfg, key, default=None) for item, key in ITEMS.items()}
-
-
 def dp_caveats(cfg: DictConfig, tangent: bool) -> list[str]:
     """Why the accounted (ε, δ) does not hold for this run's mechanism as run (empty: it holds);
     ``tangent``: the method noises in the tangent space, where ``noise_damping`` acts (PRISM)."""
@@ -55,19 +50,15 @@ def dp_caveats(cfg: DictConfig, tangent: bool) -> list[str]:
     return caveats
 
 
-def dp_guarantee(cfg: DictConfig, tangent: bool) -> str:
-    """``non-private``, ``(ε, δ)-DP as accounted`` or :data:`NOT_DP_AS_STATED` (see :func:`dp_caveats`)."""
-    if not is_private(cfg):
-        return "non-private"
-    return NOT_DP_AS_STATED if dp_caveats(cfg, tangent) else "(ε, δ)-DP as accounted"
-
-
 def protocol_record(cfg: DictConfig, tangent: bool) -> dict[str, Any]:
-    """The ``protocol`` block of ``final.json``: preset name, every item's value, DP status and caveats
-    (``tangent``: as in :func:`dp_caveats`)."""
+    """The ``protocol`` block of ``final.json``: preset name, every item's value (``None`` where a config
+    lacks the key), DP status (``non-private``, ``(ε, δ)-DP as accounted`` or :data:`NOT_DP_AS_STATED`)
+    and caveats (``tangent``: as in :func:`dp_caveats`)."""
+    caveats = dp_caveats(cfg, tangent)
+    guarantee = (NOT_DP_AS_STATED if caveats else "(ε, δ)-DP as accounted") if is_private(cfg) else "non-private"
     return {
         "name": OmegaConf.select(cfg, "protocol.name", default=None),
-        "items": item_values(cfg),
-        "dp_guarantee": dp_guarantee(cfg, tangent),
-        "dp_caveats": dp_caveats(cfg, tangent),
+        "items": {item: OmegaConf.select(cfg, key, default=None) for item, key in ITEMS.items()},
+        "dp_guarantee": guarantee,
+        "dp_caveats": caveats,
     }

@@ -26,10 +26,8 @@ class PoissonSampler:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be ≥ 1; set train.batch_size")
         if batch_size > num_examples:
-            raise ValueError(
-                f"batch_size={batch_size} is larger than the dataset ({num_examples} examples); "
-                "lower train.batch_size or use more training examples"
-            )
+            raise ValueError(f"batch_size={batch_size} is larger than the dataset ({num_examples} examples); "
+                             "lower train.batch_size or use more training examples")
         self.num_examples = num_examples
         self.batch_size = batch_size
         self.secure = secure
@@ -44,8 +42,7 @@ class PoissonSampler:
         """Sorted int64 indices of one logical batch; possibly empty (the step still counts for ε)."""
         coins = os_uniform(self.num_examples) if self.secure else torch.rand(
             self.num_examples, generator=self.generator, dtype=torch.float64)
-        include = coins < self.sample_rate
-        return torch.nonzero(include).flatten()
+        return torch.nonzero(coins < self.sample_rate).flatten()
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -57,10 +54,8 @@ class PoissonSampler:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         saved = (state["num_examples"], state["batch_size"])
         if saved != (self.num_examples, self.batch_size):
-            raise ValueError(
-                f"checkpoint sampler has (num_examples, batch_size)={saved}, this run "
-                f"{(self.num_examples, self.batch_size)}; resume with the same data and train.batch_size"
-            )
+            raise ValueError(f"checkpoint sampler has (num_examples, batch_size)={saved}, this run "
+                             f"{(self.num_examples, self.batch_size)}; resume with the same data and train.batch_size")
         if not self.secure:
             self.generator.set_state(state["generator"])
 

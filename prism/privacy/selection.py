@@ -115,17 +115,18 @@ def selection_epsilon(sigma: float, sample_rate: float, steps: int, delta: float
 def calibrate_candidate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int, *,
                               score_sigma: float, mean: float, shape: float, tolerance: float = 1e-6) -> float:
     """The smallest training σ (to ``tolerance``, rounded up) whose selection is (ε, δ)-DP."""
-    floor = selection_epsilon(1e6, sample_rate, steps, delta, score_sigma=score_sigma, mean=mean, shape=shape)
+    cost = functools.partial(selection_epsilon, sample_rate=sample_rate, steps=steps, delta=delta,
+                             score_sigma=score_sigma, mean=mean, shape=shape)
+    floor = cost(1e6)
     if epsilon <= floor:
         raise ValueError(f"ε = {epsilon:g} is out of reach of this selection: its score and candidate count alone "
                          f"cost ε = {floor:.3g}; raise the score's noise or lower the mean candidate count")
     lo, hi = 0.05, 1.0
-    while selection_epsilon(hi, sample_rate, steps, delta, score_sigma=score_sigma, mean=mean, shape=shape) > epsilon:
+    while cost(hi) > epsilon:
         lo, hi = hi, 2 * hi
     while hi - lo > tolerance * hi:
         mid = (lo + hi) / 2
-        cost = selection_epsilon(mid, sample_rate, steps, delta, score_sigma=score_sigma, mean=mean, shape=shape)
-        lo, hi = (mid, hi) if cost > epsilon else (lo, mid)
+        lo, hi = (mid, hi) if cost(mid) > epsilon else (lo, mid)
     return hi
 
 
