@@ -77,3 +77,45 @@ def test_a_failing_job_fails_alone_and_the_next_one_runs(tmp_path: Path) -> None
     assert [j.run_hash for j in outcome["ok"]] == [ok.run_hash]
     assert store.inspect_run(broken.folder).status["state"] == "failed"
     assert "error: " in (tmp_path / "logs" / f"{broken.run_hash}.log").read_text()
+
+
+WORKER_UNDER_SIGTERM = """
+import os, signal, sys, threading, time
+from pipelines import run, worker
+from pipelines.validate import load_job
+
+cfg = load_job(sys.argv[2:])
+
+
+def resend() -> None:  # the launcher resends SIGTERM every half second until its workers end
+    while True:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.005)
+
+
+def trainer(job, folder, log_fn, load=None):
+    log_fn({"step": 1})
+    threading.Thread(target=resend, daemon=True).start()
+    time.sleep(60)
+
+
+run.default_trainer = trainer
+worker.init()
+worker.run_job(cfg, sys.argv[1])
+print("run_job returned")
+"""
+
+
+def test_sigterm_inside_a_job_is_the_workers_stop_record_then_exit_without_interpreter_shutdown(tmp_path: Path) -> None:
+    """The worker's own SIGTERM handler holds during a job: the first signal interrupts the run, the
+    repeats are ignored while it is recorded, and the process leaves through ``os._exit(143)``, never
+    returning to (and shutting down) the interpreter that a further signal could cut into."""
+    j = job(B, tmp_path)
+    log = tmp_path / "job.log"
+    done = subprocess.run([sys.executable, "-c", WORKER_UNDER_SIGTERM, str(log), *j.overrides], capture_output=True,
+                          text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 143, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "run_job returned" not in done.stdout
+    assert "Traceback" not in done.stderr + log.read_text() and "Exception ignored" not in done.stderr
+    status = store.inspect_run(j.folder).status
+    assert status["state"] == "stopped" and "SIGTERM" in status["error"], status
