@@ -60,7 +60,7 @@ class Job:
     @property
     def folder(self) -> Path:
         """The run folder, ``<root>/<hash>``."""
-        return self.root / self.run_hash
+        return store.find_run(self.root, self.run_hash)
 
 
 def default_jobs(cores: int, available_bytes: int, worker_bytes: float = WORKER_RSS_GB * 1e9) -> int:

@@ -119,7 +119,7 @@ def runs_root(cfg: DictConfig) -> Path:
 
 def run_dir(cfg: DictConfig) -> Path:
     """``<results_dir>/runs/<hash>`` (the store folder, whichever experiment asks)."""
-    return runs_root(cfg) / run_hash(cfg)
+    return find_run(runs_root(cfg), run_hash(cfg))
 
 
 def lock_path(folder: Path) -> Path:

@@ -258,8 +258,10 @@ def expected_bounds(canaries: int, k_pos: int, k_neg: int, sigma: float, sample_
     is the f-DP audit's (:attr:`OneRunAudit.epsilon_fdp_lower`, ``k⁻ = 0``); ``filtered``: the scores of
     :func:`dpsgd_canary_scores` with ``filtered``."""
     rng = np.random.default_rng(seed)
-    coins = (rng.random(canaries) < 0.5 for _ in range(trials))  # drawn lazily: each run's coins, then its scores
-    results = [audit(dpsgd_canary_scores(c, sample_rate, steps, sigma, rng, filtered), c, k_pos, k_neg, delta,
-                     confidence) for c in coins]
+    results = []
+    for _ in range(trials):  # each run's coins, then its scores, from the one generator
+        included = rng.random(canaries) < 0.5
+        results.append(audit(dpsgd_canary_scores(included, sample_rate, steps, sigma, rng, filtered), included, k_pos,
+                             k_neg, delta, confidence))
     eps = [r.epsilon_fdp_lower if fdp else r.epsilon_lower for r in results]
     return float(np.mean(eps)), float(np.std(eps)), float(np.mean([r.mu_lower for r in results]))

@@ -213,7 +213,8 @@ def shared_prefix_groups(input_ids: Sequence[Sequence[int]], min_group: int = 64
 
 @torch.no_grad()
 def compute_prefix_states(model: nn.Module, depth: int, input_ids: Sequence[Sequence[int]],
-                          micro_batch_size: int = 16, with_kv: bool = False) -> Any:
+                          micro_batch_size: int = 16,
+                          with_kv: bool = False) -> list[Tensor] | tuple[list[Tensor], list[Tensor]]:
     """Per example, the hidden states ``[len_i, hidden]`` (CPU, model dtype) entering decoder layer ``depth``
     (the model's own forward in ``eval()``, stopped there); ``with_kv``: ``(kv, states)``, ``kv`` per example the
     keys and values of layers ``< depth`` ``[depth, 2, kv_heads, len_i, head_dim]``. Micro-batches are grouped
@@ -232,8 +233,9 @@ def compute_prefix_states(model: nn.Module, depth: int, input_ids: Sequence[Sequ
                 chunk = order[start:start + micro_batch_size]
                 rows = [input_ids[i] for i in chunk]
                 shared = common_prefix_length(rows)
-                # with_kv: full layers (sliding windows come from the mask)
-                cache = DynamicCache() if with_kv else DynamicCache(config=decoder.config) if shared else None
+                # with_kv: every row's KV is kept, full layers (sliding windows come from the mask); else only a
+                # shared prefix's KV is reused
+                cache = DynamicCache() if with_kv else (DynamicCache(config=decoder.config) if shared else None)
                 head: Tensor | None = None
                 if shared:
                     head_ids = torch.tensor([list(rows[0][:shared])], dtype=torch.long, device=device)

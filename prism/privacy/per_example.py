@@ -154,8 +154,8 @@ class TokenBatch:
         positions, targets = (self.positions if self.positions is not None
                               else supervised_positions(self.labels, self.attention_mask))
         model.train()
-        logits = model(attention_mask=self.attention_mask, logits_to_keep=positions, use_cache=False,
-                       input_ids=self.input_ids).logits
+        logits = model(input_ids=self.input_ids, attention_mask=self.attention_mask, logits_to_keep=positions,
+                       use_cache=False).logits
         return mean_token_loss(logits, targets)
 
 
