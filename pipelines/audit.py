@@ -24,7 +24,13 @@ with Clopper–Pearson intervals (95 % family-wise: Bonferroni over the audited 
 One step of a correct mechanism is μ-GDP with μ = 1/σ, so the audit fails (exit 1) if any μ lower
 bound exceeds 1/σ. It measures the mechanism alone: no model, tiny factors, the method classes.
 
+A second section replays one real training step of the six shipped methods on a tiny random model on
+neighbouring datasets ``D`` and ``D ∪ {x}`` under both protocols (:mod:`prism.audit.neighbours`) and prints the
+table method × case of ``max ‖S(D') − S(D)‖ / C``; it fails (exit 1) when a ``corrected`` row exceeds 1 or
+takes other branches with ``x`` (``released`` rows are shown, their known defects marked).
+
     python -m pipelines audit [draws=2000] [sigma=0.6] [methods=prism,adamw] [cases=vertical] [workers=2]
+                              [neighbour_draws=1]
 """
 from __future__ import annotations
 
@@ -256,6 +262,40 @@ def run_audit(methods: Sequence[str], cases: Sequence[str], draws: int, sigma: f
     return rows
 
 
+REPLAYED = ("prism", "adamw", "loraplus", "lamb", "ffa", "lora_rite")
+PROTOCOLS = ("corrected", "released")
+TINY_STEP = ("backbone=tiny-llama", "suite=glue8", "suite.cutoff_len=1024", "suite.embedded.train_per_task=16", "train.batch_size=8",
+             "train.micro_batch_size=4", "train.steps=3", "train.prefix_cache=off", "logging=disabled", "privacy=eps6")
+ROW_TOKENS, LONGEST = 48, 96  # tokens kept per training row, and the extreme row's length
+
+
+def run_neighbours(draws: int) -> int:
+    """The record-and-replay section: prints one table per protocol; returns the number of failing
+    ``corrected`` cells (a difference above C, or other branches with ``x``)."""
+    from pipelines.compose import compose_config, resolve
+    from prism.audit import neighbours as nb
+    from prism.train import build
+
+    failed = 0
+    for protocol in PROTOCOLS:
+        results = {}
+        for method in REPLAYED:
+            cfg = resolve(compose_config([*TINY_STEP, f"method={method}", f"protocol={protocol}"]))
+            setup = build(cfg)
+            nb.shorten(setup, ROW_TOKENS)
+            for case in nb.CASES:
+                results[method, case] = nb.neighbours(setup, cfg, nb.extra_row(case, setup, LONGEST), draws)
+        bad = [k for k, pairs in results.items() if any(p.ratio > 1.0 or not p.same_trace for p in pairs)]
+        if protocol == "corrected":
+            failed += len(bad)
+        flag = " FAIL" if protocol == "corrected" else " (known defect)"
+        mark = functools.partial(lambda m, c, bad, flag: flag if (m, c) in bad else "", bad=set(bad), flag=flag)
+        PRINT(f"\nneighbouring datasets, protocol={protocol}: max ‖S(D ∪ {{x}}) − S(D)‖ / C over {draws} draw(s)")
+        for line in nb.table(results, nb.CASES, mark):
+            PRINT(line)
+    return failed
+
+
 def names(text: str, allowed: Sequence[str], flag: str) -> list[str]:
     """The comma-separated names of ``text`` (the value of ``flag=``), each one of ``allowed``."""
     names = [n for n in text.split(",") if n]
@@ -266,9 +306,10 @@ def names(text: str, allowed: Sequence[str], flag: str) -> list[str]:
 
 
 def main(*, draws: int = 2000, sigma: float = 0.6, methods: str = ",".join(registry.names()), cases: str = ",".join(CASES),
-         workers: int = 2) -> int:
+         workers: int = 2, neighbour_draws: int = 1) -> int:
     """Audit ``methods`` × ``cases`` (comma-separated) with ``draws`` noise draws per side at noise
-    multiplier ``sigma`` on ``workers`` processes; exit 1 if a μ lower bound exceeds 1/σ. Bad arguments
+    multiplier ``sigma`` on ``workers`` processes, then the neighbouring-datasets replay (``neighbour_draws`` per
+    cell, 0: skipped); exit 1 if a μ lower bound exceeds 1/σ or a corrected replay cell fails. Bad arguments
     raise a one-line ``ValueError`` before any draw."""
     method_names = names(methods, registry.names(), "methods")
     case_names = names(cases, CASES, "cases")
@@ -278,6 +319,8 @@ def main(*, draws: int = 2000, sigma: float = 0.6, methods: str = ",".join(regis
         raise ValueError(f"sigma={sigma} must be > 0")
     if workers < 1:
         raise ValueError(f"workers={workers} must be ≥ 1")
+    if neighbour_draws < 0:
+        raise ValueError(f"neighbour_draws={neighbour_draws} must be ≥ 0 (0 skips the replay)")
     torch.set_num_threads(1)
     tic = time.perf_counter()
     rows = run_audit(method_names, case_names, draws, sigma, workers)
@@ -285,5 +328,10 @@ def main(*, draws: int = 2000, sigma: float = 0.6, methods: str = ",".join(regis
     cpu = sum(r.cpu_seconds for r in rows)
     print(f"{len(rows)} pairs in {time.perf_counter() - tic:.0f} s ({cpu:.0f} CPU-s in the workers); "
           + (f"FAILED: {len(failed)} μ lower bound(s) above 1/σ" if failed else "no μ lower bound above 1/σ"))
-    return 1 if failed else 0
+    tic = time.perf_counter()
+    replay_failed = run_neighbours(neighbour_draws) if neighbour_draws > 0 else 0
+    print(f"neighbouring datasets in {time.perf_counter() - tic:.0f} s; "
+          + (f"FAILED: {replay_failed} corrected cell(s) above C or on other branches" if replay_failed
+             else "every corrected cell ≤ C on the same branches"))
+    return 1 if failed or replay_failed else 0
 

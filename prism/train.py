@@ -259,10 +259,14 @@ def _restore(s: Setup, state: dict[str, Any]) -> int:
     return int(state["step"])
 
 
-def train_step(s: Setup, cfg: DictConfig, diagnostics: bool = True) -> dict[str, Any]:
+def train_step(s: Setup, cfg: DictConfig, diagnostics: bool = True, indices: Tensor | None = None) -> dict[str, Any]:
     """One logical step: Poisson batch → micro-batches → clip & sum → noise once → update; statistics stay 0-dim
-    device tensors (``diagnostics``, off only in mechanism benchmarks: the noise and update norms too)."""
-    indices = s.sampler.sample()
+    device tensors (``diagnostics``, off only in mechanism benchmarks: the noise and update norms too).
+    ``indices``: the logical batch, drawn from the sampler when None (the record-and-replay audit,
+    :mod:`prism.audit.neighbours`, passes one draw with a row forced in and out). Under DP the finite check
+    reads the updated factors only, never the loss: a non-finite example contributes nothing to the clipped
+    sum, so the stop depends on the release alone (docs/PRIVACY.md)."""
+    indices = s.sampler.sample() if indices is None else indices
     if s.method.dp:
         s.accountant.step(noise_multiplier=s.sigma, sample_rate=s.sampler.sample_rate)
     s.method.zero_accumulators()
@@ -280,7 +284,7 @@ def train_step(s: Setup, cfg: DictConfig, diagnostics: bool = True) -> dict[str,
     denominator = (noise_denominator(cfg.privacy.denominator, len(indices), cfg.train.batch_size)
                    if s.method.dp else len(indices))
     stats = s.method.step(float(denominator), s.noise, diagnostics)
-    _check_finite(loss_sum, s.params)
+    _check_finite(torch.zeros(()) if s.method.dp else loss_sum, s.params)
     return {"loss": loss_sum / len(indices), "batch_size": len(indices), **stats}
 
 

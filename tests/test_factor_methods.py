@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from prism.mechanism.lora import lora_pairs, read_pair
 from prism.methods import PrivacySpec, build_method
+from prism.methods.base import CLIP_MARGIN
 
 # The explicit hyper-parameters each conf/method/*.yaml carries (Table 8 GLUE learning rates).
 ADAMW = {"lr": 2e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False}
@@ -88,7 +89,7 @@ def test_clipped_sum_bounds_each_example_and_matches_eq3() -> None:
     method.accumulate({n: t[:3] for n, t in grads.items()})  # two micro-batches, one logical step
     method.accumulate({n: t[3:] for n, t in grads.items()})
     privatized, noise = method.privatize(B, torch.Generator().manual_seed(0))
-    expected = clipped_sum_by_hand(grads, C)
+    expected = clipped_sum_by_hand(grads, C * (1 - CLIP_MARGIN))  # the clip target (docs/PRIVACY.md)
     for n in params:
         assert torch.allclose(privatized[n] * B, expected[n], atol=1e-6)
         assert torch.count_nonzero(noise[n]) == 0
@@ -96,8 +97,8 @@ def test_clipped_sum_bounds_each_example_and_matches_eq3() -> None:
     method.accumulate({n: t[2:3] for n, t in grads.items()})
     alone, _ = method.privatize(1.0, None)
     contribution = torch.sqrt(sum(t.pow(2).sum() for t in alone.values()))
-    assert contribution <= C
-    assert contribution > 0.999 * C
+    assert contribution <= C * (1 - CLIP_MARGIN)
+    assert contribution > 0.999 * C * (1 - CLIP_MARGIN)
 
 
 def test_step_hands_the_clipped_mean_to_the_optimizer_and_reports_stats() -> None:
@@ -109,12 +110,13 @@ def test_step_hands_the_clipped_mean_to_the_optimizer_and_reports_stats() -> Non
     method.zero_accumulators()
     method.accumulate(grads)
     stats = method.step(B, torch.Generator().manual_seed(0))
-    expected = clipped_sum_by_hand(grads, C)
+    target = C * (1 - CLIP_MARGIN)
+    expected = clipped_sum_by_hand(grads, target)
     norms = torch.sqrt(sum(t.reshape(6, -1).pow(2).sum(1) for t in grads.values()))
     for n in params:
         assert torch.allclose(seen[n], expected[n] / B, atol=1e-6)
         assert params[n].grad is None
-    assert stats["clip_fraction"] == pytest.approx(float((norms > C).float().mean()))
+    assert stats["clip_fraction"] == pytest.approx(float((norms > target).float().mean()))
     assert stats["grad_norm_mean"] == pytest.approx(float(norms.mean()), rel=1e-5)
     assert stats["noise_norm"] == 0.0
     assert stats["update_norm"] > 0
@@ -171,8 +173,8 @@ def test_noise_is_drawn_in_float64_and_the_sum_rounded_once(name: str) -> None:
 
 
 def test_clipped_sum_is_float64_so_neighbours_differ_by_at_most_C() -> None:
-    """256 aligned examples of norm 10 clipped to C = 1, plus one more: the sums differ by exactly the one
-    clipped example, C·10/(10 + 1e-6) (Opacus' coefficient), to float64 rounding; a float32 sum of 256
+    """256 aligned examples of norm 10 clipped to C' = C(1 − CLIP_MARGIN), C = 1, plus one more: the sums differ
+    by exactly the one clipped example, C'·10/(10 + 1e-6) (Opacus' coefficient), to float64 rounding; a float32 sum of 256
     aligned terms misses it by ≈ 3e-7 C."""
     params = make_params(modules=1, m=8, n=6, r=2)
     direction = {n: torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) for n, p in params.items()}
@@ -185,7 +187,7 @@ def test_clipped_sum_is_float64_so_neighbours_differ_by_at_most_C() -> None:
         sums.append({n: a.clone() for n, a in method.summed.items()})
     diff = torch.sqrt(sum((sums[1][n] - sums[0][n]).square().sum() for n in params))
     assert all(a.dtype == torch.float64 for a in sums[0].values())
-    assert abs(diff.item() - 10.0 / (10.0 + 1e-6)) < 1e-12
+    assert abs(diff.item() - (1 - CLIP_MARGIN) * 10.0 / (10.0 + 1e-6)) < 1e-12
 
 
 def test_returned_noise_survives_the_next_draw_with_float64_accumulators() -> None:

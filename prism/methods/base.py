@@ -11,7 +11,8 @@ The training loop (:mod:`prism.train`) drives one logical step as::
     stats = method.update(release)                            # 3. the update, from the release alone
 
 (:meth:`Method.step` is the three in a row.) Under DP (``privacy`` given) ``accumulate`` clips each
-example (flat factor norm for the baselines, global intrinsic norm for PRISM) and sums;
+example (flat factor norm for the baselines, global intrinsic norm for PRISM) to ``C·(1 − CLIP_MARGIN)``
+and sums, an example with a non-finite gradient contributing nothing;
 ``add_noise`` adds the Gaussian noise once, with standard deviation ``σ·C`` on the *sum* (``σC/B``
 after dividing by the expected batch size ``denominator = B``), and returns a :class:`Release`; the
 privacy boundary is that object: ``update`` reads it and public state only (the current factors,
@@ -36,12 +37,23 @@ if TYPE_CHECKING:
     from prism.methods.schema import MethodConfig
 
 
+CLIP_MARGIN = 1e-3
+"""Each example is clipped to ``C·(1 − CLIP_MARGIN)`` while the noise keeps ``σC``: the margin covers the float32
+jitter of the other examples' gradients between neighbouring batches (docs/PRIVACY.md, "The clip margin")."""
+
+
 @dataclass(frozen=True)
 class PrivacySpec:
-    """What the accountant assumed: noise multiplier σ and clipping norm C."""
+    """What the accountant assumed: noise multiplier σ and clipping norm C (the sensitivity of the clipped sum)."""
 
     sigma: float
     clip_norm: float
+
+    @property
+    def clip_target(self) -> float:
+        """The norm each example is clipped to, ``C·(1 − CLIP_MARGIN)``: a neighbouring batch moves the clipped
+        sum by at most C, the added example and the float32 jitter of the others together."""
+        return self.clip_norm * (1.0 - CLIP_MARGIN)
 
 
 @dataclass
@@ -102,7 +114,7 @@ class Method(abc.ABC):
 
     @abc.abstractmethod
     def clip_stats(self) -> dict[str, Tensor]:
-        """``clip_fraction`` (share of examples whose norm exceeded C) and ``grad_norm_mean`` (their mean
+        """``clip_fraction`` (share of examples whose norm exceeded the clip target) and ``grad_norm_mean`` (their mean
         norm before clipping) of this step's examples, under DP; not covered by ε."""
 
     def step(self, denominator: float, noise: NoiseSource | torch.Generator | None,

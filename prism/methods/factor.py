@@ -1,8 +1,9 @@
 """Factor-space DP-SGD (paper eq. 3) followed by a baseline optimizer (docs/DECISIONS.md D23, Table 8).
 
 DP: each example's gradients over *all* trainable LoRA tensors are concatenated, clipped to flat norm
-``C`` with Opacus' coefficient ``min(1, C/(‖g_i‖ + 1e-6))`` (eq. 3–4: this norm is not gauge
-invariant), summed over the logical batch, noised once with ``N(0, σ²C²)`` per coordinate and divided
+``C' = C·(1 − CLIP_MARGIN)`` with Opacus' coefficient ``min(1, C'/(‖g_i‖ + 1e-6))`` (eq. 3–4: this norm is not
+gauge invariant; the margin: docs/PRIVACY.md, "The clip margin"; a non-finite gradient gets coefficient 0),
+summed over the logical batch, noised once with ``N(0, σ²C²)`` per coordinate and divided
 by the expected batch size ``B``; the result is handed to the optimizer as ``p.grad``. Under DP the
 clipped sum is accumulated in float64 (one ``einsum`` over the examples per tensor) and the noise drawn in
 float64 (:mod:`prism.privacy.noise`, the law PRISM's noise has; docs/DECISIONS.md D65, D70); the noised
@@ -100,12 +101,13 @@ class FactorDPMethod(Method):
         for n, p in self.params.items():
             if grads[n].shape != (k, *p.shape):
                 raise ValueError(f"{n}: per-example gradient has shape {tuple(grads[n].shape)}, expected {(k, *p.shape)}")
-        converted = [grads[n].to(torch.float64) for n in self.summed]
+        converted = [grads[n].to(torch.float64, copy=True) for n in self.summed]  # zeroed in place below
         sq = torch.stack(torch._foreach_norm([g for x in converted for g in x.unbind(0)])).view(len(accs), k)
         norms = torch.linalg.vector_norm(sq, dim=0)
-        coef = clip_coefficients(norms, self.privacy.clip_norm)
+        finite = torch.isfinite(norms)  # a non-finite gradient contributes nothing (0 · NaN would be NaN)
+        coef = torch.where(finite, clip_coefficients(norms, self.privacy.clip_target), 0.0)
         for acc, g in zip(accs, converted):
-            acc.add_(torch.einsum("k,k...->...", coef, g))
+            acc.add_(torch.einsum("k,k...->...", coef, g.nan_to_num_(0.0, 0.0, 0.0)))
         self.examples += k
         self.norms.append(norms)
 
@@ -173,7 +175,7 @@ class FactorDPMethod(Method):
         if not self.dp:
             return {}
         norms = torch.cat(self.norms) if self.norms else torch.zeros(1)  # no example: both 0
-        return {"clip_fraction": (norms > self.privacy.clip_norm).double().mean(), "grad_norm_mean": norms.mean()}
+        return {"clip_fraction": (norms > self.privacy.clip_target).double().mean(), "grad_norm_mean": norms.mean()}
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict()}

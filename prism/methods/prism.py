@@ -8,7 +8,8 @@ Per logical step (paper Alg. 1), as Opacus' three verbs (:mod:`prism.methods.bas
 1. :meth:`PrismMethod.accumulate` (clip and accumulate) takes each example's global intrinsic norm
    ``s_i``, the norm of the lift (eq. 14) of its factor gradients over all modules (eqs. 15–16,
    :func:`prism.mechanism.geometry.lifted_norm_terms`, an upper bound for every factor pair), clips with
-   ``α_i = min(1, C/s_i)`` and sums ``Σ α_i (g_A, g_B)_i`` (one product with ``α`` over the examples).
+   ``α_i = min(1, C(1 − CLIP_MARGIN)/s_i)`` (docs/PRIVACY.md, "The clip margin"; 0 for a non-finite ``s_i``)
+   and sums ``Σ α_i (g_A, g_B)_i`` (one product with ``α`` over the examples).
 2. :meth:`PrismMethod.add_noise` lifts that sum once (the lift is linear, so this is ``Σ α_i ΔA_i``,
    ``Σ α_i ΔB_i``), divides by the expected batch size ``B``, adds ``(σC/B)·(Ξ_A, Ξ_B)`` (eqs. 17, 19)
    and horizontalises (Prop. A.11). The result, a :class:`~prism.methods.base.Release`, is the one object
@@ -168,7 +169,8 @@ class PrismMethod(Method):
 
         The clip norm ``s_i`` bounds the norm of example ``i``'s lift from above (eq. 15 summed over all
         modules, eq. 16; :func:`geometry.lifted_norm_terms`): ``max(√Σ‖image‖² + √Σerr², √(Σfsq/2))``. The sums are
-        ``Σ α_i (g_A, g_B)_i``; their lift (eq. 14, linear) is taken once per step.
+        ``Σ α_i (g_A, g_B)_i``, ``α_i = min(1, C(1 − CLIP_MARGIN)/s_i)`` (0 where ``s_i`` is not finite, whose
+        gradient is zeroed); their lift (eq. 14, linear) is taken once per step.
         """
         if self.groups[0].frame is None:
             raise RuntimeError("call zero_accumulators() before accumulate()")
@@ -181,12 +183,13 @@ class PrismMethod(Method):
         for g, (gA, gB) in zip(self.groups, stacked):
             s, e, f = geometry.lifted_norm_terms(g.frame, gA, gB)  # [k, G]
             sq, err, fsq = sq + s.sum(-1), err + e.square().sum(-1), fsq + f.sum(-1)
-        norms = torch.maximum(sq.sqrt() + err.sqrt(), (fsq / 2).sqrt())  # NaN stays NaN: the loop's finite check
-        alpha = (self.privacy.clip_norm / norms).clamp(max=1.0)
+        norms = torch.maximum(sq.sqrt() + err.sqrt(), (fsq / 2).sqrt())
+        finite = torch.isfinite(norms)  # a non-finite gradient contributes nothing (0 · NaN would be NaN)
+        alpha = torch.where(finite, (self.privacy.clip_target / norms).clamp(max=1.0), 0.0)
         self._norms.append(norms)
         for g, (gA, gB) in zip(self.groups, stacked):  # Σ_i α_i g_i over the buffers' example axis
-            g.sums[0].add_(alpha @ gA.permute(1, 2, 0, 3))
-            g.sums[1].add_(alpha @ gB.permute(1, 2, 0, 3))
+            g.sums[0].add_(alpha @ gA.nan_to_num_(0.0, 0.0, 0.0).permute(1, 2, 0, 3))
+            g.sums[1].add_(alpha @ gB.nan_to_num_(0.0, 0.0, 0.0).permute(1, 2, 0, 3))
 
     def _stack_grads(self, g: ShapeGroup, grads: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
         """The group's factor gradients ``g_A`` ``[(k,) G, m, r]``, ``g_B`` ``[(k,) G, n, r]`` in the working dtype."""
@@ -279,7 +282,7 @@ class PrismMethod(Method):
         if not self._norms:
             return {}
         norms = torch.cat(self._norms)
-        return {"clip_fraction": (norms > self.privacy.clip_norm).double().mean(), "grad_norm_mean": norms.mean()}
+        return {"clip_fraction": (norms > self.privacy.clip_target).double().mean(), "grad_norm_mean": norms.mean()}
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
