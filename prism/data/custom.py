@@ -328,7 +328,8 @@ def row_draw(row: Row, hold_out: str) -> float:
 
 def hold_out(path: Path, rows: Sequence[Row], node: Mapping[str, Any], name: str) -> tuple[list[Row], list[Row]]:
     """(kept, held) rows of ``name``'s hold-out: held when the row's :func:`row_draw` is below the fraction
-    ``p`` of ``suite.custom`` (each row independently, so the held count is Binomial(len(rows), p)); a
+    ``p`` of ``suite.custom`` (each prompt independently: for distinct prompts the held count is
+    Binomial(len(rows), p), rows repeating a prompt go together); a
     :class:`TaskFileError` naming the fraction when it is not in (0, 1) or leaves either side empty."""
     key = HOLD_OUTS[name][0]
     fraction = node.get(key)
