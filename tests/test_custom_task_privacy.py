@@ -68,8 +68,8 @@ def test_removing_a_row_moves_no_other_row_between_sides(mode: str, tmp_path: Pa
         smaller.write_text("".join(lines[:index] + lines[index + 1:]))
         cfg.suite.custom.train = str(smaller)
         after = _sides(split(cfg))
-        moved = [key for key in full.keys() | after.keys()
-                 if key[:2] != (removed["prompt"], removed["target"]) and full[key] != after[key]]
+        moved = {key[:2] for key in full.keys() | after.keys()
+                 if key[:2] != (removed["prompt"], removed["target"]) and full[key] != after[key]}
         assert not moved, f"removing line {index + 1} moved {len(moved)} other row(s) ({mode})"
 
 
