@@ -4,8 +4,9 @@
     make compare TASK=TASK.jsonl [MODEL=DIR] [SEEDS=..] [EPS=..] [METHODS=..] [TYPE=..] [LABELS=..]
 
 The grid is methods × privacy settings (non-DP, ε = 6, ε = 3 by default; ``eps=`` gives the list,
-``inf`` for non-DP) × seeds, every job ``suite=custom`` on the task file (its sha256 pinned in the
-config, so an edited file is a new run) and ``backbone=local`` when ``model=`` is given. Every job is
+``inf`` for non-DP) × seeds, every job ``suite=custom`` on the task file (its identifier pinned in the
+config, so an edited file is a new run: :func:`prism.data.custom.file_id`, a keyed hash, never the file's
+sha256, docs/custom-task.md) and ``backbone=local`` when ``model=`` is given. Every job is
 validated before anything runs (a bad file is one line, exit code 2). The runs are ordinary
 :mod:`pipelines.run` jobs in the shared run store (tagged into the ``compare`` view): finished ones
 are skipped, interrupted ones resume, ``launcher=slurm`` submits them through Hydra's submitit
@@ -14,8 +15,9 @@ launcher, ``logging=`` sends them to W&B as any run. Budgets and rates come from
 (``train.steps=60``, ``method.lr=...``, ``lora=r8``) applies to every job.
 
 The table is built by :mod:`pipelines.aggregate` (Table 2's layout: Setting × Method, one column per
-metric of the task, the privacy–utility figure), under a header naming the file and its sha256, the
-model, N, the steps and the rates; it goes to ``<results_dir>/tables/compare-<file>-<sha8>.<scale>.*``.
+metric of the task, the privacy–utility figure), under a header naming the file and its identifier, the
+model, N, the steps and the rates; it goes to ``<results_dir>/tables/compare-<file>-<id8>.<scale>.*``
+(``<id8>``: the identifier's first 8 hex digits).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from pipelines.aggregate.records import RunRecord, read_run_folder
 from pipelines.aggregate.render import plot_privacy_utility, to_markdown, write_outputs
 from pipelines.aggregate.specs import TableSpec, method_label, setting_label, suite_columns
 from pipelines.validate import ConfigError, load_job
-from prism.fileio import sha256_file
+from prism.data.custom import file_id
 from prism.methods import registry
 
 EXPERIMENT = "compare"
@@ -47,7 +49,7 @@ class Plan:
     """The comparison: its fixed overrides and its jobs, one per setting × method × seed in that order."""
 
     task: Path
-    sha256: str
+    file_id: str
     fixed: list[str]
     settings: list[list[str]]
     methods: list[str]
@@ -86,13 +88,14 @@ def _epsilon(text: str) -> float:
 
 def pinned(role: str, path: Path) -> list[str]:
     """The overrides naming a task file (``role``: train or eval) as this command does: its absolute
-    path and its sha256, so the same file gives the same runs however it was named."""
-    return [f"suite.custom.{role}={path}", f"suite.custom.{role}_sha256={sha256_file(path)}"]
+    path and its identifier (:func:`~prism.data.custom.file_id`), so the same file gives the same runs
+    however it was named."""
+    return [f"suite.custom.{role}={path}", f"suite.custom.{role}_sha256={file_id(path)}"]
 
 
 def pin_task_files(overrides: Sequence[str]) -> list[str]:
     """``overrides`` with each ``suite.custom.train=`` / ``eval=`` file made absolute and pinned by its
-    sha256 (:func:`pinned`) unless the user pinned it: the jobs ``slurm/submit.sh compare`` writes are
+    identifier (:func:`pinned`) unless the user pinned it: the jobs ``slurm/submit.sh compare`` writes are
     then the runs of ``make compare`` on the same file. A missing file is left for validation to name."""
     given = {o.split("=", 1)[0] for o in overrides}
     out = []
@@ -109,7 +112,7 @@ def pin_task_files(overrides: Sequence[str]) -> list[str]:
 
 def task_overrides(keys: dict[str, str], overrides: Sequence[str]) -> list[str]:
     """The overrides that name the task and model of ``keys`` (``task``, ``eval``, ``type``, ``labels``,
-    ``model``), files absolute and pinned by sha256 (:func:`pinned`); ``ValueError`` for a missing file."""
+    ``model``), files absolute and pinned by their identifiers (:func:`pinned`); ``ValueError`` for a missing file."""
     task = Path(keys["task"]).expanduser().resolve()
     if not task.is_file():
         raise ValueError(f"{keys['task']}: no such task file; give a .jsonl or .csv file of prompt/target rows")
@@ -145,7 +148,7 @@ def plan(keys: dict[str, Any], overrides: Sequence[str]) -> Plan:
     ``keys``: ``task`` and the other task keys of ``make compare``, ``seed`` (comma-separated)."""
     fixed = [f"experiment={EXPERIMENT}", *task_overrides(keys, overrides), *overrides]
     task = Path(keys["task"]).expanduser().resolve()
-    sha = sha256_file(task)
+    identifier = file_id(task)
     methods = comma_list(keys["methods"], "methods") if "methods" in keys else default_methods()
     epsilons = budgets(keys)
     settings = [privacy_overrides(e) for e in epsilons]
@@ -164,7 +167,7 @@ def plan(keys: dict[str, Any], overrides: Sequence[str]) -> Plan:
                 except ConfigError as err:
                     raise ConfigError(f"in the job {' '.join(own)}: {err}") from None
                 jobs.append(launch.Job.of(overrides_, cfg))
-    return Plan(task, sha, fixed, settings, methods, seeds, jobs)
+    return Plan(task, identifier, fixed, settings, methods, seeds, jobs)
 
 
 # ------------------------------------------------------------------------------------------ table
@@ -178,14 +181,14 @@ def table_spec(p: Plan) -> TableSpec:
         means = suite_columns(by_suite.get("custom", []))
         return {c: means.get(c, math.nan) for c in spec.columns}
 
-    return TableSpec(f"{EXPERIMENT}-{p.task.stem}-{p.sha256[:8]}", f"PRISM and the baselines on {p.task.name}",
+    return TableSpec(f"{EXPERIMENT}-{p.task.stem}-{p.file_id[:8]}", f"PRISM and the baselines on {p.task.name}",
                      ("Setting", "Method"), "Setting", ("custom",), columns,
                      lambda record, paper: (setting_label(record), method_label(record)), values,
                      axes=("method", "privacy", "seed"))
 
 
 def header(p: Plan, result: TableResult) -> list[str]:
-    """What the table was computed from: the file and its sha256, the model, N, steps and rates."""
+    """What the table was computed from: the file and its identifier, the model, N, steps and rates."""
     cfg = p.configs[0]
     custom, backbone = cfg.suite.custom, cfg.backbone
     model = f"{backbone.path} (backbone=local)" if backbone.name == "local" else backbone.name
@@ -204,10 +207,11 @@ def header(p: Plan, result: TableResult) -> list[str]:
               "un-noised validation scores)" if tuned else
               "the scale's defaults (Table 8 × train.lr_multiplier); `make tune TASK=...` tunes them")
     lines = [f"# {result.spec.title}", "",
-             f"- Task: `{p.task}` (sha256 `{p.sha256}`), type {custom.type}"
+             f"- Task: `{p.task}` (identifier `{p.file_id}`, a keyed hash: docs/custom-task.md), type {custom.type}"
              + (f", labels {list(custom.labels)}" if custom.type == "classification" else "")
              + (f", tolerance {custom.tolerance:g}" if custom.type == "number" else ""),
-             f"- Evaluation rows: {custom.eval or f'{custom.eval_fraction:g} of the file held out (fixed draw)'}"
+             "- Evaluation rows: " + (custom.eval or f"held out of the file, each row by its own draw with chance "
+                                      f"{custom.eval_fraction:g}")
              + (f", {n_eval} rows" if n_eval is not None else ""),
              f"- Model: {model}, {backbone.dtype}, LoRA r={cfg.lora.r} on {list(cfg.lora.targets)}"
              + (f", last {backbone.lora_layers} layer(s)" if backbone.lora_layers else ", every layer"),
@@ -255,7 +259,7 @@ def main(overrides: Sequence[str], *, task: str, model: str | None = None, eval:
         return code
     p = plan(keys, overrides)
     pending, finished = launch.split_finished(EXPERIMENT, p.jobs)
-    print(f"compare {p.task.name} (sha256 {p.sha256[:12]}): {len(p.methods)} methods x {len(p.settings)} privacy "
+    print(f"compare {p.task.name} (identifier {p.file_id[:12]}): {len(p.methods)} methods x {len(p.settings)} privacy "
           f"settings x {max(1, len(p.seeds))} seed(s) = {len(p.jobs)} runs, {len(finished)} finished, "
           f"{len(pending)} to run", flush=True)
     failure = ""

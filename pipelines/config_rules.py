@@ -96,7 +96,8 @@ def _selection(cfg: DictConfig) -> None:
             "at embedded scale or for suite=custom only, use scale=embedded")
     require(suite.get("eval_split") != "validation", "privacy.selection publishes the test rows' scores, leave "
             "suite.eval_split out (or set it to test)")
-    require(isinstance(suite.get("validation_per_task"), int) and suite.validation_per_task >= 1,
+    require(suite.name == "custom"  # a custom task's validation rows: suite.custom.validation_fraction
+            or isinstance(suite.get("validation_per_task"), int) and suite.validation_per_task >= 1,
             f"privacy.selection scores suite.validation_per_task={suite.get('validation_per_task')} validation "
             "rows per task, set an integer >= 1, e.g. suite.validation_per_task=50")
     require(cfg.train.benchmark is None, "privacy.selection scores a trained model, set train.benchmark=null")
@@ -116,11 +117,11 @@ def _suite(cfg: DictConfig) -> int | None:
                              f"{suite.name} suite ({', '.join(EMBEDDED_TASKS.get(suite.name, {}))})")
     if suite.name == "custom":  # suite=custom: the user's files, checked line by line (prism/data/custom.py)
         from prism.backbones import token_counter
-        from prism.data.custom import TaskFileError, check_task, validation_rows
+        from prism.data.custom import TaskFileError, check_task, validating
 
         try:
             check_task(suite.custom, cfg.train.batch_size, suite.cutoff_len, token_counter(cfg.backbone), cfg.backbone.name,
-                       validation_rows(suite, cfg.privacy.get("selection") is not None))
+                       validating(suite, cfg.privacy.get("selection") is not None))
         except TaskFileError as err:
             raise ConfigError(str(err)) from None
         return

@@ -155,12 +155,15 @@ class CustomTaskConfig:
 
     train: str | None = help_field("required: a .jsonl or .csv file of {prompt, target[, id]} rows")
     eval: str | None = help_field("a second file; null: hold out eval_fraction of the training rows")
-    eval_fraction: float = help_field("held-out fraction when eval is null")
+    eval_fraction: float = help_field("each training row's chance to be held out for evaluation when eval is null")
+    validation_fraction: float = help_field("each remaining training row's chance to be a validation row "
+                                            "(eval_split=validation, a selection's candidate)")
     type: str = help_field("classification | number | exact")
     labels: list[Any] | None = help_field("classification: the label set")
     tolerance: float = help_field("number: |response - target| <= tolerance")
-    train_sha256: str | None = help_field("the train file's sha256, checked when set")
-    eval_sha256: str | None = help_field("the eval file's sha256, checked when set")
+    train_sha256: str | None = help_field("the train file's identifier (a keyed hash, prism.data.custom.file_id), "
+                                          "checked when set")
+    eval_sha256: str | None = help_field("the eval file's identifier, checked when set")
 
 
 @dataclass

@@ -30,11 +30,12 @@ A user's task (``make tune TASK=file.jsonl``)::
     python -m pipelines tune task=TASK.jsonl [eval=..] [type=..] [labels=..] [model=DIR]
                             [methods=prism,adamw] [eps=inf,6,3] [jobs=K] [overrides]
 
-sweeps the cells of ``make compare`` on that task (the same keys, the same model and budget) with
-``suite.validation_per_task`` rows held out of its training rows as the validation split
-(:mod:`prism.data.custom`; never its evaluation rows). Its outputs are
-``tables/tune-<file>-<sha8>.<scale>.*`` and ``<results_dir>/tuned/custom-<file>-<sha8>.<scale>.yaml``,
-which ``make compare`` on the same file (same sha256), model and budget then reads.
+sweeps the cells of ``make compare`` on that task (the same keys, the same model and budget) with the
+training rows whose own draw falls below ``suite.custom.validation_fraction`` held out as the validation
+split (:mod:`prism.data.custom`; never its evaluation rows). Its outputs are
+``tables/tune-<file>-<id8>.<scale>.*`` and ``<results_dir>/tuned/custom-<file>-<id8>.<scale>.yaml``
+(``<id8>``: the first 8 hex digits of the file's identifier, a keyed hash, docs/custom-task.md), which
+``make compare`` on the same file (same identifier), model and budget then reads.
 """
 from __future__ import annotations
 
@@ -404,9 +405,12 @@ def main(overrides: Sequence[str], *, jobs: int | None = None, task: str | None 
         task = f"{Path(str(cfg0.suite.custom.train)).stem}-{str(cfg0.suite.custom.train_sha256)[:8]}"
         name, title = f"tune-{task}", f"{Path(str(cfg0.suite.custom.train)).name}, {scale} scale"
         target = user_tuned_dir(results) / f"custom-{task}.{scale}.yaml"
+        del header["validation_per_task"]  # a user's task holds a fraction out, each row by its own draw
+        fraction = float(cfg0.suite.custom.validation_fraction)
         header.update(task=str(cfg0.suite.custom.train), task_sha256=str(cfg0.suite.custom.train_sha256),
-                      validation=f"{n_validation} held out of the training rows (a fixed draw), never the "
-                                 "evaluation rows")
+                      validation_fraction=fraction,
+                      validation=f"held out of the training rows, each row by its own draw with chance {fraction:g}, "
+                                 "never the evaluation rows")
     df = frame(points)
     out = results / "tables"
     out.mkdir(parents=True, exist_ok=True)

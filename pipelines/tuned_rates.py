@@ -72,7 +72,8 @@ class TunedRate:
     validation_score: float | None = help_field("the chosen rate's validation score (mean over the tuning seeds)", None)
     validation_se: float | None = help_field("its standard error (pipelines.tune.score_of)", None)
     at_edge: bool | None = help_field("the best rate is an end of the swept grid", None)
-    task_sha256: str | None = help_field("a user's task: the training file's sha256", None)
+    task_sha256: str | None = help_field("a user's task: the training file's identifier (suite.custom.train_sha256, "
+                                         "a keyed hash)", None)
     model_path: str | None = help_field("a user's model folder", None)
 
     def __post_init__(self) -> None:

@@ -8,17 +8,27 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 FILE_MODE = 0o644
 
 
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, read in 16 MiB blocks."""
-    digest = hashlib.sha256()
+    return _digest_file(path, hashlib.sha256())
+
+
+def hmac_sha256_file(path: Path, key: bytes) -> str:
+    """Hex HMAC-SHA256 of a file under ``key`` (RFC 2104), read in 16 MiB blocks."""
+    return _digest_file(path, hmac.new(key, digestmod=hashlib.sha256))
+
+
+def _digest_file(path: Path, digest: Any) -> str:
     with Path(path).open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 24), b""):
             digest.update(block)

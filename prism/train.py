@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from prism.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from prism.data import Suite, build_suite, sub_seed
-from prism.data.custom import TASK, answer_room, check_task, validation_rows
+from prism.data.custom import TASK, answer_room, check_task, validating
 from prism.data.prompts import collate, tokenize_example, tokenize_train_set
 from prism.evaluation.evaluate import evaluate_suite, new_tokens
 from prism.fastpath.prefix import PrefixCache, prefix_cache
@@ -154,7 +154,7 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
     if suite.source:  # suite=custom: every training row's length again, with the loaded tokenizer
         count = lambda text: len(tokenizer(text)["input_ids"])  # noqa: E731
         check_task(cfg.suite.custom, cfg.train.batch_size, suite.cutoff_len, count, cfg.backbone.name,
-                   validation_rows(cfg.suite, selection is not None))
+                   validating(cfg.suite, selection is not None))
         if warning := answer_room(suite.train, count, new_tokens(cfg.suite.decoding, TASK)):
             log.warning(warning)
     model = attach_lora(model, cfg.lora, cfg.backbone, init=cfg.method.init,

@@ -17,7 +17,7 @@ from pipelines.__main__ import function, parse
 from pipelines.__main__ import main as cli
 
 
-def _task(path: Path, n: int = 80) -> Path:
+def _task(path: Path, n: int = 100) -> Path:
     rows = [{"id": i, "prompt": f"Is {i} even?", "target": "yes" if i % 2 == 0 else "no"} for i in range(n)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -39,10 +39,10 @@ def test_plan_is_methods_by_settings_by_seeds_and_pins_the_file(tmp_path: Path) 
     got = sorted((c.method.name, c.privacy.epsilon, c.privacy.name, c.seed) for c in p.configs)
     assert got == sorted((m, e, n, s) for m in ("prism", "adamw")
                          for e, n in ((math.inf, "nondp"), (6.0, "eps6"), (1.5, "eps1.5")) for s in (1, 2))
-    assert all(c.suite.custom.train_sha256 == store_sha(task) for c in p.configs)
+    assert all(c.suite.custom.train_sha256 == task_id(task) for c in p.configs)
     assert len({j.run_hash for j in p.jobs}) == 12
     before = {j.run_hash for j in p.jobs}
-    _task(task, 81)  # an edited file is a new run, never the old result
+    _task(task, 101)  # an edited file is a new run, never the old result
     assert not before & {j.run_hash for j in _plan(_args(task, tmp_path / "r", "methods=prism,adamw",
                                                                 "eps=inf,6,1.5", "seed=1,2")).jobs}
 
@@ -64,10 +64,11 @@ def test_slurm_job_list_of_compare_is_the_runs_of_make_compare(tmp_path: Path, m
     assert len(from_grid) == 2 and from_grid == planned
 
 
-def store_sha(path: Path) -> str:
-    from prism.fileio import sha256_file
+def task_id(path: Path) -> str:
+    """The identifier ``make compare`` pins: the file's keyed hash on this machine (prism.data.custom.file_id)."""
+    from prism.data.custom import file_id
 
-    return sha256_file(path)
+    return file_id(path)
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -128,15 +129,15 @@ def test_table_cells_are_means_over_seeds(tmp_path: Path, capsys: pytest.Capture
         _finish(job, cfg, base, base / 2)
     assert cli(["compare", *argv]) == 0  # everything finished: nothing runs, the table is rendered
     out = capsys.readouterr().out
-    assert "0 to run" in out and f"sha256 `{store_sha(task)}`" in out
-    csv = pd.read_csv(tmp_path / "results" / "tables" / f"compare-t-{store_sha(task)[:8]}.embedded.csv")
+    assert "0 to run" in out and f"identifier `{task_id(task)}`" in out
+    csv = pd.read_csv(tmp_path / "results" / "tables" / f"compare-t-{task_id(task)[:8]}.embedded.csv")
     cell = {
         (r["Setting"], r["Method"]): (r["Accuracy"], r["Macro-F1"]) for _, r in csv.iterrows()}
     assert cell[("Non-DP", "PRISM")] == pytest.approx((0.6, 0.3))
     assert cell[("Non-DP", "AdamW")] == pytest.approx((0.3, 0.15))
     assert cell[("ε=6", "PRISM")] == pytest.approx((0.5, 0.25))
     assert cell[("ε=6", "AdamW")] == pytest.approx((0.2, 0.1))
-    assert (tmp_path / "results" / "tables" / f"compare-t-{store_sha(task)[:8]}.embedded_privacy_utility.png").is_file()
+    assert (tmp_path / "results" / "tables" / f"compare-t-{task_id(task)[:8]}.embedded_privacy_utility.png").is_file()
 
 
 def test_accuracy_cells_of_a_user_task_carry_the_row_bootstrap_interval(tmp_path: Path) -> None:
@@ -151,7 +152,7 @@ def test_accuracy_cells_of_a_user_task_carry_the_row_bootstrap_interval(tmp_path
     final["per_example"]["custom"] = {"column": "Accuracy", "correct": [1] * 240 + [0] * 160, "rows": "r400"}
     store.write_json_atomic(job.folder / "final.json", final)
     assert cli(["compare", *argv]) == 0
-    row = pd.read_csv(tmp_path / "results" / "tables" / f"compare-t-{store_sha(task)[:8]}.embedded.csv").iloc[0]
+    row = pd.read_csv(tmp_path / "results" / "tables" / f"compare-t-{task_id(task)[:8]}.embedded.csv").iloc[0]
     half = 1.96 * math.sqrt(0.6 * 0.4 / 400)
     assert row["Accuracy_ci"] == "bootstrap"
     assert row["Accuracy_lo"] == pytest.approx(0.6 - half, abs=0.01) and row["Accuracy_hi"] == pytest.approx(0.6 + half, abs=0.01)
@@ -179,7 +180,7 @@ def test_macro_f1_cells_of_a_user_task_carry_the_row_bootstrap_interval(tmp_path
                                                 "labels": 2, "rows": "r300"}}
     store.write_json_atomic(job.folder / "final.json", final)
     assert cli(["compare", *argv]) == 0
-    row = pd.read_csv(tmp_path / "results" / "tables" / f"compare-t-{store_sha(task)[:8]}.embedded.csv").iloc[0]
+    row = pd.read_csv(tmp_path / "results" / "tables" / f"compare-t-{task_id(task)[:8]}.embedded.csv").iloc[0]
     brute = [f1_score(gold[idx], pred[idx], labels=[0, 1], average="macro", zero_division=0.0)
              for draws in row_draws("r300", 300, B) for idx in draws]
     lo, hi = np.quantile(brute, [0.025, 0.975])
@@ -195,6 +196,6 @@ def test_the_comparison_states_the_tables_bold_and_tie_rule(tmp_path: Path) -> N
     for job, cfg, score in zip(p.jobs, p.configs, (0.6, 0.5)):
         _finish(job, cfg, score, score)
     assert cli(["compare", *argv]) == 0
-    md = (tmp_path / "results" / "tables" / f"compare-t-{store_sha(task)[:8]}.embedded.md").read_text()
+    md = (tmp_path / "results" / "tables" / f"compare-t-{task_id(task)[:8]}.embedded.md").read_text()
     assert "in **bold** only where the 95 % interval of its paired difference from the runner-up excludes 0" in md
     assert "otherwise the best value is marked (tie)" in md

@@ -64,20 +64,20 @@ def _rows(n: int, start: int = 0) -> list[dict]:
 
 
 def _node(train: Path, **extra) -> dict:
-    return {"train": str(train), "eval": None, "eval_fraction": 0.25, "type": "classification",
-            "labels": list(LABELS), "tolerance": 1e-3, **extra}
+    return {"train": str(train), "eval": None, "eval_fraction": 0.25, "validation_fraction": 0.25,
+            "type": "classification", "labels": list(LABELS), "tolerance": 1e-3, **extra}
 
 
 def test_split_is_fixed_disjoint_and_examples_reuse_the_template(tmp_path: Path) -> None:
     train = _write(tmp_path / "t.jsonl", _rows(40))
     a, _ = load_task(_node(train))
     b, _ = load_task(_node(train))
-    assert (len(a.train), len(a.eval)) == (30, 10) and a.train == b.train and a.eval == b.eval
+    assert len(a.train) + len(a.eval) == 40 and a.train == b.train and a.eval == b.eval
     assert not {ex.instruction for ex in a.train} & {ex.instruction for ex in a.eval}
     ex = a.train[0]
     assert ex.input == "" and ex.answer == LABELS.index(ex.output)
     suite = build_suite({"name": "custom", "scale": "embedded", "custom": _node(train)}, seed=3)
-    assert suite.family == "glue" and suite.task_columns == {"custom": "Accuracy"} and len(suite.train) == 30
+    assert suite.family == "glue" and suite.task_columns == {"custom": "Accuracy"} and suite.train == a.train
     assert suite.source["train_sha256"] and suite.rules["custom"].labels == LABELS
 
 
@@ -87,7 +87,7 @@ def test_csv_reads_like_jsonl(tmp_path: Path) -> None:
     csv.write_text("id,prompt,target\n" + "".join(f'{r["id"]},"{r["prompt"]}",{r["target"]}\n' for r in rows))
     jsonl = _write(tmp_path / "t.jsonl", rows)
     a, b = load_task(_node(csv))[0], load_task(_node(jsonl))[0]
-    assert set(a.train + a.eval) == set(b.train + b.eval) and len(a.eval) == len(b.eval) == 2
+    assert (a.train, a.eval) == (b.train, b.eval) and a.eval
 
 
 LONG = "x" * 500
@@ -165,23 +165,23 @@ def test_validation_rows_are_held_out_of_the_training_rows_never_the_evaluation_
     every seed; the evaluation rows (held out or a file) are neither trained on nor scored."""
     train = _write(tmp_path / "t.jsonl", _rows(40))
     test = load_task(_node(train))[0]
-    val = load_task(_node(train), n_validation=8)[0]
+    val = load_task(_node(train), validating=True)[0]
     key = lambda rows: [ex.instruction for ex in rows]  # noqa: E731
-    assert len(val.eval) == 8 and len(val.train) == 22 and sorted(key(val.train + val.eval)) == sorted(key(test.train))
-    assert not set(key(val.eval)) & set(key(test.eval))  # the 10 evaluation rows stay out of both
-    node = {"name": "custom", "scale": "embedded", "custom": _node(train), "eval_split": "validation",
-            "validation_per_task": 8}
+    assert val.eval and val.train and sorted(key(val.train + val.eval)) == sorted(key(test.train))
+    assert not set(key(val.eval)) & set(key(test.eval))  # the evaluation rows stay out of both
+    node = {"name": "custom", "scale": "embedded", "custom": _node(train), "eval_split": "validation"}
     assert key(build_suite(node, seed=1).eval["custom"]) == key(build_suite(node, seed=2).eval["custom"]) == key(val.eval)
     assert build_suite(node, seed=1).source["split"] == "validation"
     held = _write(tmp_path / "e.jsonl", _rows(6, start=100))  # an evaluation file: the pool is the whole train file
-    with_file = load_task(_node(train, eval=str(held)), n_validation=8)[0]
-    assert len(with_file.train) == 32 and set(key(with_file.eval)) <= {f"Review {i}: {w}." for i in range(40)
-                                                                        for w in ("great", "awful")}
-    with pytest.raises(TaskFileError, match=r"30 training row\(s\) leave none .* suite.validation_per_task=30"):
-        load_task(_node(train), n_validation=30)
-    with pytest.raises(TaskFileError, match="22 training rows after holding out 8 for validation, fewer than "
-                                            "train.batch_size=32"):
-        check_task(_node(train), 32, 384, None, "tiny-llama", n_validation=8)
+    with_file = load_task(_node(train, eval=str(held)), validating=True)[0]
+    assert len(with_file.train) + len(with_file.eval) == 40 and set(key(with_file.eval)) <= {
+        f"Review {i}: {w}." for i in range(40) for w in ("great", "awful")}
+    with pytest.raises(TaskFileError, match=r"every row fell .* suite.custom.validation_fraction=0.999999"):
+        load_task(_node(train, validation_fraction=1 - 1e-6), validating=True)
+    n = len(val.train)
+    with pytest.raises(TaskFileError, match=f"{n} training rows after holding out {len(val.eval)} for validation, "
+                                            f"fewer than train.batch_size={n + 1}"):
+        check_task(_node(train), n + 1, 384, None, "tiny-llama", validation=True)
 
 
 def test_macro_f1_is_scikit_learns_on_rows_and_on_stacks_of_draws() -> None:
@@ -319,9 +319,9 @@ def test_a_utf8_byte_order_mark_reads_as_without_it(tmp_path: Path) -> None:
     marked_csv = tmp_path / "marked.csv"
     marked_csv.write_bytes(b"\xef\xbb\xbf" + csv_text.encode())
     expected = load_task(_node(plain))[0]
-    for path in (marked, marked_csv):  # the hold-out draw follows the file's digest: compare the rows
+    for path in (marked, marked_csv):  # each row's side follows the row alone: the same split
         got = load_task(_node(path))[0]
-        assert sorted(got.train + got.eval, key=str) == sorted(expected.train + expected.eval, key=str)
+        assert (got.train, got.eval) == (expected.train, expected.eval)
 
 
 # ---------------------------------------------------------------------------- evaluation lengths

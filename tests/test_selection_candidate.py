@@ -62,8 +62,12 @@ def test_a_selection_block_without_a_field_is_refused_in_one_line() -> None:
 
 
 def test_a_custom_task_candidate_trains_outside_the_validation_rows_it_scores(tmp_path: Path) -> None:
+    """The 40 rows fall apart into training, validation and test rows, the validation split being the one
+    ``build_suite`` draws for ``suite.eval_split=validation`` (each row by its own draw, prism.data.custom)."""
+    from omegaconf import OmegaConf
+
     from pipelines.compose import compose_config, resolve
-    from prism.data import row_key
+    from prism.data import build_suite, row_key
 
     lines = [{"prompt": f"Review {i}: {'great' if i % 2 else 'awful'}.", "target": "positive" if i % 2 else "negative"}
             for i in range(40)]
@@ -75,5 +79,7 @@ def test_a_custom_task_candidate_trains_outside_the_validation_rows_it_scores(tm
     s = T.build(cfg)
     train, scored, test = ({row_key(ex) for ex in part} for part in (s.suite.train, s.validation.eval["custom"],
                                                                      s.suite.eval["custom"]))
-    assert (len(train), len(scored), len(test)) == (29, 3, 8)  # 40 rows: 8 test rows held out, then 3 validation
+    assert len(train) + len(scored) + len(test) == 40 and min(len(train), len(scored), len(test)) > 0
     assert not train & scored and not train & test and not scored & test
+    validation = build_suite({**OmegaConf.to_container(cfg.suite), "eval_split": "validation"}, cfg.seed)
+    assert s.suite.train == validation.train and s.validation.eval == validation.eval

@@ -4,42 +4,58 @@ Node ``suite.custom`` fields (the key names are fixed):
 
 * ``train`` – a JSON Lines (``.jsonl``) or ``.csv`` file of rows ``{"prompt": ..., "target": ..., "id": ...}``
   (``id`` optional, unique within its file; evaluation records are identified by their prompts' sha256);
-* ``eval`` – a second file of the same form, or null: then ``eval_fraction`` of the training rows are held
-  out with a fixed seed (the same rows for every run seed and method, as a paper's fixed test set);
+* ``eval`` – a second file of the same form, or null: then each training row is held out for evaluation
+  when its own draw (:func:`row_draw`) is below ``eval_fraction`` (the same rows for every run seed and
+  method, as a paper's fixed test set);
+* ``validation_fraction`` – with ``suite.eval_split=validation`` (``make tune``) or in a private
+  selection's candidate, each training row left after that hold-out is a validation row, scored instead
+  of the evaluation rows, when its draw for validation is below this fraction;
 * ``type`` – ``classification`` (``labels``), ``number`` (``tolerance`` on the last number, the Math
   suites' extraction) or ``exact`` (normalised text equal);
-* ``train_sha256`` / ``eval_sha256`` – null, or the file's digest, checked when set (``make compare``).
+* ``train_sha256`` / ``eval_sha256`` – null, or the file's identifier (:func:`file_id`: a keyed hash, not
+  the sha256 the names recall), checked when set (``make compare`` sets it).
 
-With ``suite.eval_split=validation`` (``make tune``) ``suite.validation_per_task`` of the training rows
-left after the hold-out are held out with a fixed draw and scored instead of the evaluation rows.
-A row becomes an :class:`~prism.data.Example` (instruction = prompt, output = target), so it goes through
-the paper suites' template, tokenisation, decoding and parsing; :func:`prism.evaluation.metrics.score_task`
-scores it. Every problem is one line, ``<file> line <n>: <what is wrong>; <fix>`` (:class:`TaskFileError`),
-raised by :func:`check_task` before any model is loaded; an evaluation prompt that is also a training
-prompt is one warning line (:func:`leakage`).
+A row's side of either hold-out depends on that row alone, so adding or removing one row moves no other
+row between training and hold-out, and each hold-out's size is Binomial (docs/PRIVACY.md, "A user's
+task file"). A row becomes an :class:`~prism.data.Example` (instruction = prompt, output = target), so it
+goes through the paper suites' template, tokenisation, decoding and parsing;
+:func:`prism.evaluation.metrics.score_task` scores it. Every problem is one line, ``<file> line <n>: <what
+is wrong>; <fix>`` (:class:`TaskFileError`), raised by :func:`check_task` before any model is loaded; an
+evaluation prompt that is also a training prompt is one warning line (:func:`leakage`).
 """
 from __future__ import annotations
 
 import codecs
+import contextlib
 import csv
+import hashlib
+import hmac
 import json
 import logging
-import random
+import os
+import secrets
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prism.backbones import cache_root
 from prism.data.prompts import train_prompt
-from prism.data.rows import DataUnavailableError, Example, sub_seed
+from prism.data.rows import DataUnavailableError, Example
 from prism.evaluation.metrics import MATH_TOLERANCE, TASK_KINDS, TaskRule, extract_number, normalize_exact
-from prism.fileio import sha256_file
+from prism.fileio import hmac_sha256_file, sha256_file
 
 TASK = "custom"
 """The suite's one evaluation task (its table columns are the task's metrics)."""
 FIELDS = ("prompt", "target")
-SPLIT_SEED = 20260601
-"""Seed of the ``eval_fraction`` hold-out (fixed: every run is scored on the same rows)."""
+HOLD_OUTS = {"evaluation": ("eval_fraction", b"prism/custom/evaluation-hold-out"),
+             "validation": ("validation_fraction", b"prism/custom/validation-hold-out")}
+"""Each hold-out's fraction key in ``suite.custom`` and the public key of its rows' draws (:func:`row_draw`;
+one key per hold-out, so a row's two draws are independent)."""
+MACHINE_KEY = "custom-task.key"
+"""The file under ``$PRISM_CACHE`` holding this machine's secret key of :func:`file_id` (32 random bytes)."""
+KEY_BYTES = 32
 
 TokenCounter = Callable[[str], int]
 log = logging.getLogger(__name__)
@@ -257,12 +273,81 @@ def answer_room(train: Sequence[Example], count_tokens: TokenCounter, max_new_to
             f"{max_new_tokens}: longer answers are cut off in evaluation; raise suite.decoding.max_new_tokens")
 
 
+def machine_key() -> bytes:
+    """This machine's secret key of :func:`file_id`: ``$PRISM_CACHE/custom-task.key``, created on first use with
+    mode 0600 from the OS CSPRNG, atomically (written whole, then hard-linked into place, so concurrent first
+    uses agree on one key), and read as it is afterwards. It never leaves the machine: no run records it."""
+    path = cache_root() / MACHINE_KEY
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{MACHINE_KEY}.", dir=path.parent)  # mode 0600
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(secrets.token_bytes(KEY_BYTES))
+                handle.flush()
+                os.fsync(handle.fileno())
+            with contextlib.suppress(FileExistsError):  # another process created it first: its key is the key
+                os.link(tmp, path)
+        finally:
+            os.unlink(tmp)
+    key = path.read_bytes()
+    if len(key) != KEY_BYTES:
+        raise TaskFileError(f"{path}: {len(key)} bytes, not a {KEY_BYTES}-byte key of suite.custom's file "
+                            "identifiers; delete it (a new key is made, and pinned identifiers must be set again)")
+    return key
+
+
+def file_id(path: Path) -> str:
+    """The published identifier of a user's task file: HMAC-SHA256 of its bytes under :func:`machine_key`.
+    It tells an edited file from the one a run was configured with, as the sha256 did, but no one without
+    the key can test a guessed file (the user's rows with or without one candidate row) against it."""
+    return hmac_sha256_file(path, machine_key())
+
+
 def _verified(path: Path, expected: Any, key: str) -> str:
-    digest = sha256_file(path)
-    if expected and str(expected) != digest:
-        raise TaskFileError(f"{path}: sha256 {digest} differs from suite.custom.{key}={expected} (the file changed "
-                            f"since the run was configured); set suite.custom.{key}={digest} or null")
-    return digest
+    identifier = file_id(path)
+    if expected and str(expected) != identifier:
+        if str(expected) == sha256_file(path):
+            raise TaskFileError(f"{path}: suite.custom.{key}={expected} is the file's plain sha256, no longer its "
+                                "identifier (a function of every row, docs/PRIVACY.md); set "
+                                f"suite.custom.{key}={identifier} (its keyed identifier on this machine) or null")
+        raise TaskFileError(f"{path}: identifier {identifier} differs from suite.custom.{key}={expected} (the file "
+                            "changed since the run was configured, or it was configured with another machine's key, "
+                            f"docs/custom-task.md); set suite.custom.{key}={identifier} or null")
+    return identifier
+
+
+def row_draw(row: Row, hold_out: str) -> float:
+    """A row's uniform draw in [0, 1) for ``hold_out`` (a key of :data:`HOLD_OUTS`): the first 53 bits of
+    HMAC-SHA256 under the hold-out's public key of the row's prompt (runs of whitespace collapsed, as
+    :func:`leakage` compares prompts), over 2**53. It depends on this row alone, so no row's side changes when
+    another is added or removed; rows repeating a prompt share it and land on one side."""
+    mac = hmac.new(HOLD_OUTS[hold_out][1], _same_prompt(row.prompt).encode("utf-8"), hashlib.sha256).digest()
+    return (int.from_bytes(mac[:8], "big") >> 11) / 2**53
+
+
+def hold_out(path: Path, rows: Sequence[Row], node: Mapping[str, Any], name: str) -> tuple[list[Row], list[Row]]:
+    """(kept, held) rows of ``name``'s hold-out: held when the row's :func:`row_draw` is below the fraction
+    ``p`` of ``suite.custom`` (each prompt independently: for distinct prompts the held count is
+    Binomial(len(rows), p), rows repeating a prompt go together); a
+    :class:`TaskFileError` naming the fraction when it is not in (0, 1) or leaves either side empty."""
+    key = HOLD_OUTS[name][0]
+    fraction = node.get(key)
+    if fraction is None or not 0 < float(fraction) < 1:
+        raise TaskFileError(f"suite.custom.{key}={fraction!r}: give the fraction in (0, 1) of the training rows to "
+                            f"hold out for {name}, e.g. 0.2")
+    draws = [row_draw(row, name) < float(fraction) for row in rows]
+    held = [row for row, below in zip(rows, draws) if below]
+    kept = [row for row, below in zip(rows, draws) if not below]
+    other = " or give suite.custom.eval=PATH" if name == "evaluation" else ""
+    if not held:
+        raise TaskFileError(f"{path}: no row fell in the hold-out of suite.custom.{key}={float(fraction):g} (each of "
+                            f"the {len(rows)} rows is held out for {name} by its own draw, with that probability); "
+                            f"add rows, raise suite.custom.{key}{other}")
+    if not kept:
+        raise TaskFileError(f"{path}: every row fell in the hold-out of suite.custom.{key}={float(fraction):g} "
+                            f"({len(rows)} rows), none is left for training; add rows, lower suite.custom.{key}{other}")
+    return kept, held
 
 
 @dataclass
@@ -276,10 +361,10 @@ class CustomTask:
     warning: str | None = None  # :func:`leakage`
 
 
-def load_task(node: Mapping[str, Any], n_validation: int = 0) -> tuple[CustomTask, list[tuple[Path, list[Row]]]]:
-    """Read and check the files of ``suite.custom`` (all checks but lengths and batch size): the task (with
-    ``n_validation`` > 0, validation rows held out of the training rows are its evaluation rows) and every
-    row of each file, the training file's first."""
+def load_task(node: Mapping[str, Any], validating: bool = False) -> tuple[CustomTask, list[tuple[Path, list[Row]]]]:
+    """Read and check the files of ``suite.custom`` (all checks but lengths and batch size): the task (when
+    ``validating``, validation rows held out of the training rows are its evaluation rows) and every row of
+    each file, the training file's first."""
     if not node.get("train"):
         raise TaskFileError("suite.custom.train is not set; give suite.custom.train=PATH (a .jsonl or .csv file)")
     rule = task_rule(node)
@@ -296,30 +381,16 @@ def load_task(node: Mapping[str, Any], n_validation: int = 0) -> tuple[CustomTas
         files.append((eval_path, eval_rows))
         source.update(eval=str(node["eval"]), eval_sha256=_verified(eval_path, node.get("eval_sha256"), "eval_sha256"))
     else:
-        fraction = node.get("eval_fraction")
-        if fraction is None or not 0 < float(fraction) < 1:
-            raise TaskFileError(f"suite.custom.eval_fraction={fraction!r}: without suite.custom.eval give a fraction "
-                                "in (0, 1) of the training rows to hold out, e.g. 0.2")
-        n_eval = max(1, round(float(fraction) * len(train_rows)))
-        if n_eval >= len(train_rows):
-            raise TaskFileError(f"{train_path}: {len(train_rows)} row(s) leave none for training after holding out "
-                                f"{n_eval}; add rows or give suite.custom.eval=PATH")
-        held = set(random.Random(sub_seed(SPLIT_SEED, TASK, source["train_sha256"])).sample(range(len(train_rows)), n_eval))
-        eval_rows = [row for i, row in enumerate(train_rows) if i in held]
-        train_rows = [row for i, row in enumerate(train_rows) if i not in held]
-        source.update(eval=f"{n_eval} rows held out of {node['train']} (eval_fraction={float(fraction):g})")
+        train_rows, eval_rows = hold_out(train_path, train_rows, node, "evaluation")
+        source.update(eval=f"{len(eval_rows)} rows held out of {node['train']} (each row by its own draw, "
+                      f"eval_fraction={float(node['eval_fraction']):g})")
     eval_path = files[-1][0]
-    if n_validation:
-        if n_validation >= len(train_rows):
-            raise TaskFileError(f"{train_path}: {len(train_rows)} training row(s) leave none for training after holding "
-                                f"out suite.validation_per_task={n_validation} for validation; lower it or add rows")
-        held = set(random.Random(sub_seed(SPLIT_SEED, TASK, "validation", source["train_sha256"])).sample(
-            range(len(train_rows)), n_validation))
-        eval_rows = [row for i, row in enumerate(train_rows) if i in held]
-        train_rows = [row for i, row in enumerate(train_rows) if i not in held]
+    if validating:
+        train_rows, eval_rows = hold_out(train_path, train_rows, node, "validation")
         eval_path = train_path
-        source.update(split="validation", eval=f"{n_validation} validation rows held out of the training rows of "
-                      f"{node['train']} (suite.eval_split=validation; the evaluation rows are not scored)")
+        source.update(split="validation", eval=f"{len(eval_rows)} validation rows held out of the training rows of "
+                      f"{node['train']} (each row by its own draw, validation_fraction="
+                      f"{float(node['validation_fraction']):g}; the evaluation rows are not scored)")
     train = [example(row, gold(rule, row, train_path)) for row in train_rows]
     evals = [example(row, gold(rule, row, eval_path)) for row in eval_rows]
     source.update(type=rule.kind, n_train=len(train), n_eval=len(evals))
@@ -327,25 +398,24 @@ def load_task(node: Mapping[str, Any], n_validation: int = 0) -> tuple[CustomTas
     return CustomTask(train, evals, rule, source, warning), files
 
 
-def validation_rows(cfg_suite: Mapping[str, Any], selecting: bool = False) -> int:
-    """How many validation rows a run of ``cfg_suite`` holds out: ``suite.validation_per_task`` under
-    ``suite.eval_split=validation`` or in a private selection's candidate (``selecting``), else 0."""
-    validating = selecting or cfg_suite.get("eval_split") == "validation"
-    return int(cfg_suite.get("validation_per_task") or 0) if validating else 0
+def validating(cfg_suite: Mapping[str, Any], selecting: bool = False) -> bool:
+    """Whether a run of ``cfg_suite`` holds validation rows out of the training rows and scores them:
+    under ``suite.eval_split=validation`` or in a private selection's candidate (``selecting``)."""
+    return selecting or cfg_suite.get("eval_split") == "validation"
 
 
 def check_task(node: Mapping[str, Any], batch_size: int, cutoff_len: int, count_tokens: TokenCounter | None,
-               backbone: str, n_validation: int = 0) -> CustomTask:
+               backbone: str, validation: bool = False) -> CustomTask:
     """Every check of a custom task that needs no model: :func:`load_task`, the row lengths when the tokenizer
     is readable without a model (``count_tokens``), enough rows for ``train.batch_size``; a :func:`leakage`
     warning is logged once per process."""
-    task, files = load_task(node, n_validation)
+    task, files = load_task(node, validation)
     train_path = files[0][0]
     if count_tokens is not None:
         for k, (path, rows) in enumerate(files):
             check_lengths(path, rows, cutoff_len, count_tokens, backbone, evaluation=k > 0)
     if len(task.train) < batch_size:
-        held = f" after holding out {len(task.eval)} for validation" if n_validation else (
+        held = f" after holding out {len(task.eval)} for validation" if validation else (
             "" if node.get("eval") else f" after holding out {len(task.eval)} for evaluation")
         raise TaskFileError(f"{train_path}: {len(task.train)} training rows{held}, fewer than train.batch_size="
                             f"{batch_size}; add rows or lower train.batch_size to at most {len(task.train)}")
@@ -357,5 +427,5 @@ def check_task(node: Mapping[str, Any], batch_size: int, cutoff_len: int, count_
 
 def build(cfg_suite: Any) -> tuple[list[Example], dict[str, list[Example]], dict[str, str], TaskRule, dict[str, Any]]:
     """``suite=custom`` for :func:`prism.data.build_suite`: (train, eval by task, task → column, rule, file facts)."""
-    task, _ = load_task(cfg_suite.get("custom") or {}, validation_rows(cfg_suite))
+    task, _ = load_task(cfg_suite.get("custom") or {}, validating(cfg_suite))
     return task.train, {TASK: task.eval}, {TASK: task.rule.columns[0]}, task.rule, task.source

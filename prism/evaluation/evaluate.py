@@ -137,9 +137,9 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
     tasks' scores), ``average`` (mean over the suite's columns; a user task's score), ``parse_failure`` (task →
     fraction of responses the rules could not parse; still scored), ``unparseable`` (task → their count),
     ``metrics`` (user tasks: task → every metric of :func:`prism.evaluation.metrics.score_task`, the later ones
-    also columns), ``data`` (user tasks: the files and their sha256), ``n`` (task → examples scored),
-    ``skipped`` (task → rows with an invalid gold answer), ``samples`` (task → first responses), ``seconds``
-    (task → time), ``eval_rows`` (task → evaluation rows, scored or skipped), ``per_example`` (task → its
+    also columns), ``data`` (user tasks: the files and their identifiers, :func:`prism.data.custom.file_id`),
+    ``n`` (task → examples scored), ``skipped`` (task → rows with an invalid gold answer), ``samples`` (task →
+    first responses), ``seconds`` (task → time), ``eval_rows`` (task → evaluation rows, scored or skipped), ``per_example`` (task → its
     ``column``, :func:`prism.evaluation.metrics.row_outcomes` of the scored rows in order, and ``rows``: the
     sha256 of their prompts, so the aggregator's bootstrap can resample and pair runs on them; a user
     classification task also has ``<task>/Macro-F1``: each row's parsed and gold label and the label count)."""
