@@ -7,6 +7,7 @@ cover it, and every candidate's σ is the selection's."""
 from __future__ import annotations
 
 import re
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -18,37 +19,62 @@ from pipelines import launch, select, store
 from pipelines.__main__ import main as cli
 from pipelines.aggregate.records import read_run_folders
 from pipelines.compose import job_config
-from pipelines.run import execute
 from pipelines.tune import Cell
 from prism.data import sub_seed
-from prism.privacy.selection import calibrate_candidate_sigma, draw_candidate_count
+from prism.privacy.selection import SEEDED_PLAN, calibrate_candidate_sigma, draw_candidate_count
+
+
+class InProcessPool:
+    """The local launcher's worker pool run in this process: each job runs when submitted (the real
+    :func:`pipelines.worker.run_job` and trainer on the tiny model), its run hash noted in ``trained``."""
+
+    trained: list[str] = []
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def submit(self, fn, cfg, *args) -> Future:
+        InProcessPool.trained.append(store.run_hash(cfg))
+        future: Future = Future()
+        future.set_result(fn(cfg, *args))
+        return future
+
+    def shutdown(self, **kwargs: object) -> None:
+        pass
+
+
+def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Overrides that log offline W&B runs under ``tmp_path/wandb`` (as the default ``logging=offline`` does),
+    with no key or settings of this machine's user in reach."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    for var, sub in (("HOME", "home"), ("NETRC", "home/.netrc"), ("WANDB_CONFIG_DIR", "home/wandb")):
+        monkeypatch.setenv(var, str(tmp_path / sub))
+    return ["logging=offline", f"logging.dir={tmp_path / 'wandb'}"]
 
 
 def test_a_selection_publishes_the_best_noised_candidate_and_its_table_says_epsilon_includes_tuning(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    trained: list[str] = []
-
-    def in_process(experiment, launcher, pending, workers, overrides, log_dir):
-        for job in pending:
-            trained.append(job.run_hash)
-            execute(job.cfg)  # the real trainer on the tiny model
-        return True, ""
-
-    monkeypatch.setattr(launch, "launch", in_process)
+    trained = InProcessPool.trained = []
+    monkeypatch.setattr(launch, "ProcessPoolExecutor", InProcessPool)
     from matplotlib.figure import Figure
 
     titles: list[str] = []
     suptitle = Figure.suptitle
     monkeypatch.setattr(Figure, "suptitle", lambda fig, text, **kw: titles.append(text) or suptitle(fig, text, **kw))
-    tiny = [o for o in TINY_RUN if o != "suite=glue8"]  # the plan sets the cells
+    tiny = [o for o in TINY_RUN if o not in ("suite=glue8", "logging=disabled")]  # the plan sets the cells
     args = ["select", "methods=prism,adamw", "eps=6", "suites=glue8", *tiny, "suite.validation_per_task=2",
-            f"results_dir={tmp_path}"]
+            f"results_dir={tmp_path}", "jobs=1", *offline_wandb(tmp_path, monkeypatch)]
     assert cli([*args, "method=lamb"]) == 2  # a cell's key among the overrides is refused in one line
     assert "method=lamb: the plan sets" in capsys.readouterr().err
     assert cli(args) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     for phase in ("plan", "train", "select", "render"):
         assert f"table2-accounted, {phase}" in out
+    # stdout and the launcher's progress count selections, never candidates (3 here), nor name an index
+    assert "plan: 2 selections (cell x seed), 0 trained, 2 to train" in out and "train: 2 selections" in out
+    assert not re.search(r"\b3 candidates|candidate \d|selection\.candidate|lr_factor", out + err)
+    assert re.search(r"grid: 100%.*\b2/2 ", err) and not re.search(r"\d/3 ", err)
     root = tmp_path / "runs"
     candidates = read_run_folders(root, select.CANDIDATES)
     assert job_config(["experiment=table2-accounted"]).experiment == select.CANDIDATES
@@ -99,8 +125,21 @@ def test_a_selection_publishes_the_best_noised_candidate_and_its_table_says_epsi
     assert not [c for c in csv.columns if c == "K" or c.startswith("K_")]
     cells = csv[(csv["row"] == "cell") & (csv["Setting"] == "ε=6")].set_index("Method")
     assert set(cells["tuning"]) == {"ε includes tuning"}
-    assert set(cells["dp_guarantee"]) == {"(ε, δ)-DP as accounted, ε includes tuning"}
+    assert set(cells["dp_guarantee"]) == {f"(ε, δ)-DP as accounted, ε includes tuning; {SEEDED_PLAN}"}
+    assert md.startswith(f"# Table 2: Utility on GLUE8 and Math-10K, r=16, ε includes tuning ({SEEDED_PLAN})")
     assert (tmp_path / "tables" / "table2-accounted.embedded_privacy_utility.png").read_bytes()[:4] == b"\x89PNG"
     assert len(titles) == 1 and "ε includes tuning" in titles[0] and not re.search(r"\bK\b", titles[0])
-    # rerunning trains nothing: every candidate is finished in the store
+    # W&B holds one run per selection: the published one, without its candidate index, under an id that does not
+    # hash the index; no loser's rate or score is there
+    logged = sorted((tmp_path / "wandb").rglob("offline-run-*"))
+    candidate_hashes = {r.run_id for r in candidates}
+    assert len(logged) == 2 and all("-table2-accounted-" in p.name for p in logged)
+    assert not any(h in p.name for p in logged for h in candidate_hashes)
+    scores = {store.SelectionBlock.from_final(r.final).score for r in published.values()}
+    for p in logged:  # the offline log holds the run's config and summary as JSON text
+        log = next(p.glob("run-*.wandb")).read_bytes()
+        assert b'"score_noise"' in log and b"selection/score" in log and b"candidate" not in log
+        assert sum(repr(score).encode() in log for score in scores) == 1
+    # rerunning trains nothing (every candidate is finished in the store) and logs nothing again
     assert cli(args) == 0 and len(trained) == 3
+    assert sorted((tmp_path / "wandb").rglob("offline-run-*")) == logged

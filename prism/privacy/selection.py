@@ -27,8 +27,12 @@ from typing import Any
 import numpy as np
 
 from prism.privacy.limits import ORDERS
+from prism.privacy.noise import OsGenerator
 
 POISSON = math.inf
+SEEDED_PLAN = "a measurement: K and the rates follow from the printed seed; not a release"
+"""What a table of selections planned from the table seed (``privacy.noise_source=seeded``) is (docs/PRIVACY.md,
+"ε includes tuning"): its header and its ``dp_guarantee`` say so; under ``noise_source=os`` the plan is secret."""
 
 
 def tnb_gamma(mean: float, shape: float) -> float:
@@ -110,25 +114,27 @@ def calibrate_candidate_sigma(epsilon: float, delta: float, sample_rate: float, 
     return hi
 
 
-def draw_candidate_count(rng: np.random.Generator, mean: float, shape: float) -> int:
-    """One draw of ``K``: Poisson(μ) at ``η = inf``, else the truncated negative binomial (``K ≥ 1``),
-    by inverting :func:`_tnb_cdf`."""
+def draw_candidate_count(rng: np.random.Generator | OsGenerator, mean: float, shape: float) -> int:
+    """One draw of ``K`` by inverting :func:`_count_cdf` at one uniform ``rng.random()``: Poisson(μ) at
+    ``η = inf`` (``K ≥ 0``), else the truncated negative binomial (``K ≥ 1``)."""
     _check_mean_shape(mean, shape)
-    if shape == POISSON:
-        return int(rng.poisson(mean))
-    return int(np.searchsorted(_tnb_cdf(mean, shape), rng.random(), side="right")) + 1
+    return int(np.searchsorted(_count_cdf(mean, shape), rng.random(), side="right")) + (shape != POISSON)
 
 
 @functools.lru_cache(maxsize=32)
-def _tnb_cdf(mean: float, shape: float) -> np.ndarray:
-    """``P(K ≤ k)`` for ``k = 1, 2, …`` until the tail is below 1e-12: ``P(K = k) ∝ C(k + η − 1, k)
-    (1 − γ)^k`` (``∝ (1 − γ)^k / k`` at ``η = 0``, the logarithmic law)."""
-    gamma = tnb_gamma(mean, shape)
+def _count_cdf(mean: float, shape: float) -> np.ndarray:
+    """``P(K ≤ k)`` for ``k = 0, 1, …`` (Poisson) or ``k = 1, 2, …`` until the tail is below 1e-12:
+    ``P(K = k) ∝ μ^k / k!`` (Poisson), ``∝ C(k + η − 1, k)(1 − γ)^k`` (``∝ (1 − γ)^k / k`` at ``η = 0``,
+    the logarithmic law)."""
+    gamma = 0.0 if shape == POISSON else tnb_gamma(mean, shape)
     if gamma >= 1:
         return np.ones(1)
     k = np.arange(1, 64, dtype=np.float64)
     while True:
-        if shape == 0:
+        if shape == POISSON:
+            k0 = np.concatenate([[0.0], k])
+            log_w = k0 * math.log(mean) - np.array([math.lgamma(i + 1) for i in k0])
+        elif shape == 0:
             log_w = k * math.log1p(-gamma) - np.log(k)
         else:
             log_w = np.array([math.lgamma(i + shape) - math.lgamma(i + 1) - math.lgamma(shape) for i in k]) \
