@@ -7,17 +7,21 @@
 Per cell (method × suite × ε) and table seed, Papernot & Steinke's repeat-and-select (docs/PRIVACY.md,
 "ε includes tuning"; the accounting is :mod:`prism.privacy.selection`):
 
-1. **plan** (:func:`draws`): a generator seeded from the cell and the seed draws the candidate count K
+1. **plan** (:class:`Plans`, :func:`draws`): the candidate count K
    (:func:`prism.privacy.selection.draw_candidate_count`, ``privacy.selection.mean`` and ``.shape``), then K
-   rate factors uniformly from the grid of ``conf/experiment/tune.yaml``. Candidate k is an ordinary job of
-   the shared store (``experiment=table2-accounted``, ``tune.lr_factor=<its factor>``,
-   ``privacy.selection.candidate=k``), tagged into the view ``table2-accounted-candidates``;
+   rate factors uniformly from the grid of ``conf/experiment/tune.yaml``, drawn by a generator seeded from
+   the cell and the seed (``privacy.noise_source=seeded``: the table is a measurement,
+   :data:`~prism.privacy.selection.SEEDED_PLAN`) or from the OS CSPRNG and kept in the store's private
+   :data:`PLAN_FILE` (``os``). Candidate k is an ordinary job of the shared store
+   (``experiment=table2-accounted``, ``tune.lr_factor=<its factor>``, ``privacy.selection.candidate=k``,
+   W&B disabled), tagged into the view ``table2-accounted-candidates``;
 2. **train** the candidates not finished, as :mod:`pipelines.reproduce` does (``launcher=local``: one
    worker pool for all of them; SLURM or submitit: one Hydra multirun per candidate, one after another).
    Each trains at the selection's σ and publishes only a noised count of its correct validation rows
    (:mod:`prism.train`); rerunning skips the finished ones;
 3. **select** (:meth:`Selection.published`): per cell and seed the candidate with the largest noised score
-   (ties: the lowest index). Nothing but the noised scores is read, and only the published one is printed;
+   (ties: the lowest index). Nothing but the noised scores is read; only the published one's rate and score are
+   printed, and only it is logged to W&B (:func:`log_published`). No line names a candidate count or index;
 4. **render**: the published runs are tagged into the view ``table2-accounted`` and rendered by
    :mod:`pipelines.aggregate` in Table 2's layout (private rows only), "ε includes tuning" in the Markdown
    header, the CSV (column ``tuning``) and the figure's title:

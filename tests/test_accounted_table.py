@@ -143,3 +143,51 @@ def test_a_selection_publishes_the_best_noised_candidate_and_its_table_says_epsi
     # rerunning trains nothing (every candidate is finished in the store) and logs nothing again
     assert cli(args) == 0 and len(trained) == 3
     assert sorted((tmp_path / "wandb").rglob("offline-run-*")) == logged
+
+
+def test_os_plans_from_the_same_seed_draw_different_candidates_and_a_rerun_reads_its_own_back(tmp_path: Path) -> None:
+    def plans(results: Path, source: str) -> select.Plans:
+        return select.Plans(job_config(["experiment=table2-accounted", f"privacy.noise_source={source}",
+                                        f"results_dir={results}"]))
+
+    cell, seeds = Cell("glue8", "eps6", "prism"), range(30)
+    first, second = (plans(tmp_path / name, "os") for name in ("a", "b"))
+    drawn = [[first.factors(cell, s) for s in seeds], [second.factors(cell, s) for s in seeds]]
+    # K per seed is secret: the two stores drew their own (30 equal draws of a geometric K: probability 0.2^30)
+    assert [len(f) for f in drawn[0]] != [len(f) for f in drawn[1]]
+    grid = select.tune_grid()
+    assert all(f in grid for fs in drawn[0] + drawn[1] for f in fs) and min(map(len, drawn[0] + drawn[1])) >= 1
+    # a rerun on the same store plans the same candidates, from the store's private plan file
+    assert [plans(tmp_path / "a", "os").factors(cell, s) for s in seeds] == drawn[0]
+    assert len(store.read_json(tmp_path / "a" / "runs" / select.PLAN_FILE)) == 30
+    # a seeded plan is the table seed's draw, and writes no plan file
+    seeded = plans(tmp_path / "c", "seeded")
+    assert seeded.factors(cell, 42) == select.draws(cell, 42, 3.0, 1.0, grid)
+    assert not (tmp_path / "c" / "runs" / select.PLAN_FILE).exists()
+
+
+def test_an_os_selection_publishes_no_k_and_its_rerun_trains_the_planned_candidates(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    trained = InProcessPool.trained = []
+    monkeypatch.setattr(launch, "ProcessPoolExecutor", InProcessPool)
+    tiny = [o for o in TINY_RUN if o not in ("suite=glue8", "logging=disabled")]
+    args = ["select", "methods=adamw", "eps=6", "suites=glue8", *tiny, "suite.validation_per_task=2",
+            "privacy.noise_source=os", f"results_dir={tmp_path}", "jobs=1", *offline_wandb(tmp_path, monkeypatch)]
+    assert cli(args) == 0
+    out, err = capsys.readouterr()
+    (factors,) = store.read_json(tmp_path / "runs" / select.PLAN_FILE).values()
+    assert len(trained) == len(factors) >= 1  # the candidates the private plan drew, and no other
+    assert not re.search(r"\bcandidates?\b \d|\d candidates|selection\.candidate|lr_factor", out + err)
+    # the published table is no measurement of a seeded plan, and carries no K; the audit lists the plan's rates
+    md = (tmp_path / "tables" / "table2-accounted.embedded.md").read_text()
+    assert SEEDED_PLAN not in md and "| K" not in md
+    csv = pd.read_csv(tmp_path / "tables" / "table2-accounted.embedded.csv")
+    assert "K" not in csv.columns and set(csv.loc[csv["row"] == "cell", "dp_guarantee"]) == {
+        "(ε, δ)-DP as accounted, ε includes tuning"}
+    audit = pd.read_csv(tmp_path / "tables" / "table2-accounted.embedded.audit.csv", skiprows=1)
+    assert list(audit.sort_values("candidate")["lr_factor"]) == pytest.approx(factors)
+    (logged,) = (tmp_path / "wandb").rglob("offline-run-*")
+    assert b"candidate" not in next(logged.glob("run-*.wandb")).read_bytes()
+    # a rerun finds the same candidates finished: nothing trains, nothing is drawn again
+    assert cli(args) == 0 and len(trained) == len(factors)
+    assert list(store.read_json(tmp_path / "runs" / select.PLAN_FILE).values()) == [factors]
