@@ -5,7 +5,8 @@
     make table2-accounted SCALE=embedded SEEDS=42,43,44 JOBS=2 [METHODS=..] [EPS=6,3]
 
 Per cell (method × suite × ε) and table seed, Papernot & Steinke's repeat-and-select (docs/PRIVACY.md,
-"ε includes tuning"; the accounting is :mod:`prism.privacy.selection`):
+"ε includes tuning"; the accounting is :mod:`prism.privacy.selection`), its candidates planned once per
+suite × ε × seed and shared by every method:
 
 1. **plan** (:class:`Plans`, :func:`draws`): the candidate count K
    (:func:`prism.privacy.selection.draw_candidate_count`, ``privacy.selection.mean`` and ``.shape``), then K
@@ -77,8 +78,9 @@ def draws(cell: Cell, seed: int, mean: float, shape: float, grid: Sequence[float
           rng: np.random.Generator | OsGenerator | None = None) -> list[float]:
     """The rate factor of each candidate of ``cell``'s selection at table seed ``seed``: K from
     :func:`~prism.privacy.selection.draw_candidate_count`, then K factors drawn uniformly from ``grid``, by ``rng``
-    (default: one generator seeded from the cell and the seed, the same draws on every rerun)."""
-    rng = rng or np.random.default_rng(sub_seed(seed, EXPERIMENT, cell.suite, cell.privacy, cell.method))
+    (default: one generator seeded from the suite, the ε and the seed, the same draws on every rerun). Every
+    method of a suite × ε × seed gets the same draws: the same tuning budget, not only in expectation."""
+    rng = rng or np.random.default_rng(sub_seed(seed, EXPERIMENT, cell.suite, cell.privacy))
     count = draw_candidate_count(rng, mean, shape)
     return [float(grid[i]) for i in rng.integers(len(grid), size=count)]
 
@@ -98,9 +100,8 @@ class Plans:
         self.path = Path(str(self.cfg.results_dir)) / "runs" / PLAN_FILE
 
     def key(self, cell: Cell, seed: int) -> str:
-        """A selection's entry in :data:`PLAN_FILE`: its cell, seed, scale and K's law."""
-        return (f"{self.cfg.suite.scale}/{cell.suite}/{cell.privacy}/{cell.method}/seed={seed}/"
-                f"mean={self.mean:g}/shape={self.shape:g}")
+        """A plan's entry in :data:`PLAN_FILE`: its suite, ε, seed, scale and K's law (one for every method)."""
+        return f"{self.cfg.suite.scale}/{cell.suite}/{cell.privacy}/seed={seed}/mean={self.mean:g}/shape={self.shape:g}"
 
     def factors(self, cell: Cell, seed: int) -> list[float]:
         """The selection's rate factors; under ``noise_source=os`` drawn (and written to :data:`PLAN_FILE`) at

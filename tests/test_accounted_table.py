@@ -71,10 +71,10 @@ def test_a_selection_publishes_the_best_noised_candidate_and_its_table_says_epsi
     out, err = capsys.readouterr()
     for phase in ("plan", "train", "select", "render"):
         assert f"table2-accounted, {phase}" in out
-    # stdout and the launcher's progress count selections, never candidates (3 here), nor name an index
+    # stdout and the launcher's progress count selections, never candidates (4 here), nor name an index
     assert "plan: 2 selections (cell x seed), 0 trained, 2 to train" in out and "train: 2 selections" in out
-    assert not re.search(r"\b3 candidates|candidate \d|selection\.candidate|lr_factor", out + err)
-    assert re.search(r"grid: 100%.*\b2/2 ", err) and not re.search(r"\d/3 ", err)
+    assert not re.search(r"\b4 candidates|candidate \d|selection\.candidate|lr_factor", out + err)
+    assert re.search(r"grid: 100%.*\b2/2 ", err) and not re.search(r"\d/4 ", err)
     root = tmp_path / "runs"
     candidates = read_run_folders(root, select.CANDIDATES)
     assert job_config(["experiment=table2-accounted"]).experiment == select.CANDIDATES
@@ -90,8 +90,8 @@ def test_a_selection_publishes_the_best_noised_candidate_and_its_table_says_epsi
     for method, record in published.items():
         mine = sorted((r for r in candidates if r.get("method.name") == method),
                       key=lambda r: r.get("privacy.selection.candidate"))
-        # K is the cell's own draw: a generator seeded from the cell and the table seed
-        rng = np.random.default_rng(sub_seed(42, "table2-accounted", "glue8", "eps6", method))
+        # K is the suite × ε's draw, shared by the methods: a generator seeded from them and the table seed
+        rng = np.random.default_rng(sub_seed(42, "table2-accounted", "glue8", "eps6"))
         assert len(mine) == draw_candidate_count(rng, 3.0, 1.0)
         # the audit file: K per cell and seed as the plan drew it, each candidate's factor, rate and noised score
         rows = audit[audit["Method"] == names[method]].sort_values("candidate")
@@ -112,7 +112,7 @@ def test_a_selection_publishes_the_best_noised_candidate_and_its_table_says_epsi
             sigma = calibrate_candidate_sigma(6.0, 1e-5, r.final["sample_rate"], r.final["steps"], score_sigma=5.0,
                                               mean=3.0, shape=1.0)
             assert r.final["sigma"] == block.sigma == sigma and block.epsilon <= 6.0
-    assert len(trained) == len(candidates) == 3  # K = 1 (PRISM) and K = 2 (AdamW) at seed 42
+    assert len(trained) == len(candidates) == 4  # K = 2 for both methods at seed 42
     md = (tmp_path / "tables" / "table2-accounted.embedded.md").read_text()
     assert md.startswith("# Table 2: Utility on GLUE8 and Math-10K, r=16, ε includes tuning")
     assert "ε includes tuning: each cell and seed is the published run" in md and "Non-DP" not in md
@@ -141,7 +141,7 @@ def test_a_selection_publishes_the_best_noised_candidate_and_its_table_says_epsi
         assert b'"score_noise"' in log and b"selection/score" in log and b"candidate" not in log
         assert sum(repr(score).encode() in log for score in scores) == 1
     # rerunning trains nothing (every candidate is finished in the store) and logs nothing again
-    assert cli(args) == 0 and len(trained) == 3
+    assert cli(args) == 0 and len(trained) == 4
     assert sorted((tmp_path / "wandb").rglob("offline-run-*")) == logged
 
 
@@ -191,3 +191,21 @@ def test_an_os_selection_publishes_no_k_and_its_rerun_trains_the_planned_candida
     # a rerun finds the same candidates finished: nothing trains, nothing is drawn again
     assert cli(args) == 0 and len(trained) == len(factors)
     assert list(store.read_json(tmp_path / "runs" / select.PLAN_FILE).values()) == [factors]
+
+
+@pytest.mark.parametrize("source", ["seeded", "os"])
+def test_every_method_of_a_suite_eps_and_seed_gets_the_same_candidates(tmp_path: Path, source: str) -> None:
+    cfg = job_config(["experiment=table2-accounted", f"privacy.noise_source={source}", f"results_dir={tmp_path}"])
+    tiny = [o for o in TINY_RUN if o != "suite=glue8"]
+    selections = select.plan(cfg, tiny, ["prism", "adamw"], [6.0, 3.0], ["glue8"], [42, 43])
+    by = {(s.cell.privacy, s.seed, s.cell.method): s for s in selections}
+    for eps in ("eps6", "eps3"):
+        for seed in (42, 43):
+            prism, adamw = by[eps, seed, "prism"], by[eps, seed, "adamw"]
+            # the same K and rate factors, and so the same tune.lr_factor per candidate index in the jobs
+            assert prism.factors == adamw.factors
+            assert [j.cfg.tune.lr_factor for j in prism.jobs] == [j.cfg.tune.lr_factor for j in adamw.jobs] \
+                == prism.factors
+            assert {j.cfg.method.name for j in adamw.jobs} == {"adamw"} and len(adamw.jobs) == len(prism.factors)
+    if source == "seeded":  # ε and the seed still draw plans of their own: the 4 plans are not one draw repeated
+        assert len({tuple(s.factors) for s in selections}) > 1
