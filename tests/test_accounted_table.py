@@ -1,9 +1,10 @@
 """Table 2 with ε including the tuning, end to end (pipelines/select.py; docs/PRIVACY.md "ε includes
-tuning"): two cells of tiny candidates trained for real through the verb's plan, selection and table.
-The published run is the argmax of the recorded noised scores, each cell's K is the draw of its own
-generator, the table says that ε includes the tuning and carries no K (the bound holds while K is
-unknown), the separate audit file carries K and the candidates under a first line saying ε does not
-cover it, and every candidate's σ is the selection's."""
+tuning"): two cells of tiny candidates trained for real through the verb's plan, the local pool, selection
+and table. The published run is the argmax of the recorded noised scores, K is the draw of a generator per
+suite × ε × seed shared by its methods (or of the OS CSPRNG, kept in the store's plan file), the table says
+that ε includes the tuning and carries no K (the bound holds while K is unknown), the separate audit file
+carries K and the candidates under a first line saying ε does not cover it, every candidate's σ is the
+selection's, W&B holds the published run of each selection only, and no printed line counts candidates."""
 from __future__ import annotations
 
 import re
