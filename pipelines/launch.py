@@ -6,10 +6,12 @@ SLURM / submitit multirun, stopping them on a signal, and rendering the grid's t
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import getpass
 import json
 import multiprocessing
+import operator
 import os
 import re
 import shutil
@@ -17,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -61,6 +63,21 @@ class Job:
     def folder(self) -> Path:
         """The run folder, ``<root>/<hash>``."""
         return store.find_run(self.root, self.run_hash)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What the local pool's progress counts and names: groups of jobs (``of(job)``: a job's group, by name),
+    ``name`` their noun, and whether a job's line shows its ``overrides``. By default every job is a group of
+    its own, named by its run hash; a selection's candidates are counted and named by their selection only."""
+
+    name: str = "run"
+    of: Callable[[Job], str] = operator.attrgetter("run_hash")
+    overrides: bool = True
+
+    def label(self, job: Job, first: int = 1) -> str:
+        """A job's name in a progress line: its group, then (``overrides``) its overrides from index ``first``."""
+        return " ".join([self.of(job), *(job.overrides[first:] if self.overrides else [])])
 
 
 def default_jobs(cores: int, available_bytes: int, worker_bytes: float = WORKER_RSS_GB * 1e9) -> int:
@@ -213,10 +230,11 @@ def record_stopped(jobs: Sequence[Job], signum: int) -> list[Job]:
     return cut
 
 
-def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list[Job]]:
+def run_local(pending: list[Job], workers: int, log_dir: Path, unit: Unit | None = None) -> dict[str, list[Job]]:
     """Run ``pending`` on at most ``workers`` processes of :mod:`pipelines.worker` (a benchmark job gets a
     fresh process), in queue order but for jobs of a warming cache group (:func:`next_job`); returns jobs by
-    outcome (ok / failed). A worker that dies fails only the jobs it held; the next jobs get a new pool.
+    outcome (ok / failed). The progress bar counts ``unit``'s groups (default: one per job) and names a job by
+    its group. A worker that dies fails only the jobs it held; the next jobs get a new pool.
     SIGTERM or SIGINT stops every worker (:func:`stop_workers`), marks the runs cut off (:func:`record_stopped`)
     and ends in ``SystemExit`` (128 + the signal number)."""
     os.environ.update(worker.THREAD_ENV)  # inherited by the spawned workers before torch is imported
@@ -226,7 +244,9 @@ def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list
     fresh = any(job.benchmark for job in pending)
     pool: ProcessPoolExecutor | None = None
     stop: Stop | None = None
-    grid_bar = tqdm(total=len(pending), desc="grid", position=0, unit="run")
+    unit = unit or Unit()
+    left = collections.Counter(unit.of(job) for job in pending)  # jobs per group not yet ended
+    grid_bar = tqdm(total=len(left), desc="grid", position=0, unit=unit.name)
     slots = [tqdm(total=1, position=i + 1, leave=False, bar_format="{desc}") for i in range(workers)]
     with stop_signals():  # also while the workers are stopped: a second signal does not cut that short
         try:
@@ -242,7 +262,7 @@ def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list
                         slot, job)
                 for future, (slot, job) in list(running.items()):
                     slots[slot].set_description_str(
-                        f"  {job.run_hash} {' '.join(job.overrides[1:])}: step {last_step(job.folder)}/{job.steps}")
+                        f"  {unit.label(job)}: step {last_step(job.folder)}/{job.steps}")
                     if not future.done():
                         continue
                     del running[future]
@@ -254,8 +274,9 @@ def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list
                     outcome["ok" if code == 0 else "failed"].append(job)
                     warm.add(job.cache_group)
                     if code != 0:
-                        tqdm.write(f"FAILED {' '.join(job.overrides)} (log {log_dir / job.run_hash}.log)")
-                    grid_bar.update(1)
+                        tqdm.write(f"FAILED {unit.label(job, 0)} (log {log_dir / job.run_hash}.log)")
+                    left[unit.of(job)] -= 1
+                    grid_bar.update(left[unit.of(job)] == 0)
                 time.sleep(POLL_S if running else 0)
         except Stop as caught:
             stop = caught
@@ -271,8 +292,9 @@ def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list
         done = {j.run_hash for j in outcome["ok"] + outcome["failed"]}
         queued = {j.run_hash for j in queue}
         cut = record_stopped([j for j in pending if j.run_hash not in done | queued], stop.signum)
-        names = ", ".join(j.run_hash for j in cut) or "none"
-        exit_stopped(stop, f"every worker ended; {len(cut)} run(s) marked stopped ({names}), {len(queue)} not started; "
+        names = list(dict.fromkeys(unit.of(j) for j in cut))
+        exit_stopped(stop, f"every worker ended; {len(names)} {unit.name}(s) marked stopped ({', '.join(names) or 'none'}), "
+                           f"{len({unit.of(j) for j in queue})} not started; "
                            "rerun the same command to resume them from their checkpoints")
     return outcome
 
@@ -368,18 +390,20 @@ def aggregate(experiment: str, results_dir: str, scale: str) -> None:
 
 
 def launch(experiment: str, launcher: str, pending: list[Job], workers: int | None, overrides: Sequence[str],
-           log_dir: Path) -> tuple[bool, str]:
+           log_dir: Path, unit: Unit | None = None) -> tuple[bool, str]:
     """Train ``pending`` (``workers``: ``jobs=``, None for :func:`resolve_jobs`'s default; the caller
     has checked the launcher, :func:`launcher_error`); returns (whether anything was submitted, a
-    one-line failure summary or '')."""
+    one-line failure summary or ''). The local pool's progress and its summary count ``unit``'s groups."""
     n = len(pending)
     if launcher == "local":
-        run_local(pending, resolve_jobs(workers), log_dir)
+        unit = unit or Unit()
+        run_local(pending, resolve_jobs(workers), log_dir, unit)
         failed = unfinished(pending)
         if not failed:
             return True, ""
-        return True, (f"{len(failed)} of {n} run(s) failed; logs in {log_dir} "
-                      f"({', '.join(j.run_hash for j in failed[:5])}{', …' if len(failed) > 5 else ''}); "
+        groups = list(dict.fromkeys(unit.of(j) for j in failed))
+        return True, (f"{len(groups)} of {len({unit.of(j) for j in pending})} {unit.name}(s) failed; logs in "
+                      f"{log_dir} ({', '.join(groups[:5])}{', …' if len(groups) > 5 else ''}); "
                       "rerun the same command to retry them (finished runs are kept)")
     rc, reason = run_hydra_multirun(experiment, overrides, log_dir / f"multirun-{store.utc_stamp()}.log")
     failed = unfinished(pending)

@@ -84,6 +84,21 @@ def summary_text(final: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def run_id(cfg: DictConfig, run_hash: str, generation: int = 0) -> str:
+    """The W&B run id: ``<experiment>-<run hash>``, ``-f<k>`` after the k-th ``force=true``."""
+    return f"{cfg.experiment}-{run_hash}" + (f"-f{generation}" if generation else "")
+
+
+def log_record(cfg: DictConfig, run_hash: str, final: dict[str, Any], history: Sequence[dict[str, Any]]) -> bool:
+    """Log a finished run from its local record (``history``: its step records, then ``final``) as one W&B run
+    of ``cfg``, opened and closed at once (no time of training reaches W&B); False, logging nothing, when
+    ``logging.mode`` is disabled or ``logging.dir`` already holds a W&B run of that id (a rerun logs it once)."""
+    if str(cfg.logging.mode) == "disabled" or any(Path(cfg.logging.dir).rglob(f"*run-*-{run_id(cfg, run_hash)}")):
+        return False
+    WandbRun(cfg, run_hash, deferred=True).finish(final, history=history)
+    return True
+
+
 class WandbRun:
     """A W&B run bound to one run folder; every method is a no-op when ``mode == disabled``."""
 
@@ -113,7 +128,7 @@ class WandbRun:
             project=str(cfg.logging.project),
             entity=cfg.logging.entity,
             dir=str(directory),
-            id=f"{cfg.experiment}-{run_hash}" + (f"-f{generation}" if generation else ""),  # -f<k>: k-th force=true
+            id=run_id(cfg, run_hash, generation),
             name=f"{cfg.experiment}/{cfg.method.name}-{cfg.privacy.name}-{cfg.suite.name}-{backbone}-r{cfg.lora.r}",
             group=str(cfg.experiment),
             tags=[f"method:{cfg.method.name}", f"privacy:{cfg.privacy.name}", f"suite:{cfg.suite.name}",

@@ -10,6 +10,9 @@
 * :func:`read_metrics`: a run's ``metrics.jsonl`` as a reader takes it after a resume.
 * :func:`grads_of`: per-example factor gradients of ``⟨G_i, ABᵀ⟩`` in closed form (what autograd gives).
 * :func:`exact_sqnorm`: the intrinsic norm ``‖ΔA Bᵀ + A ΔBᵀ‖²_F`` in exact rational arithmetic.
+* :func:`repeat_and_select_rdp`, :func:`delta_from_rdp`, :func:`candidate_rdp`, :func:`selection_epsilon`: a private
+  selection's accounting written out from Papernot & Steinke (2022), Thm 2 and 6, on this package's RDP curve
+  (:mod:`prism.privacy.selection` composes it with ``dp_accounting``; docs/PRIVACY.md "ε includes tuning").
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -26,7 +30,9 @@ from prism.mechanism import geometry
 from prism.mechanism.adaptive import RankSpaceAdaptive
 from prism.mechanism.lora import lora_pairs, read_pair
 from prism.methods.prism import PrismMethod, ShapeGroup
+from prism.privacy.limits import ORDERS, rdp_curve, rdp_to_epsilon
 from prism.privacy.noise import as_noise_source
+from prism.privacy.selection import POISSON, tnb_gamma
 
 
 def retract(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float, align: bool = True,
@@ -124,3 +130,53 @@ def exact_sqnorm(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor) -> Fraction:
             entry = sum(dA[i][k] * B[j][k] + A[i][k] * dB[j][k] for k in range(rank))
             total += entry * entry
     return total
+
+
+def repeat_and_select_rdp(rdp: np.ndarray, mean: float, shape: float,
+                          orders: np.ndarray | None = None) -> np.ndarray:
+    """Rényi DP of publishing the best of ``K`` independent candidates, each with RDP ``rdp``.
+
+    Thm 6 (Poisson ``K``): ``ε'(λ) = ε(λ) + μ δ̂ + log μ / (λ − 1)``, ``δ̂`` the candidate's δ at
+    ``ε̂ = log(1 + 1/(λ − 1))``. Thm 2 (truncated negative binomial):
+    ``ε'(λ) = ε(λ) + log μ / (λ − 1) + (1 + η) min_λ̂ [(1 − 1/λ̂) ε(λ̂) + log(1/γ)/λ̂]``, then made
+    non-decreasing in ``λ`` (an RDP bound at a higher order holds at every lower one).
+    """
+    alpha = np.asarray(ORDERS if orders is None else orders, dtype=np.float64)
+    rdp = np.asarray(rdp, dtype=np.float64)
+    log_mean = math.log(mean)
+    if shape == POISSON:
+        hat = np.array([delta_from_rdp(rdp, math.log1p(1 / (a - 1)), alpha) for a in alpha])
+        return rdp + mean * hat + log_mean / (alpha - 1)
+    gamma = tnb_gamma(mean, shape)
+    constant = (1 + shape) * float(np.min((1 - 1 / alpha) * rdp - math.log(gamma) / alpha))
+    out = rdp + log_mean / (alpha - 1) + constant
+    return np.minimum.accumulate(out[::-1])[::-1]
+
+
+def delta_from_rdp(rdp: np.ndarray, epsilon: float, orders: np.ndarray | None = None) -> float:
+    """The smallest δ an RDP curve gives at ``ε`` (Canonne, Kamath & Steinke 2020, Prop. 12).
+
+    ``δ ≤ exp((λ − 1)(ε(λ) − ε + log(1 − 1/λ)) − log λ)``, and ``δ ≤ sqrt(1 − exp(−ε(λ)))`` (the
+    KL bound), minimised over ``λ``.
+    """
+    alpha = np.asarray(ORDERS if orders is None else orders, dtype=np.float64)
+    rdp = np.asarray(rdp, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        kl = 0.5 * np.log(-np.expm1(-np.maximum(rdp, 0.0)))
+    tail = (alpha - 1) * (rdp - epsilon + np.log1p(-1 / alpha)) - np.log(alpha)
+    return float(min(1.0, math.exp(float(np.min(np.minimum(kl, tail))))))
+
+
+def candidate_rdp(sigma: float, sample_rate: float, steps: int, score_sigma: float) -> np.ndarray:
+    """One candidate's RDP: ``T`` subsampled Gaussian steps, then a count of sensitivity 1 with
+    Gaussian noise ``score_sigma`` (``λ / (2 σ_s²)``), composed by addition."""
+    if not score_sigma > 0:
+        raise ValueError(f"the score's noise must be > 0, got {score_sigma}")
+    return steps * rdp_curve(sigma, sample_rate) + np.asarray(ORDERS, dtype=np.float64) / (2 * score_sigma**2)
+
+
+def selection_epsilon(sigma: float, sample_rate: float, steps: int, delta: float, *, score_sigma: float,
+                      mean: float, shape: float) -> float:
+    """ε at ``δ`` of the whole selection (Balle et al. 2020, Thm 21, at the best order)."""
+    rdp = repeat_and_select_rdp(candidate_rdp(sigma, sample_rate, steps, score_sigma), mean, shape)
+    return float(np.min(rdp_to_epsilon(rdp, delta)))

@@ -1,52 +1,48 @@
-"""The private selection's accounting (prism/privacy/selection.py) against dp_accounting's own
-repeat-and-select composition, the Liu & Talwar closed form, and the count's sensitivity."""
+"""The private selection's accounting (prism/privacy/selection.py, composed by dp_accounting) against
+Papernot & Steinke's Thm 2 and 6 written out on this package's RDP curve (tests/oracles.py), the oracle
+against the Liu & Talwar closed form and dp_accounting's δ conversion, the published σ of docs/PRIVACY.md,
+the candidate count's law, and the count's sensitivity."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
+import oracles
 import pytest
+from dp_accounting.rdp import rdp_privacy_accountant
 
 from prism.privacy import selection
 from prism.privacy.limits import ORDERS
-
-dp_accounting = pytest.importorskip("dp_accounting")
-from dp_accounting import dp_event  # noqa: E402
-from dp_accounting.rdp import rdp_privacy_accountant  # noqa: E402
 
 GLUE8 = dict(sample_rate=64 / 2000, steps=30)   # the embedded budgets (conf/suite_scale/*_embedded.yaml)
 MATH = dict(sample_rate=64 / 1000, steps=15)
 DELTA = 1e-5
 
 
-def _their_epsilon(sigma: float, sample_rate: float, steps: int, score_sigma: float, mean: float,
-                   shape: float) -> float:
-    """The same selection, composed and converted by dp_accounting's RDP accountant."""
-    candidate = dp_event.ComposedDpEvent([
-        dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(sample_rate, dp_event.GaussianDpEvent(sigma)), steps),
-        dp_event.GaussianDpEvent(score_sigma),
-    ])
-    accountant = rdp_privacy_accountant.RdpAccountant(orders=[float(a) for a in ORDERS])
-    accountant.compose(dp_event.RepeatAndSelectDpEvent(candidate, mean, shape))
-    return accountant.get_epsilon(DELTA)
-
-
 @pytest.mark.parametrize("shape", [0.0, 0.5, 1.0, 2.0, math.inf])
 @pytest.mark.parametrize("budget", [GLUE8, MATH], ids=["glue8", "math10k"])
 @pytest.mark.parametrize("sigma,mean", [(0.8, 4.0), (1.2, 10.0)])
-def test_selection_epsilon_equals_dp_accounting(shape: float, budget: dict, sigma: float, mean: float) -> None:
+def test_selection_epsilon_equals_the_theorem_written_out(shape: float, budget: dict, sigma: float,
+                                                          mean: float) -> None:
     ours = selection.selection_epsilon(sigma, delta=DELTA, score_sigma=5.0, mean=mean, shape=shape, **budget)
-    theirs = _their_epsilon(sigma, score_sigma=5.0, mean=mean, shape=shape, **budget)
-    assert ours == pytest.approx(theirs, rel=1e-6)
+    written_out = oracles.selection_epsilon(sigma, delta=DELTA, score_sigma=5.0, mean=mean, shape=shape, **budget)
+    assert ours == pytest.approx(written_out, rel=1e-6)
 
 
-def test_candidate_rdp_equals_dp_accounting_composition() -> None:
+def test_candidate_event_composes_to_the_candidates_rdp() -> None:
     accountant = rdp_privacy_accountant.RdpAccountant(orders=[float(a) for a in ORDERS])
-    accountant.compose(dp_event.ComposedDpEvent([
-        dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.032, dp_event.GaussianDpEvent(0.9)), 30),
-        dp_event.GaussianDpEvent(4.0),
-    ]))
-    assert selection.candidate_rdp(0.9, 0.032, 30, 4.0) == pytest.approx(accountant._rdp, rel=1e-9)
+    accountant.compose(selection.candidate_event(0.9, 0.032, 30, 4.0))
+    assert oracles.candidate_rdp(0.9, 0.032, 30, 4.0) == pytest.approx(accountant._rdp, rel=1e-9)
+
+
+@pytest.mark.parametrize("suite,epsilon,published", [("glue8", 6.0, 0.738), ("glue8", 3.0, 1.032),
+                                                     ("math10k", 6.0, 0.828), ("math10k", 3.0, 1.228)])
+def test_calibrated_sigma_at_embedded_scale_is_the_documented_one(suite: str, epsilon: float,
+                                                                   published: float) -> None:
+    """docs/PRIVACY.md, "ε includes tuning": the candidate σ of the default selection (μ = 3, η = 1, σ_s = 5)."""
+    budget = GLUE8 if suite == "glue8" else MATH
+    sigma = selection.calibrate_candidate_sigma(epsilon, DELTA, score_sigma=5.0, mean=3.0, shape=1.0, **budget)
+    assert round(sigma, 3) == published
 
 
 @pytest.mark.parametrize("shape", [0.0, 0.5, 1.0, 3.0])
@@ -75,7 +71,7 @@ def test_geometric_selection_of_pure_dp_candidates_is_liu_talwar_3_epsilon() -> 
     eps = 0.7
     orders = np.array([2.0**i for i in range(1, 40)])
     for mean in (1.5, 2.0, 10.0, 1000.0):
-        out = selection.repeat_and_select_rdp(np.full(orders.shape, eps), mean, 1.0, orders)
+        out = oracles.repeat_and_select_rdp(np.full(orders.shape, eps), mean, 1.0, orders)
         assert out[-1] <= 3 * eps + 1e-9
         assert np.all(out >= eps)
         if math.log(mean) > eps:
@@ -85,7 +81,7 @@ def test_geometric_selection_of_pure_dp_candidates_is_liu_talwar_3_epsilon() -> 
 def test_calibrated_sigma_meets_the_target_and_no_smaller_sigma_does() -> None:
     kwargs = dict(score_sigma=5.0, mean=4.0, shape=math.inf, **GLUE8)
     sigma = selection.calibrate_candidate_sigma(6.0, DELTA, **kwargs)
-    assert _their_epsilon(sigma, score_sigma=5.0, mean=4.0, shape=math.inf, **GLUE8) <= 6.0 * (1 + 1e-6)
+    assert oracles.selection_epsilon(sigma, delta=DELTA, **kwargs) <= 6.0 * (1 + 1e-6)
     assert selection.selection_epsilon(sigma * (1 - 1e-4), delta=DELTA, **kwargs) > 6.0
 
 
@@ -94,11 +90,11 @@ def test_unreachable_target_names_its_floor() -> None:
         selection.calibrate_candidate_sigma(0.05, DELTA, score_sigma=1.0, mean=10.0, shape=1.0, **GLUE8)
 
 
-def test_delta_from_rdp_equals_dp_accounting() -> None:
-    rdp = selection.candidate_rdp(0.9, 0.032, 30, 4.0)
+def test_the_oracles_delta_from_rdp_equals_dp_accounting() -> None:
+    rdp = oracles.candidate_rdp(0.9, 0.032, 30, 4.0)
     for eps in (0.5, 2.0, 6.0):
         theirs, _ = rdp_privacy_accountant.compute_delta(list(map(float, ORDERS)), list(rdp), eps)
-        assert selection.delta_from_rdp(rdp, eps) == pytest.approx(theirs, rel=1e-9)
+        assert oracles.delta_from_rdp(rdp, eps) == pytest.approx(theirs, rel=1e-9)
 
 
 @pytest.mark.parametrize("shape", [0.0, 1.0, 2.0, math.inf])

@@ -350,7 +350,7 @@ def dp_status(result: TableResult, setting: Any) -> str:
     if result.not_dp:
         return NOT_DP_AS_STATED
     if result.spec.candidates:
-        return f"(ε, δ)-DP as accounted, {TUNING_INCLUDED}"
+        return f"(ε, δ)-DP as accounted, {TUNING_INCLUDED}" + (f"; {result.spec.dp_note}" if result.spec.dp_note else "")
     return "(ε, δ)-DP as accounted, rate tuning not included" if result.tuned else "(ε, δ)-DP as accounted"
 
 

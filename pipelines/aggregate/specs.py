@@ -107,7 +107,8 @@ class TableSpec:
     a row's values from its finished runs per suite; ``axes`` are the config fields the rows may vary,
     ``averages`` maps an average column to the suites it averages over; ``candidates(record)``, in a table of
     private selections' published runs (ε includes tuning, :mod:`pipelines.select`), is the audit of a run's
-    selection: one mapping per candidate (``candidate``, its index, first), never part of the table itself."""
+    selection: one mapping per candidate (``candidate``, its index, first), never part of the table itself, and
+    ``dp_note`` what its private cells' ``dp_guarantee`` adds (e.g. :data:`prism.privacy.selection.SEEDED_PLAN`)."""
 
     name: str
     title: str
@@ -123,6 +124,7 @@ class TableSpec:
     digits: tuple[int, ...] = ()
     plot: bool = False
     candidates: Callable[[RunRecord], list[dict[str, Any]]] | None = None
+    dp_note: str = ""
 
 
 SPECS = {

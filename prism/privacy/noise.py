@@ -19,6 +19,7 @@ deviations) and the draws are symmetric about 0.
 from __future__ import annotations
 
 import os
+import secrets
 from typing import Protocol
 
 import numpy as np
@@ -62,6 +63,19 @@ class SecureNoise:
         n = int(np.prod(shape, dtype=np.int64))
         draws = torch.special.ndtri(os_uniform(SECURE_TERMS * n)).view(SECURE_TERMS, n).sum(0)
         return draws.div_(SECURE_TERMS**0.5).view(shape).to(device)
+
+
+class OsGenerator:
+    """The draws of a private selection's plan (``random``, ``integers``: the calls it makes of a
+    ``numpy.random.Generator``) from the OS CSPRNG, so that no seed exists from which to recompute them."""
+
+    def random(self) -> float:
+        """One uniform of :func:`os_uniform`, in ``(0, 1)``."""
+        return float(os_uniform(1)[0])
+
+    def integers(self, high: int, size: int) -> np.ndarray:
+        """``size`` integers uniform on ``[0, high)`` (``secrets.randbelow``: no modulo bias)."""
+        return np.array([secrets.randbelow(high) for _ in range(size)], dtype=np.int64)
 
 
 def as_noise_source(noise: NoiseSource | torch.Generator | None) -> NoiseSource:

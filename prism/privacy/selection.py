@@ -5,14 +5,15 @@ A selection draws a random number of candidates ``K``, runs each as an independe
 rows), and publishes only the candidate with the best noised score. Its privacy cost grows with
 ``log E[K]``, not with ``K``:
 
-* :func:`repeat_and_select_rdp` maps a candidate's Rényi-DP curve to the selection's, Papernot &
-  Steinke Thm 2 (``K`` truncated negative binomial of shape ``η``: geometric at ``η = 1``,
-  logarithmic at ``η = 0``) and Thm 6 (``K`` Poisson, ``η = inf``);
-* :func:`candidate_rdp` is one candidate's curve: ``T`` Poisson-subsampled Gaussian steps
-  (:mod:`prism.privacy.limits`) composed with one Gaussian count of sensitivity 1;
-* :func:`selection_epsilon` converts the selection's curve to (ε, δ) and
-  :func:`calibrate_candidate_sigma` finds the smallest training σ whose selection meets a target;
-* :func:`noised_count` is the score a candidate publishes.
+* :func:`candidate_event` is one candidate: ``T`` Poisson-subsampled Gaussian steps composed with one
+  Gaussian count of sensitivity 1;
+* :func:`selection_epsilon` is the whole selection's ε at δ: ``dp_accounting``'s
+  ``RepeatAndSelectDpEvent`` (Papernot & Steinke Thm 2 for ``K`` truncated negative binomial of shape
+  ``η``, geometric at ``η = 1``, logarithmic at ``η = 0``; Thm 6 for ``K`` Poisson, ``η = inf``) composed
+  by its ``RdpAccountant``; :func:`calibrate_candidate_sigma` finds the smallest training σ whose
+  selection meets a target;
+* :func:`draw_candidate_count` draws ``K`` from its law and :func:`noised_count` is the score a
+  candidate publishes.
 
 The bounds are in Rényi DP at the integer orders of :data:`prism.privacy.limits.ORDERS`; PRV
 accounting (the single-run default) has no repeat-and-select composition.
@@ -21,12 +22,17 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import numpy as np
 
-from prism.privacy.limits import ORDERS, rdp_curve, rdp_to_epsilon
+from prism.privacy.limits import ORDERS
+from prism.privacy.noise import OsGenerator
 
 POISSON = math.inf
+SEEDED_PLAN = "a measurement: K and the rates follow from the printed seed; not a release"
+"""What a table of selections planned from the table seed (``privacy.noise_source=seeded``) is (docs/PRIVACY.md,
+"ε includes tuning"): its header and its ``dp_guarantee`` say so; under ``noise_source=os`` the plan is secret."""
 
 
 def tnb_gamma(mean: float, shape: float) -> float:
@@ -61,57 +67,35 @@ def _check_mean_shape(mean: float, shape: float) -> None:
         raise ValueError(f"the shape of the candidate count must be >= 0 (inf: Poisson), got {shape}")
 
 
-def repeat_and_select_rdp(rdp: np.ndarray, mean: float, shape: float,
-                          orders: np.ndarray | None = None) -> np.ndarray:
-    """Rényi DP of publishing the best of ``K`` independent candidates, each with RDP ``rdp``.
+def candidate_event(sigma: float, sample_rate: float, steps: int, score_sigma: float) -> Any:
+    """One candidate as a ``dp_accounting`` event: ``T`` subsampled Gaussian steps, then a count of
+    sensitivity 1 with Gaussian noise ``score_sigma``, composed."""
+    from dp_accounting import dp_event
 
-    Thm 6 (Poisson ``K``): ``ε'(λ) = ε(λ) + μ δ̂ + log μ / (λ − 1)``, ``δ̂`` the candidate's δ at
-    ``ε̂ = log(1 + 1/(λ − 1))``. Thm 2 (truncated negative binomial):
-    ``ε'(λ) = ε(λ) + log μ / (λ − 1) + (1 + η) min_λ̂ [(1 − 1/λ̂) ε(λ̂) + log(1/γ)/λ̂]``, then made
-    non-decreasing in ``λ`` (an RDP bound at a higher order holds at every lower one).
-    """
-    _check_mean_shape(mean, shape)
-    alpha = np.asarray(ORDERS if orders is None else orders, dtype=np.float64)
-    rdp = np.asarray(rdp, dtype=np.float64)
-    log_mean = math.log(mean)
-    if shape == POISSON:
-        hat = np.array([delta_from_rdp(rdp, math.log1p(1 / (a - 1)), alpha) for a in alpha])
-        return rdp + mean * hat + log_mean / (alpha - 1)
-    gamma = tnb_gamma(mean, shape)
-    constant = (1 + shape) * float(np.min((1 - 1 / alpha) * rdp - math.log(gamma) / alpha))
-    out = rdp + log_mean / (alpha - 1) + constant
-    return np.minimum.accumulate(out[::-1])[::-1]
-
-
-def delta_from_rdp(rdp: np.ndarray, epsilon: float, orders: np.ndarray | None = None) -> float:
-    """The smallest δ an RDP curve gives at ``ε`` (Canonne, Kamath & Steinke 2020, Prop. 12).
-
-    ``δ ≤ exp((λ − 1)(ε(λ) − ε + log(1 − 1/λ)) − log λ)``, and ``δ ≤ sqrt(1 − exp(−ε(λ)))`` (the
-    KL bound), minimised over ``λ``.
-    """
-    alpha = np.asarray(ORDERS if orders is None else orders, dtype=np.float64)
-    rdp = np.asarray(rdp, dtype=np.float64)
-    with np.errstate(divide="ignore"):
-        kl = 0.5 * np.log(-np.expm1(-np.maximum(rdp, 0.0)))
-    tail = (alpha - 1) * (rdp - epsilon + np.log1p(-1 / alpha)) - np.log(alpha)
-    return float(min(1.0, math.exp(float(np.min(np.minimum(kl, tail))))))
-
-
-def candidate_rdp(sigma: float, sample_rate: float, steps: int, score_sigma: float) -> np.ndarray:
-    """One candidate's RDP: ``T`` subsampled Gaussian steps, then a count of sensitivity 1 with
-    Gaussian noise ``score_sigma`` (``λ / (2 σ_s²)``), composed by addition."""
     if not score_sigma > 0:
         raise ValueError(f"the score's noise must be > 0, got {score_sigma}")
-    return steps * rdp_curve(sigma, sample_rate) + np.asarray(ORDERS, dtype=np.float64) / (2 * score_sigma**2)
+    return dp_event.ComposedDpEvent([
+        dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(sample_rate, dp_event.GaussianDpEvent(sigma)),
+                                     steps),
+        dp_event.GaussianDpEvent(score_sigma)])
 
 
 def selection_epsilon(sigma: float, sample_rate: float, steps: int, delta: float, *, score_sigma: float,
                       mean: float, shape: float) -> float:
-    """ε at ``δ`` of the whole selection (Balle et al. 2020, Thm 21, at the best order)."""
-    rdp = repeat_and_select_rdp(candidate_rdp(sigma, sample_rate, steps, score_sigma), mean, shape)
-    return float(np.min(rdp_to_epsilon(rdp, delta)))
+    """ε at ``δ`` of the whole selection: ``dp_accounting``'s RDP accountant composes the candidate's
+    repeat-and-select (Thm 2, Thm 6 for a Poisson ``K``) and converts it at the best order of
+    :data:`~prism.privacy.limits.ORDERS` (Balle et al. 2020, Thm 21)."""
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    _check_mean_shape(mean, shape)
+    accountant = rdp_privacy_accountant.RdpAccountant(orders=[float(a) for a in ORDERS])
+    accountant.compose(dp_event.RepeatAndSelectDpEvent(candidate_event(sigma, sample_rate, steps, score_sigma),
+                                                       mean, shape))
+    return float(accountant.get_epsilon(delta))
 
 
+@functools.lru_cache(maxsize=64)  # every candidate of a cell asks for the same σ
 def calibrate_candidate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int, *,
                               score_sigma: float, mean: float, shape: float, tolerance: float = 1e-6) -> float:
     """The smallest training σ (to ``tolerance``, rounded up) whose selection is (ε, δ)-DP."""
@@ -130,25 +114,27 @@ def calibrate_candidate_sigma(epsilon: float, delta: float, sample_rate: float, 
     return hi
 
 
-def draw_candidate_count(rng: np.random.Generator, mean: float, shape: float) -> int:
-    """One draw of ``K``: Poisson(μ) at ``η = inf``, else the truncated negative binomial (``K ≥ 1``),
-    by inverting :func:`_tnb_cdf`."""
+def draw_candidate_count(rng: np.random.Generator | OsGenerator, mean: float, shape: float) -> int:
+    """One draw of ``K`` by inverting :func:`_count_cdf` at one uniform ``rng.random()``: Poisson(μ) at
+    ``η = inf`` (``K ≥ 0``), else the truncated negative binomial (``K ≥ 1``)."""
     _check_mean_shape(mean, shape)
-    if shape == POISSON:
-        return int(rng.poisson(mean))
-    return int(np.searchsorted(_tnb_cdf(mean, shape), rng.random(), side="right")) + 1
+    return int(np.searchsorted(_count_cdf(mean, shape), rng.random(), side="right")) + (shape != POISSON)
 
 
 @functools.lru_cache(maxsize=32)
-def _tnb_cdf(mean: float, shape: float) -> np.ndarray:
-    """``P(K ≤ k)`` for ``k = 1, 2, …`` until the tail is below 1e-12: ``P(K = k) ∝ C(k + η − 1, k)
-    (1 − γ)^k`` (``∝ (1 − γ)^k / k`` at ``η = 0``, the logarithmic law)."""
-    gamma = tnb_gamma(mean, shape)
+def _count_cdf(mean: float, shape: float) -> np.ndarray:
+    """``P(K ≤ k)`` for ``k = 0, 1, …`` (Poisson) or ``k = 1, 2, …`` until the tail is below 1e-12:
+    ``P(K = k) ∝ μ^k / k!`` (Poisson), ``∝ C(k + η − 1, k)(1 − γ)^k`` (``∝ (1 − γ)^k / k`` at ``η = 0``,
+    the logarithmic law)."""
+    gamma = 0.0 if shape == POISSON else tnb_gamma(mean, shape)
     if gamma >= 1:
         return np.ones(1)
     k = np.arange(1, 64, dtype=np.float64)
     while True:
-        if shape == 0:
+        if shape == POISSON:
+            k0 = np.concatenate([[0.0], k])
+            log_w = k0 * math.log(mean) - np.array([math.lgamma(i + 1) for i in k0])
+        elif shape == 0:
             log_w = k * math.log1p(-gamma) - np.log(k)
         else:
             log_w = np.array([math.lgamma(i + shape) - math.lgamma(i + 1) - math.lgamma(shape) for i in k]) \
