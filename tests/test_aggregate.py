@@ -523,3 +523,34 @@ def test_table_states_what_its_prism_minus_best_baseline_cells_can_detect(tmp_pa
     assert "(80 \\% power, 95 \\% confidence" in agg.to_latex(res)
     csv = to_csv_frame(res)
     assert csv.loc[csv["row"] == "PRISM − best baseline", "SST-2_mde"].iloc[0] == pytest.approx(diff["SST-2_mde"])
+
+
+def test_every_format_states_one_privacy_statement_with_q_t_and_delta_of_the_runs(tmp_path: Path) -> None:
+    """Real tiny runs (a private and a non-private one) through the aggregator: the Markdown, the LaTeX, the
+    CSV and the figure carry one and the same statement, whose q, T and δ are the configs' B/N, steps and δ."""
+    from conftest import tiny_cfg
+    from PIL import Image
+
+    from pipelines.run import execute
+    from prism.data.embedded import EMBEDDED_TASKS
+
+    cfgs = [tiny_cfg(f"method={m}", f"privacy={p}", "privacy.delta=2e-5", "experiment=table2",
+                     f"results_dir={tmp_path}") for m, p in (("prism", "eps6"), ("adamw", "nondp"))]
+    for cfg in cfgs:
+        assert execute(cfg) == "finished"
+    out = tmp_path / "tables"
+    assert cli(["aggregate", "experiment=table2", f"runs_dir={tmp_path / 'runs'}", f"out_dir={out}"]) == 0
+    stems = out / "table2.embedded"
+    md = [x for x in Path(f"{stems}.md").read_text().splitlines() if x.startswith("Privacy: ")]
+    tex = [x.removeprefix("% ") for x in Path(f"{stems}.tex").read_text().splitlines() if x.startswith("% Privacy: ")]
+    csv = pd.read_csv(f"{stems}.csv")
+    ours = set(csv.loc[csv["row"] != "paper", "privacy"])
+    png = Image.open(out / "table2.embedded_privacy_utility.png").text["Description"]
+    assert len(md) == 1 and md == tex and ours == {md[0]} and png == md[0]
+    cfg = cfgs[0]
+    q = cfg.train.batch_size / (cfg.suite.embedded.train_per_task * len(EMBEDDED_TASKS["glue8"]))
+    for part in ("unit one training row, add/remove adjacency", f"Poisson sampling, glue8 q = {q:.4g}, "
+                 f"T = {cfg.train.steps};", "accountant PRV", "δ = 2e-05;", "ε without tuning",
+                 "seeded PRNG (seeded): a measurement", "printed seed(s) 42; not a release",
+                 "ε does not cover the evaluation rows", "modification times"):
+        assert part in md[0], part

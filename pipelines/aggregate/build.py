@@ -25,6 +25,7 @@ from pipelines import store
 from pipelines.aggregate import intervals as iv
 from pipelines.aggregate.records import AggregateError, RunRecord
 from pipelines.aggregate.specs import SUITE_TASKS, TableSpec, as_float, norm_name
+from pipelines.aggregate.statement import PrivacyFacts, collect
 from pipelines.tuned_rates import tuned_source, tuning_seeds
 from prism.methods import registry
 from prism.privacy.protocol import NOT_DP_AS_STATED
@@ -61,6 +62,7 @@ class TableResult:
     differences: pd.DataFrame = field(default_factory=pd.DataFrame)  # the "PRISM − best baseline" rows
     unscored: list[str] = field(default_factory=list)  # stand-in columns the runs trained on but did not score
     audit: pd.DataFrame = field(default_factory=pd.DataFrame)  # spec.candidates: every selection's candidates
+    privacy: PrivacyFacts = field(default_factory=PrivacyFacts)  # what its private runs ran under (the statement)
 
 
 def load_paper(name: str) -> pd.DataFrame:
@@ -331,12 +333,14 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str,
     sources = [(r, tuned_source(r.config)) for rs in used.values() for r in rs]
     not_dp = sum(isinstance(p := r.final.get("protocol"), Mapping) and p.get("dp_guarantee") == NOT_DP_AS_STATED
                  for r, _ in sources)
+    tuned = sum(is_private_run(r) and path is not None for r, path in sources)
+    table_seeds = sorted({_seed_of(r) for r, _ in sources})
     result = TableResult(spec, scale, frame, missing, ignored, protocol, stand_ins(records), header,
-                         fact_warnings + mixed_code(spec, cells) + warnings, seen, len(sources), not_dp,
-                         tuned=sum(is_private_run(r) and path is not None for r, path in sources),
+                         fact_warnings + mixed_code(spec, cells) + warnings, seen, len(sources), not_dp, tuned=tuned,
                          tuning_seeds=sorted({s for path in {p for _, p in sources if p} for s in tuning_seeds(path)}),
-                         table_seeds=sorted({_seed_of(r) for r, _ in sources}),
-                         differences=prism_minus_best(spec, frame, intervals), unscored=unscored_columns(finished))
+                         table_seeds=table_seeds, differences=prism_minus_best(spec, frame, intervals),
+                         unscored=unscored_columns(finished),
+                         privacy=collect([r for r, _ in sources if is_private_run(r)], tuned=tuned, seeds=table_seeds))
     if spec.candidates:
         result.audit = pd.DataFrame([{**dict(zip(spec.keys, key)), "suite": suite, "seed": _seed_of(r), "K": len(drawn),
                                       **c, "published": c["candidate"] == r.get("privacy.selection.candidate")}

@@ -8,6 +8,7 @@ protocols have runs, ``<table>.<scale>.protocols.md`` sets them side by side, ce
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import pandas as pd
 from pipelines.aggregate.build import DIFF_LABEL, FACTS, TableResult, blocks
 from pipelines.aggregate.intervals import METHOD_TEXT
 from pipelines.aggregate.specs import SUITE_TASKS
+from pipelines.aggregate.statement import statement
 from pipelines.tuned_rates import TUNING_COST
 from prism.privacy.protocol import NOT_DP_AS_STATED
 
@@ -184,10 +186,12 @@ def audit_line(result: TableResult) -> str:
 
 
 def notes(result: TableResult) -> list[tuple[str, bool]]:
-    """The lines above the run facts, each with whether LaTeX escapes it: the scale, the protocol, what ε
-    covers in a table of private selections, what ε leaves out when private runs trained at tuned rates, and
-    the seeds those rates were tuned on beside the table's own; the last three only where they apply."""
-    lines = [(scale_line(result), False), (protocol_line(result), False), (selection_line(result), True)]
+    """The lines above the run facts, each with whether LaTeX escapes it: the scale, the protocol, the privacy
+    statement (:func:`pipelines.aggregate.statement.statement`), what ε covers in a table of private selections,
+    what ε leaves out when private runs trained at tuned rates, and the seeds those rates were tuned on beside
+    the table's own; the last three only where they apply."""
+    lines = [(scale_line(result), False), (protocol_line(result), False), (statement(result.privacy), False),
+             (selection_line(result), True)]
     if result.tuned:
         lines.append((TUNING_COST.format(n=result.tuned), True))
     if result.tuning_seeds:
@@ -321,7 +325,8 @@ def to_latex(result: TableResult) -> str:
 
 def to_csv_frame(result: TableResult) -> pd.DataFrame:
     """The CSV: the Markdown's rows (``row`` = cell | PRISM − best baseline | paper) with the columns
-    docs/comparison.md ("Layout") lists; in a table of private selections also ``tuning`` (ε includes tuning)."""
+    docs/comparison.md ("Layout") lists, ``privacy`` (the privacy statement) on the rows of these runs; in a
+    table of private selections also ``tuning`` (ε includes tuning)."""
     spec, cols = result.spec, shown_columns(result)
     parts = ("", "_lo", "_hi", "_n", "_ci", "_mark", "_vs", "_mde", "_seeds3pp")
     seeds = {"tuning_seeds": " ".join(map(str, result.tuning_seeds)),
@@ -330,7 +335,8 @@ def to_csv_frame(result: TableResult) -> pd.DataFrame:
     out = []
     for kind, row in (x for block in display_blocks(result) for x in block):
         rec = {"scale": result.scale, "row": "cell" if kind == "cell" else DIFF_LABEL,
-               **{k: row[k] for k in spec.keys}, "dp_guarantee": dp_status(result, row.get("Setting")), **seeds}
+               **{k: row[k] for k in spec.keys}, "dp_guarantee": dp_status(result, row.get("Setting")),
+               "privacy": statement(result.privacy), **seeds}
         if drawn and kind == "cell":
             rec["tuning"] = TUNING_INCLUDED
         rec.update({f"{c}{p}": row.get(f"{c}{p}", "") for c in cols for p in parts})
@@ -338,7 +344,7 @@ def to_csv_frame(result: TableResult) -> pd.DataFrame:
     for _, row in paper_rows(result).iterrows():
         out.append({"scale": result.scale, "row": "paper", **{k: row[k] for k in spec.keys},
                     **{c: row[c] for c in cols}, **seeds})
-    return pd.DataFrame(out, columns=["scale", "row", *spec.keys, "dp_guarantee", *seeds, *drawn,
+    return pd.DataFrame(out, columns=["scale", "row", *spec.keys, "dp_guarantee", "privacy", *seeds, *drawn,
                                       *(f"{c}{p}" for c in cols for p in parts)])
 
 
@@ -378,7 +384,10 @@ def plot_privacy_utility(result: TableResult, path: Path) -> Path:
     panels = plot_panels(result)
     ncols = min(len(panels), 4)
     nrows = math.ceil(len(panels) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 3.0 * nrows), squeeze=False)
+    caption = textwrap.wrap(statement(result.privacy), width=int(3.6 * ncols * 17))
+    height = 3.0 * nrows + 0.13 * len(caption)  # inches: the panels, then the caption's lines of 7 pt
+    below = 0.13 * len(caption) / height  # the caption's share of the figure, under the legend
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, height), squeeze=False)
     methods = list(dict.fromkeys(frame["Method"]))
     for ax, col in zip(axes.flat, panels):
         for i, method in enumerate(methods):
@@ -399,16 +408,18 @@ def plot_privacy_utility(result: TableResult, path: Path) -> Path:
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, below), ncol=len(labels), fontsize=8,
+               frameon=False)
+    fig.text(0.5, 0.005, "\n".join(caption), ha="center", va="bottom", fontsize=7)
     warning = f"\n{result.not_dp} private run(s) are {NOT_DP_AS_STATED.upper()}" if result.not_dp else ""
     warning += "\nε excludes the rate tuning (`make tune`): it covers one training run per cell" if result.tuned else ""
     warning += f"\n{TUNING_INCLUDED}: each point is the published run of a private rate selection" \
         if result.spec.candidates else ""
     fig.suptitle(f"Privacy–utility, {result.scale} scale, {result.protocol} protocol: accuracy vs ε "
-                 f"(δ = 1e-5; ∞ = non-DP); solid = these runs with 95 % intervals, dashed = paper{warning}",
+                 f"(∞ = non-DP; privacy statement below); solid = these runs with 95 % intervals, dashed = paper{warning}",
                  fontsize=9, color="red" if result.not_dp else "black")
-    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
-    fig.savefig(path, dpi=120)
+    fig.tight_layout(rect=(0, below + 0.18 / height, 1, 0.95))
+    fig.savefig(path, dpi=120, metadata={"Description": statement(result.privacy)})
     plt.close(fig)
     return path
 
