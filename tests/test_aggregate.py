@@ -139,8 +139,9 @@ def test_outputs_written_with_marks_paper_and_scale(table2_runs: Path, tmp_path:
     assert "| ε=6 | PRISM | 1/2 | **0.300** [0.240, 0.365] | 0.800 [0.745, 0.850] | 0.300 [0.160, 0.445] |" in md  # GSM8K: two seeds
     assert md.index("## The paper's numbers") > md.index("| ε=3 | PRISM |")
     assert "| ε=6 | PRISM | 0.444 | 0.919 | 0.469 | 0.690 |" in md  # the paper's own table, the shown columns
-    assert "| ε=6 | PRISM − best baseline | 1 | +0.100 [+0.060, +0.140] | -0.100 [-0.145, -0.060] | -0.200 [" in md  # CoLA vs LoRA+, …
-    assert "| ε=6 | (best baseline) |  | LoRA+ | AdamW | AdamW | AdamW |" in md
+    assert ("| ε=6 | PRISM − best baseline | 1 | **+0.100** [+0.060, +0.140] p=5e-05 | **-0.100** [-0.145, -0.060] "
+            "p=5e-05 | **-0.200** [") in md  # CoLA vs LoRA+, …; GSM8K's seeds differ (PRISM 2, AdamW 1): no p
+    assert "| ε=6 | (best baseline) |  | PRISM beats LoRA+ | PRISM below AdamW | PRISM below AdamW | AdamW |" in md
     assert md.index("## Missing") > md.index("## The paper's numbers")
     csv = pd.read_csv(out / "table2.embedded.csv")
     assert {"scale", "row", "SST-2", "SST-2_lo", "SST-2_hi", "SST-2_n", "SST-2_ci", "SST-2_mark", "SST-2_vs"} <= set(
@@ -523,6 +524,36 @@ def test_table_states_what_its_prism_minus_best_baseline_cells_can_detect(tmp_pa
     assert "(80 \\% power, 95 \\% confidence" in agg.to_latex(res)
     csv = to_csv_frame(res)
     assert csv.loc[csv["row"] == "PRISM − best baseline", "SST-2_mde"].iloc[0] == pytest.approx(diff["SST-2_mde"])
+
+
+def test_prism_minus_best_carries_the_sign_flip_p_and_beats_only_where_its_interval_excludes_zero(
+        tmp_path: Path) -> None:
+    """Per seed, on 40 paired rows: SST-2 has PRISM right alone on 5 rows and AdamW alone on 3, so over 3 seeds
+    the sign-flip null is T ∝ 2X − 24 with X ~ Bin(24, ½) and p = P(|2X − 24| ≥ 6) (about 0.31: no "beats", no
+    bold); RTE has PRISM right on every row and AdamW on none (p at its floor, the interval excludes 0)."""
+    from scipy import stats
+
+    root, n = tmp_path / "runs", 40
+    sst = {"prism": [1] * 5 + [0] * 3 + [1] * 10 + [0] * 22, "adamw": [0] * 5 + [1] * 3 + [1] * 10 + [0] * 22}
+    for method in ("prism", "adamw"):
+        rte = [int(method == "prism")] * n
+        for seed in (42, 43, 44):
+            per = {"tweet_sentiment": {"column": "SST-2", "correct": sst[method], "rows": "s"},
+                   "syllogism": {"column": "RTE", "correct": rte, "rows": "r"}}
+            make_run(root, f"{method}{seed}", method=method, privacy="eps6", suite="glue8", seed=seed,
+                     columns={"SST-2": float(np.mean(sst[method])), "RTE": float(np.mean(rte))}, experiment="table2",
+                     per_example=per)
+    res = _build(root)
+    diff = res.differences.iloc[0]
+    closed = float(stats.binom.cdf(9, 24, 0.5) + stats.binom.sf(14, 24, 0.5))
+    assert diff["SST-2_p"] == pytest.approx(closed, abs=0.01) and diff["SST-2_lo"] < 0 < diff["SST-2_hi"]
+    assert diff["RTE_p"] < 1e-3 and diff["RTE_lo"] > 0
+    assert (diff["SST-2_mark"], diff["RTE_mark"]) == ("", "beats")
+    md = agg.to_markdown(res)
+    assert "| ε=6 | (best baseline) |  | AdamW | PRISM beats AdamW |" in md
+    assert f"**+1.000** [+1.000, +1.000] p={diff['RTE_p']:.2g}" in md and "+0.050 [" in md and "**+0.050" not in md
+    csv = to_csv_frame(res)
+    assert csv.loc[csv["row"] == "PRISM − best baseline", "SST-2_p"].iloc[0] == pytest.approx(diff["SST-2_p"])
 
 
 def test_every_format_states_one_privacy_statement_with_q_t_and_delta_of_the_runs(tmp_path: Path) -> None:

@@ -384,7 +384,8 @@ def cell_interval(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord]], 
     if parts and all(runs[s] and all(iv.has_rows(r.final, c) for r in runs[s]) for s, c in parts):
         reps = np.mean([iv.column_replicates([r.final for r in runs[s]], [_seed_of(r) for r in runs[s]], c)
                         for s, c in parts], axis=0)
-        return iv.from_replicates(value, reps, max(len(v) for v in runs.values()), per_seed)
+        outcomes = iv.weighted_outcomes([(c, [r.final for r in runs[s]], [_seed_of(r) for r in runs[s]]) for s, c in parts])
+        return iv.from_replicates(value, reps, max(len(v) for v in runs.values()), per_seed, outcomes)
     return dataclasses.replace(iv.from_seeds(list(per_seed.values())), value=value, per_seed=per_seed)
 
 
@@ -416,8 +417,10 @@ DIFF_LABEL = "PRISM − best baseline"
 
 def prism_minus_best(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tuple, iv.Interval]) -> pd.DataFrame:
     """Per block and column, PRISM's cell minus the baseline with the best value there (chosen on the
-    point estimates), with the paired bootstrap interval of the difference; ``<col>_vs`` names that
-    baseline. Empty for tables without a Method key or without a PRISM row."""
+    point estimates), with the paired bootstrap interval of the difference and its sign-flip p-value
+    (``<col>_p``, :func:`pipelines.aggregate.intervals.sign_flip_p`); ``<col>_vs`` names that baseline and
+    ``<col>_mark`` is ``beats`` (``below``) where the interval excludes 0 on PRISM's better (worse) side.
+    Empty for tables without a Method key or without a PRISM row."""
     if "Method" not in spec.keys:
         return pd.DataFrame()
     prism_label = registry.lookup("prism").label
@@ -439,8 +442,12 @@ def prism_minus_best(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tu
                 diff = iv.difference(intervals[pkey, col], intervals[tuple(frame.loc[i, k] for k in spec.keys), col])
                 vs = frame.loc[i, "Method"]
             mde, seeds = iv.detectable(diff)
+            better = -1 if spec.lower_is_better else 1
+            mark = ("beats" if min(better * diff.lo, better * diff.hi) > 0 else
+                    "below" if max(better * diff.lo, better * diff.hi) < 0 else "")
             row.update({col: diff.value, f"{col}_lo": diff.lo, f"{col}_hi": diff.hi, f"{col}_n": diff.n,
-                        f"{col}_ci": diff.method, f"{col}_vs": vs, f"{col}_mde": mde, f"{col}_seeds3pp": seeds})
+                        f"{col}_ci": diff.method, f"{col}_p": diff.p, f"{col}_mark": mark, f"{col}_vs": vs,
+                        f"{col}_mde": mde, f"{col}_seeds3pp": seeds})
         if any(not math.isnan(row[col]) for col in spec.columns):
             out.append(row)
     return pd.DataFrame(out)

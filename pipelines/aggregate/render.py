@@ -92,11 +92,15 @@ def _interval_text(result: TableResult, row: pd.Series, col: str, signed: bool =
 
 
 def _cell_text(result: TableResult, row: pd.Series, col: str, bold: tuple[str, str], signed: bool) -> str:
-    """``value [lo, hi]`` (``signed``: with its sign); the value in bold when it is best beyond noise, ``(tie)``
-    after it when it is the best value but not separated from the runner-up."""
+    """``value [lo, hi]`` (``signed``: with its sign, and ``p=`` its sign-flip p-value where it has one); the
+    value in bold when it is best beyond noise or a difference whose interval excludes 0, ``(tie)`` after it
+    when it is the best value but not separated from the runner-up."""
     text = _interval_text(result, row, col, signed)
+    p = row.get(f"{col}_p", math.nan)
+    if signed and not pd.isna(p):
+        text += f" p={p:.2g}"
     mark = row.get(f"{col}_mark", "")
-    if mark == "best":
+    if mark in ("best", "beats", "below"):
         head, _, tail = text.partition(" ")
         text = f"{bold[0]}{head}{bold[1]}" + (f" {tail}" if tail else "")
     elif mark == "tie":
@@ -141,8 +145,15 @@ def _grid(result: TableResult, bold: tuple[str, str]) -> tuple[list[str], list[l
             keys = [str(row[k]) for k in spec.keys]
             rows.append(keys + [_n_text(row, cols)] + [_cell_text(result, row, c, bold, kind == "diff") for c in cols])
             if kind == "diff":
-                rows.append([*keys[:-1], "(best baseline)", ""] + [str(row.get(f"{c}_vs") or DASH) for c in cols])
+                rows.append([*keys[:-1], "(best baseline)", ""] + [_vs_text(row, c) for c in cols])
     return [*spec.keys, "n", *(column_label(result, c) for c in cols)], rows
+
+
+def _vs_text(row: pd.Series, col: str) -> str:
+    """The baseline a difference is against, ``PRISM beats <it>`` (``PRISM below <it>``) where the difference's
+    interval excludes 0."""
+    vs, mark = str(row.get(f"{col}_vs") or DASH), row.get(f"{col}_mark", "")
+    return f"PRISM {mark} {vs}" if mark in ("beats", "below") else vs
 
 
 def scale_line(result: TableResult) -> str:
@@ -242,7 +253,9 @@ def _marks_line(result: TableResult) -> str:
             "the runner-up excludes 0; otherwise the best value is marked (tie).")
     if not result.differences.empty:
         line += (f" Row \"{DIFF_LABEL}\": PRISM's cell minus the cell of the baseline with the best value in "
-                 "that column (named in the row below it), with the paired interval.")
+                 "that column (named in the row below it), with the paired interval and p, the two-sided sign-flip "
+                 "permutation p-value over seeds and evaluation rows (0/1 columns only); in bold, and \"PRISM beats\" "
+                 "(\"below\") the baseline, only where the interval excludes 0.")
     return line
 
 
@@ -328,7 +341,7 @@ def to_csv_frame(result: TableResult) -> pd.DataFrame:
     docs/comparison.md ("Layout") lists, ``privacy`` (the privacy statement) on the rows of these runs; in a
     table of private selections also ``tuning`` (ε includes tuning)."""
     spec, cols = result.spec, shown_columns(result)
-    parts = ("", "_lo", "_hi", "_n", "_ci", "_mark", "_vs", "_mde", "_seeds3pp")
+    parts = ("", "_lo", "_hi", "_n", "_ci", "_mark", "_vs", "_p", "_mde", "_seeds3pp")
     seeds = {"tuning_seeds": " ".join(map(str, result.tuning_seeds)),
              "table_seeds": " ".join(map(str, result.table_seeds))}
     drawn = ["tuning"] if spec.candidates else []
