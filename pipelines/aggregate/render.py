@@ -15,9 +15,9 @@ from typing import Any
 
 import pandas as pd
 
-from pipelines.aggregate.build import DIFF_LABEL, FACTS, TableResult, blocks
+from pipelines.aggregate.build import DIFF_LABEL, FACTS, NO_SIGNAL, TableResult, blocks
 from pipelines.aggregate.intervals import METHOD_TEXT
-from pipelines.aggregate.specs import SUITE_TASKS
+from pipelines.aggregate.specs import REFERENCE, SUITE_TASKS
 from pipelines.aggregate.statement import statement
 from pipelines.tuned_rates import TUNING_COST
 from prism.privacy.protocol import NOT_DP_AS_STATED
@@ -95,11 +95,13 @@ def _cell_text(result: TableResult, row: pd.Series, col: str, bold: tuple[str, s
     """``value [lo, hi]`` (``signed``: with its sign, and ``p=`` its sign-flip p-value where it has one); the
     value in bold when it is best beyond noise or a difference whose interval excludes 0, ``(tie)`` after it
     when it is the best value but not separated from the runner-up."""
+    mark = row.get(f"{col}_mark", "")
+    if mark == NO_SIGNAL:
+        return NO_SIGNAL
     text = _interval_text(result, row, col, signed)
     p = row.get(f"{col}_p", math.nan)
     if signed and not pd.isna(p):
         text += f" p={p:.2g}"
-    mark = row.get(f"{col}_mark", "")
     if mark in ("best", "beats", "below"):
         head, _, tail = text.partition(" ")
         text = f"{bold[0]}{head}{bold[1]}" + (f" {tail}" if tail else "")
@@ -246,6 +248,17 @@ def header_lines(result: TableResult) -> list[str]:
     return lines + ([""] if result.warnings else [])
 
 
+def gate_line(result: TableResult) -> str:
+    """Which columns of which privacy rows have no privacy signal and what that changes ('' when none)."""
+    if not result.no_signal:
+        return ""
+    gated = "; ".join(f"{block}: {', '.join(cols)}" for block, cols in result.no_signal.items())
+    return (f"{NO_SIGNAL.capitalize()} ({gated}): there the block's best method is not above the {REFERENCE[0]} "
+            "beyond noise (the 95 % interval of their paired difference includes 0), so these columns are left out "
+            f"of that block's averages and of its {DIFF_LABEL} row (docs/comparison.md, \"The 0-step model and "
+            "the gates\").")
+
+
 def _marks_line(result: TableResult) -> str:
     spec = result.spec
     within = f" within each {spec.block} block" if spec.block else ""
@@ -300,6 +313,7 @@ def to_markdown(result: TableResult) -> str:
     if result.stand_ins:
         head += ["Backbones run in place of the paper's: " + ", ".join(result.stand_ins) + ".", ""]
     head += [interval_line(result), "", _marks_line(result), ""]
+    head += [x for line in (gate_line(result), result.order) if line for x in (line, "")]
     header, rows = _grid(result, ("**", "**"))
     lines = _md_table(header, [r for r in rows if r is not None])
     foot = [line for line in (detectable_line(result), not_shown_line(result)) if line]
@@ -327,6 +341,7 @@ def to_latex(result: TableResult) -> str:
     lines = [*(f"% {_tex_escape(line) if escape else line}" for line, escape in notes(result)),
              *(f"% {line}" for line in header_lines(result) if line),
              f"% {_tex_escape(interval_line(result))}", f"% {_tex_escape(_marks_line(result))}",
+             *(f"% {_tex_escape(line)}" for line in (gate_line(result), result.order) if line),
              *_tex_tabular(*_grid(result, ("\x00", "\x01")), values)]
     lines += [f"% {_tex_escape(foot)}" for foot in (detectable_line(result), not_shown_line(result)) if foot]
     header, rows = paper_grid(result)
@@ -364,7 +379,7 @@ def to_csv_frame(result: TableResult) -> pd.DataFrame:
 def dp_status(result: TableResult, setting: Any) -> str:
     """A CSV row's DP status: non-private, :data:`NOT_DP_AS_STATED` when the table holds such runs, else
     as accounted (and whether rate tuning is included)."""
-    if setting is None or str(setting) == "Non-DP":
+    if setting is None or str(setting) in ("Non-DP", REFERENCE[0]):
         return "non-private"
     if result.not_dp:
         return NOT_DP_AS_STATED
@@ -389,7 +404,8 @@ def plot_privacy_utility(result: TableResult, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    frame = result.frame.copy()
+    frame = result.frame[result.frame["Setting"] != REFERENCE[0]].copy()
+    reference = result.frame[result.frame["Setting"] == REFERENCE[0]]
     frame["eps"] = [math.inf if s == "Non-DP" else float(str(s).split("=")[-1]) for s in frame["Setting"]]
     finite = sorted(e for e in frame["eps"].unique() if not math.isinf(e)) or [1.0]
     inf_x = finite[-1] * 2
@@ -415,6 +431,8 @@ def plot_privacy_utility(result: TableResult, path: Path) -> Path:
             if not ref.empty:
                 ax.plot(ref["x"], ref[f"{col}_paper"], "x--", color=color, alpha=0.4,
                         label=None if not ours.empty else f"{method} (paper only)")
+        for value in pd.to_numeric(reference[col], errors="coerce").dropna():
+            ax.axhline(value, color="grey", linestyle=":", label=REFERENCE[0])
         ax.set_xticks([*finite, inf_x], [f"{e:g}" for e in finite] + ["∞"])
         ax.set_title(column_label(result, col), fontsize=9)
         ax.tick_params(labelsize=8)
