@@ -345,8 +345,9 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str,
             i = expected.index(key)
             frame.loc[i, [col, f"{col}_lo", f"{col}_hi", f"{col}_n", f"{col}_ci"]] = [ci.value, ci.lo, ci.hi, ci.n, ci.method]
     frame = mark_best(frame, spec, intervals)
-    used = {s: [r for by_suite in cells.values() for r in by_suite.get(s, []) if not is_reference(r)] for s in spec.suites}
-    header, fact_warnings = header_facts(spec, {s: rs for s, rs in used.items() if rs})
+    used = {s: [r for by_suite in cells.values() for r in by_suite.get(s, [])] for s in spec.suites}
+    trained = {s: [r for r in rs if not is_reference(r)] for s, rs in used.items()}  # the 0-step model has no budget
+    header, fact_warnings = header_facts(spec, {s: rs for s, rs in trained.items() if rs})
     seen = {s: sorted({c for r in rs for c in r.final.get("columns", {})}) for s, rs in used.items()}
     sources = [(r, tuned_source(r.config)) for rs in used.values() for r in rs]
     not_dp = sum(isinstance(p := r.final.get("protocol"), Mapping) and p.get("dp_guarantee") == NOT_DP_AS_STATED
