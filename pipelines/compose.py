@@ -89,9 +89,18 @@ def sweep_jobs(overrides: Sequence[str], head: Sequence[str] = ()) -> list[list[
     return [[*head, *job] for job in itertools.product(*axes.values())]
 
 
+REFERENCE_JOBS = {"table2": ("method=adamw", "privacy=nondp", "train.steps=0")}
+"""Per experiment, the overrides of its reference jobs: Table 2's 0-step model (LoRA's B = 0, so the backbone
+untrained; one run per suite and seed, evaluation only), the row the private rows are gated against
+(docs/comparison.md, "The 0-step model and the gates")."""
+
+
 def experiment_jobs(experiment: str, overrides: Sequence[str] = ()) -> list[list[str]]:
-    """Every job of ``experiment``'s grid: ``[experiment=tableN, *overrides, *sweep choices]``."""
-    return sweep_jobs(overrides, [f"experiment={experiment}"])
+    """Every job of ``experiment``'s grid: ``[experiment=tableN, *overrides, *sweep choices]``, then its
+    :data:`REFERENCE_JOBS` over the same sweep (their overrides win over the sweep's)."""
+    head = [f"experiment={experiment}"]
+    reference = sweep_jobs([*overrides, *REFERENCE_JOBS[experiment]], head) if experiment in REFERENCE_JOBS else []
+    return sweep_jobs(overrides, head) + reference
 
 
 def job_config(job: Sequence[str]) -> DictConfig:

@@ -33,6 +33,9 @@ def validate(cfg: DictConfig, *, here: bool = True) -> None:
         _gpu(str(cfg.train.device))
     _lora_and_backbone(cfg)
     _selection(cfg)
+    require(cfg.train.steps > 0 or math.isinf(float(cfg.privacy.epsilon)),
+            f"train.steps=0 (the untrained reference model) releases nothing to account, run it with privacy=nondp "
+            f"or set train.steps >= 1 for privacy.epsilon={cfg.privacy.epsilon}")
     n_train = _suite(cfg)
     _local_context(cfg)
     _budget(cfg, n_train, here)

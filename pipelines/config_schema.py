@@ -343,7 +343,7 @@ class TrainConfig:
     benchmark: BenchmarkConfig | None = help_field("{warmup, measure}: a Table 5 timing run; null: train")
     prefix_cache: str = help_field("auto: reuse the frozen lower layers' hidden states | off")
     activation_checkpointing: bool = help_field("recompute decoder activations in backward")
-    steps: int = help_field("optimizer steps T")
+    steps: int = help_field("optimizer steps T (0: the untrained reference model, non-private only)")
     batch_size: int = help_field("expected (Poisson) batch B")
     micro_batch_size: int = help_field("examples per forward/backward pass")
     checkpoint_every: int = help_field("steps between checkpoints")
@@ -354,7 +354,8 @@ class TrainConfig:
     diagnostics: DiagnosticsConfig | None = help_field("experiment=diagnostics: the selected scale's budgets", None)
 
     def __post_init__(self) -> None:
-        for key in ("steps", "batch_size", "micro_batch_size", "checkpoint_every", "eval_batch_size"):
+        positive_int(self.steps, "train.steps", minimum=0)  # 0: the untrained reference model (config_rules)
+        for key in ("batch_size", "micro_batch_size", "checkpoint_every", "eval_batch_size"):
             positive_int(getattr(self, key), f"train.{key}")
         require(self.micro_batch_size <= self.batch_size,
                 f"train.micro_batch_size={self.micro_batch_size} exceeds train.batch_size={self.batch_size}, "

@@ -117,6 +117,10 @@ def test_a_selection_publishes_the_best_noised_candidate_and_its_table_says_epsi
     md = (tmp_path / "tables" / "table2-accounted.embedded.md").read_text()
     assert md.startswith("# Table 2: Utility on GLUE8 and Math-10K, r=16, ε includes tuning")
     assert "ε includes tuning: each cell and seed is the published run" in md and "Non-DP" not in md
+    statement = next(line for line in md.splitlines() if line.startswith("Privacy: "))
+    for part in ("accountant RDP at integer orders over the whole private selection", "ε includes the learning-rate "
+                 "tuning", "the noise, the batches, K and the rates follow from the printed seed(s) 42; not a release"):
+        assert part in statement, part
     # the published table carries no K: neither a column of the Markdown, LaTeX or CSV, nor the figure's title
     assert "| Setting | Method | n | SST-2 | RTE |" in md and "| ε=6 | AdamW | 1 | " in md and "| K" not in md
     assert "table2-accounted.embedded.audit.csv, kept apart from this table" in md

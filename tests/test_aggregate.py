@@ -139,8 +139,9 @@ def test_outputs_written_with_marks_paper_and_scale(table2_runs: Path, tmp_path:
     assert "| ε=6 | PRISM | 1/2 | **0.300** [0.240, 0.365] | 0.800 [0.745, 0.850] | 0.300 [0.160, 0.445] |" in md  # GSM8K: two seeds
     assert md.index("## The paper's numbers") > md.index("| ε=3 | PRISM |")
     assert "| ε=6 | PRISM | 0.444 | 0.919 | 0.469 | 0.690 |" in md  # the paper's own table, the shown columns
-    assert "| ε=6 | PRISM − best baseline | 1 | +0.100 [+0.060, +0.140] | -0.100 [-0.145, -0.060] | -0.200 [" in md  # CoLA vs LoRA+, …
-    assert "| ε=6 | (best baseline) |  | LoRA+ | AdamW | AdamW | AdamW |" in md
+    assert ("| ε=6 | PRISM − best baseline | 1 | **+0.100** [+0.060, +0.140] p=5e-05 | **-0.100** [-0.145, -0.060] "
+            "p=5e-05 | **-0.200** [") in md  # CoLA vs LoRA+, …; GSM8K's seeds differ (PRISM 2, AdamW 1): no p
+    assert "| ε=6 | (best baseline) |  | PRISM beats LoRA+ | PRISM below AdamW | PRISM below AdamW | AdamW |" in md
     assert md.index("## Missing") > md.index("## The paper's numbers")
     csv = pd.read_csv(out / "table2.embedded.csv")
     assert {"scale", "row", "SST-2", "SST-2_lo", "SST-2_hi", "SST-2_n", "SST-2_ci", "SST-2_mark", "SST-2_vs"} <= set(
@@ -523,3 +524,115 @@ def test_table_states_what_its_prism_minus_best_baseline_cells_can_detect(tmp_pa
     assert "(80 \\% power, 95 \\% confidence" in agg.to_latex(res)
     csv = to_csv_frame(res)
     assert csv.loc[csv["row"] == "PRISM − best baseline", "SST-2_mde"].iloc[0] == pytest.approx(diff["SST-2_mde"])
+
+
+def test_prism_minus_best_carries_the_sign_flip_p_and_beats_only_where_its_interval_excludes_zero(
+        tmp_path: Path) -> None:
+    """Per seed, on 40 paired rows: SST-2 has PRISM right alone on 5 rows and AdamW alone on 3, so over 3 seeds
+    the sign-flip null is T ∝ 2X − 24 with X ~ Bin(24, ½) and p = P(|2X − 24| ≥ 6) (about 0.31: no "beats", no
+    bold); RTE has PRISM right on every row and AdamW on none (p at its floor, the interval excludes 0)."""
+    from scipy import stats
+
+    root, n = tmp_path / "runs", 40
+    sst = {"prism": [1] * 5 + [0] * 3 + [1] * 10 + [0] * 22, "adamw": [0] * 5 + [1] * 3 + [1] * 10 + [0] * 22}
+    for method in ("prism", "adamw"):
+        rte = [int(method == "prism")] * n
+        for seed in (42, 43, 44):
+            per = {"tweet_sentiment": {"column": "SST-2", "correct": sst[method], "rows": "s"},
+                   "syllogism": {"column": "RTE", "correct": rte, "rows": "r"}}
+            make_run(root, f"{method}{seed}", method=method, privacy="eps6", suite="glue8", seed=seed,
+                     columns={"SST-2": float(np.mean(sst[method])), "RTE": float(np.mean(rte))}, experiment="table2",
+                     per_example=per)
+    res = _build(root)
+    diff = res.differences.iloc[0]
+    closed = float(stats.binom.cdf(9, 24, 0.5) + stats.binom.sf(14, 24, 0.5))
+    assert diff["SST-2_p"] == pytest.approx(closed, abs=0.01) and diff["SST-2_lo"] < 0 < diff["SST-2_hi"]
+    assert diff["RTE_p"] < 1e-3 and diff["RTE_lo"] > 0
+    assert (diff["SST-2_mark"], diff["RTE_mark"]) == ("", "beats")
+    md = agg.to_markdown(res)
+    assert "| ε=6 | (best baseline) |  | AdamW | PRISM beats AdamW |" in md
+    assert f"**+1.000** [+1.000, +1.000] p={diff['RTE_p']:.2g}" in md and "+0.050 [" in md and "**+0.050" not in md
+    csv = to_csv_frame(res)
+    assert csv.loc[csv["row"] == "PRISM − best baseline", "SST-2_p"].iloc[0] == pytest.approx(diff["SST-2_p"])
+
+
+def test_a_column_whose_best_is_not_above_the_0_step_model_is_gated_out_of_its_block(tmp_path: Path) -> None:
+    """Per seed, 40 rows per task. The 0-step model is right on rows 0–19 of SST-2 and RTE and 0–9 of GSM8K.
+    At ε=6 PRISM is right on every SST-2 row, on RTE's rows 0–19 (the 0-step model's rows: difference 0) and on
+    30 GSM8K rows; AdamW on 24, 18 and 20. So RTE, and only RTE, has no privacy signal at ε=6: its averages are
+    the means of SST-2 and GSM8K, (1 + 0.75)/2 and (0.6 + 0.5)/2, its PRISM − best cell says so, and the best
+    Avg over all columns, Non-DP 1.0 ≥ ε=6 (1 + 0.5 + 0.75)/3, keeps the order."""
+    root, n = tmp_path / "runs", 40
+    right = {("ref", "SST-2"): 20, ("ref", "RTE"): 20, ("ref", "GSM8K"): 10, ("prism", "SST-2"): 40,
+             ("prism", "RTE"): 20, ("prism", "GSM8K"): 30, ("adamw", "SST-2"): 24, ("adamw", "RTE"): 18,
+             ("adamw", "GSM8K"): 20, ("nondp", "SST-2"): 40, ("nondp", "RTE"): 40, ("nondp", "GSM8K"): 40}
+    tasks = {"glue8": {"tweet_sentiment": "SST-2", "syllogism": "RTE"}, "math10k": {"gsm_symbolic": "GSM8K"}}
+    runs = {"ref": dict(method="adamw", privacy="nondp", steps=0), "prism": dict(method="prism", privacy="eps6"),
+            "adamw": dict(method="adamw", privacy="eps6"), "nondp": dict(method="prism", privacy="nondp")}
+    for name, kw in runs.items():
+        for suite, cols in tasks.items():
+            for seed in (42, 43, 44):
+                per = {t: {"column": c, "correct": [1] * right[name, c] + [0] * (n - right[name, c]), "rows": c}
+                       for t, c in cols.items()}
+                make_run(root, f"{name}-{suite}-{seed}", suite=suite, seed=seed, experiment="table2", per_example=per,
+                         columns={c: right[name, c] / n for c in cols.values()}, **kw)
+    res = _build(root)
+    assert res.no_signal == {"ε=6": ["RTE"]}
+    assert _row(res.frame, "ε=6", "PRISM")["Avg"] == pytest.approx((1 + 0.75) / 2)
+    assert _row(res.frame, "ε=6", "AdamW")["Avg"] == pytest.approx((0.6 + 0.5) / 2)
+    assert _row(res.frame, "Non-DP", "PRISM")["Avg"] == pytest.approx(1.0)
+    assert _row(res.frame, "0-step model", "no training")["Avg"] == pytest.approx((0.5 + 0.5 + 0.25) / 3)
+    diff = res.differences.set_index("Setting").loc["ε=6"]
+    assert diff["RTE_mark"] == "no privacy signal" and math.isnan(diff["RTE"])
+    assert diff["Avg"] == pytest.approx((1 + 0.75) / 2 - (0.6 + 0.5) / 2)
+    md = agg.to_markdown(res)
+    assert "| 0-step model | no training | 3 | " in md
+    assert "No privacy signal (ε=6: RTE): there the block's best method is not above the 0-step model" in md
+    assert "| ε=6 | PRISM − best baseline | 3 | " in md and "| no privacy signal |" in md
+    assert (f"Non-DP 1.000 (PRISM) ≥ ε=6 {(1 + 0.5 + 0.75) / 3:.3f} (PRISM): holds.") in md
+    assert "no privacy signal" in agg.to_latex(res)
+    csv = to_csv_frame(res)
+    assert set(csv.loc[csv["Setting"] == "0-step model", "dp_guarantee"]) == {"non-private"}
+
+
+def test_the_0_step_model_is_non_private_only() -> None:
+    from conftest import TINY_RUN
+
+    from pipelines.validate import ConfigError, load_job
+
+    assert load_job([*TINY_RUN, "privacy=nondp", "train.steps=0"]).train.steps == 0
+    with pytest.raises(ConfigError, match=r"train.steps=0 \(the untrained reference model\) releases nothing"):
+        load_job([*TINY_RUN, "privacy=eps6", "train.steps=0"])
+
+
+def test_every_format_states_one_privacy_statement_with_q_t_and_delta_of_the_runs(tmp_path: Path) -> None:
+    """Real tiny runs (a private and a non-private one) through the aggregator: the Markdown, the LaTeX, the
+    CSV and the figure carry one and the same statement, whose q, T and δ are the configs' B/N, steps and δ."""
+    from conftest import tiny_cfg
+    from PIL import Image
+
+    from pipelines.run import execute
+    from prism.data.embedded import EMBEDDED_TASKS
+
+    cfgs = [tiny_cfg(f"method={m}", f"privacy={p}", "privacy.delta=2e-5", "experiment=table2", f"train.steps={t}",
+                     f"results_dir={tmp_path}") for m, p, t in (("prism", "eps6", 3), ("adamw", "nondp", 3),
+                                                               ("adamw", "nondp", 0))]  # the last: the 0-step model
+    for cfg in cfgs:
+        assert execute(cfg) == "finished"
+    out = tmp_path / "tables"
+    assert cli(["aggregate", "experiment=table2", f"runs_dir={tmp_path / 'runs'}", f"out_dir={out}"]) == 0
+    stems = out / "table2.embedded"
+    md = [x for x in Path(f"{stems}.md").read_text().splitlines() if x.startswith("Privacy: ")]
+    tex = [x.removeprefix("% ") for x in Path(f"{stems}.tex").read_text().splitlines() if x.startswith("% Privacy: ")]
+    csv = pd.read_csv(f"{stems}.csv")
+    ours = set(csv.loc[csv["row"] != "paper", "privacy"])
+    png = Image.open(out / "table2.embedded_privacy_utility.png").text["Description"]
+    assert len(md) == 1 and md == tex and ours == {md[0]} and png == md[0]
+    assert "| 0-step model | no training | 1 | " in Path(f"{stems}.md").read_text()
+    cfg = cfgs[0]
+    q = cfg.train.batch_size / (cfg.suite.embedded.train_per_task * len(EMBEDDED_TASKS["glue8"]))
+    for part in ("unit one training row, add/remove adjacency", f"Poisson sampling, glue8 q = {q:.4g}, "
+                 f"T = {cfg.train.steps};", "accountant PRV", "δ = 2e-05;", "ε without tuning",
+                 "seeded PRNG (seeded): a measurement", "printed seed(s) 42; not a release",
+                 "ε does not cover the evaluation rows", "modification times"):
+        assert part in md[0], part

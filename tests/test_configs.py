@@ -15,7 +15,7 @@ from pipelines.compose import experiment_jobs, job_config
 from pipelines.validate import ConfigError, check
 
 # Independent expectations, written from the paper (Tables 2–5, 7, 8) and docs/ARCHITECTURE.md.
-GRID_SIZES = {"table2": 36, "table3": 9, "table4": 18, "table5": 3}
+GRID_SIZES = {"table2": 36 + 2, "table3": 9, "table4": 18, "table5": 3}  # Table 2: 36 cells and the 0-step model per suite
 TABLE8_LR = {("lamb", "glue"): 5e-3, ("lamb", "math"): 5e-3}
 TABLE8_LR.update({(m, f): lr for m in ("adamw", "ffa", "lora_rite", "loraplus", "prism", "prism_paper")
                   for f, lr in (("glue", 2e-4), ("math", 3e-4))})
@@ -110,7 +110,8 @@ def test_table_axes_match_the_paper(embedded_grids: dict[str, list[DictConfig]])
     assert {(c.suite.name, c.train.steps, c.train.batch_size, c.backbone.lora_layers, c.lora.dropout)
             for cs in embedded_grids.values() for c in cs} == {
         ("glue8", 30, 64, 1, 0.0),      # conf/scale/embedded.yaml
-        ("math10k", 15, 64, 1, 0.0)}    # conf/suite_scale/math10k_embedded.yaml sets its own steps
+        ("math10k", 15, 64, 1, 0.0),    # conf/suite_scale/math10k_embedded.yaml sets its own steps
+        ("glue8", 0, 64, 1, 0.0), ("math10k", 0, 64, 1, 0.0)}  # Table 2's 0-step model (compose.REFERENCE_JOBS)
 
 
 def test_paper_scale_budgets_are_table7() -> None:

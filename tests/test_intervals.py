@@ -123,3 +123,44 @@ def test_tie_rule_needs_the_difference_interval_to_exclude_zero() -> None:
     # without replicates: the two intervals combined as independent normals
     wide = iv.difference(iv.Interval(0.7, 0.6, 0.8, 2, "t over seeds"), iv.Interval(0.5, 0.4, 0.6, 2, "t over seeds"))
     assert (wide.lo, wide.hi) == (pytest.approx(0.2 - math.hypot(0.1, 0.1)), pytest.approx(0.2 + math.hypot(0.1, 0.1)))
+
+
+def test_sign_flip_p_is_the_brute_force_enumeration_and_scipys_paired_permutation_test() -> None:
+    import itertools
+
+    rng = np.random.default_rng(3)
+    a, b = rng.integers(0, 2, (2, 6)), rng.integers(0, 2, (2, 6))  # 2 seeds × 6 rows of 0/1 outcomes
+    a[0, :3], b[0, :3] = 1, 0  # a leads on some rows
+    d, w = (a - b).ravel().astype(float), np.full(12, 1 / 12)
+    brute = np.mean([abs(np.dot(np.array(s) * d, w)) >= abs(np.dot(d, w)) - 1e-15
+                     for s in itertools.product([1, -1], repeat=12)])
+    assert iv.sign_flip_p(d, w) == pytest.approx(brute, abs=1e-12)
+    scipy_p = stats.permutation_test((a.ravel().astype(float), b.ravel().astype(float)),
+                                     lambda x, y: np.mean(x) - np.mean(y), permutation_type="samples",
+                                     n_resamples=np.inf, alternative="two-sided").pvalue
+    assert iv.sign_flip_p(d, w) == pytest.approx(scipy_p, abs=1e-12)
+
+
+def test_sign_flip_p_by_random_patterns_is_the_binomial_closed_form() -> None:
+    """Equal weights and m differences of ±1: T*/w = Σ sᵢdᵢ = 2X − m with X ~ Bin(m, ½), so
+    p = P(|2X − m| ≥ |Σ dᵢ|) exactly; the random patterns must reach it within their Monte Carlo error."""
+    d = np.random.default_rng(5).permutation(np.r_[np.ones(330), -np.ones(300), np.zeros(570)])  # 3 seeds × 400 rows
+    w = np.full(len(d), 1 / len(d))
+    m, t = 630, 30
+    closed = float(stats.binom.cdf((m - t) // 2, m, 0.5) + stats.binom.sf((m + t) // 2 - 1, m, 0.5))
+    assert 0.1 < closed < 0.5
+    assert iv.sign_flip_p(d, w) == pytest.approx(closed, abs=0.01)  # 20,000 patterns: Monte Carlo SE ≈ 0.003
+
+
+def test_paired_p_pairs_the_same_seed_and_row_of_two_cells() -> None:
+    rng = np.random.default_rng(7)
+    x = (rng.random((3, 8)) < 0.7).astype(float)
+    y = (rng.random((3, 8)) < 0.4).astype(float)
+    cells = [iv.from_replicates(m.mean(), iv.column_replicates(_finals(m), [1, 2, 3], "SST-2"), 3,
+                                outcomes=iv.weighted_outcomes([("SST-2", _finals(m), [1, 2, 3])])) for m in (x, y)]
+    diff = iv.difference(*cells)
+    assert diff.value == pytest.approx(float(np.sum((x - y) * cells[0].outcomes[("SST-2", 1, "t", "rows-a")][1])))
+    assert diff.p == pytest.approx(iv.sign_flip_p((x - y).ravel(), np.full(24, 1 / 24)))
+    other = iv.from_replicates(y.mean(), cells[1].replicates, 3,
+                               outcomes=iv.weighted_outcomes([("SST-2", _finals(y, rows="rows-b"), [1, 2, 3])]))
+    assert math.isnan(iv.difference(cells[0], other).p)  # other rows: nothing to pair

@@ -24,7 +24,16 @@ import pandas as pd
 from pipelines import store
 from pipelines.aggregate import intervals as iv
 from pipelines.aggregate.records import AggregateError, RunRecord
-from pipelines.aggregate.specs import SUITE_TASKS, TableSpec, as_float, norm_name
+from pipelines.aggregate.specs import (
+    REFERENCE,
+    SUITE_TASKS,
+    TableSpec,
+    as_float,
+    is_reference,
+    mean,
+    norm_name,
+)
+from pipelines.aggregate.statement import PrivacyFacts, collect
 from pipelines.tuned_rates import tuned_source, tuning_seeds
 from prism.methods import registry
 from prism.privacy.protocol import NOT_DP_AS_STATED
@@ -61,6 +70,9 @@ class TableResult:
     differences: pd.DataFrame = field(default_factory=pd.DataFrame)  # the "PRISM − best baseline" rows
     unscored: list[str] = field(default_factory=list)  # stand-in columns the runs trained on but did not score
     audit: pd.DataFrame = field(default_factory=pd.DataFrame)  # spec.candidates: every selection's candidates
+    privacy: PrivacyFacts = field(default_factory=PrivacyFacts)  # what its private runs ran under (the statement)
+    no_signal: dict[Any, list[str]] = field(default_factory=dict)  # per private block, its gated columns (gates)
+    order: str = ""  # the best method's Avg per privacy level and whether Non-DP ≥ ε=6 ≥ ε=3 holds (order_line)
 
 
 def load_paper(name: str) -> pd.DataFrame:
@@ -298,7 +310,7 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str,
                                 f"seed ({differing_fields(rs)}); not averaged — keep one config per cell")
                 del by_suite[suite]
     missing += warnings
-    rows = expected_rows(paper, spec.keys, [*cells, *(spec.cell_key(r, paper) for r in problems if r.config)])
+    rows = expected = expected_rows(paper, spec.keys, [*cells, *(spec.cell_key(r, paper) for r in problems if r.config)])
     paper_idx = paper.set_index(list(spec.keys)).to_dict("index")
     table, intervals = [], {}
     for key in rows:
@@ -324,19 +336,31 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str,
     missing += [f"{r.problem} ({r.run_id})" for r in problems if not r.config]
     columns = [*spec.keys, *(f"{col}{part}" for col in spec.columns for part in CELL_PARTS),
                *(f"eps_spent_{s}" for s in spec.suites), "n_runs"]
-    frame = mark_best(pd.DataFrame(table, columns=columns), spec, intervals)
+    frame = pd.DataFrame(table, columns=columns)
+    order, no_signal = order_line(spec, frame), gates(spec, frame, intervals)
+    for key, by_suite in cells.items():  # a gated block's averages without its gated columns
+        drop = no_signal.get(key[spec.keys.index(spec.block)] if spec.block else None, [])
+        for col in [c for c in spec.averages or {} if drop]:
+            ci = intervals[key, col] = cell_interval(spec, by_suite, col, math.nan, drop)
+            i = expected.index(key)
+            frame.loc[i, [col, f"{col}_lo", f"{col}_hi", f"{col}_n", f"{col}_ci"]] = [ci.value, ci.lo, ci.hi, ci.n, ci.method]
+    frame = mark_best(frame, spec, intervals)
     used = {s: [r for by_suite in cells.values() for r in by_suite.get(s, [])] for s in spec.suites}
-    header, fact_warnings = header_facts(spec, {s: rs for s, rs in used.items() if rs})
+    trained = {s: [r for r in rs if not is_reference(r)] for s, rs in used.items()}  # the 0-step model has no budget
+    header, fact_warnings = header_facts(spec, {s: rs for s, rs in trained.items() if rs})
     seen = {s: sorted({c for r in rs for c in r.final.get("columns", {})}) for s, rs in used.items()}
     sources = [(r, tuned_source(r.config)) for rs in used.values() for r in rs]
     not_dp = sum(isinstance(p := r.final.get("protocol"), Mapping) and p.get("dp_guarantee") == NOT_DP_AS_STATED
                  for r, _ in sources)
+    tuned = sum(is_private_run(r) and path is not None for r, path in sources)
+    table_seeds = sorted({_seed_of(r) for r, _ in sources})
     result = TableResult(spec, scale, frame, missing, ignored, protocol, stand_ins(records), header,
-                         fact_warnings + mixed_code(spec, cells) + warnings, seen, len(sources), not_dp,
-                         tuned=sum(is_private_run(r) and path is not None for r, path in sources),
+                         fact_warnings + mixed_code(spec, cells) + warnings, seen, len(sources), not_dp, tuned=tuned,
                          tuning_seeds=sorted({s for path in {p for _, p in sources if p} for s in tuning_seeds(path)}),
-                         table_seeds=sorted({_seed_of(r) for r, _ in sources}),
-                         differences=prism_minus_best(spec, frame, intervals), unscored=unscored_columns(finished))
+                         table_seeds=table_seeds, differences=prism_minus_best(spec, frame, intervals, no_signal),
+                         unscored=unscored_columns(finished),
+                         privacy=collect([r for r, _ in sources if is_private_run(r)], tuned=tuned, seeds=table_seeds),
+                         no_signal=no_signal, order=order)
     if spec.candidates:
         result.audit = pd.DataFrame([{**dict(zip(spec.keys, key)), "suite": suite, "seed": _seed_of(r), "K": len(drawn),
                                       **c, "published": c["candidate"] == r.get("privacy.selection.candidate")}
@@ -355,32 +379,40 @@ def _seed_of(record: RunRecord) -> int:
     return int(record.get("seed", 0))
 
 
-def component_columns(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord]], col: str) -> list[tuple[str, str]]:
+def component_columns(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord]], col: str,
+                      drop: Sequence[str] = ()) -> list[tuple[str, str]]:
     """The (suite, paper column) scores a value column is the unweighted mean of: the column itself
-    in the suite that has it, or for an average every paper column its suites' runs scored."""
+    in the suite that has it, or for an average every paper column its suites' runs scored but ``drop``."""
     if spec.averages and col in spec.averages:
         return [(s, c) for s in spec.averages[col] for c in sorted({c for r in by_suite.get(s, [])
-                                                                     for c in r.final.get("columns", {})})]
+                                                                     for c in r.final.get("columns", {})} - set(drop))]
     def scored(suite: str) -> set[str]:  # a user task (suite=custom) has the columns its runs scored
         return set(SUITE_TASKS.get(suite, ())) or {c for r in by_suite.get(suite, []) for c in r.final.get("columns", {})}
 
     return [(s, col) for s in spec.suites if col in scored(s)]
 
 
-def cell_interval(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord]], col: str, value: float) -> iv.Interval:
+def cell_interval(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord]], col: str, value: float,
+                  drop: Sequence[str] = ()) -> iv.Interval:
     """The 95 % interval of one cell (:mod:`pipelines.aggregate.intervals`): the bootstrap over rows and
-    seeds when every run behind it has per-row outcomes, else t over the per-seed values of the cell."""
+    seeds when every run behind it has per-row outcomes, else t over the per-seed values of the cell. With
+    ``drop`` (an average's gated columns, :func:`gates`): the average of its other columns, value included."""
+    parts = component_columns(spec, by_suite, col, drop)
+    if drop:
+        value = mean(spec.cell_values(spec, by_suite)[c] for _, c in parts)
     if value is None or math.isnan(value):
         return iv.Interval(math.nan, math.nan, math.nan, 0, "none")
     seeds = sorted({_seed_of(r) for rs in by_suite.values() for r in rs})
-    per_seed = {seed: spec.cell_values(spec, {s: [r for r in rs if _seed_of(r) == seed] for s, rs in by_suite.items()})[col]
-                for seed in seeds}
-    parts = component_columns(spec, by_suite, col)
+    per_seed = {}
+    for seed in seeds:
+        values = spec.cell_values(spec, {s: [r for r in rs if _seed_of(r) == seed] for s, rs in by_suite.items()})
+        per_seed[seed] = mean(values[c] for _, c in parts) if drop else values[col]
     runs = {s: sorted(by_suite.get(s, []), key=_seed_of) for s, _ in parts}
     if parts and all(runs[s] and all(iv.has_rows(r.final, c) for r in runs[s]) for s, c in parts):
         reps = np.mean([iv.column_replicates([r.final for r in runs[s]], [_seed_of(r) for r in runs[s]], c)
                         for s, c in parts], axis=0)
-        return iv.from_replicates(value, reps, max(len(v) for v in runs.values()), per_seed)
+        outcomes = iv.weighted_outcomes([(c, [r.final for r in runs[s]], [_seed_of(r) for r in runs[s]]) for s, c in parts])
+        return iv.from_replicates(value, reps, max(len(v) for v in runs.values()), per_seed, outcomes)
     return dataclasses.replace(iv.from_seeds(list(per_seed.values())), value=value, per_seed=per_seed)
 
 
@@ -407,13 +439,68 @@ def mark_best(frame: pd.DataFrame, spec: TableSpec, intervals: Mapping[tuple, iv
     return frame
 
 
+NO_SIGNAL = "no privacy signal"
+
+
+def _best_key(spec: TableSpec, part: pd.DataFrame, col: str) -> tuple | None:
+    """The key of the row with the best value of ``col`` in ``part`` (None when no row has one)."""
+    vals = pd.to_numeric(part[col], errors="coerce").dropna()
+    if vals.empty:
+        return None
+    i = vals.idxmin() if spec.lower_is_better else vals.idxmax()
+    return tuple(part.loc[i, k] for k in spec.keys)
+
+
+def gates(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tuple, iv.Interval]) -> dict[Any, list[str]]:
+    """Per privacy block (a finite ε), the task columns with no privacy signal: the block's best method there
+    is not above the 0-step model (:data:`~pipelines.aggregate.specs.REFERENCE`) beyond noise, i.e. the 95 %
+    interval of their paired difference does not exclude 0 (:func:`pipelines.aggregate.intervals.clears`).
+    Empty without a 0-step row (docs/comparison.md, "The 0-step model and the gates")."""
+    if spec.block != "Setting" or not ((frame["Setting"] == REFERENCE[0]) & (frame["Method"] == REFERENCE[1])).any():
+        return {}
+    out = {}
+    for block, part in blocks(spec, frame):
+        if block in (REFERENCE[0], "Non-DP"):
+            continue
+        tasks = [c for c in spec.columns if c not in (spec.averages or {})]
+        gated = [c for c in tasks if (best := _best_key(spec, part, c)) is not None
+                 and not math.isnan(intervals[REFERENCE, c].value)
+                 and not iv.clears(intervals[best, c], intervals[REFERENCE, c], spec.lower_is_better)]
+        if gated:
+            out[block] = gated
+    return out
+
+
+def order_line(spec: TableSpec, frame: pd.DataFrame) -> str:
+    """The best method's Avg per privacy level (all its columns, point estimates) and whether
+    Non-DP ≥ ε=6 ≥ ε=3 (every level at least the next more private one) holds ('' unless at least two of the
+    levels have an Avg)."""
+    if spec.block != "Setting" or "Avg" not in spec.columns:
+        return ""
+    best = {}
+    for block, part in blocks(spec, frame):
+        if block != REFERENCE[0] and (key := _best_key(spec, part, "Avg")) is not None:
+            best[block] = (key[1], float(part.loc[part["Method"] == key[1], "Avg"].iloc[0]))
+    levels = sorted(best, key=lambda b: -math.inf if b == "Non-DP" else -float(str(b).removeprefix("ε=")))
+    if len(levels) < 2:
+        return ""
+    broken = [f"{a} < {b}" for a, b in zip(levels, levels[1:]) if best[a][1] < best[b][1]]
+    return ("Order of the best method's Avg (all columns, point estimates): "
+            + " ≥ ".join(f"{b} {best[b][1]:.3f} ({best[b][0]})" for b in levels)
+            + (f": does NOT hold ({'; '.join(broken)})." if broken else ": holds."))
+
+
 DIFF_LABEL = "PRISM − best baseline"
 
 
-def prism_minus_best(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tuple, iv.Interval]) -> pd.DataFrame:
+def prism_minus_best(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tuple, iv.Interval],
+                     no_signal: Mapping[Any, Sequence[str]] | None = None) -> pd.DataFrame:
     """Per block and column, PRISM's cell minus the baseline with the best value there (chosen on the
-    point estimates), with the paired bootstrap interval of the difference; ``<col>_vs`` names that
-    baseline. Empty for tables without a Method key or without a PRISM row."""
+    point estimates), with the paired bootstrap interval of the difference and its sign-flip p-value
+    (``<col>_p``, :func:`pipelines.aggregate.intervals.sign_flip_p`); ``<col>_vs`` names that baseline and
+    ``<col>_mark`` is ``beats`` (``below``) where the interval excludes 0 on PRISM's better (worse) side.
+    A column of ``no_signal`` (:func:`gates`) in its block has no difference, its mark :data:`NO_SIGNAL`.
+    Empty for tables without a Method key or without a PRISM row."""
     if "Method" not in spec.keys:
         return pd.DataFrame()
     prism_label = registry.lookup("prism").label
@@ -428,6 +515,9 @@ def prism_minus_best(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tu
         pkey = tuple(prism.iloc[0][k] for k in spec.keys)
         for col in spec.columns:
             vals = pd.to_numeric(baselines[col], errors="coerce").dropna()
+            if col in (no_signal or {}).get(block, ()):
+                row.update({col: math.nan, f"{col}_lo": math.nan, f"{col}_hi": math.nan, f"{col}_mark": NO_SIGNAL})
+                continue
             if vals.empty or math.isnan(intervals[pkey, col].value):
                 diff, vs = iv.Interval(math.nan, math.nan, math.nan, 0, "none"), ""
             else:
@@ -435,8 +525,12 @@ def prism_minus_best(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tu
                 diff = iv.difference(intervals[pkey, col], intervals[tuple(frame.loc[i, k] for k in spec.keys), col])
                 vs = frame.loc[i, "Method"]
             mde, seeds = iv.detectable(diff)
+            better = -1 if spec.lower_is_better else 1
+            mark = ("beats" if min(better * diff.lo, better * diff.hi) > 0 else
+                    "below" if max(better * diff.lo, better * diff.hi) < 0 else "")
             row.update({col: diff.value, f"{col}_lo": diff.lo, f"{col}_hi": diff.hi, f"{col}_n": diff.n,
-                        f"{col}_ci": diff.method, f"{col}_vs": vs, f"{col}_mde": mde, f"{col}_seeds3pp": seeds})
+                        f"{col}_ci": diff.method, f"{col}_p": diff.p, f"{col}_mark": mark, f"{col}_vs": vs,
+                        f"{col}_mde": mde, f"{col}_seeds3pp": seeds})
         if any(not math.isnan(row[col]) for col in spec.columns):
             out.append(row)
     return pd.DataFrame(out)

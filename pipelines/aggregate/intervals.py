@@ -28,8 +28,10 @@ METHOD_TEXT = (f"95 % intervals: percentile bootstrap ({B} replicates) over eval
 @dataclass(frozen=True)
 class Interval:
     """A cell's point estimate, its interval (NaN when there is none), the seeds behind it, how the
-    interval was made (``bootstrap`` | ``t over seeds`` | ``none``), its bootstrap replicates and its
-    value per seed (seed → value; empty when unknown)."""
+    interval was made (``bootstrap`` | ``t over seeds`` | ``none``), its bootstrap replicates, its
+    value per seed (seed → value; empty when unknown) and, for a cell of 0/1 outcomes, its weighted
+    outcomes (:func:`weighted_outcomes`; None otherwise); a difference carries the p-value of
+    :func:`sign_flip_p` (NaN where it has none)."""
 
     value: float
     lo: float
@@ -38,6 +40,8 @@ class Interval:
     method: str
     replicates: np.ndarray | None = None
     per_seed: Mapping[int, float] = field(default_factory=dict)
+    outcomes: Mapping[tuple, tuple[np.ndarray, float]] | None = None
+    p: float = math.nan
 
 
 def _rng(*parts: object) -> np.random.Generator:
@@ -94,16 +98,62 @@ def column_replicates(finals: Sequence[Mapping], seeds: Sequence[int], column: s
     return scores[seed_draws(seeds, b), np.arange(b)[:, None]].mean(axis=1)
 
 
+def weighted_outcomes(parts: Sequence[tuple[str, Sequence[Mapping], Sequence[int]]]) -> dict | None:
+    """The 0/1 outcomes behind a cell that is the mean over ``parts`` ((column, finals, seeds), one per scored
+    suite column) of the seed mean of the task mean of row correctness: (column, seed, task, rows hash) →
+    (outcomes, weight), the weight of each row in the cell's value (Σ weight·outcome = the value). None where
+    a task has no ``correct`` outcomes (a statistic column: MCC, F1, Pearson)."""
+    out = {}
+    for column, finals, seeds in parts:
+        for final, seed in zip(finals, seeds):
+            tasks = [(t, o) for t, o in final["per_example"].items() if o.get("column") == column]
+            for task, outcome in tasks:
+                if "correct" not in outcome:
+                    return None
+                x = np.asarray(outcome["correct"], dtype=float)
+                out[column, seed, task, str(outcome.get("rows"))] = (x, 1 / (len(parts) * len(seeds) * len(tasks) * len(x)))
+    return out
+
+
+def sign_flip_p(d: np.ndarray, w: np.ndarray, b: int = 20_000) -> float:
+    """Two-sided p-value of the paired statistic T = Σ wᵢdᵢ under the sign-flip permutation null: each
+    pair's difference dᵢ (a seed and an evaluation row: one method's outcome minus the other's) keeps or
+    flips its sign with probability ½, p = P(|T*| ≥ |T|). Exact (every sign pattern) when the pairs with
+    dᵢ ≠ 0 are at most 16, else ``b`` random patterns, p = (1 + hits) / (1 + b) (a function of the data)."""
+    keep = np.asarray(d, dtype=float) != 0
+    x = (np.asarray(d, dtype=float) * np.asarray(w, dtype=float))[keep]
+    observed = abs(float(x.sum())) * (1 - 1e-12)
+    if len(x) <= 16:
+        signs = 1 - 2 * ((np.arange(2 ** len(x))[:, None] >> np.arange(len(x))) & 1)
+        return float(np.mean(np.abs(signs @ x) >= observed))
+    rng = _rng("flips", x.tobytes(), b)
+    hits = sum(int(np.sum(np.abs((1 - 2 * rng.integers(0, 2, size=(m, len(x)))) @ x) >= observed))
+               for m in [min(1000, b - i) for i in range(0, b, 1000)])
+    return (1 + hits) / (1 + b)
+
+
+def paired_p(a: Interval, b: Interval) -> float:
+    """:func:`sign_flip_p` of ``a − b`` over their common seeds and evaluation rows; NaN unless both cells
+    have 0/1 outcomes on the same seeds, tasks and rows (the pairing needs the same row in both)."""
+    if a.outcomes is None or b.outcomes is None or a.outcomes.keys() != b.outcomes.keys():
+        return math.nan
+    d = np.concatenate([a.outcomes[k][0] - b.outcomes[k][0] for k in a.outcomes])
+    w = np.concatenate([np.full(len(a.outcomes[k][0]), a.outcomes[k][1]) for k in a.outcomes])
+    return sign_flip_p(d, w)
+
+
 def percentile(replicates: np.ndarray) -> tuple[float, float]:
     """The central ``LEVEL`` percentile interval of bootstrap replicates."""
     lo, hi = np.quantile(replicates, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
     return float(lo), float(hi)
 
 
-def from_replicates(value: float, replicates: np.ndarray, n: int, per_seed: Mapping[int, float] | None = None) -> Interval:
-    """An :class:`Interval` of a bootstrapped cell (``per_seed``: its value per seed)."""
+def from_replicates(value: float, replicates: np.ndarray, n: int, per_seed: Mapping[int, float] | None = None,
+                    outcomes: Mapping[tuple, tuple[np.ndarray, float]] | None = None, p: float = math.nan) -> Interval:
+    """An :class:`Interval` of a bootstrapped cell (``per_seed``: its value per seed; ``outcomes``: its 0/1
+    outcomes, :func:`weighted_outcomes`; ``p``: a difference's p-value)."""
     lo, hi = percentile(replicates)
-    return Interval(value, lo, hi, n, "bootstrap", replicates, dict(per_seed or {}))
+    return Interval(value, lo, hi, n, "bootstrap", replicates, dict(per_seed or {}), outcomes, p)
 
 
 def from_seeds(values: Sequence[float]) -> Interval:
@@ -124,7 +174,7 @@ def difference(a: Interval, b: Interval) -> Interval:
     value = a.value - b.value
     per_seed = {s: a.per_seed[s] - b.per_seed[s] for s in sorted(set(a.per_seed) & set(b.per_seed))}
     if a.replicates is not None and b.replicates is not None:
-        return from_replicates(value, a.replicates - b.replicates, min(a.n, b.n), per_seed)
+        return from_replicates(value, a.replicates - b.replicates, min(a.n, b.n), per_seed, p=paired_p(a, b))
     if any(math.isnan(x) for x in (a.lo, a.hi, b.lo, b.hi)):
         return Interval(value, math.nan, math.nan, min(a.n, b.n), "none", None, per_seed)
     half = math.hypot((a.hi - a.lo) / 2, (b.hi - b.lo) / 2)

@@ -8,15 +8,17 @@ protocols have runs, ``<table>.<scale>.protocols.md`` sets them side by side, ce
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from pipelines.aggregate.build import DIFF_LABEL, FACTS, TableResult, blocks
+from pipelines.aggregate.build import DIFF_LABEL, FACTS, NO_SIGNAL, TableResult, blocks
 from pipelines.aggregate.intervals import METHOD_TEXT
-from pipelines.aggregate.specs import SUITE_TASKS
+from pipelines.aggregate.specs import REFERENCE, SUITE_TASKS
+from pipelines.aggregate.statement import statement
 from pipelines.tuned_rates import TUNING_COST
 from prism.privacy.protocol import NOT_DP_AS_STATED
 
@@ -90,11 +92,17 @@ def _interval_text(result: TableResult, row: pd.Series, col: str, signed: bool =
 
 
 def _cell_text(result: TableResult, row: pd.Series, col: str, bold: tuple[str, str], signed: bool) -> str:
-    """``value [lo, hi]`` (``signed``: with its sign); the value in bold when it is best beyond noise, ``(tie)``
-    after it when it is the best value but not separated from the runner-up."""
-    text = _interval_text(result, row, col, signed)
+    """``value [lo, hi]`` (``signed``: with its sign, and ``p=`` its sign-flip p-value where it has one); the
+    value in bold when it is best beyond noise or a difference whose interval excludes 0, ``(tie)`` after it
+    when it is the best value but not separated from the runner-up."""
     mark = row.get(f"{col}_mark", "")
-    if mark == "best":
+    if mark == NO_SIGNAL:
+        return NO_SIGNAL
+    text = _interval_text(result, row, col, signed)
+    p = row.get(f"{col}_p", math.nan)
+    if signed and not pd.isna(p):
+        text += f" p={p:.2g}"
+    if mark in ("best", "beats", "below"):
         head, _, tail = text.partition(" ")
         text = f"{bold[0]}{head}{bold[1]}" + (f" {tail}" if tail else "")
     elif mark == "tie":
@@ -139,8 +147,15 @@ def _grid(result: TableResult, bold: tuple[str, str]) -> tuple[list[str], list[l
             keys = [str(row[k]) for k in spec.keys]
             rows.append(keys + [_n_text(row, cols)] + [_cell_text(result, row, c, bold, kind == "diff") for c in cols])
             if kind == "diff":
-                rows.append([*keys[:-1], "(best baseline)", ""] + [str(row.get(f"{c}_vs") or DASH) for c in cols])
+                rows.append([*keys[:-1], "(best baseline)", ""] + [_vs_text(row, c) for c in cols])
     return [*spec.keys, "n", *(column_label(result, c) for c in cols)], rows
+
+
+def _vs_text(row: pd.Series, col: str) -> str:
+    """The baseline a difference is against, ``PRISM beats <it>`` (``PRISM below <it>``) where the difference's
+    interval excludes 0."""
+    vs, mark = str(row.get(f"{col}_vs") or DASH), row.get(f"{col}_mark", "")
+    return f"PRISM {mark} {vs}" if mark in ("beats", "below") else vs
 
 
 def scale_line(result: TableResult) -> str:
@@ -184,10 +199,12 @@ def audit_line(result: TableResult) -> str:
 
 
 def notes(result: TableResult) -> list[tuple[str, bool]]:
-    """The lines above the run facts, each with whether LaTeX escapes it: the scale, the protocol, what ε
-    covers in a table of private selections, what ε leaves out when private runs trained at tuned rates, and
-    the seeds those rates were tuned on beside the table's own; the last three only where they apply."""
-    lines = [(scale_line(result), False), (protocol_line(result), False), (selection_line(result), True)]
+    """The lines above the run facts, each with whether LaTeX escapes it: the scale, the protocol, the privacy
+    statement (:func:`pipelines.aggregate.statement.statement`), what ε covers in a table of private selections,
+    what ε leaves out when private runs trained at tuned rates, and the seeds those rates were tuned on beside
+    the table's own; the last three only where they apply."""
+    lines = [(scale_line(result), False), (protocol_line(result), False), (statement(result.privacy), False),
+             (selection_line(result), True)]
     if result.tuned:
         lines.append((TUNING_COST.format(n=result.tuned), True))
     if result.tuning_seeds:
@@ -231,6 +248,17 @@ def header_lines(result: TableResult) -> list[str]:
     return lines + ([""] if result.warnings else [])
 
 
+def gate_line(result: TableResult) -> str:
+    """Which columns of which privacy rows have no privacy signal and what that changes ('' when none)."""
+    if not result.no_signal:
+        return ""
+    gated = "; ".join(f"{block}: {', '.join(cols)}" for block, cols in result.no_signal.items())
+    return (f"{NO_SIGNAL.capitalize()} ({gated}): there the block's best method is not above the {REFERENCE[0]} "
+            "beyond noise (the 95 % interval of their paired difference includes 0), so these columns are left out "
+            f"of that block's averages and of its {DIFF_LABEL} row (docs/comparison.md, \"The 0-step model and "
+            "the gates\").")
+
+
 def _marks_line(result: TableResult) -> str:
     spec = result.spec
     within = f" within each {spec.block} block" if spec.block else ""
@@ -238,7 +266,9 @@ def _marks_line(result: TableResult) -> str:
             "the runner-up excludes 0; otherwise the best value is marked (tie).")
     if not result.differences.empty:
         line += (f" Row \"{DIFF_LABEL}\": PRISM's cell minus the cell of the baseline with the best value in "
-                 "that column (named in the row below it), with the paired interval.")
+                 "that column (named in the row below it), with the paired interval and p, the two-sided sign-flip "
+                 "permutation p-value over seeds and evaluation rows (0/1 columns only); in bold, and \"PRISM beats\" "
+                 "(\"below\") the baseline, only where the interval excludes 0.")
     return line
 
 
@@ -283,6 +313,7 @@ def to_markdown(result: TableResult) -> str:
     if result.stand_ins:
         head += ["Backbones run in place of the paper's: " + ", ".join(result.stand_ins) + ".", ""]
     head += [interval_line(result), "", _marks_line(result), ""]
+    head += [x for line in (gate_line(result), result.order) if line for x in (line, "")]
     header, rows = _grid(result, ("**", "**"))
     lines = _md_table(header, [r for r in rows if r is not None])
     foot = [line for line in (detectable_line(result), not_shown_line(result)) if line]
@@ -310,6 +341,7 @@ def to_latex(result: TableResult) -> str:
     lines = [*(f"% {_tex_escape(line) if escape else line}" for line, escape in notes(result)),
              *(f"% {line}" for line in header_lines(result) if line),
              f"% {_tex_escape(interval_line(result))}", f"% {_tex_escape(_marks_line(result))}",
+             *(f"% {_tex_escape(line)}" for line in (gate_line(result), result.order) if line),
              *_tex_tabular(*_grid(result, ("\x00", "\x01")), values)]
     lines += [f"% {_tex_escape(foot)}" for foot in (detectable_line(result), not_shown_line(result)) if foot]
     header, rows = paper_grid(result)
@@ -321,16 +353,18 @@ def to_latex(result: TableResult) -> str:
 
 def to_csv_frame(result: TableResult) -> pd.DataFrame:
     """The CSV: the Markdown's rows (``row`` = cell | PRISM − best baseline | paper) with the columns
-    docs/comparison.md ("Layout") lists; in a table of private selections also ``tuning`` (ε includes tuning)."""
+    docs/comparison.md ("Layout") lists, ``privacy`` (the privacy statement) on the rows of these runs; in a
+    table of private selections also ``tuning`` (ε includes tuning)."""
     spec, cols = result.spec, shown_columns(result)
-    parts = ("", "_lo", "_hi", "_n", "_ci", "_mark", "_vs", "_mde", "_seeds3pp")
+    parts = ("", "_lo", "_hi", "_n", "_ci", "_mark", "_vs", "_p", "_mde", "_seeds3pp")
     seeds = {"tuning_seeds": " ".join(map(str, result.tuning_seeds)),
              "table_seeds": " ".join(map(str, result.table_seeds))}
     drawn = ["tuning"] if spec.candidates else []
     out = []
     for kind, row in (x for block in display_blocks(result) for x in block):
         rec = {"scale": result.scale, "row": "cell" if kind == "cell" else DIFF_LABEL,
-               **{k: row[k] for k in spec.keys}, "dp_guarantee": dp_status(result, row.get("Setting")), **seeds}
+               **{k: row[k] for k in spec.keys}, "dp_guarantee": dp_status(result, row.get("Setting")),
+               "privacy": statement(result.privacy), **seeds}
         if drawn and kind == "cell":
             rec["tuning"] = TUNING_INCLUDED
         rec.update({f"{c}{p}": row.get(f"{c}{p}", "") for c in cols for p in parts})
@@ -338,14 +372,14 @@ def to_csv_frame(result: TableResult) -> pd.DataFrame:
     for _, row in paper_rows(result).iterrows():
         out.append({"scale": result.scale, "row": "paper", **{k: row[k] for k in spec.keys},
                     **{c: row[c] for c in cols}, **seeds})
-    return pd.DataFrame(out, columns=["scale", "row", *spec.keys, "dp_guarantee", *seeds, *drawn,
+    return pd.DataFrame(out, columns=["scale", "row", *spec.keys, "dp_guarantee", "privacy", *seeds, *drawn,
                                       *(f"{c}{p}" for c in cols for p in parts)])
 
 
 def dp_status(result: TableResult, setting: Any) -> str:
     """A CSV row's DP status: non-private, :data:`NOT_DP_AS_STATED` when the table holds such runs, else
     as accounted (and whether rate tuning is included)."""
-    if setting is None or str(setting) == "Non-DP":
+    if setting is None or str(setting) in ("Non-DP", REFERENCE[0]):
         return "non-private"
     if result.not_dp:
         return NOT_DP_AS_STATED
@@ -370,7 +404,8 @@ def plot_privacy_utility(result: TableResult, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    frame = result.frame.copy()
+    frame = result.frame[result.frame["Setting"] != REFERENCE[0]].copy()
+    reference = result.frame[result.frame["Setting"] == REFERENCE[0]]
     frame["eps"] = [math.inf if s == "Non-DP" else float(str(s).split("=")[-1]) for s in frame["Setting"]]
     finite = sorted(e for e in frame["eps"].unique() if not math.isinf(e)) or [1.0]
     inf_x = finite[-1] * 2
@@ -378,7 +413,10 @@ def plot_privacy_utility(result: TableResult, path: Path) -> Path:
     panels = plot_panels(result)
     ncols = min(len(panels), 4)
     nrows = math.ceil(len(panels) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 3.0 * nrows), squeeze=False)
+    caption = textwrap.wrap(statement(result.privacy), width=int(3.6 * ncols * 17))
+    height = 3.0 * nrows + 0.13 * len(caption)  # inches: the panels, then the caption's lines of 7 pt
+    below = 0.13 * len(caption) / height  # the caption's share of the figure, under the legend
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, height), squeeze=False)
     methods = list(dict.fromkeys(frame["Method"]))
     for ax, col in zip(axes.flat, panels):
         for i, method in enumerate(methods):
@@ -393,22 +431,26 @@ def plot_privacy_utility(result: TableResult, path: Path) -> Path:
             if not ref.empty:
                 ax.plot(ref["x"], ref[f"{col}_paper"], "x--", color=color, alpha=0.4,
                         label=None if not ours.empty else f"{method} (paper only)")
+        for value in pd.to_numeric(reference[col], errors="coerce").dropna():
+            ax.axhline(value, color="grey", linestyle=":", label=REFERENCE[0])
         ax.set_xticks([*finite, inf_x], [f"{e:g}" for e in finite] + ["∞"])
         ax.set_title(column_label(result, col), fontsize=9)
         ax.tick_params(labelsize=8)
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, below), ncol=len(labels), fontsize=8,
+               frameon=False)
+    fig.text(0.5, 0.005, "\n".join(caption), ha="center", va="bottom", fontsize=7)
     warning = f"\n{result.not_dp} private run(s) are {NOT_DP_AS_STATED.upper()}" if result.not_dp else ""
     warning += "\nε excludes the rate tuning (`make tune`): it covers one training run per cell" if result.tuned else ""
     warning += f"\n{TUNING_INCLUDED}: each point is the published run of a private rate selection" \
         if result.spec.candidates else ""
     fig.suptitle(f"Privacy–utility, {result.scale} scale, {result.protocol} protocol: accuracy vs ε "
-                 f"(δ = 1e-5; ∞ = non-DP); solid = these runs with 95 % intervals, dashed = paper{warning}",
+                 f"(∞ = non-DP; privacy statement below); solid = these runs with 95 % intervals, dashed = paper{warning}",
                  fontsize=9, color="red" if result.not_dp else "black")
-    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
-    fig.savefig(path, dpi=120)
+    fig.tight_layout(rect=(0, below + 0.18 / height, 1, 0.95))
+    fig.savefig(path, dpi=120, metadata={"Description": statement(result.privacy)})
     plt.close(fig)
     return path
 

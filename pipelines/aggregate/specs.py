@@ -60,6 +60,21 @@ def setting_label(record: RunRecord) -> str:
     return "Non-DP" if eps is None or math.isinf(eps) else f"ε={eps:g}"
 
 
+REFERENCE = ("0-step model", "no training")
+"""Table 2's key of a run with ``train.steps`` = 0 (the untrained model, :data:`pipelines.compose.REFERENCE_JOBS`):
+its own block, the row the private rows are gated against (docs/comparison.md, "The 0-step model and the gates")."""
+
+
+def is_reference(record: RunRecord) -> bool:
+    """Whether the run is the untrained reference model (``train.steps`` = 0)."""
+    return as_float(record.get("train.steps")) == 0
+
+
+def table2_key(record: RunRecord, paper: pd.DataFrame) -> tuple:
+    """Table 2's row: :data:`REFERENCE` for the 0-step model, else (Setting, Method)."""
+    return REFERENCE if is_reference(record) else (setting_label(record), method_label(record))
+
+
 def backbone_label(record: RunRecord, paper_backbones: Iterable[str]) -> str:
     """Table 3's row: the paper backbone the run stands for (``backbone.paper_name``, else its name)."""
     name = str(record.get("backbone.paper_name") or record.get("backbone.name", "?"))
@@ -130,7 +145,7 @@ class TableSpec:
 SPECS = {
     "table2": TableSpec("table2", "Utility on GLUE8 and Math-10K, r=16 [P Tab 2]", ("Setting", "Method"),
                         "Setting", ("glue8", "math10k"), (*GLUE8, *MATH4, "Avg"),
-                        lambda r, paper: (setting_label(r), method_label(r)), _task_values,
+                        table2_key, _task_values,
                         axes=("method", "privacy"), averages={"Avg": ("glue8", "math10k")}, plot=True),
     "table3": TableSpec("table3", "Math-10K on larger backbones, DP ε=6, r=16 [P Tab 3]",
                         ("Backbone", "Method"), "Backbone", ("math10k",), (*MATH4, "Avg"),
