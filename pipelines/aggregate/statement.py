@@ -80,11 +80,9 @@ def statement(facts: PrivacyFacts) -> str:
                   "`make tune` chose on their data" if facts.tuned else
                   "ε without tuning: every rate was fixed before training (defaults or method.lr)")
     seeds = ", ".join(map(str, facts.seeds))
-    if facts.noise_sources == ("os",) and not facts.selections:
-        noise = "noise and batches from the OS CSPRNG: a release"
-    elif facts.noise_sources == ("os",):
-        noise = (f"noise from the OS CSPRNG, but K and the rates follow from the printed seed(s) {seeds}: "
-                 "a measurement, not a release")
+    if facts.noise_sources == ("os",):  # a selection under the OS source draws K and the rates from it too
+        what = "noise, batches, K and the rates" if facts.selections else "noise and batches"
+        noise = f"{what} from the OS CSPRNG: a release"
     else:
         what = "the noise, the batches, K and the rates" if facts.selections else "the noise and the batches"
         noise = (f"noise from a seeded PRNG ({_listed(facts.noise_sources)}): a measurement, {what} follow from "
