@@ -234,3 +234,17 @@ def test_a_failing_run_is_one_line_with_its_traceback_kept(raised: Exception, co
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and str(raised) in err and "Traceback" not in err
     assert "Traceback" in next((isolated / "results" / "runs").glob("*/traceback.txt")).read_text()
+
+
+@pytest.mark.parametrize("sweep, single", [("methd=prism,adamw", "methd=prism"), ("train.stpes=1,2", "train.stpes=1"),
+                                           ("+lora.alhpa=4,8", "+lora.alhpa=4")])
+def test_a_comma_list_under_a_misspelt_key_names_the_key_not_the_sweep(sweep: str, single: str, isolated: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``-m`` would not help a key the schema does not know: the answer is the one its single value gets."""
+    results = isolated / "results"
+    assert cli(["run", single, f"results_dir={results}"]) == 2
+    expected = capsys.readouterr().err
+    assert "unknown key" in expected and "did you mean" in expected
+    assert cli(["run", sweep, f"results_dir={results}"]) == 2
+    assert capsys.readouterr().err == expected
+    assert not results.exists()
