@@ -523,3 +523,23 @@ def test_table_states_what_its_prism_minus_best_baseline_cells_can_detect(tmp_pa
     assert "(80 \\% power, 95 \\% confidence" in agg.to_latex(res)
     csv = to_csv_frame(res)
     assert csv.loc[csv["row"] == "PRISM − best baseline", "SST-2_mde"].iloc[0] == pytest.approx(diff["SST-2_mde"])
+
+
+@pytest.mark.parametrize("columns", ["absent", None, [0.8], "0.8"])
+def test_a_final_json_without_a_columns_mapping_is_listed_as_refused_not_a_traceback(
+        columns: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "runs"
+    make_run(root, "a1", method="prism", privacy="eps6", suite="glue8", columns={"SST-2": 0.8}, experiment="table2")
+    bad = make_run(root, "b1", method="adamw", privacy="eps6", suite="glue8", columns={"SST-2": 0.6}, experiment="table2")
+    final = json.loads((bad / "final.json").read_text())
+    if columns == "absent":
+        del final["columns"]
+    else:
+        final["columns"] = columns
+    (bad / "final.json").write_text(json.dumps(final))
+    assert cli(["aggregate", "experiment=table2", f"runs_dir={root}", f"out_dir={tmp_path / 'tables'}"]) == 0
+    out = capsys.readouterr().out
+    refused = [line for line in out.splitlines() if str(bad) in line]
+    assert len(refused) == 1 and "refused: final.json" in refused[0] and "`columns`" in refused[0], out
+    records = {Path(r.run_id).name: r for r in agg.read_run_folders(root, "table2")}
+    assert (records["a1"].state, records["b1"].state) == ("finished", "refused")
