@@ -40,9 +40,17 @@ def validate(cfg: DictConfig, *, here: bool = True) -> None:
 
 
 def _results_dir(cfg: DictConfig) -> None:
-    results = Path(str(cfg.results_dir)).expanduser()
-    require(bool(str(cfg.results_dir)) and not (results.exists() and not results.is_dir()),
-            f"results_dir={cfg.results_dir} is not a folder, point results_dir at a folder")
+    _folder("results_dir", str(cfg.results_dir))
+    if cfg.logging.mode != "disabled":  # W&B's own files go there
+        _folder("logging.dir", str(cfg.logging.dir))
+
+
+def _folder(key: str, value: str) -> None:
+    """``key=value`` names a folder or a path still free for one (a file, or a symbolic link to nowhere or
+    looping back on itself, there fails only once the run has started)."""
+    path = Path(value).expanduser()
+    require(bool(value) and (path.is_dir() or not (path.exists() or path.is_symlink())),
+            f"{key}={value} is not a folder, point {key} at a folder")
 
 
 def _gpu(device: str) -> None:

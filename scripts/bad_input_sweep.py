@@ -640,6 +640,10 @@ def cases() -> list[Case]:
     add(Case("n10", 7, "logging=online, W&B server unreachable", STATE["online_unreachable"], ("logging=offline",),
              timeout=200))
     add(Case("n11", 7, "audit-run out= an existing file", STATE["audit_out_file"], ("out=",), timeout=300))
+    add(Case("n12", 7, "logging.dir= an existing file (logging=offline)", textwrap.dedent('''
+        (T / "wandb-file").write_text("x")
+        sys.exit(run_main(["logging=offline", f"logging.dir={T / 'wandb-file'}", "results_dir=" + RES]))
+    '''), ("logging.dir",)))
     return c
 
 

@@ -289,3 +289,21 @@ def test_a_wandb_init_that_fails_after_validation_is_one_line_naming_offline(
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith("error: logging=online: ") and "logging=offline" in err, err
     assert seen["settings"].init_timeout == wandb_log.INIT_TIMEOUT_S
+
+
+@pytest.mark.parametrize("key", ["results_dir", "logging.dir"])
+@pytest.mark.parametrize("what", ["a file", "a symlink loop"])
+def test_a_folder_key_that_names_no_folder_is_one_line_before_any_run_folder(
+        key: str, what: str, isolated: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run, "default_trainer", lambda *_: pytest.fail(f"{key} as {what} reached the trainer"))
+    bad = isolated / "bad"
+    if what == "a file":
+        bad.write_text("an earlier result")
+    else:
+        bad.symlink_to(isolated / "loop")
+        (isolated / "loop").symlink_to(bad)
+    results = isolated / "results" if key == "logging.dir" else bad
+    assert cli(["run", "logging=offline", f"{key}={bad}", *([f"results_dir={results}"] * (key != "results_dir"))]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {key}={bad} is not a folder"), err
+    assert not (isolated / "results").exists()
