@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -244,6 +245,19 @@ def _epsilons(text: str) -> list[float]:
     return values
 
 
+def _out_folder(out: str) -> Path:
+    """``out=`` as a folder the tables can be written into, checked before any training: the path itself or
+    its nearest existing parent is a writable folder (a file there would fail only after the last run)."""
+    folder = Path(out).expanduser()
+    existing = next(p for p in (folder, *folder.parents) if p.exists() or p.is_symlink())
+    if not existing.is_dir():
+        raise ValueError(f"out={out}: {existing} is {'a file' if existing.is_file() else 'not a folder'}, point out= "
+                         f"at a folder (the tables go to <out>/audit_run.<scale>.md), e.g. out=results/tables")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"out={out}: {existing} is not writable, point out= at a writable folder")
+    return folder
+
+
 def main(*, scale: str = "embedded", methods: str = "prism,adamw", epsilons: str = "6,3", canaries: int = 30000,
          k_pos: int = -1, k_neg: int = 0, seed: int = 0, out: str = "results/tables", split: bool = False,
          no_control: bool = False, no_broken_control: bool = False, expected_only: bool = False) -> int:
@@ -271,6 +285,7 @@ def main(*, scale: str = "embedded", methods: str = "prism,adamw", epsilons: str
     if expected_only:
         PRINT("\n".join(expected_lines(configs, [k for *_, k in plan], canaries, k_pos, k_neg, seed)))
         return 0
+    out_folder = _out_folder(out)  # before the first run trains
     from pipelines.run import quiet_third_party_warnings, setup_logging
 
     quiet_third_party_warnings()
@@ -283,7 +298,7 @@ def main(*, scale: str = "embedded", methods: str = "prism,adamw", epsilons: str
         rows.append(r)
         PRINT(f"  {r.correct}/{r.guesses} correct guesses: ε ≥ {r.epsilon_lower_95:.2f} (Steinke), "
               f"{_cell(r.epsilon_fdp_lower_95)} (f-DP) at 95 %; ideal run {r.ideal_epsilon_lower or '–'}")
-    md, csv_path = write_table(rows, scale, Path(out))
+    md, csv_path = write_table(rows, scale, out_folder)
     PRINT(md.read_text())
     defects = [r for r in rows if verdict(r) == "DEFECT"]
     missed = [r for r in rows if verdict(r) == "MISSED"]

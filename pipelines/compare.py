@@ -76,6 +76,12 @@ def comma_list(value: str, key: str) -> list[str]:
     return items
 
 
+def quoted(text: str) -> str:
+    """``text`` as a quoted Hydra string, so ``labels=true,false`` or ``1,2,3`` stay the text typed (unquoted,
+    Hydra reads them as booleans and numbers)."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def _epsilon(text: str) -> float:
     try:
         value = math.inf if text.lower() in ("inf", "nondp", "non-dp") else float(text)
@@ -110,26 +116,36 @@ def pin_task_files(overrides: Sequence[str]) -> list[str]:
     return out
 
 
+def absolute(text: str, key: str) -> Path:
+    """The path ``key=text`` names, absolute; ``ValueError`` naming the key where it cannot be followed
+    (a symlink loop: ``RuntimeError`` before Python 3.13, ``OSError`` after)."""
+    try:
+        return Path(text).expanduser().resolve()
+    except (OSError, RuntimeError) as err:
+        raise ValueError(f"{key}={text} cannot be followed ({err}), "
+                         f"point {key}= at the real file or folder") from None
+
+
 def task_overrides(keys: dict[str, str], overrides: Sequence[str]) -> list[str]:
     """The overrides that name the task and model of ``keys`` (``task``, ``eval``, ``type``, ``labels``,
     ``model``), files absolute and pinned by their identifiers (:func:`pinned`); ``ValueError`` for a missing file."""
-    task = Path(keys["task"]).expanduser().resolve()
+    task = absolute(keys["task"], "task")
     if not task.is_file():
         raise ValueError(f"{keys['task']}: no such task file; give a .jsonl or .csv file of prompt/target rows")
     out = ["suite=custom", *pinned("train", task)]
     if "eval" in keys:
-        eval_file = Path(keys["eval"]).expanduser().resolve()
+        eval_file = absolute(keys["eval"], "eval")
         if not eval_file.is_file():
             raise ValueError(f"eval={keys['eval']}: no such file")
         out += pinned("eval", eval_file)
     if "type" in keys:
         out.append(f"suite.custom.type={keys['type']}")
     if "labels" in keys:
-        out.append(f"suite.custom.labels=[{','.join(comma_list(keys['labels'], 'labels'))}]")
+        out.append(f"suite.custom.labels=[{','.join(map(quoted, comma_list(keys['labels'], 'labels')))}]")
     if keys.get("model"):
         if any(o.startswith("backbone=") for o in overrides):
             raise ValueError("model= and backbone= both choose the model, give one of them")
-        out += ["backbone=local", f"backbone.path={Path(keys['model']).expanduser().resolve()}"]
+        out += ["backbone=local", f"backbone.path={absolute(keys['model'], 'model')}"]
     return out
 
 
@@ -147,7 +163,7 @@ def plan(keys: dict[str, Any], overrides: Sequence[str]) -> Plan:
     """Every job of the comparison, validated; ``ValueError`` / :class:`ConfigError` on one line.
     ``keys``: ``task`` and the other task keys of ``make compare``, ``seed`` (comma-separated)."""
     fixed = [f"experiment={EXPERIMENT}", *task_overrides(keys, overrides), *overrides]
-    task = Path(keys["task"]).expanduser().resolve()
+    task = absolute(keys["task"], "task")
     identifier = file_id(task)
     methods = comma_list(keys["methods"], "methods") if "methods" in keys else default_methods()
     epsilons = budgets(keys)

@@ -29,7 +29,7 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pipelines.config_schema import ConfigError
+from pipelines.config_schema import ConfigError, conform
 from pipelines.tuned_rates import method_lr
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -126,8 +126,7 @@ def compose_job(overrides: Sequence[str]) -> DictConfig:
         if not key:
             raise ConfigError("an override has no key, write key=value, e.g. train.steps=10")
         if override.is_sweep_override():
-            raise ConfigError(f"{override.input_line} is a sweep, add -m to run one job per value "
-                              f"(or write {key}=[a,b] for a list value)")
+            raise _sweep_error(override, overrides)
         if _is_group(override) and override.is_delete():
             raise ConfigError(f"~{key} removes a config group the run needs, choose one of its options instead "
                               f"({key}=...)")
@@ -143,6 +142,22 @@ def compose_job(overrides: Sequence[str]) -> DictConfig:
             raise ConfigError(f"{key}={override.value()} contradicts the {group} group, which sets {key}={known}; "
                               f"choose the group instead ({group}=...) and leave {key} alone")
     return _resolve(_compose_values(groups, values, overrides), overrides)
+
+
+def _sweep_error(sweep: Override, overrides: Sequence[str]) -> ConfigError:
+    """The error of a comma list given without ``-m``: the schema's "unknown key, did you mean" when the
+    key itself is wrong (``methd=prism,adamw``: ``-m`` would not help), else the hint to add ``-m``."""
+    key = sweep.key_or_group
+    first = next(iter(sweep.sweep_string_iterator()), None)
+    if first is not None:
+        one_job = [f"{sweep.get_key_element()}={first}" if o == sweep.input_line else o for o in overrides]
+        try:
+            conform(compose_job(one_job))
+        except ConfigError as err:
+            if str(err).startswith(f"unknown key {key},"):
+                return err
+    return ConfigError(f"{sweep.input_line} is a sweep, add -m to run one job per value "
+                       f"(or write {key}=[a,b] for a list value)")
 
 
 def parse(overrides: Sequence[str]) -> list[Override]:

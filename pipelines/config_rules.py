@@ -39,13 +39,21 @@ def validate(cfg: DictConfig, *, here: bool = True) -> None:
     n_train = _suite(cfg)
     _local_context(cfg)
     _budget(cfg, n_train, here)
-    _logging(cfg.logging)
+    _logging(cfg.logging, here)
 
 
 def _results_dir(cfg: DictConfig) -> None:
-    results = Path(str(cfg.results_dir)).expanduser()
-    require(bool(str(cfg.results_dir)) and not (results.exists() and not results.is_dir()),
-            f"results_dir={cfg.results_dir} is not a folder, point results_dir at a folder")
+    _folder("results_dir", str(cfg.results_dir))
+    if cfg.logging.mode != "disabled":  # W&B's own files go there
+        _folder("logging.dir", str(cfg.logging.dir))
+
+
+def _folder(key: str, value: str) -> None:
+    """``key=value`` names a folder or a path still free for one (a file, or a symbolic link to nowhere or
+    looping back on itself, there fails only once the run has started)."""
+    path = Path(value).expanduser()
+    require(bool(value) and (path.is_dir() or not (path.exists() or path.is_symlink())),
+            f"{key}={value} is not a folder, point {key} at a folder")
 
 
 def _gpu(device: str) -> None:
@@ -303,13 +311,20 @@ def _label_room(cfg: DictConfig) -> None:
             f"raise suite.cutoff_len (e.g. suite.cutoff_len=1024)")
 
 
-def _logging(lg: DictConfig) -> None:
-    """``logging=online`` needs a W&B key: ``WANDB_API_KEY`` or a ``wandb login`` entry in the netrc file."""
-    if lg.mode != "online" or os.environ.get("WANDB_API_KEY"):
+def _logging(lg: DictConfig, here: bool) -> None:
+    """``logging=online`` needs a W&B key and, for a job run here, the server within seconds
+    (:func:`pipelines.wandb_log.access_problem`): W&B itself would retry for minutes, after the run folder."""
+    if lg.mode != "online":
         return
-    try:
-        netrc = Path(os.environ.get("NETRC", "~/.netrc")).expanduser().read_text()
-    except OSError:
-        netrc = ""
-    require("api.wandb.ai" in netrc, "logging=online needs a W&B API key and none is set, run `wandb login` or set "
-            "WANDB_API_KEY, or use logging=offline and `make wandb-sync` later")
+    from pipelines.wandb_log import OFFLINE_FIX
+
+    problem = _wandb_problem(here)
+    require(problem is None, f"logging=online: {problem}, or {OFFLINE_FIX}")
+
+
+@functools.cache
+def _wandb_problem(reach: bool) -> str | None:
+    """:func:`pipelines.wandb_log.access_problem`, asked once per process."""
+    from pipelines.wandb_log import access_problem
+
+    return access_problem(reach=reach)

@@ -22,7 +22,11 @@ from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
+from pipelines.config_schema import ConfigError
+
 MODES = ("offline", "online", "disabled")
+INIT_TIMEOUT_S = 30.0  # logging=online: how long wandb.init may wait for the server (its default retries for minutes)
+OFFLINE_FIX = "use logging=offline (`make wandb-sync` uploads the runs later)"
 
 
 def has_api_key(url: str) -> bool:
@@ -44,14 +48,16 @@ def has_api_key(url: str) -> bool:
     return bool(auth and auth[2])
 
 
-def access_problem(timeout_s: float = 5.0) -> str | None:
-    """Why W&B cannot be reached right now (no API key, or no TCP connection to the server,
+def access_problem(timeout_s: float = 5.0, reach: bool = True) -> str | None:
+    """Why W&B cannot be reached right now (no API key, or, with ``reach``, no TCP connection to the server,
     ``WANDB_BASE_URL`` or the public one, within ``timeout_s``), as ``<what>, <how to fix>``; ``None`` when
     both are there. W&B itself retries for minutes on an unreachable server, so callers check first."""
     url = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
     if not has_api_key(url):
         return (f"no W&B API key for {url}, run `wandb login` or set WANDB_API_KEY "
                 f"(offline runs stay under results/wandb until then)")
+    if not reach:
+        return None
     parsed = urlparse(url)
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
     try:
@@ -124,20 +130,24 @@ class WandbRun:
         import wandb
 
         backbone = cfg.backbone.get("paper_name", cfg.backbone.name)  # the table row
-        self.run = wandb.init(
-            project=str(cfg.logging.project),
-            entity=cfg.logging.entity,
-            dir=str(directory),
-            id=run_id(cfg, run_hash, generation),
-            name=f"{cfg.experiment}/{cfg.method.name}-{cfg.privacy.name}-{cfg.suite.name}-{backbone}-r{cfg.lora.r}",
-            group=str(cfg.experiment),
-            tags=[f"method:{cfg.method.name}", f"privacy:{cfg.privacy.name}", f"suite:{cfg.suite.name}",
-                  f"backbone:{backbone}", f"rank:{cfg.lora.r}", f"scale:{cfg.suite.scale}"],  # one per grid axis
-            config=OmegaConf.to_container(cfg, resolve=True),
-            resume="allow",
-            mode=mode,
-            settings=wandb.Settings(console="off", quiet=True, x_disable_stats=True),
-        )
+        try:
+            self.run = wandb.init(
+                project=str(cfg.logging.project),
+                entity=cfg.logging.entity,
+                dir=str(directory),
+                id=run_id(cfg, run_hash, generation),
+                name=f"{cfg.experiment}/{cfg.method.name}-{cfg.privacy.name}-{cfg.suite.name}-{backbone}-r{cfg.lora.r}",
+                group=str(cfg.experiment),
+                tags=[f"method:{cfg.method.name}", f"privacy:{cfg.privacy.name}", f"suite:{cfg.suite.name}",
+                      f"backbone:{backbone}", f"rank:{cfg.lora.r}", f"scale:{cfg.suite.scale}"],  # one per grid axis
+                config=OmegaConf.to_container(cfg, resolve=True),
+                resume="allow",
+                mode=mode,
+                settings=wandb.Settings(console="off", quiet=True, x_disable_stats=True, init_timeout=INIT_TIMEOUT_S),
+            )
+        except (wandb.Error, TimeoutError) as err:  # no answer within INIT_TIMEOUT_S, or a refusal
+            raise ConfigError(f"logging={mode}: W&B could not start the run ({' '.join(str(err).split())}), "
+                              f"{OFFLINE_FIX}") from None
 
     def log_step(self, record: dict[str, Any]) -> None:
         """Per-step metrics at W&B step ``record['step']`` (a replayed step after resume is dropped by

@@ -289,6 +289,67 @@ STATE = {
         again = calibrate_sigma_cached(*args, cache_dir=T / "sigma")
         verdict("correct" if again == good else "silent", f"σ {good:.4g} -> {again:.4g} after tampering")
     ''',
+    "tuned_removed": '''
+        import re
+        text = (Path(os.environ["SWEEP_REPO"]) / "conf" / "tuned" / "embedded.yaml").read_text()
+        head, rates = text.split("rates:\\n", 1)
+        kept = [e for e in re.split(r"(?m)^(?=- method: )", rates) if not e.startswith("- method: lamb")]
+        (T / "tuned").mkdir()
+        (T / "tuned" / "embedded.yaml").write_text(head + "rates:\\n" + "".join(kept))
+        sys.exit(run_main(["method=lamb", "results_dir=" + RES, "logging=disabled"]))
+    ''',
+    "epsilon_below": '''
+        sys.path.insert(0, os.path.join(os.environ["SWEEP_REPO"], "tests"))
+        from conftest import make_run
+        from pipelines import aggregate as agg
+        make_run(T / "runs", "a1", method="prism", privacy="eps6", suite="glue8", columns={"SST-2": 0.8},
+                 experiment="table2", epsilon_spent=2.0)
+        (record,) = agg.read_run_folders(T / "runs", "table2")
+        verdict("correct" if record.state != "finished" else "silent", f"state {record.state}: {record.problem[:120]}")
+    ''',
+    "loop_task": '''
+        (T / "a").symlink_to(T / "b"); (T / "b").symlink_to(T / "a")
+        from pipelines.__main__ import main as cli
+        sys.exit(cli(["compare", f"task={T / 'a'}", "labels=yes,no", "results_dir=" + RES]))
+    ''',
+    "boolean_labels": '''
+        from pipelines import compare
+        task = T / "t.jsonl"
+        task.write_text("".join(json.dumps({"prompt": f"Q{i}?", "target": ["true", "false"][i % 2]}) + "\\n"
+                                for i in range(80)))
+        try:
+            p = compare.plan({"task": str(task), "labels": "true,false", "methods": "adamw", "eps": "inf"},
+                             ["backbone=tiny-llama", "results_dir=" + RES])
+            labels = list(p.configs[0].suite.custom.labels)
+            verdict("correct" if labels == ["true", "false"] else "silent", f"labels {labels}")
+        except Exception as err:
+            one = "\\n" not in str(err) and "quote" in str(err)
+            verdict("clean" if one else "unclear", f"{type(err).__name__}: {str(err)[:150]}")
+    ''',
+    "number_labels": '''
+        task = T / "t.jsonl"
+        task.write_text("".join(json.dumps({"prompt": f"Q{i}?", "target": str(1 + i % 3)}) + "\\n" for i in range(80)))
+        sys.exit(run_main(["suite=custom", "backbone=tiny-llama", f"suite.custom.train={task}",
+                           "suite.custom.labels=[1,2,3]", "results_dir=" + RES, "logging=disabled"]))
+    ''',
+    "online_unreachable": '''
+        import socket
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            port = closed.getsockname()[1]
+        os.environ.update(WANDB_API_KEY="k" * 40, WANDB_BASE_URL=f"http://127.0.0.1:{port}")
+        sys.exit(run_main(["logging=online", "results_dir=" + RES]))
+    ''',
+    "audit_out_file": '''
+        from pipelines import audit_run
+        from pipelines.__main__ import main as cli
+        def trained(*a, **k):
+            (T / "TRAINED").write_text("x")
+            raise SystemExit(1)
+        audit_run.audit_training_run = trained
+        (T / "file").write_text("an earlier table")
+        sys.exit(cli(["audit-run", "methods=adamw", "epsilons=6", "canaries=100", f"out={T / 'file'}"]))
+    ''',
 }
 
 
@@ -561,6 +622,28 @@ def cases() -> list[Case]:
     add(Case("f14", 6, "backbone=local, a 256-token context under suite.cutoff_len=384", _files('''
         sys.exit(run_main([*local(local_model("model", context=256)), "results_dir=" + RES, "logging=disabled"]))
     '''), ("suite.cutoff_len=384", "256-token context", "backbone.path")))
+    # ---- 7. messages in the words typed, checks before any cost
+    add(Case("n1", 7, "old module entry point: python -m pipelines.grid table2",
+             _shell(f"{sys.executable} -m pipelines.grid table2 results_dir=RES"), ("python -m pipelines",)))
+    add(Case("n2", 7, "make -n compare TASK=... METHOD=prism (METHODS misspelt)",
+             _shell("make -n -C REPO compare TASK=examples/tweet_sentiment/train.jsonl METHOD=prism"), ("METHOD",)))
+    add(Case("n3", 7, "a tuned file with one method's entries removed (method=lamb)", STATE["tuned_removed"],
+             ("embedded.yaml", "lamb"), env={"PRISM_TUNED_DIR": "{T}/tuned"}))
+    add(Case("n4", 7, "a record whose ε spent is below its row's (eps6 row, ε 2)", STATE["epsilon_below"], expect="verdict"))
+    add(Case("n5", 7, "σ cache: stored σ doubled", STATE["sigma_cache"].replace("good / 2", "good * 2"), expect="verdict"))
+    add(Case("n6", 7, "compare task= a symlink loop", STATE["loop_task"], ("task=",)))
+    add(Case("n7", 7, "run methd=prism,adamw (misspelt key, comma list)", _run("methd=prism,adamw"),
+             ("unknown key methd", "did you mean method"), ("add -m",)))
+    add(Case("n8", 7, "compare labels=true,false (YAML booleans)", STATE["boolean_labels"], expect="verdict"))
+    add(Case("n9", 7, "run suite.custom.labels=[1,2,3] (YAML numbers)", STATE["number_labels"],
+             ("suite.custom.labels", "quote")))
+    add(Case("n10", 7, "logging=online, W&B server unreachable", STATE["online_unreachable"], ("logging=offline",),
+             timeout=200))
+    add(Case("n11", 7, "audit-run out= an existing file", STATE["audit_out_file"], ("out=",), timeout=300))
+    add(Case("n12", 7, "logging.dir= an existing file (logging=offline)", textwrap.dedent('''
+        (T / "wandb-file").write_text("x")
+        sys.exit(run_main(["logging=offline", f"logging.dir={T / 'wandb-file'}", "results_dir=" + RES]))
+    '''), ("logging.dir",)))
     return c
 
 

@@ -636,3 +636,22 @@ def test_every_format_states_one_privacy_statement_with_q_t_and_delta_of_the_run
                  "seeded PRNG (seeded): a measurement", "printed seed(s) 42; not a release",
                  "ε does not cover the evaluation rows", "modification times"):
         assert part in md[0], part
+
+@pytest.mark.parametrize("columns", ["absent", None, [0.8], "0.8"])
+def test_a_final_json_without_a_columns_mapping_is_listed_as_refused_not_a_traceback(
+        columns: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "runs"
+    make_run(root, "a1", method="prism", privacy="eps6", suite="glue8", columns={"SST-2": 0.8}, experiment="table2")
+    bad = make_run(root, "b1", method="adamw", privacy="eps6", suite="glue8", columns={"SST-2": 0.6}, experiment="table2")
+    final = json.loads((bad / "final.json").read_text())
+    if columns == "absent":
+        del final["columns"]
+    else:
+        final["columns"] = columns
+    (bad / "final.json").write_text(json.dumps(final))
+    assert cli(["aggregate", "experiment=table2", f"runs_dir={root}", f"out_dir={tmp_path / 'tables'}"]) == 0
+    out = capsys.readouterr().out
+    refused = [line for line in out.splitlines() if str(bad) in line]
+    assert len(refused) == 1 and "refused: final.json" in refused[0] and "`columns`" in refused[0], out
+    records = {Path(r.run_id).name: r for r in agg.read_run_folders(root, "table2")}
+    assert (records["a1"].state, records["b1"].state) == ("finished", "refused")

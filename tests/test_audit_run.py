@@ -240,6 +240,20 @@ def test_cli_rejects_bad_input_in_one_line(argv, field, capsys, tmp_path):
     assert err.count("\n") == 1 and field in err and not (tmp_path / "t").exists()
 
 
+@pytest.mark.parametrize("where", ["a file", "below a file"])
+def test_an_out_that_cannot_be_a_folder_is_one_line_before_any_training(where, capsys, tmp_path, monkeypatch):
+    def no_training(*_):
+        raise AssertionError("audit-run trained although out= cannot hold its tables")
+
+    monkeypatch.setattr(audit_run, "audit_training_run", no_training)
+    (tmp_path / "taken").write_text("an earlier result")
+    out = tmp_path / "taken" if where == "a file" else tmp_path / "taken" / "tables"
+    assert cli(["audit-run", "methods=adamw", "epsilons=6", "canaries=100", f"out={out}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: out={out}: ") and "a file" in err, err
+    assert (tmp_path / "taken").read_text() == "an earlier result"
+
+
 class ScaledNoise:
     """Test-only: a noise source whose draws are ``scale`` times unit normals (a broken mechanism)."""
 

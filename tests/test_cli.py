@@ -74,3 +74,16 @@ def test_a_bad_argument_is_one_line_exit_2(argv: list[str], words: tuple[str, ..
 def test_debug_lets_the_error_through(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="draws=abc"):
         cli(["audit", "draws=abc", "--debug"])
+
+
+LIGHT_VERBS = ("run", "reproduce", "grid", "tune", "select", "compare", "aggregate", "fetch-data", "wandb-sync", "migrate")
+"""Verbs whose module loads without torch, so their arguments are checked before its import (seconds)."""
+
+
+def test_light_verbs_check_their_arguments_before_importing_torch() -> None:
+    code = ("import sys; from pipelines.__main__ import function\n"
+            f"for verb in {LIGHT_VERBS!r}:\n"
+            "    function(verb)\n"
+            "    assert 'torch' not in sys.modules, verb + ' imported torch'\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr.strip().splitlines()[-1:]

@@ -234,3 +234,76 @@ def test_a_failing_run_is_one_line_with_its_traceback_kept(raised: Exception, co
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and str(raised) in err and "Traceback" not in err
     assert "Traceback" in next((isolated / "results" / "runs").glob("*/traceback.txt")).read_text()
+
+
+@pytest.mark.parametrize("sweep, single", [("methd=prism,adamw", "methd=prism"), ("train.stpes=1,2", "train.stpes=1"),
+                                           ("+lora.alhpa=4,8", "+lora.alhpa=4")])
+def test_a_comma_list_under_a_misspelt_key_names_the_key_not_the_sweep(sweep: str, single: str, isolated: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``-m`` would not help a key the schema does not know: the answer is the one its single value gets."""
+    results = isolated / "results"
+    assert cli(["run", single, f"results_dir={results}"]) == 2
+    expected = capsys.readouterr().err
+    assert "unknown key" in expected and "did you mean" in expected
+    assert cli(["run", sweep, f"results_dir={results}"]) == 2
+    assert capsys.readouterr().err == expected
+    assert not results.exists()
+
+
+def test_online_logging_with_the_server_unreachable_is_one_line_naming_offline_before_any_folder(
+        isolated: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from pipelines import config_rules
+
+    with socket.socket() as closed:  # a port nothing listens on: the connection is refused at once
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    config_rules._wandb_problem.cache_clear()
+    results = isolated / "results"
+    assert cli(["run", "logging=online", f"results_dir={results}"]) == 2
+    err = capsys.readouterr().err
+    check_one_line(err, "logging=offline", results)
+    assert f"127.0.0.1:{port}" in err
+    config_rules._wandb_problem.cache_clear()
+
+
+def test_a_wandb_init_that_fails_after_validation_is_one_line_naming_offline(
+        isolated: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import wandb
+
+    from pipelines import config_rules, wandb_log
+
+    seen = {}
+
+    def no_answer(**kwargs: Any) -> None:
+        seen.update(kwargs)
+        raise wandb.errors.CommError("Run initialization has timed out after 30.0 sec.")
+
+    monkeypatch.setattr(config_rules, "_wandb_problem", lambda reach: None)  # the server answered the check
+    monkeypatch.setattr(wandb, "init", no_answer)
+    monkeypatch.setattr(run, "default_trainer", lambda *_: pytest.fail("trained without W&B"))
+    assert cli(["run", "logging=online", f"results_dir={isolated / 'results'}"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("error: logging=online: ") and "logging=offline" in err, err
+    assert seen["settings"].init_timeout == wandb_log.INIT_TIMEOUT_S
+
+
+@pytest.mark.parametrize("key", ["results_dir", "logging.dir"])
+@pytest.mark.parametrize("what", ["a file", "a symlink loop"])
+def test_a_folder_key_that_names_no_folder_is_one_line_before_any_run_folder(
+        key: str, what: str, isolated: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run, "default_trainer", lambda *_: pytest.fail(f"{key} as {what} reached the trainer"))
+    bad = isolated / "bad"
+    if what == "a file":
+        bad.write_text("an earlier result")
+    else:
+        bad.symlink_to(isolated / "loop")
+        (isolated / "loop").symlink_to(bad)
+    results = isolated / "results" if key == "logging.dir" else bad
+    assert cli(["run", "logging=offline", f"{key}={bad}", *([f"results_dir={results}"] * (key != "results_dir"))]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {key}={bad} is not a folder"), err
+    assert not (isolated / "results").exists()

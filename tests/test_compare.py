@@ -199,3 +199,26 @@ def test_the_comparison_states_the_tables_bold_and_tie_rule(tmp_path: Path) -> N
     md = (tmp_path / "results" / "tables" / f"compare-t-{task_id(task)[:8]}.embedded.md").read_text()
     assert "in **bold** only where the 95 % interval of its paired difference from the runner-up excludes 0" in md
     assert "otherwise the best value is marked (tie)" in md
+
+
+@pytest.mark.parametrize("key", ["task", "eval", "model"])
+def test_a_path_that_loops_back_on_itself_is_one_line_naming_its_key(key: str, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    task = _task(tmp_path / "t.jsonl")
+    given = {"task": task, "labels": "yes,no", "results_dir": tmp_path / "r", key: tmp_path / "a"}
+    assert cli(["compare", *(f"{k}={v}" for k, v in given.items())]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {key}={tmp_path / 'a'} "), err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("labels", ["1,2,3", "true,false,maybe"])
+def test_labels_hydra_would_read_as_values_are_the_text_typed(labels: str, tmp_path: Path) -> None:
+    typed = labels.split(",")
+    task = tmp_path / "t.jsonl"
+    task.write_text("".join(json.dumps({"prompt": f"Q{i}?", "target": typed[i % len(typed)]}) + "\n" for i in range(80)))
+    p = _plan([f"task={task}", f"labels={labels}", "backbone=tiny-llama", "methods=adamw", "eps=inf",
+               f"results_dir={tmp_path / 'r'}"])
+    assert [list(c.suite.custom.labels) for c in p.configs] == [typed]

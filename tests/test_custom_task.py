@@ -354,3 +354,19 @@ def test_a_long_evaluation_row_exits_2_before_any_run_folder(tmp_path: Path, cap
     err = _cli(tmp_path, capsys, f"suite.custom.train={train}", f"suite.custom.eval={held}",
                f"suite.custom.labels=[{','.join(LABELS)}]")
     assert f"{held} line 5:" in err and "suite.cutoff_len=384" in err, err
+
+
+@pytest.mark.parametrize("labels", ["[1,2,3]", "[true,false,maybe]"])
+def test_labels_read_as_values_are_named_with_the_quoting_that_works(labels: str, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Unquoted, Hydra reads true/false and numbers as values; the message's quoted form is the fix."""
+    from pipelines.validate import load_job
+
+    typed = labels.strip("[]").split(",")
+    path = _write(tmp_path / "t.jsonl", [{"prompt": f"Q{i}?", "target": typed[i % len(typed)]} for i in range(80)])
+    err = _cli(tmp_path, capsys, f"suite.custom.train={path}", f"suite.custom.labels={labels}")
+    assert f"suite.custom.labels={labels}" in err and "quote each label" in err, err
+    fix = err.split("'")[1]
+    cfg = load_job(["suite=custom", "backbone=tiny-llama", f"suite.custom.train={path}", fix,
+                    f"results_dir={tmp_path / 'results'}"])
+    assert list(cfg.suite.custom.labels) == typed

@@ -54,6 +54,19 @@ def _load_config(folder: Path) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else None
 
 
+def columns_problem(final: Mapping[str, Any], config: Mapping[str, Any], source: str = "final.json") -> str:
+    """Why a finished run's ``source`` (its final.json or W&B summary) holds no scores a table reads ('' when it
+    does): its ``columns`` must map each column to its score; only a Table 5 benchmark run (``train.benchmark``
+    set) may have none."""
+    columns = final.get("columns")
+    if columns is None and (config.get("train") or {}).get("benchmark") is not None:
+        return ""
+    if not isinstance(columns, Mapping):
+        return f"{source} has no `columns` (column -> score)" if columns is None else \
+            f"{source}'s `columns` is {type(columns).__name__}, not a mapping of column -> score"
+    return ""
+
+
 def read_run_folder(folder: Path) -> RunRecord:
     """One run folder → RunRecord; never raises (a corrupt file becomes state ``corrupt``)."""
     run_id = str(folder)
@@ -72,7 +85,7 @@ def read_run_folder(folder: Path) -> RunRecord:
         error = (info.status or {}).get("error") or ""
         return RunRecord(run_id, "failed", "failed" + (f": {error}" if error else ""), config)
     final = json.loads((folder / "final.json").read_text())
-    if why := store.final_problem(final):
+    if why := columns_problem(final, config) or store.final_problem(final):
         return RunRecord(run_id, "refused", f"refused: {why}", config)
     return RunRecord(run_id, "finished", "", config, final)
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pipelines import store
-from pipelines.aggregate.records import AggregateError, RunRecord
+from pipelines.aggregate.records import AggregateError, RunRecord, columns_problem
 from pipelines.wandb_log import access_problem
 
 TIMEOUT_S = 30
@@ -41,8 +41,8 @@ def record_from_wandb(run: Any) -> RunRecord:
     run_id = f"wandb:{run.id}"
     if state != "finished":
         return RunRecord(run_id, state, f"W&B state {run.state}", config)
-    if not isinstance(final.get("columns"), Mapping) and "step_time_s" not in final:
-        return RunRecord(run_id, "corrupt", "finished but the W&B summary has no `columns`", config)
+    if why := columns_problem(final, config, "the W&B summary"):
+        return RunRecord(run_id, "corrupt", f"finished but {why}", config)
     if why := store.scores_problem(final):
         return RunRecord(run_id, "refused", f"refused: {why}", config)
     return RunRecord(run_id, "finished", "", config, dict(final))

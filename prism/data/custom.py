@@ -182,6 +182,15 @@ def task_rule(node: Mapping[str, Any]) -> TaskRule:
         raise TaskFileError(f"suite.custom.type={kind!r} is not a task type; use one of {', '.join(TASK_KINDS)}")
     labels = node.get("labels")
     if kind == "classification":
+        typed = [] if isinstance(labels, str) else [x for x in labels or () if isinstance(x, (bool, int, float))]
+        if typed:  # Hydra reads unquoted true/false and numbers as values, not as the text typed
+            text = [str(x).lower() if isinstance(x, bool) else str(x) for x in labels]
+            raise TaskFileError(f"suite.custom.labels=[{','.join(text)}]: Hydra read "
+                                f"{', '.join(str(x).lower() if isinstance(x, bool) else str(x) for x in typed)} as "
+                                f"{'boolean' if all(isinstance(x, bool) for x in typed) else 'number'}"
+                                f"{'s' if len(typed) > 1 else ''}, not as "
+                                f"label text; quote each label: 'suite.custom.labels=[{','.join(map(json.dumps, text))}]' "
+                                f"(make compare: LABELS={','.join(text)} quotes them itself)")
         if not labels or isinstance(labels, str) or not all(isinstance(x, str) and x.strip() for x in labels):
             raise TaskFileError(f"suite.custom.labels={labels!r}: a classification task needs its label set, "
                                 "e.g. suite.custom.labels=[positive,negative] (make compare: LABELS=positive,negative)")

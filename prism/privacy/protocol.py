@@ -11,8 +11,6 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from prism.privacy.accounting import is_private
-
 # item → its config key (docs/DECISIONS.md D1–D12)
 ITEMS: dict[str, str] = {
     "calibration": "privacy.calibration",
@@ -35,6 +33,8 @@ NOT_DP_AS_STATED = "not a valid DP guarantee as stated"
 def dp_caveats(cfg: DictConfig, tangent: bool) -> list[str]:
     """Why the accounted (ε, δ) does not hold for this run's mechanism as run (empty: it holds);
     ``tangent``: the method noises in the tangent space, where ``noise_damping`` acts (PRISM)."""
+    from prism.privacy.accounting import is_private  # here: the aggregator imports this module, Opacus not
+
     if not is_private(cfg):
         return []
     caveats = []
@@ -54,6 +54,8 @@ def protocol_record(cfg: DictConfig, tangent: bool) -> dict[str, Any]:
     """The ``protocol`` block of ``final.json``: preset name, every item's value (``None`` where a config
     lacks the key), DP status (``non-private``, ``(ε, δ)-DP as accounted`` or :data:`NOT_DP_AS_STATED`)
     and caveats (``tangent``: as in :func:`dp_caveats`)."""
+    from prism.privacy.accounting import is_private
+
     caveats = dp_caveats(cfg, tangent)
     guarantee = (NOT_DP_AS_STATED if caveats else "(ε, δ)-DP as accounted") if is_private(cfg) else "non-private"
     return {
