@@ -74,3 +74,22 @@ def test_a_bad_argument_is_one_line_exit_2(argv: list[str], words: tuple[str, ..
 def test_debug_lets_the_error_through(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="draws=abc"):
         cli(["audit", "draws=abc", "--debug"])
+
+
+def _package_modules() -> list[str]:
+    """Every module and subpackage under pipelines/, found by walking the source tree."""
+    import pkgutil
+
+    import pipelines
+
+    return [m.name for m in pkgutil.walk_packages(pipelines.__path__, "pipelines.")]
+
+
+@pytest.mark.parametrize("module", [m for m in _package_modules() if m != "pipelines.__main__"])
+def test_running_a_module_of_the_package_exits_2_naming_the_verb_to_use(module: str) -> None:
+    done = subprocess.run([sys.executable, "-W", "default", "-m", module, "table2"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    verbs = [v for v, (target, _) in VERBS.items() if target.split(":")[0] == module]
+    _one_error_line(done.stderr, f"python -m {module} is not a command",
+                    f"use: python -m pipelines {verbs[0] if verbs else '<verb>'} ")
