@@ -38,6 +38,10 @@ from prism.fileio import sha256_file
 from prism.methods import registry
 
 EXPERIMENT = "compare"
+KEY_OVERRIDES = {"task": "suite.custom.train", "eval": "suite.custom.eval", "type": "suite.custom.type",
+                 "labels": "suite.custom.labels", "model": "backbone.path", "methods": "method"}
+"""The override each key of this command (and of ``tune``'s task sweep) becomes; an error line about the
+override names the key the user typed (:func:`pipelines.__main__.as_typed`)."""
 EPSILONS = (math.inf, 6.0, 3.0)
 PRIVACY_GROUPS = {math.inf: "nondp", 6.0: "eps6", 3.0: "eps3"}
 
@@ -112,7 +116,7 @@ def task_overrides(keys: dict[str, str], overrides: Sequence[str]) -> list[str]:
     ``model``), files absolute and pinned by sha256 (:func:`pinned`); ``ValueError`` for a missing file."""
     task = Path(keys["task"]).expanduser().resolve()
     if not task.is_file():
-        raise ValueError(f"{keys['task']}: no such task file; give a .jsonl or .csv file of prompt/target rows")
+        raise ValueError(f"task={keys['task']}: no such task file; give a .jsonl or .csv file of prompt/target rows")
     out = ["suite=custom", *pinned("train", task)]
     if "eval" in keys:
         eval_file = Path(keys["eval"]).expanduser().resolve()
@@ -120,13 +124,13 @@ def task_overrides(keys: dict[str, str], overrides: Sequence[str]) -> list[str]:
             raise ValueError(f"eval={keys['eval']}: no such file")
         out += pinned("eval", eval_file)
     if "type" in keys:
-        out.append(f"suite.custom.type={keys['type']}")
+        out.append(f"{KEY_OVERRIDES['type']}={keys['type']}")
     if "labels" in keys:
-        out.append(f"suite.custom.labels=[{','.join(comma_list(keys['labels'], 'labels'))}]")
+        out.append(f"{KEY_OVERRIDES['labels']}=[{','.join(comma_list(keys['labels'], 'labels'))}]")
     if keys.get("model"):
         if any(o.startswith("backbone=") for o in overrides):
             raise ValueError("model= and backbone= both choose the model, give one of them")
-        out += ["backbone=local", f"backbone.path={Path(keys['model']).expanduser().resolve()}"]
+        out += ["backbone=local", f"{KEY_OVERRIDES['model']}={Path(keys['model']).expanduser().resolve()}"]
     return out
 
 

@@ -244,6 +244,37 @@ def test_make_refuses_a_variable_its_goal_does_not_use(goal: str, variable: str,
                                         "leave it out.  Stop.") and done.stderr.count("\n") == 1
 
 
+
+@pytest.mark.parametrize(("typed", "suggestion"), [("METHOD=prism", "did you mean METHODS=? "),
+                                                   ("seed=1", "did you mean SEEDS=? "), ("FROBNICATE=1", "")])
+def test_make_refuses_a_variable_no_target_reads_with_the_closest_name(typed: str, suggestion: str,
+                                                                       tmp_path: Path) -> None:
+    done = make(tmp_path, "compare", "TASK=x.jsonl", typed)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
+    assert done.stderr.strip().endswith(f"*** error: {typed.split('=')[0]}= is read by no target; {suggestion}"
+                                        "make help lists each target's variables.  Stop.")
+    kept = make(tmp_path, "compare", "TASK=x.jsonl", "METHODS=prism", "PYTHON=python3", "TEST_JOBS=1",
+                "HF_HUB_OFFLINE=1", "SHELL=/bin/bash")  # the goal's, the set-up's and make's own variables
+    assert kept.returncode == 0 and json.loads(kept.stdout)[3:5] == ["task=x.jsonl", "methods=prism"], kept.stderr
+
+
+@pytest.mark.parametrize(("typed", "said", "internal"), [
+    (["TYPE=zzz"], "TYPE='zzz' is not a task type", "type="),  # the override suite.custom.type=, from type=
+    (["EPS=abc"], "EPS=abc is not a number", "eps="),
+    (["METHODS=prizm"], "METHODS=prizm is not an option of method", "method="),  # the override, from methods=
+])
+def test_make_error_lines_name_the_variable_the_user_typed(typed: list[str], said: str, internal: str,
+                                                           tmp_path: Path) -> None:
+    task = tmp_path / "task.jsonl"
+    task.write_text('{"prompt": "a", "target": "yes"}\n{"prompt": "b", "target": "no"}\n')
+    done = subprocess.run(["make", "--no-print-directory", "-s", "-o", ".venv/.setup-stamp", "-o", "setup", "compare",
+                           f"TASK={task}", *typed, f"ARGS=results_dir={tmp_path}"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    error = done.stderr.strip().splitlines()[0]
+    assert done.returncode == 2 and error.startswith("error: ") and said in error, done.stderr
+    assert internal not in error
+    assert not (tmp_path / "runs").exists()
+
 LONG_TINY = ["method=prism,adamw", "privacy=nondp", "suite=glue8", "train.steps=100000", "train.micro_batch_size=4",
              "train.checkpoint_every=50", *TINY_JOB]
 
