@@ -226,8 +226,12 @@ def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list
     fresh = any(job.benchmark for job in pending)
     pool: ProcessPoolExecutor | None = None
     stop: Stop | None = None
-    grid_bar = tqdm(total=len(pending), desc="grid", position=0, unit="run")
-    slots = [tqdm(total=1, position=i + 1, leave=False, bar_format="{desc}") for i in range(workers)]
+    bars = sys.stderr.isatty()  # a bar redraws itself with cursor escapes: a log file gets plain lines instead
+    grid_bar = tqdm(total=len(pending), desc="grid", position=0, unit="run", disable=not bars)
+    slots = [tqdm(total=1, position=i + 1, leave=False, bar_format="{desc}", disable=not bars)
+             for i in range(workers)]
+    if not bars:
+        print(f"grid: {len(pending)} run(s) on {workers} worker(s), one line per finished run", flush=True)
     with stop_signals():  # also while the workers are stopped: a second signal does not cut that short
         try:
             while queue or running:
@@ -255,6 +259,8 @@ def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list
                     warm.add(job.cache_group)
                     if code != 0:
                         tqdm.write(f"FAILED {' '.join(job.overrides)} (log {log_dir / job.run_hash}.log)")
+                    elif not bars:
+                        print(f"finished {' '.join(job.overrides)} (log {log_dir / job.run_hash}.log)", flush=True)
                     grid_bar.update(1)
                 time.sleep(POLL_S if running else 0)
         except Stop as caught:
@@ -267,6 +273,9 @@ def run_local(pending: list[Job], workers: int, log_dir: Path) -> dict[str, list
             for bar in slots:
                 bar.close()
             grid_bar.close()
+            if not bars:
+                print(f"grid: {len(outcome['ok'])} finished, {len(outcome['failed'])} failed, "
+                      f"{len(queue) + len(running)} not run", flush=True)
     if stop is not None:
         done = {j.run_hash for j in outcome["ok"] + outcome["failed"]}
         queued = {j.run_hash for j in queue}

@@ -381,3 +381,20 @@ def test_a_signal_ends_the_hydra_multirun_and_its_local_jobs(tmp_path: Path) -> 
 
 def test_make_tune_seeds_sets_the_tuning_seeds(tmp_path: Path) -> None:
     assert json.loads(make(tmp_path, "tune", "SEEDS=1,2").stdout)[-1] == "seed=1,2"  # forwarded, not dropped
+
+
+def test_a_grid_logged_to_a_file_gets_plain_lines_one_per_finished_run(tmp_path: Path,
+                                                                        capfd: pytest.CaptureFixture[str]) -> None:
+    """Output captured to files (not a terminal, as under SLURM or CI): no cursor escape, no carriage
+    return, one line per finished run naming its overrides."""
+    from pipelines.validate import load_job
+
+    overrides = ["suite=glue8", "method=prism", "privacy=eps6", *TINY_JOB, "train.steps=2", "train.micro_batch_size=4",
+                 "train.checkpoint_every=1", f"results_dir={tmp_path}"]
+    job = launch.Job.of(overrides, load_job(overrides))
+    outcome = launch.run_local([job], 1, tmp_path / "logs")
+    out, err = capfd.readouterr()
+    assert [j.run_hash for j in outcome["ok"]] == [job.run_hash]
+    assert "\x1b" not in out + err and "\r" not in out + err, (out + err)[:2000]
+    assert [line for line in out.splitlines() if line.startswith("finished ")] == [
+        f"finished {' '.join(overrides)} (log {tmp_path / 'logs' / job.run_hash}.log)"]
