@@ -6,7 +6,8 @@ A verb is a function (:data:`VERBS`) whose keyword-only parameters are its ``key
 ``--flags``; a function that takes ``overrides`` gets every other ``key=value`` argument as a Hydra
 override of ``conf/`` (``run`` also hands Hydra's own flags, ``-m``, ``--cfg job``, ..., to Hydra).
 Bad input is one line ``error: <what>, <how to fix>`` on stderr with exit code 2 and no traceback
-(:func:`main`); ``--debug`` (or ``HYDRA_FULL_ERROR=1``) lets the error and its traceback through.
+(:func:`main`), naming what the user typed (:func:`as_typed`); ``--debug`` (or ``HYDRA_FULL_ERROR=1``) lets
+the error and its traceback through.
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import difflib
 import importlib
 import inspect
 import os
+import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 VERBS = {  # verb -> (its function, one line of help)
@@ -34,6 +36,9 @@ VERBS = {  # verb -> (its function, one line of help)
     "wandb-sync": ("pipelines.wandb_sync:main", "upload the unsynced offline W&B runs"),
     "migrate": ("pipelines.store:main", "move old-layout run folders into the shared run store"),
 }
+
+
+MAKE_NAMES = "PIPELINES_MAKE_NAMES"  # set by the Makefile: "key=VAR ..." for each key=value it passes
 
 
 def function(verb: str) -> Callable[..., int]:
@@ -98,6 +103,19 @@ def parse(verb: str, fn: Callable[..., int], argv: Sequence[str]) -> tuple[list[
     return [overrides] if takes_overrides else [], given
 
 
+def as_typed(line: str, fn: Callable[..., int], given: Collection[str]) -> str:
+    """``line`` naming what the user typed for the keys ``given``: the override a key became by the key
+    (``suite.custom.type=`` → ``type=``: the ``KEY_OVERRIDES`` of ``fn``'s module), then a key the Makefile
+    passed by its make variable (``type=`` → ``TYPE=``: :data:`MAKE_NAMES`)."""
+    overrides = getattr(inspect.getmodule(fn), "KEY_OVERRIDES", {})
+    renames = [(override, key) for key, override in overrides.items() if key in given]
+    made = dict(pair.split("=", 1) for pair in os.environ.get(MAKE_NAMES, "").split() if "=" in pair)
+    renames += [(key, made[key]) for key in given if key in made]
+    for old, new in renames:
+        line = re.sub(rf"(?<![\w.]){re.escape(old)}=", f"{new}=", line)
+    return line
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Dispatch ``argv`` (default ``sys.argv[1:]``) to its verb; returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -124,6 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pipelines.compose import COMPOSE_ERRORS, error_line
 
     debug = "--debug" in rest or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    keywords: dict[str, Any] = {}
     try:
         positional, keywords = parse(verb, fn, [a for a in rest if a != "--debug"])
         if "debug" in inspect.signature(fn).parameters:
@@ -132,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except COMPOSE_ERRORS as err:  # bad input (ValueError, ConfigError, Hydra/OmegaConf): one line
         if debug:
             raise
-        print(f"error: {error_line(err)}", file=sys.stderr)
+        print(f"error: {as_typed(error_line(err), fn, keywords)}", file=sys.stderr)
         return 2
 
 

@@ -40,6 +40,10 @@ from prism.data.custom import file_id
 from prism.methods import registry
 
 EXPERIMENT = "compare"
+KEY_OVERRIDES = {"task": "suite.custom.train", "eval": "suite.custom.eval", "type": "suite.custom.type",
+                 "labels": "suite.custom.labels", "model": "backbone.path", "methods": "method"}
+"""The override each key of this command (and of ``tune``'s task sweep) becomes; an error line about the
+override names the key the user typed (:func:`pipelines.__main__.as_typed`)."""
 EPSILONS = (math.inf, 6.0, 3.0)
 PRIVACY_GROUPS = {math.inf: "nondp", 6.0: "eps6", 3.0: "eps3"}
 
@@ -131,7 +135,7 @@ def task_overrides(keys: dict[str, str], overrides: Sequence[str]) -> list[str]:
     ``model``), files absolute and pinned by their identifiers (:func:`pinned`); ``ValueError`` for a missing file."""
     task = absolute(keys["task"], "task")
     if not task.is_file():
-        raise ValueError(f"{keys['task']}: no such task file; give a .jsonl or .csv file of prompt/target rows")
+        raise ValueError(f"task={keys['task']}: no such task file; give a .jsonl or .csv file of prompt/target rows")
     out = ["suite=custom", *pinned("train", task)]
     if "eval" in keys:
         eval_file = absolute(keys["eval"], "eval")
@@ -139,13 +143,13 @@ def task_overrides(keys: dict[str, str], overrides: Sequence[str]) -> list[str]:
             raise ValueError(f"eval={keys['eval']}: no such file")
         out += pinned("eval", eval_file)
     if "type" in keys:
-        out.append(f"suite.custom.type={keys['type']}")
+        out.append(f"{KEY_OVERRIDES['type']}={keys['type']}")
     if "labels" in keys:
-        out.append(f"suite.custom.labels=[{','.join(map(quoted, comma_list(keys['labels'], 'labels')))}]")
+        out.append(f"{KEY_OVERRIDES['labels']}=[{','.join(map(quoted, comma_list(keys['labels'], 'labels')))}]")
     if keys.get("model"):
         if any(o.startswith("backbone=") for o in overrides):
             raise ValueError("model= and backbone= both choose the model, give one of them")
-        out += ["backbone=local", f"backbone.path={absolute(keys['model'], 'model')}"]
+        out += ["backbone=local", f"{KEY_OVERRIDES['model']}={absolute(keys['model'], 'model')}"]
     return out
 
 

@@ -187,7 +187,8 @@ class Lab:
                     row["amplification"] = dg.adam_amplification(s.method.optimizer, amp_gen)
             result["steps"].append(row)
             self._line += 1
-            self.log_fn({"step": self._line, "part": part, "method": method, "c": c, "epsilon": epsilon, **row})
+            self.log_fn({"step": self._line, "run_steps": steps, "part": part, "method": method, "c": c,
+                         "epsilon": epsilon, **row})
         final = {n: p.detach().clone() for n, p in s.params.items()}
         result["final_S"] = dg.factor_sum(pairs, final)
         result["_final"] = {p.module: tuple(t.detach().double() for t in read_pair(final, p)) for p in pairs}

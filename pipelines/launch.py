@@ -246,8 +246,12 @@ def run_local(pending: list[Job], workers: int, log_dir: Path, unit: Unit | None
     stop: Stop | None = None
     unit = unit or Unit()
     left = collections.Counter(unit.of(job) for job in pending)  # jobs per group not yet ended
-    grid_bar = tqdm(total=len(left), desc="grid", position=0, unit=unit.name)
-    slots = [tqdm(total=1, position=i + 1, leave=False, bar_format="{desc}") for i in range(workers)]
+    bars = sys.stderr.isatty()  # a bar redraws itself with cursor escapes: a log file gets plain lines instead
+    grid_bar = tqdm(total=len(left), desc="grid", position=0, unit=unit.name, disable=not bars)
+    slots = [tqdm(total=1, position=i + 1, leave=False, bar_format="{desc}", disable=not bars)
+             for i in range(workers)]
+    if not bars:
+        print(f"grid: {len(left)} {unit.name}(s) on {workers} worker(s), one line per finished {unit.name}", flush=True)
     with stop_signals():  # also while the workers are stopped: a second signal does not cut that short
         try:
             while queue or running:
@@ -277,6 +281,9 @@ def run_local(pending: list[Job], workers: int, log_dir: Path, unit: Unit | None
                         tqdm.write(f"FAILED {unit.label(job, 0)} (log {log_dir / job.run_hash}.log)")
                     left[unit.of(job)] -= 1
                     grid_bar.update(left[unit.of(job)] == 0)
+                    if not bars and left[unit.of(job)] == 0:
+                        log = f" (log {log_dir / job.run_hash}.log)" if unit.overrides else ""
+                        print(f"finished {unit.label(job, 0)}{log}", flush=True)
                 time.sleep(POLL_S if running else 0)
         except Stop as caught:
             stop = caught
@@ -288,6 +295,11 @@ def run_local(pending: list[Job], workers: int, log_dir: Path, unit: Unit | None
             for bar in slots:
                 bar.close()
             grid_bar.close()
+            if not bars:
+                failed = {unit.of(j) for j in outcome["failed"]}
+                ended = {g for g, n in left.items() if n == 0}
+                print(f"grid: {len(ended - failed)} {unit.name}(s) finished, {len(failed)} failed, "
+                      f"{len(left) - len(ended | failed)} not run", flush=True)
     if stop is not None:
         done = {j.run_hash for j in outcome["ok"] + outcome["failed"]}
         queued = {j.run_hash for j in queue}

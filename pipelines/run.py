@@ -193,7 +193,7 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
                 first[0] = False
             store.append_metrics(folder, record)
             wb.log_step(record)
-            log.info("[%s] step %s/%s %s", run_hash, record.get("step"), total, _brief(record))
+            log.info("[%s] step %s/%s %s", run_hash, *counter(record, total), _brief(record))
 
         try:
             record = trainer(cfg, folder, log_fn)
@@ -285,6 +285,15 @@ def scores_line(final: dict[str, Any]) -> str:
     if isinstance(eps, (int, float)) and math.isfinite(eps):
         parts.append(f"ε spent {eps:.3g}")
     return ", ".join(parts) or "no scores"
+
+
+def counter(record: dict[str, Any], total: int) -> tuple[Any, Any]:
+    """The step a metrics record's log line counts and the total it counts against: a trainer that runs
+    several short runs in one job (:mod:`pipelines.diagnostics`) gives each record its run's ``run_step``
+    and ``run_steps``; any other record counts its ``step`` against the job's ``total``."""
+    if "run_steps" in record:
+        return record.get("run_step"), record["run_steps"]
+    return record.get("step"), total
 
 
 def _brief(record: dict[str, Any]) -> str:

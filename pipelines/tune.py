@@ -59,6 +59,7 @@ from prism.fileio import write_text_atomic
 
 EXPERIMENT = "tune"
 MAX_EXTEND = 2  # extra rates past an edge, per side
+KEY_OVERRIDES = compare.KEY_OVERRIDES  # a user's task sweeps make compare's cells, from the same keys
 CELL_KEYS = ("method", "privacy", "suite")  # group choices that name a cell
 RULE = ("per cell, among the rates whose validation score (the suite's average over its columns, mean over the "
         "tuning seeds) is within one standard error (bootstrap over validation rows and seeds) of the best score, "

@@ -87,3 +87,22 @@ def test_light_verbs_check_their_arguments_before_importing_torch() -> None:
             "    assert 'torch' not in sys.modules, verb + ' imported torch'\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr.strip().splitlines()[-1:]
+
+
+def _package_modules() -> list[str]:
+    """Every module and subpackage under pipelines/, found by walking the source tree."""
+    import pkgutil
+
+    import pipelines
+
+    return [m.name for m in pkgutil.walk_packages(pipelines.__path__, "pipelines.")]
+
+
+@pytest.mark.parametrize("module", [m for m in _package_modules() if m != "pipelines.__main__"])
+def test_running_a_module_of_the_package_exits_2_naming_the_verb_to_use(module: str) -> None:
+    done = subprocess.run([sys.executable, "-W", "default", "-m", module, "table2"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    verbs = [v for v, (target, _) in VERBS.items() if target.split(":")[0] == module]
+    _one_error_line(done.stderr, f"python -m {module} is not a command",
+                    f"use: python -m pipelines {verbs[0] if verbs else '<verb>'} ")

@@ -73,7 +73,7 @@ def task_id(path: Path) -> str:
 
 @pytest.mark.parametrize("extra, words", [
     (["eps=0"], "eps=0 must be > 0"),
-    (["methods=prism,sgd"], "method=sgd"),
+    (["methods=prism,sgd"], "methods=sgd"),  # the key typed, not the override it became (method=)
     (["seed=a"], "seed=a must list integers"),
     (["model=/nonexistent/model"], "model= and backbone= both"),
 ])
@@ -90,7 +90,7 @@ def test_missing_model_folder_is_one_line(tmp_path: Path, capsys: pytest.Capture
     task = _task(tmp_path / "t.jsonl")
     assert cli(["compare", f"task={task}", "labels=yes,no", "model=/nonexistent/model", f"results_dir={tmp_path / 'r'}"]) == 2
     err = capsys.readouterr().err
-    assert len(err.splitlines()) == 1 and "backbone.path=/nonexistent/model: no such folder" in err, err
+    assert len(err.splitlines()) == 1 and "model=/nonexistent/model: no such folder" in err, err
     assert not (tmp_path / "r").exists()
 
 

@@ -3,7 +3,9 @@ intrinsic clip norm at step 1 (Thm. 3.3), and the `diagnostics` experiment end t
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -136,8 +138,23 @@ def experiment(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, DictConf
     """The `diagnostics` experiment once, end to end on tiny-llama: (results dir, config, diagnostics.json)."""
     results = tmp_path_factory.mktemp("results")
     cfg = compose_config([*TINY, f"results_dir={results}"])
-    assert D.reproduce(cfg) == 0
+    root, level = logging.getLogger(), logging.getLogger().level
+    log = logging.FileHandler(results / "run.log")  # the narration, as a log file a scheduler keeps
+    root.addHandler(log)
+    root.setLevel(logging.INFO)
+    try:
+        assert D.reproduce(cfg) == 0
+    finally:
+        root.removeHandler(log)
+        root.setLevel(level)
+        log.close()
     return results, cfg, json.loads((store.run_dir(resolve(cfg)) / D.DATA_FILE).read_text())
+
+
+def test_each_step_line_counts_against_its_own_short_run(experiment: tuple[Path, DictConfig, dict]) -> None:
+    """Every short run of the tiny experiment trains 2 steps (``TINY``): its lines say step 1/2, 2/2."""
+    counted = [tuple(map(int, m)) for m in re.findall(r"\bstep (\d+)/(\d+)\b", (experiment[0] / "run.log").read_text())]
+    assert sorted(counted) == sorted([(1, 2), (2, 2)] * (3 * 3))  # 3 gauges x 3 methods (see the end-to-end test)
 
 
 def test_step1_intrinsic_clip_norm_is_gauge_invariant(experiment: tuple[Path, DictConfig, dict]) -> None:

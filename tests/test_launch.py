@@ -244,6 +244,37 @@ def test_make_refuses_a_variable_its_goal_does_not_use(goal: str, variable: str,
                                         "leave it out.  Stop.") and done.stderr.count("\n") == 1
 
 
+
+@pytest.mark.parametrize(("typed", "suggestion"), [("METHOD=prism", "did you mean METHODS=? "),
+                                                   ("seed=1", "did you mean SEEDS=? "), ("FROBNICATE=1", "")])
+def test_make_refuses_a_variable_no_target_reads_with_the_closest_name(typed: str, suggestion: str,
+                                                                       tmp_path: Path) -> None:
+    done = make(tmp_path, "compare", "TASK=x.jsonl", typed)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
+    assert done.stderr.strip().endswith(f"*** error: {typed.split('=')[0]}= is read by no target; {suggestion}"
+                                        "make help lists each target's variables.  Stop.")
+    kept = make(tmp_path, "compare", "TASK=x.jsonl", "METHODS=prism", "PYTHON=python3", "TEST_JOBS=1",
+                "HF_HUB_OFFLINE=1", "SHELL=/bin/bash")  # the goal's, the set-up's and make's own variables
+    assert kept.returncode == 0 and json.loads(kept.stdout)[3:5] == ["task=x.jsonl", "methods=prism"], kept.stderr
+
+
+@pytest.mark.parametrize(("typed", "said", "internal"), [
+    (["TYPE=zzz"], "TYPE='zzz' is not a task type", "type="),  # the override suite.custom.type=, from type=
+    (["EPS=abc"], "EPS=abc is not a number", "eps="),
+    (["METHODS=prizm"], "METHODS=prizm is not an option of method", "method="),  # the override, from methods=
+])
+def test_make_error_lines_name_the_variable_the_user_typed(typed: list[str], said: str, internal: str,
+                                                           tmp_path: Path) -> None:
+    task = tmp_path / "task.jsonl"
+    task.write_text('{"prompt": "a", "target": "yes"}\n{"prompt": "b", "target": "no"}\n')
+    done = subprocess.run(["make", "--no-print-directory", "-s", "-o", ".venv/.setup-stamp", "-o", "setup", "compare",
+                           f"TASK={task}", *typed, f"ARGS=results_dir={tmp_path}"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    error = done.stderr.strip().splitlines()[0]
+    assert done.returncode == 2 and error.startswith("error: ") and said in error, done.stderr
+    assert internal not in error
+    assert not (tmp_path / "runs").exists()
+
 LONG_TINY = ["method=prism,adamw", "privacy=nondp", "suite=glue8", "train.steps=100000", "train.micro_batch_size=4",
              "train.checkpoint_every=50", *TINY_JOB]
 
@@ -350,3 +381,20 @@ def test_a_signal_ends_the_hydra_multirun_and_its_local_jobs(tmp_path: Path) -> 
 
 def test_make_tune_seeds_sets_the_tuning_seeds(tmp_path: Path) -> None:
     assert json.loads(make(tmp_path, "tune", "SEEDS=1,2").stdout)[-1] == "seed=1,2"  # forwarded, not dropped
+
+
+def test_a_grid_logged_to_a_file_gets_plain_lines_one_per_finished_run(tmp_path: Path,
+                                                                        capfd: pytest.CaptureFixture[str]) -> None:
+    """Output captured to files (not a terminal, as under SLURM or CI): no cursor escape, no carriage
+    return, one line per finished run naming its overrides."""
+    from pipelines.validate import load_job
+
+    overrides = ["suite=glue8", "method=prism", "privacy=eps6", *TINY_JOB, "train.steps=2", "train.micro_batch_size=4",
+                 "train.checkpoint_every=1", f"results_dir={tmp_path}"]
+    job = launch.Job.of(overrides, load_job(overrides))
+    outcome = launch.run_local([job], 1, tmp_path / "logs")
+    out, err = capfd.readouterr()
+    assert [j.run_hash for j in outcome["ok"]] == [job.run_hash]
+    assert "\x1b" not in out + err and "\r" not in out + err, (out + err)[:2000]
+    assert [line for line in out.splitlines() if line.startswith("finished ")] == [
+        f"finished {' '.join(overrides)} (log {tmp_path / 'logs' / job.run_hash}.log)"]

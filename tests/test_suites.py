@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -258,3 +261,11 @@ def test_scored_tasks_leave_training_and_validation_rows_as_they_are() -> None:
     for bad in (["basic_arithmetic"], ["syllogism"]):  # nothing left to score / not a math10k task
         with pytest.raises(ValueError, match="suite.embedded.unscored"):
             _embedded("math10k", 5, tasks=["basic_arithmetic", "gsm_symbolic"], unscored=["gsm_symbolic", *bad])
+
+
+def test_a_first_run_of_the_reasoning_generators_writes_nothing_to_stderr(tmp_path: Path) -> None:
+    """A fresh bytecode cache (``-X pycache_prefix``): every dependency is compiled as on a first run."""
+    code = "from prism.data.embedded import _gym; assert len(_gym('syllogism', 0, 2)) == 2"
+    done = subprocess.run([sys.executable, "-X", f"pycache_prefix={tmp_path}", "-c", code],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stderr == "", done.stderr

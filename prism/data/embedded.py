@@ -31,6 +31,7 @@ import functools
 import importlib.util
 import random
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,9 @@ def tweet_sentiment(n_train: int, n_eval: int, seed: int, node: Any) -> Split:
 
 
 def _gym(name: str, seed: int, size: int, **config) -> list[dict]:
-    import reasoning_gym
+    with warnings.catch_warnings():  # reasoning_gym's cellpylib compares `is "recursive"`: a SyntaxWarning
+        warnings.simplefilter("ignore", SyntaxWarning)  # each time its bytecode is compiled (a fresh cache)
+        import reasoning_gym
 
     return list(reasoning_gym.create_dataset(name, seed=seed, size=size, **config))
 
