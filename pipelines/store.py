@@ -70,6 +70,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.config_schema import ConfigError
+from prism.evaluation.metrics import COLUMN_RULES, gold_is_valid
 from prism.fileio import write_text_atomic
 
 REQUIRED_KEYS = ("seed", "backbone", "suite", "method", "privacy", "lora", "train")
@@ -359,6 +360,37 @@ def scores_problem(final: Mapping[str, Any]) -> str:
         unscored = [c for c in final["columns"] if c not in scored]
         if unscored:
             return f"final.json's `per_example` has no rows of column {unscored[0]}"
+        scored_rows = final.get("n") if isinstance(final.get("n"), Mapping) else {}
+        for name, outcome in outcomes.items():
+            if why := outcome_problem(outcome, scored_rows.get(name.split("/")[0])):
+                return f"final.json's `per_example` of {name}: {why}"
+    return ""
+
+
+def outcome_problem(outcome: Any, scored: Any) -> str:
+    """Why one task's per-row outcomes (:func:`prism.evaluation.metrics.row_outcomes`; a user classification
+    task's ``Macro-F1`` labels) disagree with their metric or with ``scored``, the rows the evaluation scored
+    (``final.json`` ``n``; None if not recorded) ('' when they agree): a correctness outside 0/1, a label
+    outside the task's labels, a gold answer its column's rule would have skipped, or another row count."""
+    if not isinstance(outcome, Mapping):
+        return "not a mapping"
+    if "correct" in outcome:
+        rows = outcome["correct"]
+        if bad := [c for c in rows if c not in (0, 1)]:
+            return f"correct={bad[0]!r} is not 0 or 1"
+    else:
+        rows, preds, labels = outcome.get("gold", ()), outcome.get("pred", ()), outcome.get("labels")
+        if isinstance(labels, int):  # Macro-F1: labels 0..labels-1, an unparsed prediction -1
+            bad = [g for g in rows if g not in range(labels)] or [p for p in preds if p not in range(-1, labels)]
+        else:
+            column = outcome.get("column")
+            bad = [g for g in rows if column in COLUMN_RULES and not gold_is_valid(column, g)]
+        if bad:
+            return f"{bad[0]!r} is outside the labels or answers of its column"
+        if len(preds) != len(rows):
+            return f"{len(preds)} predictions beside {len(rows)} gold answers"
+    if isinstance(scored, int) and len(rows) != scored:
+        return f"{len(rows)} rows of outcomes, but the evaluation scored {scored} (final.json `n`)"
     return ""
 
 
