@@ -33,6 +33,7 @@ from pipelines.aggregate.build import TableResult, build_table
 from pipelines.aggregate.records import RunRecord, read_run_folder
 from pipelines.aggregate.render import plot_privacy_utility, to_markdown, write_outputs
 from pipelines.aggregate.specs import TableSpec, method_label, setting_label, suite_columns
+from pipelines.compose import hydra_value
 from pipelines.validate import ConfigError, load_job
 from prism.fileio import sha256_file
 from prism.methods import registry
@@ -87,7 +88,7 @@ def _epsilon(text: str) -> float:
 def pinned(role: str, path: Path) -> list[str]:
     """The overrides naming a task file (``role``: train or eval) as this command does: its absolute
     path and its sha256, so the same file gives the same runs however it was named."""
-    return [f"suite.custom.{role}={path}", f"suite.custom.{role}_sha256={sha256_file(path)}"]
+    return [f"suite.custom.{role}={hydra_value(str(path))}", f"suite.custom.{role}_sha256={sha256_file(path)}"]
 
 
 def pin_task_files(overrides: Sequence[str]) -> list[str]:
@@ -126,7 +127,7 @@ def task_overrides(keys: dict[str, str], overrides: Sequence[str]) -> list[str]:
     if keys.get("model"):
         if any(o.startswith("backbone=") for o in overrides):
             raise ValueError("model= and backbone= both choose the model, give one of them")
-        out += ["backbone=local", f"backbone.path={Path(keys['model']).expanduser().resolve()}"]
+        out += ["backbone=local", f"backbone.path={hydra_value(str(Path(keys['model']).expanduser().resolve()))}"]
     return out
 
 

@@ -140,6 +140,19 @@ def compose_job(overrides: Sequence[str]) -> DictConfig:
     return _resolve(_compose_values(groups, values, overrides), overrides)
 
 
+def hydra_value(text: str) -> str:
+    """``text`` as the value of an override that Hydra reads back as exactly ``text`` (a path a command built
+    from what the user typed): as it is when Hydra takes it whole, else in double quotes, with backslashes
+    before a quote or the end doubled and quotes escaped."""
+    try:
+        if OverridesParser.create().parse_override(f"k={text}").value() == text:
+            return text
+    except HydraException:
+        pass
+    body = re.sub(r'(\\*)("|$)', lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""), text)
+    return f'"{body}"'
+
+
 def refuse_path_sweeps(parsed: Sequence[Override]) -> None:
     """One :class:`ConfigError` line for a :data:`PATH_KEYS` value that Hydra reads as a sweep (a ',' in the
     path), with the quoting that keeps it one path."""

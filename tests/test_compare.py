@@ -198,3 +198,13 @@ def test_the_comparison_states_the_tables_bold_and_tie_rule(tmp_path: Path) -> N
     md = (tmp_path / "results" / "tables" / f"compare-t-{store_sha(task)[:8]}.embedded.md").read_text()
     assert "in **bold** only where the 95 % interval of its paired difference from the runner-up excludes 0" in md
     assert "otherwise the best value is marked (tie)" in md
+
+
+@pytest.mark.parametrize("folder", ["a,b", "x y", "l[1]", "q'q", 'd"q', "b\\s", "$x", "k=v", "{a}"])
+def test_a_task_file_whose_path_hydra_would_read_is_the_file_named(tmp_path: Path, folder: str) -> None:
+    """``task=`` is typed as a plain path; the overrides compare builds from it name that same file in every
+    job (not a sweep over pieces of it, not a parse error about a key the user never typed)."""
+    (tmp_path / folder).mkdir()
+    task = _task(tmp_path / folder / "t.jsonl")
+    p = _plan(_args(task, tmp_path / "r", "methods=adamw", "eps=6"))
+    assert [str(c.suite.custom.train) for c in p.configs] == [str(task)]
