@@ -35,6 +35,7 @@ from pipelines.aggregate.build import TableResult, build_table
 from pipelines.aggregate.records import RunRecord, read_run_folder
 from pipelines.aggregate.render import plot_privacy_utility, to_markdown, write_outputs
 from pipelines.aggregate.specs import TableSpec, method_label, setting_label, suite_columns
+from pipelines.compose import hydra_value
 from pipelines.validate import ConfigError, load_job
 from prism.data.custom import file_id
 from prism.methods import registry
@@ -100,7 +101,7 @@ def pinned(role: str, path: Path) -> list[str]:
     """The overrides naming a task file (``role``: train or eval) as this command does: its absolute
     path and its identifier (:func:`~prism.data.custom.file_id`), so the same file gives the same runs
     however it was named."""
-    return [f"suite.custom.{role}={path}", f"suite.custom.{role}_sha256={file_id(path)}"]
+    return [f"suite.custom.{role}={hydra_value(str(path))}", f"suite.custom.{role}_sha256={file_id(path)}"]
 
 
 def pin_task_files(overrides: Sequence[str]) -> list[str]:
@@ -149,7 +150,7 @@ def task_overrides(keys: dict[str, str], overrides: Sequence[str]) -> list[str]:
     if keys.get("model"):
         if any(o.startswith("backbone=") for o in overrides):
             raise ValueError("model= and backbone= both choose the model, give one of them")
-        out += ["backbone=local", f"{KEY_OVERRIDES['model']}={absolute(keys['model'], 'model')}"]
+        out += ["backbone=local", f"{KEY_OVERRIDES['model']}={hydra_value(str(absolute(keys['model'], 'model')))}"]
     return out
 
 

@@ -79,6 +79,7 @@ def sweep_jobs(overrides: Sequence[str], head: Sequence[str] = ()) -> list[list[
     """Every job of a grid: ``head`` and the cartesian product of ``[*head, *overrides]``'s
     ``hydra.sweeper.params`` and ``overrides`` (later keys win, as in Hydra)."""
     parser = OverridesParser.create()
+    refuse_path_sweeps(parse(overrides))
     fixed = [*head, *(o for o in overrides if not parser.parse_override(o).is_sweep_override())]
     params = compose_config(fixed, with_hydra=True).hydra.sweeper.params or {}
     axes: dict[str, list[str]] = {}
@@ -112,6 +113,8 @@ LOCKED = {  # key -> the group whose choice sets it
     "suite.name": "suite", "suite.family": "suite", "suite.scale": "scale",
     "method.name": "method", "backbone.name": "backbone", "backbone.paper_name": "backbone",
 }
+PATH_KEYS = ("results_dir", "logging.dir", "backbone.path", "suite.custom.train", "suite.custom.eval")
+"""Keys whose value is one path: never a sweep (Hydra would split a path with a ',' into several runs' folders)."""
 QUOTING = ("quote the value for Hydra inside one shell word, e.g. 'results_dir=\"/tmp/my runs\"' "
            "(with make: ARGS=\"'results_dir=\\\"/tmp/my runs\\\"'\")")
 
@@ -121,6 +124,7 @@ def compose_job(overrides: Sequence[str]) -> DictConfig:
     :class:`ConfigError` (one line) for a sweep, a removed group or key, a key that contradicts its group,
     or overrides that do not parse, compose or resolve."""
     parsed = parse(overrides)
+    refuse_path_sweeps(parsed)
     for override in parsed:
         key = override.key_or_group
         if not key:
@@ -160,6 +164,30 @@ def _sweep_error(sweep: Override, overrides: Sequence[str]) -> ConfigError:
                        f"(or write {key}=[a,b] for a list value)")
 
 
+def hydra_value(text: str) -> str:
+    """``text`` as the value of an override that Hydra reads back as exactly ``text`` (a path a command built
+    from what the user typed): as it is when Hydra takes it whole, else in double quotes, with backslashes
+    before a quote or the end doubled and quotes escaped."""
+    try:
+        if OverridesParser.create().parse_override(f"k={text}").value() == text:
+            return text
+    except HydraException:
+        pass
+    body = re.sub(r'(\\*)("|$)', lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""), text)
+    return f'"{body}"'
+
+
+def refuse_path_sweeps(parsed: Sequence[Override]) -> None:
+    """One :class:`ConfigError` line for a :data:`PATH_KEYS` value that Hydra reads as a sweep (a ',' in the
+    path), with the quoting that keeps it one path."""
+    for override in parsed:
+        if override.key_or_group in PATH_KEYS and override.is_sweep_override():
+            key, _, value = override.input_line.partition("=")
+            raise ConfigError(f"{override.input_line}: Hydra splits this path at ',' into "
+                              f"{len(list(override.sweep_string_iterator()))} folders; a path is one value: "
+                              f"quote it for Hydra inside one shell word, e.g. '{key}=\"{value}\"'")
+
+
 def parse(overrides: Sequence[str]) -> list[Override]:
     """Hydra's parse of ``overrides``; one :class:`ConfigError` line (with the quoting that works) if not."""
     for arg in overrides:
@@ -170,7 +198,7 @@ def parse(overrides: Sequence[str]) -> list[Override]:
     except OverrideParseException as err:
         lines = str(err).splitlines()
         detail = f" ({lines[1].split(' expecting ')[0].strip()})" if len(lines) > 1 else ""
-        bad = next((o for o in overrides if o in lines[0]), None)
+        bad = next((o for o in overrides if not _parses(o)), None)  # the first that does not parse alone
         if bad is None:
             found = re.search(r"'(.*)'", lines[0])
             bad = found.group(1) if found else lines[0]
@@ -182,6 +210,15 @@ def parse(overrides: Sequence[str]) -> list[Override]:
                               f"must be quoted, {QUOTING}") from None
         raise ConfigError(f"cannot parse the override {bad!r}{detail}, write key=value, e.g. train.steps=10 or "
                           f"method=adamw; {QUOTING} if the value has special characters") from None
+
+
+def _parses(override: str) -> bool:
+    """Whether Hydra parses ``override`` on its own."""
+    try:
+        OverridesParser.create().parse_override(override)
+    except HydraException:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=64)

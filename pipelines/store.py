@@ -70,6 +70,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.config_schema import ConfigError
+from prism.evaluation.metrics import COLUMN_RULES, gold_is_valid
 from prism.fileio import write_text_atomic
 
 REQUIRED_KEYS = ("seed", "backbone", "suite", "method", "privacy", "lora", "train")
@@ -159,9 +160,16 @@ def tag(root: Path, experiment: str, run_hash_: str) -> bool:
 
 
 def view(root: Path, experiment: str) -> list[str]:
-    """Run hashes of ``experiment``'s view (:func:`refuse_older_layout` first)."""
+    """Run hashes of ``experiment``'s view (:func:`refuse_older_layout` first); a view (or ``_views``) that is
+    not a folder is one :class:`ConfigError` line, not an empty view."""
     refuse_older_layout(root)
     tagged = Path(root) / VIEWS / experiment
+    for path in (tagged.parent, tagged):
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{path} is a file, not the folder of an experiment's run hashes, so the runs of "
+                              f"{experiment} cannot be listed; move it aside, then rerun the experiment's command "
+                              f"(e.g. python -m pipelines reproduce experiment={experiment}): it tags its finished "
+                              "runs again without training them")
     return sorted(p.name for p in tagged.iterdir()) if tagged.is_dir() else []
 
 
@@ -185,8 +193,12 @@ def refuse_older_layout(root: Path) -> None:
     """A one-line :class:`ConfigError` when ``root`` (``<results_dir>/runs``) holds an older-layout folder that
     :func:`migrate` has not taken in (its run not in the store, or not tagged into its experiment's view)."""
     root = Path(root)
+    older = older_layout(root)
+    if (root / "runs" / VIEWS).is_dir() or any(p.parent.name == "runs" for copies in older.values() for p in copies):
+        raise ConfigError(f"{root} is the results folder, not its run store: pass {root / 'runs'} "
+                          f"(runs_dir={root / 'runs'})")
     if any(not (root / h).exists() or not (root / VIEWS / p.parent.name / h).exists()
-           for h, copies in older_layout(root).items() for p in copies):
+           for h, copies in older.items() for p in copies):
         raise ConfigError(f"{root} holds runs in the older layout; run python -m pipelines migrate "
                           f"results_dir={root.parent} once")
 
@@ -194,7 +206,9 @@ def refuse_older_layout(root: Path) -> None:
 def migrate(results_dir: Path) -> list[tuple[Path, Path]]:
     """Move every older-layout run folder into the store and tag its run into its experiment's view (a run
     already in the store, or a second copy of a run, stays where it is: the store's copy is read, a finished
-    copy moved in first; a copy whose lock an older checkout holds is left for a later call)."""
+    copy moved in first; a copy whose lock an older checkout holds is left for a later call). A store copy that
+    is not finished gives way to a finished older copy: it is moved aside (:func:`move_aside`, never deleted;
+    returned as a move too), so the table reads the finished record and the grid does not train it again."""
     from filelock import FileLock, Timeout
 
     root = Path(results_dir) / "runs"
@@ -208,6 +222,9 @@ def migrate(results_dir: Path) -> list[tuple[Path, Path]]:
             continue
         try:
             source = ([p for p in copies if inspect_run(p).state == "finished"] or copies)[0]
+            if (folder.exists() and inspect_run(folder).state != "finished" and inspect_run(source).state == "finished"
+                    and not lock_held(source)):  # our lock: no job of this checkout trains the store's copy
+                moved.append((folder, move_aside(folder, "unfinished")))
             if not folder.exists() and not lock_held(source):  # an older checkout may still be training it
                 source.rename(folder)
                 moved.append((source, folder))
@@ -359,6 +376,37 @@ def scores_problem(final: Mapping[str, Any]) -> str:
         unscored = [c for c in final["columns"] if c not in scored]
         if unscored:
             return f"final.json's `per_example` has no rows of column {unscored[0]}"
+        scored_rows = final.get("n") if isinstance(final.get("n"), Mapping) else {}
+        for name, outcome in outcomes.items():
+            if why := outcome_problem(outcome, scored_rows.get(name.split("/")[0])):
+                return f"final.json's `per_example` of {name}: {why}"
+    return ""
+
+
+def outcome_problem(outcome: Any, scored: Any) -> str:
+    """Why one task's per-row outcomes (:func:`prism.evaluation.metrics.row_outcomes`; a user classification
+    task's ``Macro-F1`` labels) disagree with their metric or with ``scored``, the rows the evaluation scored
+    (``final.json`` ``n``; None if not recorded) ('' when they agree): a correctness outside 0/1, a label
+    outside the task's labels, a gold answer its column's rule would have skipped, or another row count."""
+    if not isinstance(outcome, Mapping):
+        return "not a mapping"
+    if "correct" in outcome:
+        rows = outcome["correct"]
+        if bad := [c for c in rows if c not in (0, 1)]:
+            return f"correct={bad[0]!r} is not 0 or 1"
+    else:
+        rows, preds, labels = outcome.get("gold", ()), outcome.get("pred", ()), outcome.get("labels")
+        if isinstance(labels, int):  # Macro-F1: labels 0..labels-1, an unparsed prediction -1
+            bad = [g for g in rows if g not in range(labels)] or [p for p in preds if p not in range(-1, labels)]
+        else:
+            column = outcome.get("column")
+            bad = [g for g in rows if column in COLUMN_RULES and not gold_is_valid(column, g)]
+        if bad:
+            return f"{bad[0]!r} is outside the labels or answers of its column"
+        if len(preds) != len(rows):
+            return f"{len(preds)} predictions beside {len(rows)} gold answers"
+    if isinstance(scored, int) and len(rows) != scored:
+        return f"{len(rows)} rows of outcomes, but the evaluation scored {scored} (final.json `n`)"
     return ""
 
 
@@ -515,5 +563,6 @@ def main(*, results_dir: str = "results") -> int:
     moved = migrate(root)
     for source, target in moved:
         print(f"moved {source} -> {target}")
-    print(f"{len(moved)} run folder(s) moved into {root / 'runs'}")
+    print(f"{sum(HASH_RE.fullmatch(target.name) is not None for _, target in moved)} run folder(s) moved into "
+          f"{root / 'runs'}")
     return 0

@@ -54,7 +54,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from pipelines import compare, launch, store
 from pipelines.aggregate import intervals
 from pipelines.compose import compose_config, job_config
-from pipelines.tuned_rates import cell_fields, tuned_dir, user_tuned_dir
+from pipelines.tuned_rates import COVERS, cell_fields, tuned_dir, user_tuned_dir
 from prism.fileio import write_text_atomic
 
 EXPERIMENT = "tune"
@@ -400,7 +400,8 @@ def main(overrides: Sequence[str], *, jobs: int | None = None, task: str | None 
               "validation_per_task": n_validation,
               "validation": f"{n_validation} per task from the training pool, disjoint from the training and "
                             "evaluation rows",
-              "rule": RULE, "grid": sorted({p.factor for p in points})}
+              "rule": RULE, "grid": sorted({p.factor for p in points}),
+              **{key: list(dict.fromkeys(p.fields[field] for p in points)) for key, field in COVERS.items()}}
     name, title, target = "tune", "", tuned_dir() / f"{scale}.yaml"
     if cfg0.suite.name == "custom":  # a user's task: its own table and rates, beside its runs
         task = f"{Path(str(cfg0.suite.custom.train)).stem}-{str(cfg0.suite.custom.train_sha256)[:8]}"

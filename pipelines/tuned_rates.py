@@ -15,15 +15,16 @@ Every method yaml sets ``lr: ${method_lr:<Table 8's rate of the suite family × 
 Each file is written whole by ``make tune`` and records the commit and command that produced it;
 ``PRISM_TUNED_DIR`` points the lookup at another folder (tests). A file is read through its schema
 (:class:`TunedFile`, :class:`TunedRate`) with YAML's line marks: a value of the wrong type, an unknown
-or missing key, two entries for one cell, or a cell of the file's grid without an entry is one
+or missing key, two entries for one cell, or a cell of the grid the file covers without an entry is one
 :class:`~pipelines.config_schema.ConfigError` line ``<file>:<line>: <what>, <fix>``, never a run at
-the default rate.
+the default rate. The grid is what the file says it covers (``generated``'s :data:`COVERS` lists, written
+by :mod:`pipelines.tune`), not what its entries happen to hold: a file with every entry of one ε or one
+method removed, or ``rates: []``, is refused.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -47,6 +48,8 @@ MATCH = {  # entry field -> config field it must equal
 }
 OPTIONAL = ("task_sha256", "model_path")
 """Fields that only a user's task or model has: left out of an entry (and so never matched) when null."""
+COVERS = {"suites": "suite", "methods": "method", "epsilons": "epsilon"}
+"""``generated`` key -> entry field: the lists whose product is every cell the file covers."""
 
 
 def tuned_dir() -> Path:
@@ -124,8 +127,28 @@ def _load(path: str, mtime_ns: int) -> tuple[dict, ...]:
             raise ConfigError(f"{path}:{line}: a second entry for the cell of line {seen[cell]} "
                               f"({_describe(entry, ('method', 'suite', 'epsilon'))}), keep one; {FIX}")
         seen[cell] = line
-    _complete(path, rates_line, [entry for _, entry in entries])
+    _complete(path, rates_line, [entry for _, entry in entries], _grid(path, lines, data),
+              _fix(data.get("generated") or {}))
     return tuple(entry for _, entry in entries)
+
+
+def _grid(path: str, lines: Mapping[str, tuple[int, yaml.Node]], data: Mapping[str, Any]) -> dict[str, list]:
+    """The :data:`COVERS` lists of the file's ``generated`` (one line naming the first one missing or empty)."""
+    generated = data.get("generated") or {}
+    line = lines.get("generated", (1,))[0]
+    grid = {key: generated.get(key) for key in COVERS}
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"{path}:{line}: generated.{key} is {'missing' if values is None else 'not a list'}: the "
+                              f"file does not say which {COVERS[key]}s it covers, so a cell left out would run at the "
+                              f"default rate; {_fix(generated)}")
+    return grid
+
+
+def _fix(generated: Mapping[str, Any]) -> str:
+    """How to rewrite a refused file: its own command, else :data:`FIX`."""
+    command = generated.get("command")
+    return f"regenerate the file: `{command}` (`make tune`)" if isinstance(command, str) else FIX
 
 
 def _entry(path: str, index: int, node: yaml.Node, value: Any) -> tuple[int, dict]:
@@ -155,23 +178,24 @@ def _describe(entry: Mapping[str, Any], keys: tuple[str, ...]) -> str:
     return " ".join(f"{k}={entry[k]:g}" if isinstance(entry[k], float) else f"{k}={entry[k]}" for k in keys)
 
 
-def _complete(path: str, line: int, entries: list[dict]) -> None:
-    """Every budget of the file (its fields other than method and ε) has an entry for each of the file's
-    methods × ε: a cell left out would run at the default rate."""
-    methods = sorted({e["method"] for e in entries})
-    epsilons = sorted({e["epsilon"] for e in entries})
+def _complete(path: str, line: int, entries: list[dict], grid: Mapping[str, list], fix: str) -> None:
+    """Every suite of ``grid`` (:func:`_grid`) has entries, and every budget of the file (its fields other than
+    method and ε) one for each of the grid's methods × ε: a cell left out would run at the default rate."""
+    methods, epsilons = grid["methods"], sorted(grid["epsilons"])
     budgets: dict[tuple, set] = {}
     for e in entries:
         budget = tuple((k, e.get(k)) for k in MATCH if k not in ("method", "epsilon"))
         budgets.setdefault(budget, set()).add((e["method"], e["epsilon"]))
-    for budget, cells in budgets.items():
-        for method, eps in itertools.product(methods, epsilons):
-            if (method, eps) not in cells:
-                where = _describe({"method": method, "epsilon": eps, **dict(budget)},
-                                  ("method", "epsilon", "suite", "steps", "batch_size"))
-                raise ConfigError(f"{path}:{line}: rates has no entry for {where} (the file tunes "
-                                  f"{', '.join(methods)} at ε {', '.join(f'{x:g}' for x in epsilons)}), so that cell "
-                                  f"would run at the default rate; {FIX}")
+    suites = {dict(budget)["suite"] for budget in budgets}
+    missing = [{"method": methods[0], "epsilon": epsilons[0], "suite": s} for s in grid["suites"] if s not in suites]
+    missing += [{"method": m, "epsilon": x, **dict(budget)} for budget, cells in budgets.items()
+                for x in epsilons for m in methods if (m, x) not in cells]
+    if missing:
+        where = _describe(missing[0], tuple(k for k in ("method", "epsilon", "suite", "steps", "batch_size")
+                                            if k in missing[0]))
+        raise ConfigError(f"{path}:{line}: rates has no entry for {where} (the file covers {', '.join(grid['suites'])} "
+                          f"× {', '.join(methods)} × ε {', '.join(f'{x:g}' for x in epsilons)}), so that cell would "
+                          f"run at the default rate; {fix}")
 
 
 def user_tuned_dir(results_dir: str | os.PathLike[str]) -> Path:

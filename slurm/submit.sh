@@ -22,7 +22,7 @@ set -euo pipefail
 dry_run=0
 if [[ ${1:-} == --dry-run ]]; then dry_run=1; shift; fi
 if [[ $# -lt 1 || $1 == -* ]]; then
-  echo "usage: slurm/submit.sh [--dry-run] <experiment: table2|table3|table4|table5|tune|compare> [hydra overrides...]" >&2
+  echo "usage: slurm/submit.sh [--dry-run] <experiment: table2|table3|table4|table5|compare> [hydra overrides...]" >&2
   exit 2
 fi
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -148,14 +148,22 @@ def test_accountant_epsilon_grows_and_rejects_zero_noise() -> None:
         accountant.step(noise_multiplier=0.0, sample_rate=0.01)
 
 
-def test_cached_calibration_is_the_same_sigma_and_trusts_no_stored_value(tmp_path, monkeypatch) -> None:
+CACHED_QUESTION = (6.0, DELTA, 0.032, 30)
+
+
+@pytest.fixture(scope="module")
+def calibrated() -> float:
+    """calibrate_sigma's σ for :data:`CACHED_QUESTION` (its binary search, ≈ 5 s, once per module)."""
+    return calibrate_sigma(*CACHED_QUESTION)
+
+
+def test_cached_calibration_is_the_same_sigma_and_trusts_no_stored_value(tmp_path, monkeypatch, calibrated) -> None:
     """The cache returns calibrate_sigma's σ bit for bit; a stored σ that would overspend ε, a file
     for another question or a corrupt file is recomputed and rewritten, and a valid file is not.
 
     The binary search runs once for real; the cache's later calls to it are counted (each returns that
     σ), so the test sees every recomputation without paying ≈ 5 s for each."""
-    args = (6.0, DELTA, 0.032, 30)
-    fresh = calibrate_sigma(*args)
+    args, fresh = CACHED_QUESTION, calibrated
     calls: list[tuple] = []
 
     def counted(*call_args: object) -> float:
@@ -183,3 +191,21 @@ def test_cached_calibration_is_the_same_sigma_and_trusts_no_stored_value(tmp_pat
     assert json.loads(stored.read_text())["sigma"] == fresh
     monkeypatch.undo()
     assert calibrate_sigma_cached(math.inf, DELTA, 0.032, 30, cache_dir=tmp_path) == 0.0
+
+
+def test_a_cached_sigma_edited_upward_is_recomputed_not_trained_at(tmp_path, monkeypatch, calibrated) -> None:
+    """A stored σ three times the calibrated one spends far less than the row's ε (the PRV accountant's
+    ε at that σ): a run at it would be filed as ε = 6 with several times the noise, so it is recomputed."""
+    args, fresh = CACHED_QUESTION, calibrated
+    monkeypatch.setattr(accounting, "calibrate_sigma", lambda *a: fresh)  # the search's σ, as it returns it
+    assert calibrate_sigma_cached(*args, cache_dir=tmp_path) == fresh
+    (stored,) = tmp_path.glob("*.json")
+    record = json.loads(stored.read_text())
+    record["sigma"] = 3 * fresh
+    stored.write_text(json.dumps(record))
+    assert epsilon_spent(3 * fresh, 0.032, 30, DELTA) < 6.0 / 2  # the edited entry: ε far below its key's
+    assert accounting.is_calibrated(epsilon_spent(fresh, 0.032, 30, DELTA), 6.0)  # the written one: at its key's
+    calls: list[tuple] = []
+    monkeypatch.setattr(accounting, "calibrate_sigma", lambda *a: calls.append(a) or fresh)
+    assert calibrate_sigma_cached(*args, cache_dir=tmp_path) == fresh and len(calls) == 1
+    assert json.loads(stored.read_text())["sigma"] == fresh

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -307,3 +308,38 @@ def test_a_folder_key_that_names_no_folder_is_one_line_before_any_run_folder(
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith(f"error: {key}={bad} is not a folder"), err
     assert not (isolated / "results").exists()
+
+
+GRID_CELL = ["experiment=table2", "scale=smoke", "method=adamw", "privacy=eps6", "suite=glue8", "logging=disabled"]
+
+
+@pytest.mark.parametrize("char", [",", "=", "[", "]", "{", "}", "'", '"', "\\", "$", "*", " "])
+def test_a_path_with_a_character_hydra_reads_is_the_folder_named_or_one_line(char: str, isolated: Path,
+                                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """``results_dir`` with one of Hydra's special characters, in a grid's plan (``pipelines grid``, which
+    validates every job and trains none) and in one run's config: either every job's results_dir is the
+    path typed, or exit 2 with one line naming the override as typed; never another folder."""
+    named = str(isolated / f"res{char}ults")
+    code = cli(["grid", *GRID_CELL, f"results_dir={named}"])
+    out, err = capsys.readouterr()
+    if code == 0:
+        jobs = [shlex.split(line) for line in out.splitlines()]
+        assert jobs and {str(job_config(job).results_dir) for job in jobs} == {named}
+    else:
+        assert code == 2
+        check_one_line(err, f"results_dir={named}", Path(named))  # the override as typed, not a piece of it
+    try:
+        assert str(load_job([*GRID_CELL[1:], f"results_dir={named}"]).results_dir) == named
+    except ConfigError as refusal:
+        assert f"results_dir={named}" in str(refusal) and "\n" not in str(refusal)
+
+
+def test_a_path_with_a_comma_quoted_as_the_refusal_says_is_one_folder(isolated: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    named = str(isolated / "a,b")
+    assert cli(["grid", *GRID_CELL, f"results_dir={named}"]) == 2
+    quoted = capsys.readouterr().err.split("e.g. '")[1].rstrip("'\n")
+    assert quoted == f'results_dir="{named}"'
+    assert cli(["grid", *GRID_CELL, quoted]) == 0
+    (job,) = [shlex.split(line) for line in capsys.readouterr().out.splitlines()]
+    assert str(job_config(job).results_dir) == named

@@ -222,3 +222,13 @@ def test_labels_hydra_would_read_as_values_are_the_text_typed(labels: str, tmp_p
     p = _plan([f"task={task}", f"labels={labels}", "backbone=tiny-llama", "methods=adamw", "eps=inf",
                f"results_dir={tmp_path / 'r'}"])
     assert [list(c.suite.custom.labels) for c in p.configs] == [typed]
+
+
+@pytest.mark.parametrize("folder", ["a,b", "x y", "l[1]", "q'q", 'd"q', "b\\s", "$x", "k=v", "{a}"])
+def test_a_task_file_whose_path_hydra_would_read_is_the_file_named(tmp_path: Path, folder: str) -> None:
+    """``task=`` is typed as a plain path; the overrides compare builds from it name that same file in every
+    job (not a sweep over pieces of it, not a parse error about a key the user never typed)."""
+    (tmp_path / folder).mkdir()
+    task = _task(tmp_path / folder / "t.jsonl")
+    p = _plan(_args(task, tmp_path / "r", "methods=adamw", "eps=6"))
+    assert [str(c.suite.custom.train) for c in p.configs] == [str(task)]

@@ -176,3 +176,46 @@ def test_a_missing_tuned_cell_is_refused_not_run_at_the_default_rate(tmp_path: P
     assert message.startswith(f"{path}:{_line(lines, 'rates:')}: rates has no entry for method=prism epsilon=6 "
                               "suite=glue8")
     assert "default rate" in message
+
+
+def _drop_entries(keep: Any) -> Any:
+    """An edit deleting every entry whose (method, ε) ``keep`` rejects."""
+    def edit(lines: list[str]) -> None:
+        size = _entry_lines(lines)
+        starts = [i for i, text in enumerate(lines) if text.startswith("- method: ")]
+        for start in reversed(starts):
+            if not keep(lines[start].split(": ")[1], lines[start + 3].split(": ")[1]):
+                del lines[start:start + size]
+    return edit
+
+
+def _no_rates(lines: list[str]) -> None:
+    del lines[_line(lines, "rates:"):]
+    lines[-1] = "rates: []"
+
+
+@pytest.mark.parametrize(("edit", "first_missing"), [
+    (_drop_entries(lambda method, eps: method != "ffa"), "method=ffa epsilon=3 suite=glue8"),
+    (_drop_entries(lambda method, eps: eps != "6.0"), "method=adamw epsilon=6 suite=glue8"),
+    (_no_rates, "method=adamw epsilon=3 suite=glue8"),
+], ids=["one method removed", "one epsilon removed", "rates: []"])
+def test_a_tuned_file_short_of_the_grid_it_covers_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               edit: Any, first_missing: str) -> None:
+    """The committed file covers glue8, math10k × six methods × ε 3, 6, ∞ (its `generated`); with a whole
+    method, a whole ε or every entry removed, a cell of that grid would run at the default rate."""
+    path, lines = _tuned(tmp_path, monkeypatch, edit)
+    message = _refusal(tmp_path)
+    assert message.startswith(f"{path}:{_line(lines, 'rates: []' if edit is _no_rates else 'rates:')}: rates has no "
+                              f"entry for {first_missing}")
+    assert "default rate" in message and "python -m pipelines tune scale=embedded" in message
+
+
+def test_a_tuned_file_that_does_not_say_what_it_covers_is_refused(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    def edit(lines: list[str]) -> None:
+        start = _line(lines, "  methods:") - 1
+        del lines[start:_line(lines, "  epsilons:") - 1]
+
+    path, lines = _tuned(tmp_path, monkeypatch, edit)
+    message = _refusal(tmp_path)
+    assert message.startswith(f"{path}:{_line(lines, 'generated:')}: generated.methods is missing")

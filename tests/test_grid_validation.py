@@ -162,3 +162,23 @@ def test_a_grid_that_names_one_run_twice_lists_it_once() -> None:
     fixed = ["scale=smoke", "privacy=nondp", "suite=glue8"]
     assert len(load_experiment("table2", [*fixed, "seed=42,42", "method=adamw,adamw"])) == 1
     assert len(load_experiment("table2", [*fixed, "seed=42,43", "method=adamw"])) == 2
+
+
+@pytest.mark.parametrize(("experiment", "command"), [
+    ("tune", "python -m pipelines tune launcher=slurm"),
+    ("table2-accounted", "python -m pipelines select launcher=slurm"),
+    ("diagnostics", "python -m pipelines diagnostics"),
+])
+def test_a_slurm_plan_of_an_experiment_that_is_not_a_job_list_names_its_command(
+        experiment: str, command: str, tmp_path: Path) -> None:
+    """``slurm/submit.sh --dry-run`` (no SLURM needed) of an experiment whose jobs depend on earlier
+    results (tune's edge rounds, a private selection's drawn candidates) or that is one measurement
+    (diagnostics): no job list, one line with the command that runs it and the user's overrides."""
+    env = {**os.environ, "PRISM_PYTHON": sys.executable, "PRISM_SLURM_DIR": str(tmp_path / "slurm")}
+    done = subprocess.run([str(REPO / "slurm" / "submit.sh"), "--dry-run", experiment, "scale=smoke",
+                           f"results_dir={tmp_path}"], env=env, capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 2 and done.stdout == ""
+    line = _one_error_line(done.stderr)
+    assert f"experiment={experiment} is not a list of independent jobs" in line
+    assert line.endswith(f"{command} scale=smoke results_dir={tmp_path}")
+    assert not any(tmp_path.iterdir())

@@ -39,7 +39,7 @@ class CountingTrainer:
         column = "SST-2" if cfg.suite.name == "glue8" else "GSM8K"
         eps = float(cfg.privacy.epsilon)
         right = 50 + cfg.lora.r  # of 100 rows: the score 0.5 + 0.01·r
-        return {"columns": {column: 0.5 + 0.01 * cfg.lora.r}, "epsilon_spent": eps if math.isinf(eps) else eps - 0.1,
+        return {"columns": {column: 0.5 + 0.01 * cfg.lora.r}, "epsilon_spent": eps if math.isinf(eps) else eps - 0.01,
                 "n_train": 32, "per_example": {column: {"column": column, "correct": [1] * right + [0] * (100 - right),
                                                         "rows": column}}}
 

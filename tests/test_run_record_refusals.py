@@ -27,8 +27,8 @@ def stub(cfg, folder, log_fn) -> dict:
     eps = float(cfg.privacy.epsilon)
     correct = [1, 0, 1, 1] if cfg.seed == 42 else [0, 0, 1, 0]
     return {"columns": {"SST-2": sum(correct) / 4}, "average": sum(correct) / 4, "n_train": 32,
-            "epsilon_spent": eps - 0.01 if math.isfinite(eps) else math.inf,
-            "per_example": {"sst2": {"column": "SST-2", "correct": correct, "rows": "r"}}}
+            "epsilon_spent": eps - 0.01 if math.isfinite(eps) else math.inf, "sigma": 0.9 if math.isfinite(eps) else 0.0,
+            "n": {"sst2": 4}, "per_example": {"sst2": {"column": "SST-2", "correct": correct, "rows": "r"}}}
 
 
 def _runs(root: Path, seeds=(42, 43)) -> list[Path]:
@@ -79,6 +79,30 @@ def test_a_realised_epsilon_above_the_cell_is_refused(tmp_path: Path) -> None:
     result, row = _table(tmp_path)
     assert row["SST-2_n"] == 1
     assert any("realised ε=60" in m and str(runs[0]) in m for m in result.missing)
+
+
+CONTRADICTIONS = {  # a record's fields against each other or its row (ε = 6) -> what its one line says
+    "epsilon far below the row": (lambda f: f.update(epsilon_spent=1.5), "realised ε=1.5 is more than 0.03 below"),
+    "no noise beside a finite ε": (lambda f: f.update(sigma=0.0), "σ=0 (no noise) beside the row's ε=6"),
+    "an outcome outside 0/1": (lambda f: f["per_example"]["sst2"].update(correct=[1, 0, 2, 1]),
+                               "correct=2 is not 0 or 1"),
+    "fewer outcomes than rows": (lambda f: f["per_example"]["sst2"].update(correct=[1, 0, 1]),
+                                 "3 rows of outcomes, but the evaluation scored 4"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONTRADICTIONS))
+def test_a_record_that_contradicts_itself_or_its_row_is_refused_in_one_line(tmp_path: Path, case: str) -> None:
+    """The runner's record, one field damaged: the run is left out in one line naming it, the other seed
+    (its realised ε 0.01 below the row's, as calibration leaves it) is averaged."""
+    runs = _runs(tmp_path)
+    change, expected = CONTRADICTIONS[case]
+    _edit(runs[0], change)
+    result, row = _table(tmp_path)
+    assert row["SST-2_n"] == 1
+    assert row["SST-2"] == (0.25 if runs[0] == _seed_42(runs) else 0.75)  # the other seed's value
+    refused = [m for m in result.missing if str(runs[0]) in m]
+    assert len(refused) == 1 and expected in refused[0] and "\n" not in refused[0]
 
 
 def test_a_copied_run_is_refused_and_a_run_listed_twice_counts_once(tmp_path: Path) -> None:

@@ -178,3 +178,41 @@ def test_migrate_cli_moves_every_old_layout_run(tmp_path: Path) -> None:
     assert store.view(root, "table4") == ["aaaaaaaaaaaa"]  # its own copy stays readable, and tagged
     assert store.view(root, "table2") == ["aaaaaaaaaaaa", "bbbbbbbbbbbb"]
     assert cli(["migrate", f"results_dir={tmp_path / 'nowhere'}"]) == 2
+
+
+def test_migrate_prefers_an_old_finished_copy_to_a_failed_store_copy(tmp_path: Path) -> None:
+    """The store holds a failed copy of the run, the older layout a finished one: the finished record is
+    what the store then holds (the failed one kept aside), so the table reads it and the grid skips it."""
+    root = tmp_path / "runs"
+    failed = make_run(root / "bbbbbbbbbbbb", state="failed", final=None)
+    old = make_run(root / "table2" / "bbbbbbbbbbbb")
+    assert cli(["migrate", f"results_dir={tmp_path}"]) == 0
+    assert store.inspect_run(failed).state == "finished" and not old.exists()
+    (aside,) = [p for p in root.iterdir() if p.name.startswith("bbbbbbbbbbbb.unfinished-")]
+    assert store.read_json(aside / "status.json")["state"] == "failed"  # kept, never deleted
+    assert store.view(root, "table2") == ["bbbbbbbbbbbb"] and store.run_state(root / "bbbbbbbbbbbb") == "finished"
+
+
+def test_a_view_that_is_a_file_is_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "runs"
+    store.tag(root, "table2", make_run(root / "aaaaaaaaaaaa").name)
+    view = root / "_views" / "table2"
+    for path in sorted(view.iterdir()):
+        path.unlink()
+    view.rmdir()
+    view.write_text("")
+    assert cli(["aggregate", "experiment=table2", f"runs_dir={root}", f"out_dir={tmp_path / 'tables'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {view} is a file") and "Traceback" not in err
+    assert not (tmp_path / "tables").exists()
+
+
+def test_a_results_folder_given_as_the_run_store_is_named_with_the_path_that_works(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "runs"
+    store.tag(root, "table2", make_run(root / "aaaaaaaaaaaa").name)
+    tables = tmp_path / "tables"
+    assert cli(["aggregate", "experiment=table2", f"runs_dir={tmp_path}", f"out_dir={tables}"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {tmp_path} is the results folder, not its run store: pass {root} (runs_dir={root})\n"
+    assert cli(["aggregate", "experiment=table2", f"runs_dir={root}", f"out_dir={tables}"]) == 0  # the fix works

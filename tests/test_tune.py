@@ -75,19 +75,25 @@ def _entry(**changes) -> dict:
     return {**tuned_rates.cell_fields(cfg), "lr": 0.0123, **changes}
 
 
+def _file(*entries: dict) -> str:
+    """A tuned-rate file of ``entries`` that says it covers exactly their cells."""
+    covers = {key: list(dict.fromkeys(e[field] for e in entries)) for key, field in tuned_rates.COVERS.items()}
+    return yaml.safe_dump({"generated": covers, "rates": list(entries)})
+
+
 def test_the_grid_reads_the_tuned_file_only_for_its_budget(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("PRISM_TUNED_DIR", str(tmp_path))
     job = ["experiment=table2", "scale=smoke", "method=adamw", "privacy=eps6", "suite=glue8"]
     default = job_config(job).method.lr
     assert default == pytest.approx(2e-4 * 10)  # no file: Table 8 × lr_multiplier
-    (tmp_path / "smoke.yaml").write_text(yaml.safe_dump({"rates": [_entry()]}))
+    (tmp_path / "smoke.yaml").write_text(_file(_entry()))
     assert job_config(job).method.lr == 0.0123
     assert job_config([*job[:-1], "suite=math10k"]).method.lr == pytest.approx(3e-4 * 10)  # other cell
     assert job_config([*job, "train.steps=3"]).method.lr == default  # other budget
     assert job_config([*job, "method.lr=0.5"]).method.lr == 0.5  # an explicit rate wins
     assert job_config(["experiment=table4", *job[1:], "lora=r8"]).method.lr == 0.0123  # every rank: one rate
     assert job_config(["experiment=tune", *job[1:], "tune.lr_factor=3"]).method.lr == pytest.approx(3 * default)
-    (tmp_path / "other.yaml").write_text(yaml.safe_dump({"rates": [_entry(lr=0.2)]}))
+    (tmp_path / "other.yaml").write_text(_file(_entry(lr=0.2)))
     with pytest.raises(ValueError, match="tuned rates for the same cell"):
         job_config(job)
 
@@ -152,6 +158,8 @@ def test_sweep_runs_through_the_store_extends_edges_resumes_and_writes_the_rates
     conf = yaml.safe_load((tmp_path / "tuned" / "smoke.yaml").read_text())
     assert conf["generated"]["command"].startswith("python -m pipelines tune scale=smoke")
     assert "commit" in conf["generated"] and conf["generated"]["validation_per_task"] == 50
+    assert {k: conf["generated"][k] for k in tuned_rates.COVERS} == {"suites": ["glue8"], "methods": ["adamw"],
+                                                                     "epsilons": [6.0]}  # the cells it swept
     by_method = {e["method"]: e for e in conf["rates"]}
     assert list(by_method) == ["adamw"] and by_method["adamw"]["factor"] == 100.0
     assert by_method["adamw"]["at_edge"] is False  # ×1000 scored lower than ×100 (the score saturates at 0.5)

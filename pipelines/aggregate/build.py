@@ -36,6 +36,7 @@ from pipelines.aggregate.specs import (
 from pipelines.aggregate.statement import PrivacyFacts, collect
 from pipelines.tuned_rates import tuned_source, tuning_seeds
 from prism.methods import registry
+from prism.privacy.accounting import CALIBRATED_BELOW
 from prism.privacy.protocol import NOT_DP_AS_STATED
 
 PAPER_DIR = Path(__file__).resolve().parents[1] / "paper_tables"
@@ -99,7 +100,12 @@ def spent_epsilon(record: RunRecord) -> float | None:
 
 
 def epsilon_problem(record: RunRecord) -> str:
-    """Why a finished run's realised ε does not fit the row of its target ε ('' when it does)."""
+    """Why a finished run's realised ε or σ does not fit the row of its target ε ('' when it does): a realised
+    ε above it; σ = 0 (no noise) beside it; or, for σ calibrated for exactly the run's steps
+    (``privacy.calibration=exact``, the ``corrected`` protocol), a realised ε more than
+    :data:`~prism.privacy.accounting.CALIBRATED_BELOW` below it: calibration puts ε within that of the target
+    (docs/DECISIONS.md D1), so a lower one is a run with more noise than its row's. The released protocol's
+    ``epochs`` calibration is for more steps than the run takes, so its realised ε lies lower by design."""
     target = as_float(record.get("privacy.epsilon"))
     if target is None or "epsilon_spent" not in record.final:
         return ""
@@ -108,6 +114,11 @@ def epsilon_problem(record: RunRecord) -> str:
         return "" if spent is None or math.isinf(spent) else f"non-DP config but realised ε={spent:g}"
     if spent is None or math.isnan(spent) or spent > target * (1 + EPS_RTOL):
         return f"realised ε={spent} exceeds the row's ε={target:g}"
+    if as_float(record.final.get("sigma")) == 0:
+        return f"σ=0 (no noise) beside the row's ε={target:g}"
+    if record.get("privacy.calibration", "exact") == "exact" and spent < target - CALIBRATED_BELOW:
+        return (f"realised ε={spent:g} is more than {CALIBRATED_BELOW:g} below the row's ε={target:g}, which a σ "
+                "calibrated for its steps spends to within that: the run has more noise than its row's")
     return ""
 
 

@@ -32,6 +32,20 @@ from prism.privacy.limits import SIGMA_FLOOR, calibration_problem
 
 ACCOUNTANTS = ("prv", "rdp", "gdp")
 CALIBRATION_MODES = ("exact", "epochs")
+EPS_ERROR = 0.01
+"""The PRV accountant's numerical error bound on ε, and the calibration's tolerance: Opacus' bisection
+(:func:`calibrate_sigma`) stops at a σ whose ε lies in ``[target − EPS_ERROR, target]``."""
+CALIBRATED_BELOW = 3 * EPS_ERROR
+"""How far below its target the ε of a σ calibrated for exactly its steps may fall: the bisection's
+tolerance plus the numerical error of the two ε evaluations compared (the calibration's and the one
+checked), each at most :data:`EPS_ERROR`. A lower ε means a larger σ than the calibration gives: a
+run over-noised for its row."""
+
+
+def is_calibrated(spent: float, target: float) -> bool:
+    """Whether ``spent`` is the ε of a σ calibrated to ``target`` for exactly its steps:
+    ``target − CALIBRATED_BELOW ≤ spent ≤ target``."""
+    return target - CALIBRATED_BELOW <= spent <= target
 
 
 def _check(delta: float | None = None, sample_rate: float | None = None, steps: int | None = None,
@@ -69,7 +83,7 @@ def _epsilon_kwargs(accountant: str, eps_error: float) -> dict[str, float]:
 
 
 def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "prv",
-                    eps_error: float = 0.01) -> float:
+                    eps_error: float = EPS_ERROR) -> float:
     """Noise multiplier σ such that ``T = steps`` Poisson-subsampled Gaussian steps are (ε, δ)-DP:
     Opacus' ``get_noise_multiplier`` with the accountant passed explicitly (Opacus defaults to RDP; the
     paper used PRV), within ``eps_error`` below the target. ``epsilon = inf`` (non-DP) gives 0.0."""
@@ -99,7 +113,7 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
 
 
 def epsilon_spent(sigma: float, sample_rate: float, steps: int, delta: float, accountant: str = "prv",
-                  eps_error: float = 0.01) -> float:
+                  eps_error: float = EPS_ERROR) -> float:
     """ε after ``steps`` Poisson-subsampled Gaussian steps with noise multiplier σ (upper bound; σ = 0: ∞)."""
     if sigma < 0:
         raise ValueError(f"sigma={sigma} must be ≥ 0")
@@ -139,10 +153,12 @@ def calibrate_for_run(epsilon: float, delta: float, sample_rate: float, steps: i
 
 
 def calibrate_sigma_cached(epsilon: float, delta: float, sample_rate: float, steps: int, *, cache_dir: Path,
-                           accountant: str = "prv", eps_error: float = 0.01) -> float:
+                           accountant: str = "prv", eps_error: float = EPS_ERROR) -> float:
     """:func:`calibrate_sigma`, remembered in ``cache_dir`` (one small JSON file per question; a σ is public): a
     stored σ is used only if its file holds exactly these arguments (and this Opacus version) and
-    :func:`epsilon_spent` at that σ is ≤ ``epsilon`` again; otherwise σ is recomputed and the file rewritten."""
+    :func:`epsilon_spent` at that σ is calibrated to ``epsilon`` again (:func:`is_calibrated`: neither above
+    it, a σ too small, nor more than :data:`CALIBRATED_BELOW` below it, a σ too large for the row's ε);
+    otherwise σ is recomputed and the file rewritten."""
     question = {"epsilon": float(epsilon), "delta": float(delta), "sample_rate": float(sample_rate),
                 "steps": int(steps), "accountant": accountant, "eps_error": float(eps_error),
                 "opacus": _opacus_version()}
@@ -152,7 +168,7 @@ def calibrate_sigma_cached(epsilon: float, delta: float, sample_rate: float, ste
         stored = json.loads(path.read_text(encoding="utf-8"))
         sigma = float(stored["sigma"])
         if (stored["question"] == question and sigma > 0
-                and epsilon_spent(sigma, sample_rate, steps, delta, accountant, eps_error) <= epsilon):
+                and is_calibrated(epsilon_spent(sigma, sample_rate, steps, delta, accountant, eps_error), epsilon)):
             return sigma
     sigma = calibrate_sigma(epsilon, delta, sample_rate, steps, accountant, eps_error)
     if sigma > 0:
@@ -210,7 +226,7 @@ class Accountant:
     cached until the next step; :meth:`state_dict` holds the history, so a resumed run reports the same ε.
     """
 
-    def __init__(self, accountant: str = "prv", eps_error: float = 0.01) -> None:
+    def __init__(self, accountant: str = "prv", eps_error: float = EPS_ERROR) -> None:
         _check(accountant=accountant)
         self._accountant = _RunningPRVAccountant() if accountant == "prv" else create_accountant(mechanism=accountant)
         self._mechanism = accountant
