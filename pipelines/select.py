@@ -40,7 +40,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -56,8 +56,10 @@ from pipelines.config_schema import conform
 from pipelines.tune import Cell
 from pipelines.validate import load_grid
 from prism.data import sub_seed
-from prism.privacy.noise import OsGenerator
 from prism.privacy.selection import SEEDED_PLAN, draw_candidate_count
+
+if TYPE_CHECKING:
+    from prism.privacy.noise import OsGenerator
 
 EXPERIMENT = "table2-accounted"  # conf/experiment/table2-accounted.yaml, and the view of the published runs
 CANDIDATES = f"{EXPERIMENT}-candidates"  # the view of every candidate (the yaml's `experiment`)
@@ -110,6 +112,8 @@ class Plans:
             return draws(cell, seed, self.mean, self.shape, self.grid)
         kept = store.read_json(self.path) if self.path.exists() else {}
         if (key := self.key(cell, seed)) not in kept:
+            from prism.privacy.noise import OsGenerator  # torch: only when a secret plan is drawn
+
             kept[key] = draws(cell, seed, self.mean, self.shape, self.grid, OsGenerator())
             self.path.parent.mkdir(parents=True, exist_ok=True)
             store.write_json_atomic(self.path, kept)

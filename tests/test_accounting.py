@@ -10,7 +10,7 @@ import pytest
 import torch
 from opacus.accountants import PRVAccountant
 
-from prism.privacy import Accountant, accounting, calibrate_sigma, calibration_steps, epsilon_spent
+from prism.privacy import Accountant, accounting, calibrate_sigma, calibration_steps, epsilon_spent, limits
 from prism.privacy.accounting import calibrate_sigma_cached
 
 DELTA = 1e-5
@@ -204,7 +204,7 @@ def test_a_cached_sigma_edited_upward_is_recomputed_not_trained_at(tmp_path, mon
     record["sigma"] = 3 * fresh
     stored.write_text(json.dumps(record))
     assert epsilon_spent(3 * fresh, 0.032, 30, DELTA) < 6.0 / 2  # the edited entry: ε far below its key's
-    assert accounting.is_calibrated(epsilon_spent(fresh, 0.032, 30, DELTA), 6.0)  # the written one: at its key's
+    assert limits.is_calibrated(epsilon_spent(fresh, 0.032, 30, DELTA), 6.0)  # the written one: at its key's
     calls: list[tuple] = []
     monkeypatch.setattr(accounting, "calibrate_sigma", lambda *a: calls.append(a) or fresh)
     assert calibrate_sigma_cached(*args, cache_dir=tmp_path) == fresh and len(calls) == 1

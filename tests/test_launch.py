@@ -397,4 +397,4 @@ def test_a_grid_logged_to_a_file_gets_plain_lines_one_per_finished_run(tmp_path:
     assert [j.run_hash for j in outcome["ok"]] == [job.run_hash]
     assert "\x1b" not in out + err and "\r" not in out + err, (out + err)[:2000]
     assert [line for line in out.splitlines() if line.startswith("finished ")] == [
-        f"finished {' '.join(overrides)} (log {tmp_path / 'logs' / job.run_hash}.log)"]
+        f"finished {job.run_hash} {' '.join(overrides)} (log {tmp_path / 'logs' / job.run_hash}.log)"]

@@ -36,7 +36,7 @@ from pipelines.aggregate.specs import (
 from pipelines.aggregate.statement import PrivacyFacts, collect
 from pipelines.tuned_rates import tuned_source, tuning_seeds
 from prism.methods import registry
-from prism.privacy.accounting import CALIBRATED_BELOW
+from prism.privacy.limits import CALIBRATED_BELOW
 from prism.privacy.protocol import NOT_DP_AS_STATED
 
 PAPER_DIR = Path(__file__).resolve().parents[1] / "paper_tables"
@@ -103,7 +103,7 @@ def epsilon_problem(record: RunRecord) -> str:
     """Why a finished run's realised ε or σ does not fit the row of its target ε ('' when it does): a realised
     ε above it; σ = 0 (no noise) beside it; or, for σ calibrated for exactly the run's steps
     (``privacy.calibration=exact``, the ``corrected`` protocol), a realised ε more than
-    :data:`~prism.privacy.accounting.CALIBRATED_BELOW` below it: calibration puts ε within that of the target
+    :data:`~prism.privacy.limits.CALIBRATED_BELOW` below it: calibration puts ε within that of the target
     (docs/DECISIONS.md D1), so a lower one is a run with more noise than its row's. The released protocol's
     ``epochs`` calibration is for more steps than the run takes, so its realised ε lies lower by design."""
     target = as_float(record.get("privacy.epsilon"))

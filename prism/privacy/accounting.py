@@ -28,24 +28,10 @@ from opacus.accountants.analysis.prv import Domain
 from opacus.accountants.utils import get_noise_multiplier
 
 from prism.fileio import write_text_atomic
-from prism.privacy.limits import SIGMA_FLOOR, calibration_problem
+from prism.privacy.limits import EPS_ERROR, SIGMA_FLOOR, calibration_problem, is_calibrated
 
 ACCOUNTANTS = ("prv", "rdp", "gdp")
 CALIBRATION_MODES = ("exact", "epochs")
-EPS_ERROR = 0.01
-"""The PRV accountant's numerical error bound on ε, and the calibration's tolerance: Opacus' bisection
-(:func:`calibrate_sigma`) stops at a σ whose ε lies in ``[target − EPS_ERROR, target]``."""
-CALIBRATED_BELOW = 3 * EPS_ERROR
-"""How far below its target the ε of a σ calibrated for exactly its steps may fall: the bisection's
-tolerance plus the numerical error of the two ε evaluations compared (the calibration's and the one
-checked), each at most :data:`EPS_ERROR`. A lower ε means a larger σ than the calibration gives: a
-run over-noised for its row."""
-
-
-def is_calibrated(spent: float, target: float) -> bool:
-    """Whether ``spent`` is the ε of a σ calibrated to ``target`` for exactly its steps:
-    ``target − CALIBRATED_BELOW ≤ spent ≤ target``."""
-    return target - CALIBRATED_BELOW <= spent <= target
 
 
 def _check(delta: float | None = None, sample_rate: float | None = None, steps: int | None = None,
@@ -157,7 +143,7 @@ def calibrate_sigma_cached(epsilon: float, delta: float, sample_rate: float, ste
     """:func:`calibrate_sigma`, remembered in ``cache_dir`` (one small JSON file per question; a σ is public): a
     stored σ is used only if its file holds exactly these arguments (and this Opacus version) and
     :func:`epsilon_spent` at that σ is calibrated to ``epsilon`` again (:func:`is_calibrated`: neither above
-    it, a σ too small, nor more than :data:`CALIBRATED_BELOW` below it, a σ too large for the row's ε);
+    it, a σ too small, nor more than :data:`~prism.privacy.limits.CALIBRATED_BELOW` below it, a σ too large for the row's ε);
     otherwise σ is recomputed and the file rewritten."""
     question = {"epsilon": float(epsilon), "delta": float(delta), "sample_rate": float(sample_rate),
                 "steps": int(steps), "accountant": accountant, "eps_error": float(eps_error),

@@ -26,7 +26,20 @@ import math
 import numpy as np
 
 SIGMA_FLOOR = 0.3       # smallest σ calibration may need: below it one PRV evaluation costs minutes
-EPS_ERROR = 0.01        # the PRV accountant's ε error bound (accounting.calibrate_sigma's eps_error)
+EPS_ERROR = 0.01
+"""The PRV accountant's numerical error bound on ε, and the calibration's tolerance: Opacus' bisection
+(:func:`prism.privacy.accounting.calibrate_sigma`) stops at a σ whose ε lies in ``[target − EPS_ERROR, target]``."""
+CALIBRATED_BELOW = 3 * EPS_ERROR
+"""How far below its target the ε of a σ calibrated for exactly its steps may fall: the bisection's
+tolerance plus the numerical error of the two ε evaluations compared (the calibration's and the one
+checked), each at most :data:`EPS_ERROR`. A lower ε means a larger σ than the calibration gives: a
+run over-noised for its row."""
+
+
+def is_calibrated(spent: float, target: float) -> bool:
+    """Whether ``spent`` is the ε of a σ calibrated to ``target`` for exactly its steps:
+    ``target − CALIBRATED_BELOW ≤ spent ≤ target``."""
+    return target - CALIBRATED_BELOW <= spent <= target
 BYTES_PER_POINT = 67    # peak bytes per grid point of one PRV evaluation (tracemalloc, Opacus 1.5)
 ORDERS = tuple(range(2, 64))
 

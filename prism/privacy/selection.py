@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from prism.privacy.limits import ORDERS
-from prism.privacy.noise import OsGenerator
+
+if TYPE_CHECKING:  # torch-free at import: the light verbs read this module before any model is built
+    from prism.privacy.noise import OsGenerator
 
 POISSON = math.inf
 SEEDED_PLAN = "a measurement: K and the rates follow from the printed seed; not a release"
