@@ -91,5 +91,5 @@ def statement(facts: PrivacyFacts) -> str:
             "the logs (privacy.log_private_stats=false: no per-step statistics or times)")
     return (f"Privacy: unit one training row, add/remove adjacency; Poisson sampling, {sampling}; "
             f"accountant {accountant}; δ = {_listed(facts.deltas)}; {tuning}; {noise}. "
-            f"ε does not cover the evaluation rows (treated as public), {logs}, or the files' modification times "
-            "(docs/PRIVACY.md).")
+            f"ε does not cover the evaluation rows (released as scored; a user's held-out rows too), {logs}, or the "
+            "files' modification times (docs/PRIVACY.md).")
