@@ -98,10 +98,13 @@ untrained; one run per suite and seed, evaluation only), the row the private row
 
 def experiment_jobs(experiment: str, overrides: Sequence[str] = ()) -> list[list[str]]:
     """Every job of ``experiment``'s grid: ``[experiment=tableN, *overrides, *sweep choices]``, then its
-    :data:`REFERENCE_JOBS` over the same sweep (their overrides win over the sweep's)."""
-    head = [f"experiment={experiment}"]
-    reference = sweep_jobs([*overrides, *REFERENCE_JOBS[experiment]], head) if experiment in REFERENCE_JOBS else []
-    return sweep_jobs(overrides, head) + reference
+    :data:`REFERENCE_JOBS`: each job with the reference's keys replaced by its overrides, once per distinct result (one
+    per suite and seed of the grid)."""
+    jobs = sweep_jobs(overrides, [f"experiment={experiment}"])
+    fixed = REFERENCE_JOBS.get(experiment, ())
+    keys = {o.split("=", 1)[0] for o in fixed}
+    reference = {tuple(o for o in job if o.split("=", 1)[0] not in keys) + fixed: None for job in jobs} if fixed else {}
+    return jobs + [list(job) for job in reference]
 
 
 def job_config(job: Sequence[str]) -> DictConfig:

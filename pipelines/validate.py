@@ -59,7 +59,7 @@ def load_experiment(experiment: str, overrides: Sequence[str], *,
     """The distinct jobs of ``experiment``'s grid (:func:`pipelines.compose.experiment_jobs`) with their
     validated configs; a bad override or job is one :class:`ConfigError` line. Jobs that resolve to one
     run (``seed=42,42``, ``privacy=nondp`` beside ``eps=inf``) are that run once, at its first place."""
-    jobs = _jobs(overrides, [f"experiment={experiment}"])
+    jobs = _jobs(overrides, [f"experiment={experiment}"], experiment)
     distinct: dict[str, tuple[list[str], DictConfig]] = {}
     for job, cfg in zip(jobs, load_grid(jobs, here=here), strict=True):
         distinct.setdefault(store.run_hash(cfg), (job, cfg))
@@ -72,12 +72,13 @@ def load_sweep(overrides: Sequence[str]) -> list[DictConfig]:
     return load_grid(_jobs(overrides))
 
 
-def _jobs(overrides: Sequence[str], head: Sequence[str] = ()) -> list[list[str]]:
-    """:func:`pipelines.compose.sweep_jobs`; a bad override, or a grid that does not compose, is one
-    :class:`ConfigError` line (the reason of its fixed part)."""
+def _jobs(overrides: Sequence[str], head: Sequence[str] = (), experiment: str | None = None) -> list[list[str]]:
+    """:func:`pipelines.compose.sweep_jobs` (:func:`pipelines.compose.experiment_jobs` for an ``experiment``, its
+    reference jobs included); a bad override, or a grid that does not compose, is one :class:`ConfigError` line
+    (the reason of its fixed part)."""
     fixed = [*head, *(o.input_line for o in compose.parse(overrides) if not o.is_sweep_override())]
     try:
-        return compose.sweep_jobs(overrides, head)
+        return compose.experiment_jobs(experiment, overrides) if experiment else compose.sweep_jobs(overrides, head)
     except Exception:  # the fixed part again, for its one-line error
         load_job(fixed, here=False)
         raise
