@@ -29,7 +29,7 @@ from typing import NoReturn
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from pipelines import store, worker
+from pipelines import compose, store, worker
 from pipelines.validate import load_experiment
 from prism.privacy.budget import total_steps
 
@@ -418,6 +418,9 @@ def launch(experiment: str, launcher: str, pending: list[Job], workers: int | No
                       f"{log_dir} ({', '.join(groups[:5])}{', …' if len(groups) > 5 else ''}); "
                       "rerun the same command to retry them (finished runs are kept)")
     rc, reason = run_hydra_multirun(experiment, overrides, log_dir / f"multirun-{store.utc_stamp()}.log")
+    if rc == 0 and experiment in compose.REFERENCE_JOBS and unfinished(pending):  # Hydra's sweep has no reference jobs
+        rc, reason = run_hydra_multirun(experiment, [*overrides, *compose.REFERENCE_JOBS[experiment]],
+                                        log_dir / f"multirun-{store.utc_stamp()}-reference.log")
     failed = unfinished(pending)
     if rc == 0 and not failed:
         return True, ""

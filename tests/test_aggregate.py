@@ -595,6 +595,40 @@ def test_a_column_whose_best_is_not_above_the_0_step_model_is_gated_out_of_its_b
     assert set(csv.loc[csv["Setting"] == "0-step model", "dp_guarantee"]) == {"non-private"}
 
 
+def _claim_runs(root: Path, right: dict[tuple[str, str], range]) -> agg.TableResult:
+    """PRISM and AdamW at Non-DP, ε=6 and ε=3 on an SST-2 and a MAWPS column of 40 rows each, three seeds;
+    ``right[method, privacy]`` the rows each gets right in both columns at every seed."""
+    for (method, privacy), rows in right.items():
+        correct = [int(i in rows) for i in range(40)]
+        for seed in (42, 43, 44):
+            for suite, task, column in (("glue8", "tweet_sentiment", "SST-2"), ("math10k", "basic_arithmetic", "MAWPS")):
+                per = {task: {"column": column, "correct": correct, "rows": column}}
+                make_run(root, f"{method}-{privacy}-{suite}-{seed}", method=method, privacy=privacy, suite=suite,
+                         seed=seed, columns={column: float(np.mean(correct))}, experiment="table2", per_example=per)
+    return _build(root)
+
+
+def test_each_paper_claim_is_judged_by_the_side_its_paired_interval_excludes(tmp_path: Path) -> None:
+    """The same rows right at every seed, so each paired difference is a fixed per-row difference: PRISM − AdamW
+    is +10/40 at ε=6 (rows 20–29 PRISM's alone) and +20/40 at ε=3, whose per-row excess over ε=6 is rows 30–39
+    (+0.25 on 10 of 40 rows in each column: the bootstrap interval excludes 0); without privacy AdamW is right on every row and
+    PRISM on half (the baseline is best beyond noise). Every claim is confirmed; with PRISM and AdamW swapped at
+    ε=6 the first is refuted, and with equal rows at ε=3 the second is undecided."""
+    confirmed = _claim_runs(tmp_path / "a", {("prism", "eps6"): range(30), ("adamw", "eps6"): range(20),
+                                             ("prism", "eps3"): range(40), ("adamw", "eps3"): range(20),
+                                             ("prism", "nondp"): range(20), ("adamw", "nondp"): range(40)})
+    assert [line.split(": **")[1].split("**")[0] for line in confirmed.claims] == ["confirmed"] * 4
+    assert confirmed.claims[0].startswith("PRISM has the best average at ε=6: **confirmed** (PRISM − AdamW on Avg +0.250 [")
+    assert confirmed.claims[2].startswith("PRISM's lead at ε=3 is larger than at ε=6: **confirmed** (")
+    assert "+0.250 [" in confirmed.claims[2] and "PRISM − AdamW on Avg -0.500 [" in confirmed.claims[3]
+    md = agg.to_markdown(confirmed)
+    assert "The paper's claims, judged on this table" in md and f"- {confirmed.claims[3]}" in md
+    assert "% - PRISM has the best average at $\\varepsilon$=3: **confirmed**" in agg.to_latex(confirmed)
+    mixed = _claim_runs(tmp_path / "b", {("prism", "eps6"): range(20), ("adamw", "eps6"): range(30),
+                                         ("prism", "eps3"): range(25), ("adamw", "eps3"): range(25)})
+    assert [line.split(": **")[1].split("**")[0] for line in mixed.claims] == ["refuted", "undecided", "confirmed"]
+
+
 def test_the_0_step_model_is_non_private_only() -> None:
     from conftest import TINY_RUN
 

@@ -96,7 +96,7 @@ CASES: list[tuple[str, str]] = [
     ("lora.r=4096", "lora.r"),
     ("backbone=tiny-llama lora.r=64", "lora.r"),
     ("backbone.lora_layers=99", "backbone.lora_layers"),
-    ("train.micro_batch_size=128", "train.micro_batch_size"),
+    ("train.micro_batch_size=512", "train.micro_batch_size"),
     ("train.batch_size=100000", "train.batch_size"),
     ("backbone=tiny-llama suite=glue8", "suite.cutoff_len"),
     ("logging=online", "logging"),
@@ -341,5 +341,5 @@ def test_a_path_with_a_comma_quoted_as_the_refusal_says_is_one_folder(isolated: 
     quoted = capsys.readouterr().err.split("e.g. '")[1].rstrip("'\n")
     assert quoted == f'results_dir="{named}"'
     assert cli(["grid", *GRID_CELL, quoted]) == 0
-    (job,) = [shlex.split(line) for line in capsys.readouterr().out.splitlines()]
+    job, _reference = [shlex.split(line) for line in capsys.readouterr().out.splitlines()]
     assert str(job_config(job).results_dir) == named

@@ -109,9 +109,9 @@ def test_table_axes_match_the_paper(embedded_grids: dict[str, list[DictConfig]])
     assert all(c.train.benchmark.warmup == 10 and c.train.benchmark.measure == 30 for c in t5)
     assert {(c.suite.name, c.train.steps, c.train.batch_size, c.backbone.lora_layers, c.lora.dropout)
             for cs in embedded_grids.values() for c in cs} == {
-        ("glue8", 30, 64, 1, 0.0),      # conf/scale/embedded.yaml
+        ("glue8", 30, 256, 1, 0.0),     # conf/scale/embedded.yaml, B from conf/suite_scale/glue8_embedded.yaml
         ("math10k", 15, 64, 1, 0.0),    # conf/suite_scale/math10k_embedded.yaml sets its own steps
-        ("glue8", 0, 64, 1, 0.0), ("math10k", 0, 64, 1, 0.0)}  # Table 2's 0-step model (compose.REFERENCE_JOBS)
+        ("glue8", 0, 256, 1, 0.0), ("math10k", 0, 64, 1, 0.0)}  # Table 2's 0-step model (compose.REFERENCE_JOBS)
 
 
 def test_paper_scale_budgets_are_table7() -> None:
@@ -147,7 +147,7 @@ def test_unknown_key_is_rejected() -> None:
     ("privacy.epsilon=0", "privacy.epsilon"), ("privacy.epsilon=-3", "privacy.epsilon"),
     ("privacy.delta=0", "privacy.delta"), ("privacy.delta=1.0", "privacy.delta"),
     ("privacy.delta=2", "privacy.delta"), ("train.batch_size=0", "train.batch_size"),
-    ("train.micro_batch_size=128", "train.micro_batch_size"), ("method.lr=0.0", "method.lr"),
+    ("train.micro_batch_size=512", "train.micro_batch_size"), ("method.lr=0.0", "method.lr"),
 ])
 def test_bad_values_fail_with_one_line(override: str, field: str) -> None:
     with pytest.raises(ConfigError) as err:

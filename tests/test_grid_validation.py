@@ -32,19 +32,19 @@ def _one_error_line(err: str) -> str:
 
 def test_grid_stops_at_the_first_bad_job_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Table 2's grid: PRISM jobs come first (method is the outer axis); an override only PRISM
-    takes is unknown to the first AdamW job, which must be the one named (job 7 of 36)."""
+    takes is unknown to the first AdamW job, which must be the one named (job 7 of 38)."""
     assert cli(["grid", "experiment=table2", "method.horizontalize=none", f"results_dir={tmp_path}"]) == 2
     out = capsys.readouterr()
     line = _one_error_line(out.err)
     assert out.out == ""
-    assert "job 7 of 36" in line and "method=adamw" in line and "method.horizontalize" in line
+    assert "job 7 of 38" in line and "method=adamw" in line and "method.horizontalize" in line
     assert not any(tmp_path.iterdir())
 
 
 def test_grid_bad_value_for_every_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli(["grid", "experiment=table2", "train.steps=abc", f"results_dir={tmp_path}"]) == 2
     line = _one_error_line(capsys.readouterr().err)
-    assert "job 1 of 36" in line and "train.steps" in line
+    assert "job 1 of 38" in line and "train.steps" in line
     assert not any(tmp_path.iterdir())
 
 
@@ -69,7 +69,7 @@ def test_reproduce_launches_nothing_for_a_bad_job(tmp_path: Path, capsys: pytest
     for launcher in ("local", "slurm"):
         assert cli(["reproduce", "experiment=table2", "train.steps=abc", f"launcher={launcher}", f"results_dir={tmp_path}"]) == 2
         line = _one_error_line(capsys.readouterr().err)
-        assert "job 1 of 36" in line and "train.steps" in line
+        assert "job 1 of 38" in line and "train.steps" in line
     assert launched == [] and not any(tmp_path.iterdir())
 
 
@@ -79,7 +79,7 @@ def test_reproduce_paper_scale_without_data_is_one_line(tmp_path: Path, capsys: 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "no-hf"))
     assert cli(["reproduce", "experiment=table2", "scale=paper", f"results_dir={tmp_path / 'r'}"]) == 2
     line = _one_error_line(capsys.readouterr().err)
-    assert "job 1 of 36" in line and "make data" in line and "runs_dir" not in line
+    assert "job 1 of 38" in line and "make data" in line and "runs_dir" not in line
     assert not (tmp_path / "r").exists()
 
 
@@ -111,7 +111,7 @@ def test_submit_sh_submits_nothing_for_a_bad_job(dry_run: bool, tmp_path: Path) 
                           cwd=REPO, timeout=300)
     assert done.returncode == 2
     line = _one_error_line(done.stderr)
-    assert "job 1 of 36" in line and "train.steps" in line and "would be submitted" not in done.stdout
+    assert "job 1 of 38" in line and "train.steps" in line and "would be submitted" not in done.stdout
     assert not (tmp_path / "sbatch-called").exists() and not (tmp_path / "slurm").exists()
     assert not (tmp_path / "r").exists()
 
@@ -156,12 +156,14 @@ def test_the_quoting_hint_works() -> None:
 
 
 def test_a_grid_that_names_one_run_twice_lists_it_once() -> None:
-    """``seed=42,42 method=adamw,adamw`` is one run, planned once; two distinct seeds stay two runs."""
+    """``seed=42,42 method=adamw,adamw`` is one trained run, planned once, beside its one 0-step reference; two
+    distinct seeds stay two runs and two references."""
     from pipelines.validate import load_experiment
 
     fixed = ["scale=smoke", "privacy=nondp", "suite=glue8"]
-    assert len(load_experiment("table2", [*fixed, "seed=42,42", "method=adamw,adamw"])) == 1
-    assert len(load_experiment("table2", [*fixed, "seed=42,43", "method=adamw"])) == 2
+    once = load_experiment("table2", [*fixed, "seed=42,42", "method=adamw,adamw"])
+    assert [cfg.train.steps for _, cfg in once] == [2, 0]
+    assert len(load_experiment("table2", [*fixed, "seed=42,43", "method=adamw"])) == 4
 
 
 @pytest.mark.parametrize(("experiment", "command"), [

@@ -313,7 +313,8 @@ def test_a_signal_ends_every_process_of_the_local_launcher_and_marks_its_runs_in
     assert all(store.run_state(p.parent) == "stopped" for p in (tmp_path / "runs").glob("*/status.json"))
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"stopped ({sig.name}): every worker ended; {workers} run(s) marked stopped (")
-    assert last.endswith(f"{2 - workers} not started; rerun the same command to resume them from their checkpoints")
+    # three queued: the two long runs, then the suite's 0-step reference
+    assert last.endswith(f"{3 - workers} not started; rerun the same command to resume them from their checkpoints")
     assert "Traceback" not in err
 
 
@@ -398,3 +399,20 @@ def test_a_grid_logged_to_a_file_gets_plain_lines_one_per_finished_run(tmp_path:
     assert "\x1b" not in out + err and "\r" not in out + err, (out + err)[:2000]
     assert [line for line in out.splitlines() if line.startswith("finished ")] == [
         f"finished {job.run_hash} {' '.join(overrides)} (log {tmp_path / 'logs' / job.run_hash}.log)"]
+
+
+def test_a_hydra_launcher_runs_the_0_step_reference_jobs_in_a_second_sweep(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hydra's multirun sweeps only the experiment's ``hydra.sweeper.params``; under launcher=submitit_local the
+    grid's 0-step reference runs follow as a second sweep, whose jobs are exactly the plan's reference runs."""
+    from pipelines.compose import REFERENCE_JOBS, sweep_jobs
+    from pipelines.validate import load_grid
+
+    overrides = ["scale=smoke", "method=prism", "privacy=eps6", "seed=42,43", f"results_dir={tmp_path}"]
+    pending, _ = launch.plan("table2", overrides)
+    calls: list[list[str]] = []
+    monkeypatch.setattr(launch, "run_hydra_multirun", lambda exp, ovr, log: (calls.append(list(ovr)), (0, ""))[1])
+    launch.launch("table2", "submitit_local", pending, None, overrides, tmp_path / "logs")
+    assert calls[0] == overrides and calls[1] == [*overrides, *REFERENCE_JOBS["table2"]]
+    second = {store.run_hash(cfg) for cfg in load_grid(sweep_jobs(calls[1], ["experiment=table2"]))}
+    assert second == {job.run_hash for job in pending if job.cfg.train.steps == 0} and len(second) == 4

@@ -24,7 +24,7 @@ from pipelines.run import execute
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["backbone=tiny-llama", "method=prism,adamw", "train.steps=2", "logging=disabled", "suite.cutoff_len=1024"]
-T2 = [*TINY, "privacy=nondp,eps6"]  # 2 methods x 2 settings x 2 suites = 8 runs
+T2 = [*TINY, "privacy=nondp,eps6"]  # 2 methods x 2 settings x 2 suites = 8 runs, and a 0-step reference per suite
 T4 = [*TINY, "lora=r8,r16"]  # 2 ranks x 2 methods x 2 suites = 8 runs, the 4 at r=16 shared with T2
 
 
@@ -53,10 +53,10 @@ def grid(experiment: str, overrides: list[str], tmp_path: Path, trainer: Countin
 
 def test_table4_trains_only_the_runs_table2_lacks(tmp_path: Path) -> None:
     trainer = CountingTrainer()
-    assert grid("table2", T2, tmp_path, trainer) == (8, 0)
+    assert grid("table2", T2, tmp_path, trainer) == (10, 0)
     table2_runs = set(trainer.trained)
     assert grid("table4", T4, tmp_path, trainer) == (4, 4)  # 4 trained, 4 reused
-    assert len(trainer.trained) == 12 and not table2_runs & set(trainer.trained[8:])
+    assert len(trainer.trained) == 14 and not table2_runs & set(trainer.trained[10:])
     root = tmp_path / "runs"
     view4 = store.view(root, "table4")
     assert len(view4) == 8 and len(set(view4) & table2_runs) == 4
@@ -65,7 +65,7 @@ def test_table4_trains_only_the_runs_table2_lacks(tmp_path: Path) -> None:
         for method in ("PRISM", "AdamW"):
             row = table[(table["Rank"] == rank) & (table["Method"] == method)].iloc[0]
             assert row["GLUE8_Avg"] == pytest.approx(0.5 + 0.01 * rank) and row["n_runs"] == 2
-    assert grid("table4", T4, tmp_path, trainer) == (0, 8) and len(trainer.trained) == 12  # nothing left
+    assert grid("table4", T4, tmp_path, trainer) == (0, 8) and len(trainer.trained) == 14  # nothing left
 
 
 def test_force_reruns_a_shared_run_and_keeps_the_old_one(tmp_path: Path) -> None:

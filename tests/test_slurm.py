@@ -75,14 +75,14 @@ def test_submit_sh_array_runs_the_real_runner(cluster: LocalSlurm, tmp_path: Pat
     assert done.returncode == 0, done.stderr
     assert "submitted array" in done.stdout
     submission = max((tmp_path / "slurm").glob("table2-*"))
-    assert len((submission / "jobs.txt").read_text().splitlines()) == 2
+    assert len((submission / "jobs.txt").read_text().splitlines()) == 3  # two cells and their 0-step reference
     _wait_queue_empty(cluster, JOB_TIMEOUT_S)
-    print(f"\nsubmit.sh path: 2 jobs in {time.monotonic() - t0:.0f} s")
+    print(f"\nsubmit.sh path: 3 jobs in {time.monotonic() - t0:.0f} s")
     logs = "\n".join(p.read_text()[-2000:] for p in (submission / "logs").glob("*.out"))
-    assert list(_run_states(tmp_path).values()) == ["finished"] * 2, logs
+    assert list(_run_states(tmp_path).values()) == ["finished"] * 3, logs
     status = subprocess.run([str(REPO / "slurm" / "status.sh"), "table2", str(submission)], env=env,
                             capture_output=True, text=True, cwd=REPO)
-    assert "finished=2 running=0 stale=0 stopped=0 failed=0 corrupt=0 missing=0 total=2" in status.stdout, status.stderr
+    assert "finished=3 running=0 stale=0 stopped=0 failed=0 corrupt=0 missing=0 total=3" in status.stdout, status.stderr
 
 
 def test_submitit_launcher_runs_the_real_runner(cluster: LocalSlurm, tmp_path: Path) -> None:

@@ -74,6 +74,7 @@ class TableResult:
     privacy: PrivacyFacts = field(default_factory=PrivacyFacts)  # what its private runs ran under (the statement)
     no_signal: dict[Any, list[str]] = field(default_factory=dict)  # per private block, its gated columns (gates)
     order: str = ""  # the best method's Avg per privacy level and whether Non-DP ≥ ε=6 ≥ ε=3 holds (order_line)
+    claims: list[str] = field(default_factory=list)  # a verdict per claim of the paper (claims)
 
 
 def load_paper(name: str) -> pd.DataFrame:
@@ -371,7 +372,7 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str,
                          table_seeds=table_seeds, differences=prism_minus_best(spec, frame, intervals, no_signal),
                          unscored=unscored_columns(finished),
                          privacy=collect([r for r, _ in sources if is_private_run(r)], tuned=tuned, seeds=table_seeds),
-                         no_signal=no_signal, order=order)
+                         no_signal=no_signal, order=order, claims=claims(spec, frame, intervals))
     if spec.candidates:
         result.audit = pd.DataFrame([{**dict(zip(spec.keys, key)), "suite": suite, "seed": _seed_of(r), "K": len(drawn),
                                       **c, "published": c["candidate"] == r.get("privacy.selection.candidate")}
@@ -514,34 +515,90 @@ def prism_minus_best(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tu
     Empty for tables without a Method key or without a PRISM row."""
     if "Method" not in spec.keys:
         return pd.DataFrame()
-    prism_label = registry.lookup("prism").label
-    not_baselines = {registry.lookup(n).label for n in registry.names() if registry.lookup(n).tangent}
     out = []
     for block, part in blocks(spec, frame):
-        prism = part[part["Method"] == prism_label]
-        baselines = part[~part["Method"].isin(not_baselines)]
-        if prism.empty or baselines.empty:
+        if (pkey := _prism_key(spec, part)) is None:
             continue
         row: dict[str, Any] = {k: (block if k == spec.block else DIFF_LABEL) for k in spec.keys}
-        pkey = tuple(prism.iloc[0][k] for k in spec.keys)
         for col in spec.columns:
-            vals = pd.to_numeric(baselines[col], errors="coerce").dropna()
             if col in (no_signal or {}).get(block, ()):
                 row.update({col: math.nan, f"{col}_lo": math.nan, f"{col}_hi": math.nan, f"{col}_mark": NO_SIGNAL})
                 continue
-            if vals.empty or math.isnan(intervals[pkey, col].value):
-                diff, vs = iv.Interval(math.nan, math.nan, math.nan, 0, "none"), ""
-            else:
-                i = vals.idxmin() if spec.lower_is_better else vals.idxmax()
-                diff = iv.difference(intervals[pkey, col], intervals[tuple(frame.loc[i, k] for k in spec.keys), col])
-                vs = frame.loc[i, "Method"]
+            diff, vs = best_baseline_difference(spec, part, intervals, pkey, col)
             mde, seeds = iv.detectable(diff)
-            better = -1 if spec.lower_is_better else 1
-            mark = ("beats" if min(better * diff.lo, better * diff.hi) > 0 else
-                    "below" if max(better * diff.lo, better * diff.hi) < 0 else "")
             row.update({col: diff.value, f"{col}_lo": diff.lo, f"{col}_hi": diff.hi, f"{col}_n": diff.n,
-                        f"{col}_ci": diff.method, f"{col}_p": diff.p, f"{col}_mark": mark, f"{col}_vs": vs,
+                        f"{col}_ci": diff.method, f"{col}_p": diff.p, f"{col}_mark": _side(spec, diff), f"{col}_vs": vs,
                         f"{col}_mde": mde, f"{col}_seeds3pp": seeds})
         if any(not math.isnan(row[col]) for col in spec.columns):
             out.append(row)
     return pd.DataFrame(out)
+
+
+def _prism_key(spec: TableSpec, part: pd.DataFrame) -> tuple | None:
+    """The key of PRISM's row in one block (None without one)."""
+    prism = part[part["Method"] == registry.lookup("prism").label]
+    return None if prism.empty else tuple(prism.iloc[0][k] for k in spec.keys)
+
+
+def best_baseline_difference(spec: TableSpec, part: pd.DataFrame, intervals: Mapping[tuple, iv.Interval],
+                             pkey: tuple, col: str) -> tuple[iv.Interval, str]:
+    """PRISM's cell ``pkey`` minus the cell of the baseline (a method without :attr:`tangent`) with the best
+    point estimate of ``col`` in the block ``part``: the paired difference (:func:`pipelines.aggregate.intervals.difference`)
+    and that baseline's label; no interval and ``''`` without a baseline value or a PRISM value."""
+    tangent = {registry.lookup(n).label for n in registry.names() if registry.lookup(n).tangent}
+    vals = pd.to_numeric(part.loc[~part["Method"].isin(tangent), col], errors="coerce").dropna()
+    if vals.empty or math.isnan(intervals[pkey, col].value):
+        return iv.Interval(math.nan, math.nan, math.nan, 0, "none"), ""
+    i = vals.idxmin() if spec.lower_is_better else vals.idxmax()
+    key = tuple(part.loc[i, k] for k in spec.keys)
+    return iv.difference(intervals[pkey, col], intervals[key, col]), str(part.loc[i, "Method"])
+
+
+def _side(spec: TableSpec, diff: iv.Interval) -> str:
+    """``beats`` (``below``) where the 95 % interval of a PRISM − baseline difference excludes 0 on PRISM's
+    better (worse) side, else ``''``."""
+    better = -1 if spec.lower_is_better else 1
+    return ("beats" if min(better * diff.lo, better * diff.hi) > 0 else
+            "below" if max(better * diff.lo, better * diff.hi) < 0 else "")
+
+
+CLAIM_COLUMN = "Avg"
+CLAIMS = ("PRISM has the best average at ε=6", "PRISM has the best average at ε=3",
+          "PRISM's lead at ε=3 is larger than at ε=6", "a baseline is the best without privacy")
+"""The paper's four Table 2 claims (Section 5), each judged on :data:`CLAIM_COLUMN` by :func:`claims`."""
+
+
+def claims(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tuple, iv.Interval]) -> list[str]:
+    """One verdict line per claim of :data:`CLAIMS` that the table has the blocks for: **confirmed** where the 95 %
+    interval of the deciding paired difference excludes 0 on the claim's side, **refuted** where it excludes 0 on
+    the other side, **undecided** otherwise (docs/comparison.md, "The claims"). The differences: PRISM − best
+    baseline on the average at ε=6 and at ε=3 (a gated column is out of the average, :func:`gates`); their
+    difference, ε=3 minus ε=6 (paired: the same seeds and evaluation rows draw alike in every cell); without
+    privacy, PRISM − best baseline, whose claim holds where it is below 0."""
+    if "Method" not in spec.keys or spec.block != "Setting" or CLAIM_COLUMN not in spec.columns:
+        return []
+    diffs = {}
+    for block, part in blocks(spec, frame):
+        if (pkey := _prism_key(spec, part)) is not None:
+            diff, vs = best_baseline_difference(spec, part, intervals, pkey, CLAIM_COLUMN)
+            if not math.isnan(diff.value):
+                diffs[block] = (diff, vs)
+    out = []
+
+    def verdict(claim: str, diff: iv.Interval, what: str, sign: int) -> None:
+        side = _side(spec, diff)
+        word = ("undecided" if not side or math.isnan(diff.lo) else
+                "confirmed" if (side == "beats") == (sign > 0) else "refuted")
+        p = "" if math.isnan(diff.p) else f", p={diff.p:.2g}"
+        ci = "no interval" if math.isnan(diff.lo) else f"[{diff.lo:+.3f}, {diff.hi:+.3f}]"
+        out.append(f"{claim}: **{word}** ({what} {diff.value:+.3f} {ci}{p}).")
+
+    for claim, block in zip(CLAIMS[:2], ("ε=6", "ε=3")):
+        if block in diffs:
+            verdict(claim, diffs[block][0], f"PRISM − {diffs[block][1]} on {CLAIM_COLUMN}", +1)
+    if "ε=6" in diffs and "ε=3" in diffs:
+        verdict(CLAIMS[2], iv.difference(diffs["ε=3"][0], diffs["ε=6"][0]),
+                f"(PRISM − best baseline) at ε=3 minus at ε=6 on {CLAIM_COLUMN}", +1)
+    if "Non-DP" in diffs:
+        verdict(CLAIMS[3], diffs["Non-DP"][0], f"PRISM − {diffs['Non-DP'][1]} on {CLAIM_COLUMN}", -1)
+    return out

@@ -212,6 +212,15 @@ def notes(result: TableResult) -> list[tuple[str, bool]]:
     return [(line, escape) for line, escape in lines if line]
 
 
+def claims_lines(result: TableResult) -> list[str]:
+    """The paper's claims and their verdicts (:func:`pipelines.aggregate.build.claims`) under a heading line
+    ([] when the table judges none)."""
+    if not result.claims:
+        return []
+    return ["The paper's claims, judged on this table (95 % paired intervals; the best baseline picked on point "
+            "estimates):", *(f"- {line}" for line in result.claims)]
+
+
 def detectable_line(result: TableResult) -> str:
     """What each shown column's "PRISM − best baseline" cell can detect (docs/comparison.md, "What the
     table can detect"): its minimum detectable difference and the seeds to detect 3 points ('' if none)."""
@@ -318,6 +327,7 @@ def to_markdown(result: TableResult) -> str:
     lines = _md_table(header, [r for r in rows if r is not None])
     foot = [line for line in (detectable_line(result), not_shown_line(result)) if line]
     foot += [audit_line(result)] if spec.candidates else []
+    foot += ["", *claims_lines(result)] if result.claims else []
     return "\n".join(head + lines + ["", *foot, *([""] if foot else []), *_paper_md(result), *_missing_md(result)]) + "\n"
 
 
@@ -343,7 +353,8 @@ def to_latex(result: TableResult) -> str:
              f"% {_tex_escape(interval_line(result))}", f"% {_tex_escape(_marks_line(result))}",
              *(f"% {_tex_escape(line)}" for line in (gate_line(result), result.order) if line),
              *_tex_tabular(*_grid(result, ("\x00", "\x01")), values)]
-    lines += [f"% {_tex_escape(foot)}" for foot in (detectable_line(result), not_shown_line(result)) if foot]
+    lines += [f"% {_tex_escape(foot)}" for foot in (detectable_line(result), not_shown_line(result),
+                                                    *claims_lines(result)) if foot]
     header, rows = paper_grid(result)
     if rows:
         lines += ["", "% The paper's numbers (its backbone and full tasks)", *_tex_tabular(header, rows, values)]
