@@ -87,11 +87,12 @@ def test_a_grid_job_and_a_single_run_are_composed_and_validated_once(tmp_path: P
     try:
         pending, finished = launch.plan("table2", ["scale=smoke", "method=adamw,prism", "privacy=eps6", "suite=glue8",
                                                    "logging=disabled", f"results_dir={tmp_path}"])
-        assert (len(pending), len(finished)) == (2, 0) and counts == {"compose": 2, "check": 2}
+        # two cells and the suite's 0-step reference run
+        assert (len(pending), len(finished)) == (3, 0) and counts == {"compose": 3, "check": 3}
         for job in pending:
             assert worker.run_job(job.cfg, str(tmp_path / f"{job.run_hash}.log")) == 0
             assert store.inspect_run(job.folder).state == "finished"
-        assert counts == {"compose": 2, "check": 2}
+        assert counts == {"compose": 3, "check": 3}
         counts.clear()
         assert run.command(["scale=smoke", "method=lamb", "logging=disabled", f"results_dir={tmp_path}"]) == 0
         assert counts == {"compose": 1, "check": 1}
@@ -125,8 +126,8 @@ def _line(lines: list[str], text: str, start: int = 0) -> int:
 
 def test_the_committed_tuned_file_reads_clean_and_sets_the_rates() -> None:
     entries = yaml.safe_load(TUNED.read_text())["rates"]
-    want = next(e["lr"] for e in entries if (e["method"], e["suite"], e["epsilon"]) == ("adamw", "glue8", 3.0))
-    cfg = validate.load_job(["method=adamw", "privacy=eps3", "suite=glue8"])
+    want = next(e["lr"] for e in entries if (e["method"], e["suite"], e["epsilon"]) == ("adamw", "math10k", 3.0))
+    cfg = validate.load_job(["method=adamw", "privacy=eps3", "suite=math10k"])
     assert cfg.method.lr == pytest.approx(want)
 
 
