@@ -91,12 +91,15 @@ def _factor_grads(A: Tensor, B: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
     return G @ B, G.mT @ A
 
 
-def balanced_factors(kappa: float, g: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
-    """``A = Q_A S W``, ``B = Q_B S W`` (so ``AᵀA = BᵀB = WᵀS²W``, singular values 1 … 1/κ) and ``W``."""
-    QA, _ = torch.linalg.qr(torch.randn(M, R, generator=g, dtype=torch.float64))
-    QB, _ = torch.linalg.qr(torch.randn(N, R, generator=g, dtype=torch.float64))
-    W, _ = torch.linalg.qr(torch.randn(R, R, generator=g, dtype=torch.float64))
-    S = torch.logspace(0.0, -math.log10(kappa), R, dtype=torch.float64)
+def balanced_factors(kappa: float, g: torch.Generator,
+                     shape: tuple[int, int, int] = (M, N, R)) -> tuple[Tensor, Tensor, Tensor]:
+    """``A = Q_A S W``, ``B = Q_B S W`` (so ``AᵀA = BᵀB = WᵀS²W``, singular values 1 … 1/κ) and ``W``, of
+    ``shape`` (m, n, r)."""
+    m, n, r = shape
+    QA, _ = torch.linalg.qr(torch.randn(m, r, generator=g, dtype=torch.float64))
+    QB, _ = torch.linalg.qr(torch.randn(n, r, generator=g, dtype=torch.float64))
+    W, _ = torch.linalg.qr(torch.randn(r, r, generator=g, dtype=torch.float64))
+    S = torch.logspace(0.0, -math.log10(kappa), r, dtype=torch.float64)
     return QA @ torch.diag(S) @ W, QB @ torch.diag(S) @ W, W
 
 

@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
-from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Override, OverrideType
+from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -240,15 +239,28 @@ def _compose_values(groups: tuple[str, ...], values: Sequence[Override], overrid
         return _compose(overrides)
     cfg = OmegaConf.create(OmegaConf.to_container(_composed(groups), resolve=False))
     OmegaConf.set_struct(cfg, True)
-    for override in values:
-        if override.type == OverrideType.CHANGE:
-            override.type = OverrideType.FORCE_ADD
     try:
-        ConfigLoaderImpl._apply_overrides_to_config(list(values), cfg)
-    except (HydraException, OmegaConfBaseException, ValueError, TypeError, KeyError) as err:
+        for override in values:
+            _apply_value(override, cfg)
+    except (OmegaConfBaseException, ValueError, TypeError, KeyError) as err:
         raise ConfigError(f"the overrides {' '.join(overrides)} do not compose ({one_line(err)}), "
                           "check them against `python -m pipelines run --cfg job`") from None
     return cfg
+
+
+def _apply_value(override: Override, cfg: DictConfig) -> None:
+    """One value override applied as Hydra applies it after the defaults list, with OmegaConf's public
+    ``update`` (merging a mapping into a mapping): ``key=v`` and ``++key=v`` set ``key`` or add it,
+    ``+key=v`` adds it only where it has no value (or merges a mapping or list)."""
+    key, value = override.key_or_group, override.value()
+    if override.package is not None:
+        raise ValueError(f"{override.input_line} looks like a config group override, but config group "
+                         f"'{key}' does not exist")
+    present = OmegaConf.select(cfg, key, throw_on_missing=False) is not None
+    if override.is_add() and present and not isinstance(value, (dict, list)):
+        raise ValueError(f"{override.input_line} adds {key}, which already has a value; write "
+                         f"{override.input_line[1:]} to set it")
+    OmegaConf.update(cfg, key, value, merge=True, force_add=True)
 
 
 @functools.cache

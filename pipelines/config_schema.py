@@ -93,6 +93,9 @@ class DecodingConfig:
     max_input_length: int | None = help_field("prompt tokens kept at evaluation (paper scale)", None)
     max_new_tokens_per_task: dict[str, int] | None = help_field("task -> its own generation cap", None)
     math_eval_template: str | None = help_field("math prompt at evaluation (prism.data.prompts.MATH_EVAL_TEMPLATES)", None)
+    shared_prefix: bool = help_field("D59: greedy decoding computes the prompts' common prefix once (exact; not hashed)")
+    frozen_prefix: bool = help_field("D59: with shared_prefix and LoRA on the top layers only, the frozen layers' "
+                                     "prompt cache (stored on disk) is reused (exact; not hashed)")
 
     def __post_init__(self) -> None:
         for key in ("num_beams", "max_new_tokens", "max_input_length"):

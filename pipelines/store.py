@@ -9,7 +9,8 @@ r=16 rows reuse Table 2's finished runs instead of training them again.
 * ``<results_dir>/runs/<hash>/`` — the run folder, where ``<hash>`` = first 12 hex digits of
   sha256 over the canonical JSON (sorted keys, no spaces, ``Infinity`` for ε = ∞) of the resolved
   config minus the fields that cannot change the result (:data:`NON_RESULT_KEYS`: ``experiment``,
-  ``force``, ``results_dir``, ``logging``, launcher/``hydra`` settings). Everything else is hashed,
+  ``force``, ``results_dir``, ``logging``, launcher/``hydra`` settings, the evaluation's exact prefix
+  switches ``suite.decoding.shared_prefix`` / ``frozen_prefix``). Everything else is hashed,
   including ``backbone.paper_name`` (the table row), so two paper backbones mapped onto the same
   embedded stand-in keep separate folders, and any group added later (e.g. ``protocol``).
 * ``<results_dir>/runs/<hash>.lock`` — the ``filelock`` (``flock``) lock held by the job training
@@ -74,7 +75,10 @@ from prism.evaluation.metrics import COLUMN_RULES, gold_is_valid
 from prism.fileio import write_text_atomic
 
 REQUIRED_KEYS = ("seed", "backbone", "suite", "method", "privacy", "lora", "train")
-NON_RESULT_KEYS = frozenset({"experiment", "force", "results_dir", "logging", "launcher", "hydra"})
+NON_RESULT_KEYS = frozenset({"experiment", "force", "results_dir", "logging", "launcher", "hydra",
+                             "suite.decoding.shared_prefix", "suite.decoding.frozen_prefix"})
+"""Dotted keys of the resolved config that cannot change a result: bookkeeping, and the evaluation's exact
+speed-ups (docs/DECISIONS.md D59)."""
 HASH_LEN = 12
 HASH_RE = re.compile(rf"[0-9a-f]{{{HASH_LEN}}}")
 VIEWS = "_views"
@@ -91,7 +95,13 @@ def utc_stamp() -> str:
 def result_fields(cfg: DictConfig | dict) -> dict[str, Any]:
     """The resolved config minus :data:`NON_RESULT_KEYS`: every field that can change a result."""
     plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    return {k: v for k, v in plain.items() if k not in NON_RESULT_KEYS}
+    return _without(plain, NON_RESULT_KEYS, "")
+
+
+def _without(node: Mapping[str, Any], keys: frozenset[str], prefix: str) -> dict[str, Any]:
+    """``node`` without the dotted ``keys`` (``prefix``: the dotted path of ``node``)."""
+    return {k: _without(v, keys, f"{prefix}{k}.") if isinstance(v, Mapping) else v
+            for k, v in node.items() if f"{prefix}{k}" not in keys}
 
 
 def hash_payload(cfg: DictConfig | dict) -> dict[str, Any]:

@@ -36,7 +36,9 @@ from tests.oracles import grads_of  # noqa: E402
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+TEST_DATA = Path(os.environ.get("PRISM_TEST_DATA") or REPO.parent / "shared" / "data")
+"""Real data a few tests read, never committed: ``$PRISM_TEST_DATA``, by default ``shared/data`` beside the
+checkout. A test whose data is absent skips."""
 TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
 """The LoRA target modules of every tiny model."""
 
@@ -50,10 +52,11 @@ def _seed_everything() -> None:
 
 @pytest.fixture
 def llm_adapters_dir() -> Path:
-    """The LLM-Adapters test files beside the checkout; skip when absent (never committed)."""
-    path = SHARED_DATA / "llm-adapters"
+    """The LLM-Adapters files (``ft-training_set/``, ``dataset/<test set>/``) under :data:`TEST_DATA`; skip
+    when absent."""
+    path = TEST_DATA / "llm-adapters"
     if not path.is_dir():
-        pytest.skip(f"{path} not present (real data is only available beside the workplace checkout)")
+        pytest.skip(f"{path} not present (set PRISM_TEST_DATA to a folder that holds llm-adapters/)")
     return path
 
 

@@ -4,13 +4,11 @@ exact (rational-arithmetic) intrinsic norm ≤ C(1 + 1e-6) (docs/DECISIONS.md D7
 exactly C; beyond the admission limit the rank check refuses the factors."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from conftest import F64, M, N, R, conditioned, method_cfg, pair_params
 
-from pipelines.audit import balanced_factors
+from pipelines import audit
 from prism.mechanism import geometry
 from prism.methods import build_method
 from prism.methods.base import CLIP_MARGIN, PrivacySpec
@@ -79,7 +77,7 @@ def test_clipped_contribution_is_at_most_C_for_every_factor_pair(compute_dtype: 
         for seed in range(2):
             g = torch.Generator().manual_seed(seed)
             if balanced:
-                A, B, W = _balanced(kappa, g)
+                A, B, W = audit.balanced_factors(kappa, g, (M, N, R))
             else:
                 A, B, W = conditioned(M, kappa, g), conditioned(N, kappa, g), None
             A, B = A.to(dtype), B.to(dtype)
@@ -96,19 +94,17 @@ def test_clipped_contribution_is_at_most_C_for_every_factor_pair(compute_dtype: 
     assert worst <= 1.0 + 1e-6, worst
 
 
-def _balanced(kappa: float, g: torch.Generator):
-    """:func:`pipelines.audit.balanced_factors` at this file's shapes (AᵀA = BᵀB)."""
-    QA, _ = torch.linalg.qr(torch.randn(M, R, generator=g, dtype=F64))
-    QB, _ = torch.linalg.qr(torch.randn(N, R, generator=g, dtype=F64))
-    W, _ = torch.linalg.qr(torch.randn(R, R, generator=g, dtype=F64))
-    S = torch.diag(torch.logspace(0.0, -math.log10(kappa), R, dtype=F64))
-    return QA @ S @ W, QB @ S @ W, W
-
-
-def test_the_audit_case_factors_are_balanced_and_its_gauge_commutes() -> None:
-    A, B, W = balanced_factors(2890.0, torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("shape", [(M, N, R), (audit.M, audit.N, audit.R)], ids=["this_file", "audit"])
+def test_the_audit_case_factors_are_balanced_and_its_gauge_commutes(shape: tuple[int, int, int]) -> None:
+    """``AᵀA = BᵀB``, singular values 1 … 1/κ log-spaced, and a gauge ``Ω`` commuting with ``AᵀA`` has no image."""
+    kappa = 2890.0
+    A, B, W = audit.balanced_factors(kappa, torch.Generator().manual_seed(0), shape)
     torch.testing.assert_close(A.T @ A, B.T @ B, rtol=1e-12, atol=1e-15)
-    Omega = W.T @ torch.diag(torch.tensor([1.0, -2.0], dtype=F64)) @ W
+    r = A.shape[1]
+    for factor in (A, B):
+        sv = torch.linalg.svdvals(factor)
+        torch.testing.assert_close(sv, kappa ** (-torch.arange(r, dtype=F64) / (r - 1)), rtol=1e-12, atol=0.0)
+    Omega = W.T @ torch.diag(torch.linspace(1.0, -2.0, r, dtype=F64)) @ W
     torch.testing.assert_close(A.T @ A @ Omega, Omega @ (B.T @ B), rtol=1e-12, atol=1e-15)
     sq, err, _ = geometry.lifted_norm_terms(geometry.frame(A, B), A @ Omega, -B @ Omega.T)
     assert float(sq.sqrt()) < 1e-12 * float((A @ Omega).norm()) + float(err)  # the pure gauge has no image

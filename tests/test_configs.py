@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 from hydra.errors import ConfigCompositionException, MissingConfigException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipelines import store
 from pipelines.compose import experiment_jobs, job_config
@@ -160,10 +160,25 @@ def test_non_dp_and_defaults_validate() -> None:
     check(job_config([]))
 
 
+PREFIX_SWITCHES_OFF = ("suite.decoding.shared_prefix=false", "suite.decoding.frozen_prefix=false")
+"""The evaluation's prefix reuse switched off: the same greedy tokens (docs/DECISIONS.md D59), the same run."""
+
+
+@pytest.mark.parametrize("override", PREFIX_SWITCHES_OFF)
+def test_the_evaluation_prefix_switches_are_config_keys(override: str) -> None:
+    """Each switch is composed on (true) and a user's ``false`` reaches the resolved config the evaluation reads;
+    a value that is no boolean is refused naming the key."""
+    key = override.split("=")[0]
+    assert OmegaConf.select(check(job_config([])), key) is True
+    assert OmegaConf.select(check(job_config([override])), key) is False
+    with pytest.raises(ConfigError, match=key):
+        check(job_config([f"{key}=sometimes"]))
+
+
 def test_hash_ignores_bookkeeping_and_tracks_results() -> None:
     base = store.run_hash(job_config([]))
     assert store.run_hash(job_config([])) == base
-    for same in ("logging=online", "launcher=slurm", "force=true", "results_dir=/elsewhere"):
+    for same in ("logging=online", "launcher=slurm", "force=true", "results_dir=/elsewhere", *PREFIX_SWITCHES_OFF):
         assert store.run_hash(job_config([same])) == base, same
     renamed = job_config([])
     renamed.experiment = "another_experiment"

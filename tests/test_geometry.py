@@ -191,9 +191,9 @@ def test_sampler_law_equals_dense_projection(gauge: bool) -> None:
     assert XiA.shape == (draws, m, r) and XiB.shape == (draws, n, r)
     assert _covariance_mismatch(A, B, XiA, XiB) < 5.0
     sq = (XiA @ B.mT + A @ XiB.mT).square().sum((-2, -1))
-    d = geo.tangent_dim(m, n, r)
+    d = int(torch.linalg.matrix_rank(_projection_covariance(A, B)))  # dim T_Z M_r, by brute force (eq. 46)
     assert abs(sq.mean().item() - d) < 3 * math.sqrt(2 * d / draws)  # χ²_d: variance 2d
-    assert prism_noise_energy(m, n, r, 1.0) == d == r * (m + n - r)
+    assert prism_noise_energy(m, n, r, 1.0) == d  # eq. 20 in closed form: τ² r(m + n − r)
 
 
 def test_sampler_negative_controls_fail_the_law_test() -> None:

@@ -9,16 +9,18 @@ that looks like a job, and no folder under ``results_dir``.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from pipelines import launch
 from pipelines.__main__ import main as cli
-from pipelines.compose import experiment_jobs, job_config
+from pipelines.compose import compose_config, compose_job, experiment_jobs, job_config
 from pipelines.validate import ConfigError, load_grid, load_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,6 +126,28 @@ def test_fast_composition_equals_hydras() -> None:
         for job in experiment_jobs(experiment, extra)[::7]:
             cfg = load_job(job)
             assert OmegaConf.to_container(cfg) == OmegaConf.to_container(job_config(job)), job
+
+
+VALUE_OVERRIDES = (["+train.new_key=3"], ["++train.steps=3"], ["++train.new_key=3"], ["train.steps=null"],
+                   ["+train.benchmark={warmup: 1, measure: 2}"], ["+train={steps: 5}"],
+                   ["suite.decoding={num_beams: 3}"], ["method=adamw", "suite.decoding.num_beams=[1,2]"])
+
+
+@pytest.mark.parametrize("job", VALUE_OVERRIDES, ids=" ".join)
+def test_each_kind_of_value_override_composes_as_hydra_does(job: list[str]) -> None:
+    """Adding (``+``), forcing (``++``), setting, nulling and merging a mapping into a mapping: the cached
+    composition with the value applied is Hydra's composition of the whole command line."""
+    assert OmegaConf.to_container(compose_job(job)) == OmegaConf.to_container(job_config(job))
+
+
+@pytest.mark.parametrize("override", ["+train.steps=3", "train.steps@train=3"])
+def test_value_overrides_hydra_refuses_are_refused_naming_them(override: str) -> None:
+    """``+key`` of a key that has a value, and a package on a key that is no group: Hydra's composition refuses
+    them, and so does the cached one, with one line naming the override."""
+    with pytest.raises(HydraException):
+        compose_config([override])
+    with pytest.raises(ConfigError, match=re.escape(override)):
+        compose_job([override])
 
 
 def test_a_remote_job_is_not_checked_against_this_machines_device() -> None:
