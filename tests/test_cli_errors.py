@@ -183,7 +183,7 @@ def test_bad_input_through_a_subprocess(overrides: str, field: str, isolated: Pa
     for these cases too (:data:`CASES`)."""
     results = isolated / "results"
     proc = subprocess.run([sys.executable, "-m", "pipelines", "run", *overrides.split(), f"results_dir={results}"],
-                          cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=60)
+                          cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr
     check_one_line(proc.stderr, field, results)
     assert not (REPO / "multirun").exists() and not (REPO / "outputs").exists()
