@@ -18,9 +18,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from pipelines.compose import compose_config, compose_job, experiment_jobs, job_config
-from pipelines.config_schema import conform
-from pipelines.store import run_hash
+from pipelines.config.compose import compose_config, compose_job, experiment_jobs, job_config
+from pipelines.config.identity import run_hash
+from pipelines.config.schema import conform
 
 REPO = Path(__file__).resolve().parents[1]
 SCALES = ("embedded", "paper")
@@ -47,8 +47,8 @@ def composed(experiment: str, overrides: Sequence[str]) -> list[tuple[list[str],
 
 def select_jobs(fixed: Sequence[str]) -> list[tuple[list[str], DictConfig]]:
     """The candidates of ``python -m pipelines select`` with its default cells and seed (seeded plans)."""
-    from pipelines import select
-    from pipelines.compare import budgets, comma_list
+    from pipelines.config.grids import budgets, comma_list
+    from pipelines.verbs import select
 
     params = compose_config([f"experiment={select.EXPERIMENT}"], with_hydra=True).hydra.sweeper.params
     cfg = conform(job_config([f"experiment={select.EXPERIMENT}", *fixed]))
@@ -59,7 +59,7 @@ def select_jobs(fixed: Sequence[str]) -> list[tuple[list[str], DictConfig]]:
 
 def compare_jobs(fixed: Sequence[str]) -> list[tuple[list[str], DictConfig]]:
     """The jobs of ``make compare`` on the example task (the task files pinned by their identifiers)."""
-    from pipelines.compare import plan
+    from pipelines.verbs.compare import plan
 
     return [(job.overrides, job.cfg) for job in plan(dict(COMPARE_KEYS), fixed).jobs]
 

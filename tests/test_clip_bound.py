@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import F64, M, N, R, conditioned, method_cfg, pair_params
 
-from pipelines.audit import balanced_factors
+from pipelines.verbs.audit import balanced_factors
 from prism.mechanism import geometry
 from prism.methods import build_method
 from prism.methods.base import CLIP_MARGIN, PrivacySpec
@@ -97,7 +97,7 @@ def test_clipped_contribution_is_at_most_C_for_every_factor_pair(compute_dtype: 
 
 
 def _balanced(kappa: float, g: torch.Generator):
-    """:func:`pipelines.audit.balanced_factors` at this file's shapes (AᵀA = BᵀB)."""
+    """:func:`pipelines.verbs.audit.balanced_factors` at this file's shapes (AᵀA = BᵀB)."""
     QA, _ = torch.linalg.qr(torch.randn(M, R, generator=g, dtype=F64))
     QB, _ = torch.linalg.qr(torch.randn(N, R, generator=g, dtype=F64))
     W, _ = torch.linalg.qr(torch.randn(R, R, generator=g, dtype=F64))
