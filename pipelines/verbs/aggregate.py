@@ -4,19 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.tables import (
-    PROTOCOLS,
-    SCALES,
-    SPECS,
-    AggregateError,
-    build_table,
-    protocol_of,
-    read_run_folders,
-    read_wandb,
-    to_markdown,
-    write_outputs,
-    write_protocols,
-)
+from pipelines.tables.build import PROTOCOLS, SCALES, build_table, protocol_of
+from pipelines.tables.records import AggregateError, read_run_folders
+from pipelines.tables.render import to_markdown, write_outputs, write_protocols
+from pipelines.tables.specs import SPECS
+from pipelines.tables.wandb_source import read_wandb
 
 
 def aggregate(*, experiment: str, source: str = "runs", runs_dir: str = "results/runs", out_dir: str = "results/tables",
