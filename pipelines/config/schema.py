@@ -8,7 +8,7 @@ sweep, ``privacy.selection`` in a private selection) and may be absent. :func:`c
 job config into :class:`JobConfig` in struct mode (an unknown key, a wrong type or a ``null`` where none
 is allowed is refused; an int given for a float becomes that float), builds the dataclasses (running every
 ``__post_init__``) and returns the job config with exactly the keys it had, so the run hash
-(:func:`pipelines.runs.store.run_hash`) sees no key the yaml lacks. The ``method`` node is checked by the
+(:func:`pipelines.config.identity.run_hash`) sees no key the yaml lacks. The ``method`` node is checked by the
 method's own schema (:func:`prism.methods.registry.check`). What needs two groups, the backbone's weights,
 the data or this machine is in :mod:`pipelines.config.rules`.
 

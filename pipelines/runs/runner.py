@@ -1,16 +1,6 @@
-"""The runner: one job = one resolved config = one run folder (docs/ARCHITECTURE.md).
-
-    python -m pipelines run method=adamw privacy=eps3 suite=math10k        # one run
-    python -m pipelines run -m experiment=table2                           # Hydra multirun (basic launcher: sequential)
-    python -m pipelines run -m experiment=table2 scale=paper launcher=slurm   # SLURM array; blocks: use tmux/nohup
-
-:func:`command` is that verb (and what a local-launcher worker runs per job, :mod:`pipelines.runs.worker`).
-Every job's config is validated first (:mod:`pipelines.config.validate`; a multirun validates all its
-jobs before the first starts): a bad input prints ``error: <what>, <how to fix>`` on one line and
-exits with code 2, before any model load, W&B init or folder. ``--debug`` (or
-``HYDRA_FULL_ERROR=1``) shows tracebacks instead. A single run does not go through Hydra's run
-mode, so it leaves no ``hydra/`` output folder; Hydra's flags (``-m``, ``--cfg``, ...) hand the
-command line to Hydra.
+"""The runner: one job = one resolved config = one run folder (docs/ARCHITECTURE.md), for
+``python -m pipelines run`` (:mod:`pipelines.verbs.run`), Hydra's multirun and the local launcher's workers
+(:func:`run_config`, :mod:`pipelines.runs.worker`).
 
 :func:`execute` runs one job: it takes the run folder's lock, skips a finished run (unless
 ``force=true``), resumes an interrupted one, sets aside unreadable files of a corrupt one, then calls
