@@ -46,7 +46,7 @@ def worker(overrides: list[str], warmup: int, measure: int) -> dict[str, float]:
 
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(1)
-    from pipelines.compose import compose_config, resolve
+    from pipelines.config.compose import compose_config, resolve
     from prism import train as T
     from prism.models import peak_memory_mb
 

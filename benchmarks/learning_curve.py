@@ -33,9 +33,9 @@ from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipelines.compose import resolve  # noqa: E402
-from pipelines.run import quiet_third_party_warnings  # noqa: E402
-from pipelines.validate import ConfigError, load_job  # noqa: E402
+from pipelines.config.compose import resolve  # noqa: E402
+from pipelines.config.validate import ConfigError, load_job  # noqa: E402
+from pipelines.runs.runner import quiet_third_party_warnings  # noqa: E402
 from prism.evaluation import evaluate  # noqa: E402
 from prism.evaluation.metrics import COLUMN_RULES, extract_choice, extract_number, parse_glue_label  # noqa: E402
 

@@ -35,13 +35,15 @@ def module_command(argv: list[str]) -> str | None:
 
 def refuse_module_command(module: str | None) -> None:
     """Exit 2 with the verb to use instead when ``module`` is a module of this package other than
-    ``pipelines`` itself (``pipelines.__main__``); the verb of a module is the one :data:`pipelines.__main__.VERBS`
-    maps to a function of it."""
+    ``pipelines`` itself (``pipelines.__main__``), a layer's module included (``pipelines.verbs.run``); the verb of a
+    module is the one :data:`pipelines.__main__.VERBS` maps to a function of it (``pipelines.grid``, a verb's
+    module before ``pipelines/verbs/`` held it: that verb's)."""
     if module is None or not module.startswith(f"{__name__}.") or module == f"{__name__}.__main__":
         return
     from pipelines.__main__ import VERBS
 
-    verb = next((v for v, (target, _) in VERBS.items() if target.split(":")[0] == module), None)
+    old = f"{__name__}.verbs.{module.removeprefix(f'{__name__}.')}"  # pipelines.grid: the verbs' module before the layers
+    verb = next((v for v, (target, _) in VERBS.items() if target.split(":")[0] in (module, old)), None)
     use = (f"python -m {__name__} {verb} … (python -m {__name__} {verb} --help)" if verb
            else f"python -m {__name__} <verb> … (python -m {__name__} --help lists the verbs)")
     print(f"error: python -m {module} is not a command; use: {use}", file=sys.stderr)

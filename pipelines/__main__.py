@@ -21,20 +21,20 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 VERBS = {  # verb -> (its function, one line of help)
-    "run": ("pipelines.run:command", "train one job (one run folder); -m: a Hydra multirun"),
-    "reproduce": ("pipelines.reproduce:main", "a paper table: run its grid's unfinished jobs, then render it"),
-    "tune": ("pipelines.tune:main", "learning-rate sweep on validation rows -> conf/tuned/<scale>.yaml"),
-    "select": ("pipelines.select:main", "Table 2 with ε including the rate tuning: a private selection per cell"),
-    "compare": ("pipelines.compare:main", "PRISM and the baselines on your task file, then the table"),
-    "grid": ("pipelines.grid:main", "print a grid's jobs, one line of overrides each (slurm/submit.sh)"),
-    "diagnostics": ("pipelines.diagnostics:main", "Table 1 and the mechanism figures (Figs. 1-4, 8-15)"),
-    "aggregate": ("pipelines.aggregate:aggregate", "rebuild a table from the run store (or W&B) beside the paper's"),
-    "audit": ("pipelines.audit:main", "step-level empirical privacy audit of every method"),
-    "audit-run": ("pipelines.audit_run:main", "one-run audit of trained runs with canaries"),
-    "gpu-check": ("pipelines.gpu_check:main", "Table 5, generate and resume on a random-init gemma-3-4b-pt"),
-    "fetch-data": ("pipelines.fetch_data:main", "download and hash the paper-scale data and models (network)"),
-    "wandb-sync": ("pipelines.wandb_sync:main", "upload the unsynced offline W&B runs"),
-    "migrate": ("pipelines.store:main", "move old-layout run folders into the shared run store"),
+    "run": ("pipelines.verbs.run:command", "train one job (one run folder); -m: a Hydra multirun"),
+    "reproduce": ("pipelines.verbs.reproduce:main", "a paper table: run its grid's unfinished jobs, then render it"),
+    "tune": ("pipelines.verbs.tune:main", "learning-rate sweep on validation rows -> conf/tuned/<scale>.yaml"),
+    "select": ("pipelines.verbs.select:main", "Table 2 with ε including the rate tuning: a private selection per cell"),
+    "compare": ("pipelines.verbs.compare:main", "PRISM and the baselines on your task file, then the table"),
+    "grid": ("pipelines.verbs.grid:main", "print a grid's jobs, one line of overrides each (slurm/submit.sh)"),
+    "diagnostics": ("pipelines.verbs.diagnostics:main", "Table 1 and the mechanism figures (Figs. 1-4, 8-15)"),
+    "aggregate": ("pipelines.verbs.aggregate:aggregate", "rebuild a table from the run store (or W&B) beside the paper's"),
+    "audit": ("pipelines.verbs.audit:main", "step-level empirical privacy audit of every method"),
+    "audit-run": ("pipelines.verbs.audit_run:main", "one-run audit of trained runs with canaries"),
+    "gpu-check": ("pipelines.verbs.gpu_check:main", "Table 5, generate and resume on a random-init gemma-3-4b-pt"),
+    "fetch-data": ("pipelines.verbs.fetch_data:main", "download and hash the paper-scale data and models (network)"),
+    "wandb-sync": ("pipelines.verbs.wandb_sync:main", "upload the unsynced offline W&B runs"),
+    "migrate": ("pipelines.verbs.migrate:main", "move old-layout run folders into the shared run store"),
 }
 
 
@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if {"-h", "--help"} & set(rest):
         print(f"{usage(verb, fn)}\n\n{VERBS[verb][1]}.\n\n{inspect.getdoc(fn)}")
         return 0
-    from pipelines.compose import COMPOSE_ERRORS, error_line
+    from pipelines.config.compose import COMPOSE_ERRORS, error_line
 
     debug = "--debug" in rest or os.environ.get("HYDRA_FULL_ERROR") == "1"
     keywords: dict[str, Any] = {}

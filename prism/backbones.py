@@ -1,6 +1,6 @@
 """The backbone registry and the shapes of its language models, readable without torch.
 
-:mod:`prism.models` loads the backbones listed here; :mod:`pipelines.validate` reads the shapes to
+:mod:`prism.models` loads the backbones listed here; :mod:`pipelines.config.validate` reads the shapes to
 check a config (LoRA rank against the narrowest targeted layer, ``backbone.lora_layers`` against
 the depth) before anything heavy is imported. Shapes come from the registry for the tiny and
 embedded backbones and from ``config.json`` in the local Hugging Face cache for the paper ones.

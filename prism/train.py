@@ -62,7 +62,7 @@ from prism.privacy.sampling import noise_denominator
 from prism.privacy.selection import calibrate_candidate_sigma, noised_count, selection_epsilon
 
 LogFn = Callable[[dict[str, Any]], None]
-narrate = logging.getLogger("prism.train").info  # one line per phase (pipelines/run.py prints it)
+narrate = logging.getLogger("prism.train").info  # one line per phase (pipelines/runs/runner.py prints it)
 # Per-step record fields computed from un-noised data, not covered by ε (docs/PRIVACY.md).
 PRIVATE_STATS = ("loss", "clip_fraction", "grad_norm_mean", "noise_norm", "batch_size", "step_time_s")
 # final.json fields that grow with the realised batch sizes, count empty batches, or are times.
@@ -364,7 +364,7 @@ class _SecureDraws:
 
 
 def _selection_score(s: Setup, cfg: DictConfig) -> dict[str, Any]:
-    """A candidate's ``selection`` block (the fields of :class:`pipelines.store.SelectionBlock`): the count of
+    """A candidate's ``selection`` block (the fields of :class:`pipelines.runs.store.SelectionBlock`): the count of
     its correct validation rows plus Gaussian noise of ``privacy.selection.score_noise`` rows (a generator
     seeded by the run seed, the cell (method, suite, ε) and the candidate, so that no two cells share a
     score's noise, or the OS CSPRNG under ``privacy.noise_source=os``), and the

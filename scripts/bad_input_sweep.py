@@ -38,9 +38,10 @@ PRELUDE = textwrap.dedent('''
         (T / "TRAINED").write_text(str(folder))
         return {"columns": {"SST-2": 0.5}}
     def run_main(argv):
-        from pipelines import run
+        from pipelines.verbs import run
+        from pipelines.runs import runner
         from pipelines.__main__ import main as cli
-        run.default_trainer = stub
+        runner.default_trainer = stub
         return cli(["run", *argv])
     def verdict(cls, note=""):
         print("VERDICT", cls, note)
@@ -139,8 +140,9 @@ def _calibrate(eps: float) -> str:
 
 STATE = {
     "garbage_status": '''
-        from pipelines import run, store
-        from pipelines.validate import load_job
+        from pipelines.verbs import run
+        from pipelines.runs import store
+        from pipelines.config.validate import load_job
         from omegaconf import OmegaConf
         job = ["results_dir=" + RES, "logging=disabled"]
         cfg = load_job(job); folder = store.run_dir(cfg); folder.mkdir(parents=True)
@@ -153,8 +155,9 @@ STATE = {
         verdict("correct" if kept else "loss", f"rc {rc}; earlier result {'kept as ' + kept[0].name if kept else 'overwritten'}")
     ''',
     "enospc": '''
-        from pipelines import run, store
-        from pipelines.validate import load_job
+        from pipelines.verbs import run
+        from pipelines.runs import store
+        from pipelines.config.validate import load_job
         def trainer(cfg, folder, log_fn):
             (folder / "checkpoint").mkdir(exist_ok=True)
             (folder / "checkpoint" / f".checkpoint.pt.tmp-{os.getpid()}").write_bytes(b"0" * 4096)
@@ -164,7 +167,7 @@ STATE = {
             if list(Path(path).parent.rglob(".*tmp-*")):
                 raise OSError(errno.ENOSPC, "No space left on device")
             real(path, obj)
-        run.default_trainer = trainer; store.write_json_atomic = full
+        runner.default_trainer = trainer; store.write_json_atomic = full
         job = ["results_dir=" + RES, "logging=disabled"]
         import contextlib, io
         err = io.StringIO()
@@ -177,11 +180,12 @@ STATE = {
         verdict("correct" if ok else "unclear", f"rc {rc}, status {state}, temporaries left {len(temp)}")
     ''',
     "wandb": '''
-        from pipelines import run, store
-        from pipelines.validate import load_job
+        from pipelines.verbs import run
+        from pipelines.runs import store
+        from pipelines.config.validate import load_job
         def unreachable(*a, **k):
             raise ConnectionError("wandb: Network error (ConnectionError), api.wandb.ai unreachable")
-        run.WandbRun = unreachable; run.default_trainer = stub
+        runner.WandbRun = unreachable; runner.default_trainer = stub
         job = ["results_dir=" + RES, "logging=disabled"]
         import contextlib, io
         err = io.StringIO()
@@ -195,11 +199,12 @@ STATE = {
                 f"rc {rc}, status {state}")
     ''',
     "ctrl_c": '''
-        from pipelines import run, store
-        from pipelines.validate import load_job
+        from pipelines.verbs import run
+        from pipelines.runs import store
+        from pipelines.config.validate import load_job
         def trainer(cfg, folder, log_fn):
             raise KeyboardInterrupt
-        run.default_trainer = trainer
+        runner.default_trainer = trainer
         job = ["results_dir=" + RES, "logging=disabled"]
         import contextlib, io, traceback
         err = io.StringIO()
@@ -213,8 +218,9 @@ STATE = {
         verdict("correct" if ok else "unclear", f"rc {rc}, status {state}")
     ''',
     "read_only_finished": '''
-        from pipelines import run, store
-        from pipelines.validate import load_job
+        from pipelines.verbs import run
+        from pipelines.runs import store
+        from pipelines.config.validate import load_job
         from omegaconf import OmegaConf
         job = ["results_dir=" + RES, "logging=disabled"]
         cfg = load_job(job); folder = store.run_dir(cfg); folder.mkdir(parents=True)
@@ -223,7 +229,7 @@ STATE = {
         store.write_status(folder, "finished", started="t", attempts=1, ended="t")
         def ro(self, *a, **k):
             raise OSError(errno.EROFS, "Read-only file system")
-        run.FileLock.acquire = ro
+        runner.FileLock.acquire = ro
         import contextlib, io
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
@@ -232,10 +238,10 @@ STATE = {
                 f"rc {rc}: {err.getvalue().strip()[:150]}")
     ''',
     "read_only_new": '''
-        from pipelines import run
+        from pipelines.verbs import run
         def ro(self, *a, **k):
             raise OSError(errno.EROFS, "Read-only file system")
-        run.FileLock.acquire = ro
+        runner.FileLock.acquire = ro
         import contextlib, io
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
@@ -301,10 +307,10 @@ STATE = {
     "epsilon_below": '''
         sys.path.insert(0, os.path.join(os.environ["SWEEP_REPO"], "tests"))
         from conftest import make_run
-        from pipelines import aggregate as agg
+        from pipelines import tables as agg
         make_run(T / "runs", "a1", method="prism", privacy="eps6", suite="glue8", columns={"SST-2": 0.8},
                  experiment="table2", epsilon_spent=2.0)
-        from pipelines.aggregate.specs import SPECS
+        from pipelines.tables.specs import SPECS
         result = agg.build_table(SPECS["table2"], agg.read_run_folders(T / "runs", "table2"), "embedded")
         refused = [m for m in result.missing if "realised ε=2" in m]  # where the realised-ε-above check answers too
         verdict("correct" if refused else "silent", (refused or ["averaged into its cell"])[0][:160])
@@ -315,7 +321,7 @@ STATE = {
         sys.exit(cli(["compare", f"task={T / 'a'}", "labels=yes,no", "results_dir=" + RES]))
     ''',
     "boolean_labels": '''
-        from pipelines import compare
+        from pipelines.verbs import compare
         task = T / "t.jsonl"
         task.write_text("".join(json.dumps({"prompt": f"Q{i}?", "target": ["true", "false"][i % 2]}) + "\\n"
                                 for i in range(80)))
@@ -343,7 +349,7 @@ STATE = {
         sys.exit(run_main(["logging=online", "results_dir=" + RES]))
     ''',
     "audit_out_file": '''
-        from pipelines import audit_run
+        from pipelines.verbs import audit_run
         from pipelines.__main__ import main as cli
         def trained(*a, **k):
             (T / "TRAINED").write_text("x")
@@ -625,8 +631,8 @@ def cases() -> list[Case]:
         sys.exit(run_main([*local(local_model("model", context=256)), "results_dir=" + RES, "logging=disabled"]))
     '''), ("suite.cutoff_len=384", "256-token context", "backbone.path")))
     # ---- 7. messages in the words typed, checks before any cost
-    add(Case("n1", 7, "old module entry point: python -m pipelines.grid table2",
-             _shell(f"{sys.executable} -m pipelines.grid table2 results_dir=RES"), ("python -m pipelines",)))
+    add(Case("n1", 7, "old module entry point: python -m pipelines.verbs.grid table2",
+             _shell(f"{sys.executable} -m pipelines.verbs.grid table2 results_dir=RES"), ("python -m pipelines",)))
     add(Case("n2", 7, "make -n compare TASK=... METHOD=prism (METHODS misspelt)",
              _shell("make -n -C REPO compare TASK=examples/tweet_sentiment/train.jsonl METHOD=prism"), ("METHOD",)))
     add(Case("n3", 7, "a tuned file with one method's entries removed (method=lamb)", STATE["tuned_removed"],

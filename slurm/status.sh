@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Progress of the latest successful slurm/submit.sh array of an experiment, read from the run folders.
 #   slurm/status.sh <experiment> [submission dir]
-# Counts the jobs of jobs.txt by their run's state (pipelines.store.run_state): finished / running
+# Counts the jobs of jobs.txt by their run's state (pipelines.runs.store.run_state): finished / running
 # (its job holds the run's lock) / stale (started, no live holder: killed, resumes on re-submission)
 # / stopped (by a signal: scancel, preemption; resumes on re-submission) / failed / corrupt / missing (no folder yet), lists the failed ones with their error, and (when
 # squeue is reachable) shows the array's pending/running tasks as SLURM sees them.
@@ -30,7 +30,7 @@ cd "$repo"
 import shlex, sys
 from collections import Counter
 from pipelines import store
-from pipelines.compose import job_config
+from pipelines.config.compose import job_config
 
 counts, failed = Counter(), []
 for line in open(sys.argv[1]).read().splitlines():

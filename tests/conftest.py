@@ -80,7 +80,7 @@ TINY_RUN = [
 
 def tiny_cfg(*overrides: str) -> DictConfig:
     """The resolved job config of :data:`TINY_RUN` with ``overrides``."""
-    from pipelines.compose import compose_config, resolve
+    from pipelines.config.compose import compose_config, resolve
 
     return resolve(compose_config([*TINY_RUN, *overrides]))
 
@@ -183,7 +183,7 @@ def make_run(root: Path, run_hash: str, *, method: str, privacy: str, suite: str
              extra_config: dict | None = None, **final_extra) -> Path:
     """A run folder at ``root/<run_hash>`` (``root``: the store), tagged into the view of ``experiment``
     when given."""
-    from pipelines import store
+    from pipelines.runs import store
 
     folder = root / run_hash
     folder.mkdir(parents=True)

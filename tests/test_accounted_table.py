@@ -1,4 +1,4 @@
-"""Table 2 with ε including the tuning, end to end (pipelines/select.py; docs/PRIVACY.md "ε includes
+"""Table 2 with ε including the tuning, end to end (pipelines/verbs/select.py; docs/PRIVACY.md "ε includes
 tuning"): two cells of tiny candidates trained for real through the verb's plan, the local pool, selection
 and table. The published run is the argmax of the recorded noised scores, K is the draw of a generator per
 suite × ε × seed shared by its methods (or of the OS CSPRNG, kept in the store's plan file), the table says
@@ -16,18 +16,19 @@ import pandas as pd
 import pytest
 from conftest import TINY_RUN
 
-from pipelines import launch, select, store
 from pipelines.__main__ import main as cli
-from pipelines.aggregate.records import read_run_folders
-from pipelines.compose import job_config
-from pipelines.tune import Cell
+from pipelines.config.compose import job_config
+from pipelines.config.grids import Cell
+from pipelines.runs import launch, store
+from pipelines.tables.records import read_run_folders
+from pipelines.verbs import select
 from prism.data import sub_seed
 from prism.privacy.selection import SEEDED_PLAN, calibrate_candidate_sigma, draw_candidate_count
 
 
 class InProcessPool:
     """The local launcher's worker pool run in this process: each job runs when submitted (the real
-    :func:`pipelines.worker.run_job` and trainer on the tiny model), its run hash noted in ``trained``."""
+    :func:`pipelines.runs.worker.run_job` and trainer on the tiny model), its run hash noted in ``trained``."""
 
     trained: list[str] = []
 

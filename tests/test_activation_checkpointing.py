@@ -85,7 +85,7 @@ def test_checkpointing_of_a_cached_prefix_replay(tmp_path: Path) -> None:
 @pytest.mark.slow  # two tiny builds: ~30 s on a shared CPU
 def test_the_loop_switch_trains_like_the_plain_loop() -> None:
     """``train.activation_checkpointing=true`` changes memory, not the update (same seed, dropout on)."""
-    from pipelines.compose import compose_config, resolve
+    from pipelines.config.compose import compose_config, resolve
     from prism import train as T
 
     def params_after(flag: str) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""pipelines.aggregate (`python -m pipelines aggregate`): tables from fake run folders (the aggregator's input format) vs hand-computed values."""
+"""pipelines.tables (`python -m pipelines aggregate`): tables from fake run folders (the aggregator's input format) vs hand-computed values."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import yaml
 from conftest import make_run
 from filelock import FileLock
 
-from pipelines import aggregate as agg
-from pipelines import store
+from pipelines import tables as agg
 from pipelines.__main__ import main as cli
-from pipelines.aggregate.render import plot_privacy_utility, to_csv_frame
+from pipelines.runs import store
+from pipelines.tables.render import plot_privacy_utility, to_csv_frame
 
 PAPER = agg.PAPER_DIR
 REPO = Path(__file__).resolve().parents[1]
@@ -453,7 +453,7 @@ def test_protocols_get_their_own_tables_and_a_side_by_side_one(tmp_path: Path, c
 
 
 def test_plot_panels_show_each_stand_in_column_at_embedded_scale(table2_runs: Path) -> None:
-    from pipelines.aggregate.render import plot_panels
+    from pipelines.tables.render import plot_panels
 
     res = _build(table2_runs)
     assert plot_panels(res) == ["Avg", "CoLA", "SST-2", "GSM8K"]  # the columns the runs have, in table order
@@ -467,7 +467,7 @@ def test_header_names_the_code_and_flags_cells_of_mixed_mechanisms(tmp_path: Pat
     commits differ only outside prism/ (c6511f1 → 50fbf60: docs) is not."""
     import subprocess
 
-    from pipelines.aggregate.build import mechanism_differs
+    from pipelines.tables.build import mechanism_differs
 
     repo = Path(__file__).resolve().parents[1]
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
@@ -632,7 +632,7 @@ def test_each_paper_claim_is_judged_by_the_side_its_paired_interval_excludes(tmp
 def test_the_0_step_model_is_non_private_only() -> None:
     from conftest import TINY_RUN
 
-    from pipelines.validate import ConfigError, load_job
+    from pipelines.config.validate import ConfigError, load_job
 
     assert load_job([*TINY_RUN, "privacy=nondp", "train.steps=0"]).train.steps == 0
     with pytest.raises(ConfigError, match=r"train.steps=0 \(the untrained reference model\) releases nothing"):
@@ -645,7 +645,7 @@ def test_every_format_states_one_privacy_statement_with_q_t_and_delta_of_the_run
     from conftest import tiny_cfg
     from PIL import Image
 
-    from pipelines.run import execute
+    from pipelines.runs.runner import execute
     from prism.data.embedded import EMBEDDED_TASKS
 
     cfgs = [tiny_cfg(f"method={m}", f"privacy={p}", "privacy.delta=2e-5", "experiment=table2", f"train.steps={t}",

@@ -11,8 +11,8 @@ import pytest
 import torch
 from scipy import integrate, stats
 
-from pipelines import audit as AU
 from pipelines.__main__ import main as cli
+from pipelines.verbs import audit as AU
 from prism.audit.step import (
     clopper_pearson,
     dp_epsilon_lower_bound,

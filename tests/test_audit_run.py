@@ -1,11 +1,11 @@
-"""One-run audit harness (prism.audit.canaries, pipelines.audit_run) on mechanisms of known privacy.
+"""One-run audit harness (prism.audit.canaries, pipelines.verbs.audit_run) on mechanisms of known privacy.
 
 The methods here are test-only Gaussian mechanisms implementing :class:`prism.methods.base.Method` plus the
 release hook the harness reads: one clips in the flat factor space, one in PRISM's tangent space
 (lift, eq. 14; isotropic tangent noise, eq. 19). With every canary sampled in every step (rate 1) a
 run of T steps is a Gaussian mechanism with μ = √T/σ per canary, so its true ε is the GDP curve's
 (:func:`prism.audit.step.gdp_epsilon`). The test-only 'noise ÷ 10' variants live in this file; the
-audit's own broken-noise control is :class:`pipelines.audit_run.BrokenNoise`.
+audit's own broken-noise control is :class:`pipelines.verbs.audit_run.BrokenNoise`.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import pytest
 import torch
 from conftest import tiny_cfg
 
-from pipelines import audit_run
 from pipelines.__main__ import main as cli
-from pipelines.audit_run import AuditRow, audit_method, write_table
+from pipelines.verbs import audit_run
+from pipelines.verbs.audit_run import AuditRow, audit_method, write_table
 from prism.audit.canaries import draw_directions, gradients, project, sqnorms
 from prism.audit.step import gdp_epsilon
 from prism.mechanism import geometry
@@ -347,7 +347,7 @@ def test_canaries_ride_the_real_training_loop():
 
 @pytest.mark.parametrize("name,space", [("adamw", "factor"), ("prism", "tangent")])
 def test_the_audits_broken_noise_control_is_caught_and_the_genuine_run_passes(name, space):
-    """The audit's own control (:class:`pipelines.audit_run.BrokenNoise` around the run's noise source) on the
+    """The audit's own control (:class:`pipelines.verbs.audit_run.BrokenNoise` around the run's noise source) on the
     production methods with 1,000 canaries and 300 "in" guesses: 16 steps of σ = 5 with every canary in every
     step (true ε 3.39, the GDP curve) pass with either bound; the same run with the control's noise is caught."""
     from omegaconf import OmegaConf
@@ -379,13 +379,13 @@ def test_the_audits_broken_noise_control_is_caught_and_the_genuine_run_passes(na
 def test_broken_noise_control_is_reachable_only_from_the_audit():
     """The control's noise wrapper is named in no module but the audit's, no config holds a noise scale, and an
     override that tries to add one is an unknown key."""
-    from pipelines.config_rules import ConfigError
-    from pipelines.validate import load_job
+    from pipelines.config.rules import ConfigError
+    from pipelines.config.validate import load_job
 
     root = Path(__file__).resolve().parents[1]
     users = {p.relative_to(root).as_posix() for d in ("prism", "pipelines") for p in (root / d).rglob("*.py")
              if "BrokenNoise" in p.read_text() or "BROKEN_NOISE_SCALE" in p.read_text()}
-    assert users == {"pipelines/audit_run.py"}
+    assert users == {"pipelines/verbs/audit_run.py"}
     assert not any("noise_scale" in p.read_text() or "broken" in p.read_text().lower()
                    for p in (root / "conf").rglob("*.yaml"))
     for override in ("+privacy.noise_scale=0.1", "privacy.noise_scale=0.1", "++privacy.broken=true"):

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.compose import compose_config, resolve
+from pipelines.config.compose import compose_config, resolve
 from prism import checkpoint as C
 from prism import train as T
 

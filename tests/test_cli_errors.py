@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import transformers
 
-from pipelines import run
 from pipelines.__main__ import main as cli
-from pipelines.compose import experiment_jobs, job_config
-from pipelines.validate import ConfigError, load_job
+from pipelines.config.compose import experiment_jobs, job_config
+from pipelines.config.validate import ConfigError, load_job
+from pipelines.runs import runner
 from prism.data.prompts import TruncatedLabelError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,7 +159,7 @@ def test_bad_input_is_one_line(overrides: str, field: str, isolated: Path,
         built.append(type(model).__name__)
         raise AssertionError(f"{overrides!r} built a {type(model).__name__} before refusing the input")
 
-    monkeypatch.setattr(run, "default_trainer", no_training)
+    monkeypatch.setattr(runner, "default_trainer", no_training)
     monkeypatch.setattr(transformers.PreTrainedModel, "__init__", no_model)
     results = isolated / "results"
     code = cli(["run", *overrides.split(), f"results_dir={results}"])
@@ -230,7 +230,7 @@ def test_a_failing_run_is_one_line_with_its_traceback_kept(raised: Exception, co
     def trainer(cfg: Any, folder: Path, log_fn: Any) -> dict[str, Any]:
         raise raised
 
-    monkeypatch.setattr(run, "default_trainer", trainer)
+    monkeypatch.setattr(runner, "default_trainer", trainer)
     handlers, level = logging.root.handlers[:], logging.root.level
     try:
         assert cli(["run", "logging=disabled", f"results_dir={isolated / 'results'}"]) == code
@@ -259,7 +259,7 @@ def test_online_logging_with_the_server_unreachable_is_one_line_naming_offline_b
         isolated: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 
-    from pipelines import config_rules
+    from pipelines.config import rules as config_rules
 
     with socket.socket() as closed:  # a port nothing listens on: the connection is refused at once
         closed.bind(("127.0.0.1", 0))
@@ -279,7 +279,8 @@ def test_a_wandb_init_that_fails_after_validation_is_one_line_naming_offline(
         isolated: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import wandb
 
-    from pipelines import config_rules, wandb_log
+    from pipelines.config import rules as config_rules
+    from pipelines.runs import wandb_log
 
     seen = {}
 
@@ -289,7 +290,7 @@ def test_a_wandb_init_that_fails_after_validation_is_one_line_naming_offline(
 
     monkeypatch.setattr(config_rules, "_wandb_problem", lambda reach: None)  # the server answered the check
     monkeypatch.setattr(wandb, "init", no_answer)
-    monkeypatch.setattr(run, "default_trainer", lambda *_: pytest.fail("trained without W&B"))
+    monkeypatch.setattr(runner, "default_trainer", lambda *_: pytest.fail("trained without W&B"))
     assert cli(["run", "logging=online", f"results_dir={isolated / 'results'}"]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith("error: logging=online: ") and "logging=offline" in err, err
@@ -300,7 +301,7 @@ def test_a_wandb_init_that_fails_after_validation_is_one_line_naming_offline(
 @pytest.mark.parametrize("what", ["a file", "a symlink loop"])
 def test_a_folder_key_that_names_no_folder_is_one_line_before_any_run_folder(
         key: str, what: str, isolated: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(run, "default_trainer", lambda *_: pytest.fail(f"{key} as {what} reached the trainer"))
+    monkeypatch.setattr(runner, "default_trainer", lambda *_: pytest.fail(f"{key} as {what} reached the trainer"))
     bad = isolated / "bad"
     if what == "a file":
         bad.write_text("an earlier result")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import F64, M, N, R, conditioned, method_cfg, pair_params
 
-from pipelines import audit
+from pipelines.verbs import audit
 from prism.mechanism import geometry
 from prism.methods import build_method
 from prism.methods.base import CLIP_MARGIN, PrivacySpec

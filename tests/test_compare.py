@@ -12,9 +12,10 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from pipelines import compare, store
 from pipelines.__main__ import function, parse
 from pipelines.__main__ import main as cli
+from pipelines.runs import store
+from pipelines.verbs import compare
 
 
 def _task(path: Path, n: int = 100) -> Path:
@@ -51,7 +52,7 @@ def test_slurm_job_list_of_compare_is_the_runs_of_make_compare(tmp_path: Path, m
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     """``slurm/submit.sh compare`` writes ``python -m pipelines grid experiment=compare`` lines: with the task named
     by a relative path and no sha256, each line is a run that ``make compare`` plans for the same file."""
-    from pipelines.compose import job_config
+    from pipelines.config.compose import job_config
 
     task = _task(tmp_path / "t.jsonl")
     monkeypatch.chdir(tmp_path)
@@ -163,7 +164,7 @@ def test_macro_f1_cells_of_a_user_task_carry_the_row_bootstrap_interval(tmp_path
     each bootstrap draw of the rows (the draws the aggregator makes: a function of the rows' hash)."""
     from sklearn.metrics import f1_score
 
-    from pipelines.aggregate.intervals import B, row_draws
+    from pipelines.tables.intervals import B, row_draws
 
     rng = np.random.default_rng(0)
     gold = rng.integers(0, 2, 300)

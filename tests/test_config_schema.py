@@ -1,4 +1,4 @@
-"""The config schema (pipelines/config_schema.py, docs/DECISIONS.md D78): one dataclass per config group
+"""The config schema (pipelines/config/schema.py, docs/DECISIONS.md D78): one dataclass per config group
 registered in Hydra's ConfigStore, adding no key to a job config; each job composed and validated once;
 the tuned-rate files read through their schema, a bad file one line naming its line and the fix."""
 from __future__ import annotations
@@ -15,9 +15,12 @@ import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from pipelines import compose, config_schema, launch, run, store, validate, worker
-from pipelines.compose import job_config
-from pipelines.config_schema import ConfigError, JobConfig, conform
+from pipelines.config import compose, validate
+from pipelines.config import schema as config_schema
+from pipelines.config.compose import job_config
+from pipelines.config.schema import ConfigError, JobConfig, conform
+from pipelines.runs import launch, runner, store, worker
+from pipelines.verbs import run
 
 TUNED = Path(__file__).resolve().parents[1] / "conf" / "tuned" / "embedded.yaml"
 
@@ -67,7 +70,7 @@ def _stub(cfg: Any, folder: Path, log_fn: Any, load: Any = None) -> dict[str, An
 def test_a_grid_job_and_a_single_run_are_composed_and_validated_once(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The grid process composes and validates each job once; its worker runs that config as is. A
-    single ``pipelines.run`` composes and validates once too."""
+    single ``pipelines.runs.runner`` composes and validates once too."""
     counts: Counter[str] = Counter()
     compose_job, check = compose.compose_job, validate.check
 
@@ -81,7 +84,7 @@ def test_a_grid_job_and_a_single_run_are_composed_and_validated_once(tmp_path: P
 
     monkeypatch.setattr(compose, "compose_job", counted_compose)
     monkeypatch.setattr(validate, "check", counted_check)
-    monkeypatch.setattr(run, "default_trainer", _stub)
+    monkeypatch.setattr(runner, "default_trainer", _stub)
     monkeypatch.setattr(worker, "_kept", object())  # no backbone: the stub trainer loads none
     handlers, level = logging.root.handlers[:], logging.root.level
     try:

@@ -10,9 +10,10 @@ import yaml
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines import store
-from pipelines.compose import experiment_jobs, job_config
-from pipelines.validate import ConfigError, check
+from pipelines.config import identity
+from pipelines.config.compose import experiment_jobs, job_config
+from pipelines.config.validate import ConfigError, check
+from pipelines.runs import store
 
 # Independent expectations, written from the paper (Tables 2–5, 7, 8) and docs/ARCHITECTURE.md.
 GRID_SIZES = {"table2": 36 + 2, "table3": 9, "table4": 18, "table5": 3}  # Table 2: 36 cells and the 0-step model per suite
@@ -188,16 +189,16 @@ def test_hash_ignores_bookkeeping_and_tracks_results() -> None:
 
 
 def test_hash_is_canonical() -> None:
-    payload = store.hash_payload(job_config([]))
+    payload = identity.hash_payload(job_config([]))
     reordered = {k: payload[k] for k in reversed(list(payload))}
     assert store.run_hash(reordered) == store.run_hash(payload)
-    assert len(store.run_hash(payload)) == store.HASH_LEN
+    assert len(store.run_hash(payload)) == identity.HASH_LEN
 
 
 @pytest.mark.parametrize("launcher, target", [
     ("local", "BasicLauncher"), ("slurm", "SlurmLauncher"), ("submitit_local", "LocalLauncher")])
 def test_launchers_select_the_hydra_plugin(launcher: str, target: str) -> None:
-    from pipelines.compose import compose_config
+    from pipelines.config.compose import compose_config
 
     cfg = compose_config(["experiment=table5", f"launcher={launcher}"], with_hydra=True)
     assert cfg.hydra.launcher._target_.endswith(target)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import run
 from pipelines.__main__ import main as cli
+from pipelines.runs import runner
 from prism.data import build_suite
 from prism.data.custom import TaskFileError, check_task, load_task
 from prism.evaluation.metrics import TaskRule, normalize_exact, parse_label, score_task
@@ -136,7 +136,7 @@ def test_bad_file_through_the_runner_exits_2_before_any_model(case: str, tmp_pat
     def no_training(*_: object) -> None:
         raise AssertionError("a bad file reached the trainer")
 
-    monkeypatch.setattr(run, "default_trainer", no_training)
+    monkeypatch.setattr(runner, "default_trainer", no_training)
     rows, extra, line, words = BAD_FILES[case]
     path = _write(tmp_path / f"{case}.jsonl", rows if case != "fewer-rows-than-batch" else _rows(40))
     err = _cli(tmp_path, capsys, f"suite.custom.train={path}", f"suite.custom.labels=[{','.join(LABELS)}]")
@@ -234,7 +234,7 @@ def test_the_embedded_backbones_tokenizer_counts_before_any_model_load(tmp_path:
     def no_training(*_: object) -> None:
         raise AssertionError("a bad file reached the trainer")
 
-    monkeypatch.setattr(run, "default_trainer", no_training)
+    monkeypatch.setattr(runner, "default_trainer", no_training)
     path = _write(tmp_path / "long.jsonl", [*_rows(80), {"prompt": "word " * 600, "target": "positive"}])
     results = tmp_path / "results"
     code = cli(["run", "suite=custom", f"results_dir={results}", f"suite.custom.train={path}",
@@ -348,7 +348,7 @@ def test_a_long_evaluation_row_exits_2_before_any_run_folder(tmp_path: Path, cap
     def no_training(*_: object) -> None:
         raise AssertionError("a bad evaluation file reached the trainer")
 
-    monkeypatch.setattr(run, "default_trainer", no_training)
+    monkeypatch.setattr(runner, "default_trainer", no_training)
     train = _write(tmp_path / "train.jsonl", _rows(80))
     held = _write(tmp_path / "eval.jsonl", [*_rows(4, start=100), {"prompt": "x" * 10_000, "target": "neutral"}])
     err = _cli(tmp_path, capsys, f"suite.custom.train={train}", f"suite.custom.eval={held}",
@@ -360,7 +360,7 @@ def test_a_long_evaluation_row_exits_2_before_any_run_folder(tmp_path: Path, cap
 def test_labels_read_as_values_are_named_with_the_quoting_that_works(labels: str, tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """Unquoted, Hydra reads true/false and numbers as values; the message's quoted form is the fix."""
-    from pipelines.validate import load_job
+    from pipelines.config.validate import load_job
 
     typed = labels.strip("[]").split(",")
     path = _write(tmp_path / "t.jsonl", [{"prompt": f"Q{i}?", "target": typed[i % len(typed)]} for i in range(80)])

@@ -17,8 +17,9 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from pipelines import compare, store
-from pipelines.compose import compose_config, resolve
+from pipelines.config import identity
+from pipelines.config.compose import compose_config, resolve
+from pipelines.verbs import compare
 from prism.data import Suite, build_suite
 from prism.data.custom import TaskFileError, load_task
 from prism.fileio import sha256_file
@@ -130,7 +131,7 @@ def _published(task: Path) -> tuple[str, list[str]]:
     plan = compare.plan({"task": str(task), "labels": LABELS, "methods": "adamw", "eps": "6"},
                         ["backbone=tiny-llama", "suite.cutoff_len=1024"])
     cfg = plan.configs[0]
-    texts = [store.canonical(store.hash_payload(cfg)), json.dumps(build_suite(cfg.suite, cfg.seed).source),
+    texts = [identity.canonical(identity.hash_payload(cfg)), json.dumps(build_suite(cfg.suite, cfg.seed).source),
              compare.table_spec(plan).name,
              *compare.header(plan, SimpleNamespace(spec=SimpleNamespace(title="t")))]
     return str(cfg.suite.custom.train_sha256), texts

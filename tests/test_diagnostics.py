@@ -12,9 +12,9 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
-from pipelines import diagnostics as D
-from pipelines import store
-from pipelines.compose import compose_config, resolve
+from pipelines.config.compose import compose_config, resolve
+from pipelines.runs import store
+from pipelines.verbs import diagnostics as D
 from prism.audit import diagnostics as dg
 from prism.mechanism import geometry
 from prism.mechanism.adaptive import RankSpaceAdaptive, noise_second_moments

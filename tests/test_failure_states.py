@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 from conftest import make_run
 
-from pipelines import run, store
 from pipelines.__main__ import main as cli
-from pipelines.validate import load_job
+from pipelines.config.validate import load_job
+from pipelines.runs import runner, store
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ def test_garbage_status_beside_a_valid_result_sets_the_result_aside(tmp_path: Pa
     _finished(folder, {"columns": {"SST-2": 0.625}}, load_job(_job(tmp_path)))
     earlier = (folder / "final.json").read_bytes()
     (folder / "status.json").write_text("{garbage")
-    monkeypatch.setattr(run, "default_trainer", lambda cfg, folder, log_fn: {"columns": {"SST-2": 0.5}})
+    monkeypatch.setattr(runner, "default_trainer", lambda cfg, folder, log_fn: {"columns": {"SST-2": 0.5}})
     assert cli(["run", *_job(tmp_path)]) == 0
     kept = list(folder.glob("final.json.unconfirmed-*"))
     assert len(kept) == 1 and kept[0].read_bytes() == earlier
@@ -84,7 +84,7 @@ def test_a_full_disk_frees_the_temporary_checkpoint_and_records_the_failure(tmp_
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(path, obj)
 
-    monkeypatch.setattr(run, "default_trainer", trainer)
+    monkeypatch.setattr(runner, "default_trainer", trainer)
     monkeypatch.setattr(store, "write_json_atomic", full_disk)
     assert cli(["run", *_job(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -99,8 +99,8 @@ def test_an_unreachable_wandb_server_leaves_a_failed_status(tmp_path: Path, monk
     def unreachable(*args: Any, **kwargs: Any) -> None:
         raise ConnectionError("wandb: Network error (ConnectionError), api.wandb.ai unreachable")
 
-    monkeypatch.setattr(run, "WandbRun", unreachable)
-    monkeypatch.setattr(run, "default_trainer", lambda *a: pytest.fail("trained without W&B"))
+    monkeypatch.setattr(runner, "WandbRun", unreachable)
+    monkeypatch.setattr(runner, "default_trainer", lambda *a: pytest.fail("trained without W&B"))
     assert cli(["run", *_job(tmp_path)]) == 1
     status = _status(_folder(tmp_path))
     assert status["state"] == "failed" and "unreachable" in status["error"]
@@ -113,7 +113,7 @@ def test_ctrl_c_marks_the_run_interrupted_without_a_traceback(tmp_path: Path, mo
         (folder / ".final.json.x.tmp").write_text("{")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(run, "default_trainer", trainer)
+    monkeypatch.setattr(runner, "default_trainer", trainer)
     assert cli(["run", *_job(tmp_path)]) == 130
     err = capsys.readouterr().err
     folder = _folder(tmp_path)
@@ -138,7 +138,7 @@ def test_a_second_signal_while_the_stop_is_recorded_still_leaves_the_run_recorde
             os.kill(os.getpid(), signal.SIGINT)  # delivered here, before the write, unless held
         write_status(folder, state, **kwargs)
 
-    monkeypatch.setattr(run, "default_trainer", trainer)
+    monkeypatch.setattr(runner, "default_trainer", trainer)
     monkeypatch.setattr(store, "write_status", signalled_write)
     assert cli(["run", *_job(tmp_path)]) == 130
     status = _status(_folder(tmp_path))
@@ -157,8 +157,8 @@ def test_a_read_only_store_still_reports_a_finished_run(tmp_path: Path, monkeypa
     def read_only(self: Any, *args: Any, **kwargs: Any) -> None:
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(run.FileLock, "acquire", read_only)
-    monkeypatch.setattr(run, "default_trainer", lambda *a: pytest.fail("retrained"))
+    monkeypatch.setattr(runner.FileLock, "acquire", read_only)
+    monkeypatch.setattr(runner, "default_trainer", lambda *a: pytest.fail("retrained"))
     assert cli(["run", *_job(tmp_path)]) == 0
     assert "already finished, skipped" in capsys.readouterr().out
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before

@@ -6,8 +6,8 @@ import re
 import pytest
 import torch
 
-from pipelines import gpu_check as G
 from pipelines.__main__ import main as cli
+from pipelines.verbs import gpu_check as G
 from prism.data.prompts import tokenize_example
 from prism.models import byte_tokenizer
 

@@ -18,10 +18,10 @@ import pytest
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from pipelines import launch
 from pipelines.__main__ import main as cli
-from pipelines.compose import compose_config, compose_job, experiment_jobs, job_config
-from pipelines.validate import ConfigError, load_grid, load_job
+from pipelines.config.compose import compose_config, compose_job, experiment_jobs, job_config
+from pipelines.config.validate import ConfigError, load_grid, load_job
+from pipelines.runs import launch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -182,7 +182,7 @@ def test_the_quoting_hint_works() -> None:
 def test_a_grid_that_names_one_run_twice_lists_it_once() -> None:
     """``seed=42,42 method=adamw,adamw`` is one trained run, planned once, beside its one 0-step reference; two
     distinct seeds stay two runs and two references."""
-    from pipelines.validate import load_experiment
+    from pipelines.config.validate import load_experiment
 
     fixed = ["scale=smoke", "privacy=nondp", "suite=glue8"]
     once = load_experiment("table2", [*fixed, "seed=42,42", "method=adamw,adamw"])

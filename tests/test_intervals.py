@@ -1,4 +1,4 @@
-"""pipelines.aggregate.intervals against closed forms, scipy and brute-force references."""
+"""pipelines.tables.intervals against closed forms, scipy and brute-force references."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import pytest
 from scipy import stats
 from sklearn.metrics import matthews_corrcoef
 
-from pipelines.aggregate import intervals as iv
+from pipelines.tables import intervals as iv
 from prism.evaluation.metrics import glue_score, row_outcomes, score_outputs
 
 

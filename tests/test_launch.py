@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from conftest import TINY_JOB
 
-from pipelines import launch, store
 from pipelines.__main__ import function, parse
 from pipelines.__main__ import main as cli
+from pipelines.runs import launch, store
 
 REPO = Path(__file__).resolve().parents[1]
 DEAD = "Unable to contact slurm controller (connect failure)"
@@ -171,7 +171,7 @@ def test_jobs_not_given_is_chosen_and_printed_jobs_given_is_kept(monkeypatch, ca
 def test_slurm_missing_is_refused_before_any_job_is_validated(tmp_path: Path, monkeypatch, capsys) -> None:
     """Without sbatch the answer comes before the grid is planned (Table 2's 36 jobs take ~20 s to
     validate): each launcher's validation is replaced by a failure."""
-    from pipelines import compare
+    from pipelines.verbs import compare
 
     def validated(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("the grid was validated before the launcher was checked")
@@ -388,7 +388,7 @@ def test_a_grid_logged_to_a_file_gets_plain_lines_one_per_finished_run(tmp_path:
                                                                         capfd: pytest.CaptureFixture[str]) -> None:
     """Output captured to files (not a terminal, as under SLURM or CI): no cursor escape, no carriage
     return, one line per finished run naming its overrides."""
-    from pipelines.validate import load_job
+    from pipelines.config.validate import load_job
 
     overrides = ["suite=glue8", "method=prism", "privacy=eps6", *TINY_JOB, "train.steps=2", "train.micro_batch_size=4",
                  "train.checkpoint_every=1", f"results_dir={tmp_path}"]
@@ -405,8 +405,8 @@ def test_a_hydra_launcher_runs_the_0_step_reference_jobs_in_a_second_sweep(tmp_p
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Hydra's multirun sweeps only the experiment's ``hydra.sweeper.params``; under launcher=submitit_local the
     grid's 0-step reference runs follow as a second sweep, whose jobs are exactly the plan's reference runs."""
-    from pipelines.compose import REFERENCE_JOBS, sweep_jobs
-    from pipelines.validate import load_grid
+    from pipelines.config.compose import REFERENCE_JOBS, sweep_jobs
+    from pipelines.config.validate import load_grid
 
     overrides = ["scale=smoke", "method=prism", "privacy=eps6", "seed=42,43", f"results_dir={tmp_path}"]
     pending, _ = launch.plan("table2", overrides)

@@ -15,8 +15,8 @@ from conftest import TARGETS
 from safetensors.torch import load_file
 from torch import nn
 
-from pipelines import run
 from pipelines.__main__ import main as cli
+from pipelines.runs import runner
 from prism.backbones import causal_lm_types, config_types, local_linear_shapes, local_problem
 from prism.models import attach_lora, load_backbone
 from prism.models.local import speed_paths
@@ -135,7 +135,7 @@ def test_an_unreadable_tokenizer_json_is_refused(llama: tuple[Path, nn.Module], 
 def test_the_models_context_holds_the_longest_sequence(llama: tuple[Path, nn.Module], tmp_path: Path) -> None:
     """suite.cutoff_len plus the generation cap must fit in config.json's max_position_embeddings: at
     the boundary the config passes, one position fewer it is refused naming the largest cutoff that fits."""
-    from pipelines.validate import ConfigError, load_job
+    from pipelines.config.validate import ConfigError, load_job
 
     job = ["backbone=local", "suite.cutoff_len=200", "suite.decoding.max_new_tokens=10", f"results_dir={tmp_path / 'r'}"]
     for context, ok in ((210, True), (209, False)):
@@ -155,7 +155,7 @@ def test_a_damaged_folder_exits_2_without_a_run_folder(llama: tuple[Path, nn.Mod
     def no_training(*_: object) -> None:
         raise AssertionError("a damaged model folder reached the trainer")
 
-    monkeypatch.setattr(run, "default_trainer", no_training)
+    monkeypatch.setattr(runner, "default_trainer", no_training)
     short = _damaged(llama[0], tmp_path, "short")
     with (short / "model.safetensors").open("r+b") as fh:
         fh.truncate(fh.seek(0, 2) // 2)

@@ -1,6 +1,6 @@
 """A method is one class and one yaml, registered by name: the shipped ones by the registry's list
 (their run hashes unchanged), one defined outside ``prism/`` and ``pipelines/`` by its yaml's
-``_target_`` (``tests/toy_method/``). The outside one trains through ``pipelines.run`` and is its
+``_target_`` (``tests/toy_method/``). The outside one trains through ``pipelines.runs.runner`` and is its
 own labelled row of the aggregated table; behaviour reads the traits, never a name."""
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from pipelines import aggregate as agg
-from pipelines import run
-from pipelines.compare import default_methods
-from pipelines.validate import ConfigError, load_job
+from pipelines import tables as agg
+from pipelines.config.grids import default_methods
+from pipelines.config.validate import ConfigError, load_job
+from pipelines.verbs import run
 from prism.methods import registry, schema
 
 TOY = Path(__file__).resolve().parent / "toy_method"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from pipelines.validate import ConfigError, load_job
+from pipelines.config.validate import ConfigError, load_job
 from prism.methods import build_method, registry, schema
 from prism.privacy import limits as dp_limits
 
@@ -92,7 +92,7 @@ def test_schema_choices_are_the_runtime_choices() -> None:
 
 
 def test_the_validator_imports_no_torch() -> None:
-    code = ("import sys\nfrom pipelines.validate import load_job\n"
+    code = ("import sys\nfrom pipelines.config.validate import load_job\n"
             f"for m in {list(METHODS)!r}:\n    load_job([f'method={{m}}'])\n"
             "load_job(['privacy.epsilon=1e9', 'privacy.name=eps1000000000']) if False else None\n"
             "print('torch' in sys.modules)")

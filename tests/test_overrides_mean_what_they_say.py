@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from pipelines import run
 from pipelines.__main__ import main as cli
-from pipelines.validate import ConfigError, load_job
+from pipelines.config.validate import ConfigError, load_job
+from pipelines.runs import runner
 
 
 @pytest.mark.parametrize("overrides", [["suite.embedded.tasks=[]"], ["suite=math10k", "suite.embedded.tasks=[]"]])
@@ -47,7 +47,7 @@ def test_a_quoted_tilde_results_dir_is_the_home_folder(tmp_path: Path, monkeypat
     def trainer(cfg: Any, folder: Path, log_fn: Any) -> dict[str, Any]:
         return {"columns": {}}
 
-    monkeypatch.setattr(run, "default_trainer", trainer)
+    monkeypatch.setattr(runner, "default_trainer", trainer)
     handlers, level = logging.root.handlers[:], logging.root.level
     try:
         assert cli(["run", "results_dir='~/x'", "logging=disabled"]) == 0

@@ -18,7 +18,7 @@ from peft import LoraConfig, get_peft_model
 from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipelines.compose import job_config
+from pipelines.config.compose import job_config
 from prism import train as T
 from prism.audit.diagnostics import sample_tangent_noise
 from prism.data.prompts import collate
@@ -110,7 +110,7 @@ def test_wandb_summary_keeps_the_not_dp_flag() -> None:
     """The W&B summary gets the DP status strings of final.json (numbers-only summaries dropped them)."""
     from types import SimpleNamespace
 
-    from pipelines.wandb_log import WandbRun
+    from pipelines.runs.wandb_log import WandbRun
 
     final = {"columns": {"SST-2": 0.5}, "epsilon_spent": 6.0,
              "protocol": {"name": "released", "dp_guarantee": "not a valid DP guarantee as stated",

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import run as R
+from pipelines.runs import runner
+from pipelines.verbs import run as R
 
 STEPS = 6
 
@@ -50,7 +51,7 @@ def test_a_run_interrupted_after_a_logged_step_resumes_with_each_step_logged_onc
             log_fn(record)
             if record["step"] == 3:  # logged, but the last checkpoint is step 2's
                 raise KeyboardInterrupt
-        return R.default_trainer(cfg, folder, log_then_stop)
+        return runner.default_trainer(cfg, folder, log_then_stop)
 
     results = tmp_path / "results"
     assert R.command(_args(tmp_path, results), trainer=interrupted) == 130

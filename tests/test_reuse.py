@@ -1,8 +1,8 @@
 """Shared runs across tables: after a Table 2-like grid, the Table 4-like grid trains only the runs
 Table 2 lacks (its r=16 rows are Table 2's ε=6 runs), and Table 4's view shows all of them.
 
-The fast test drives the real planner and runner (`pipelines.launch.plan`,
-`pipelines.run.execute`) with a stand-in trainer; the slow one runs `python -m pipelines reproduce`
+The fast test drives the real planner and runner (`pipelines.runs.launch.plan`,
+`pipelines.runs.runner.execute`) with a stand-in trainer; the slow one runs `python -m pipelines reproduce`
 end to end on the random-config tiny-llama.
 """
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from omegaconf import DictConfig
 
-from pipelines import aggregate as agg
-from pipelines import launch, store
-from pipelines.compose import job_config
-from pipelines.run import execute
+from pipelines import tables as agg
+from pipelines.config.compose import job_config
+from pipelines.runs import launch, store
+from pipelines.runs.runner import execute
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["backbone=tiny-llama", "method=prism,adamw", "train.steps=2", "logging=disabled", "suite.cutoff_len=1024"]

@@ -1,7 +1,7 @@
 """Records the runner writes and the aggregator refuses: a run that cannot be trusted is listed in one
 line naming it and never averaged, and a cell's n counts distinct runs.
 
-Every run folder here is written by :func:`pipelines.run.execute` (with a stub trainer); the tests
+Every run folder here is written by :func:`pipelines.runs.runner.execute` (with a stub trainer); the tests
 then damage or copy what it wrote, as a user editing or copying run folders would.
 """
 from __future__ import annotations
@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines import run as R
-from pipelines import store
-from pipelines.aggregate.build import build_table
-from pipelines.aggregate.records import read_run_folders
-from pipelines.aggregate.specs import SPECS
-from pipelines.validate import load_job
+from pipelines.config.validate import load_job
+from pipelines.runs import runner, store
+from pipelines.tables.build import build_table
+from pipelines.tables.records import read_run_folders
+from pipelines.tables.specs import SPECS
 
 
 def stub(cfg, folder, log_fn) -> dict:
@@ -33,7 +32,7 @@ def stub(cfg, folder, log_fn) -> dict:
 
 def _runs(root: Path, seeds=(42, 43)) -> list[Path]:
     for seed in seeds:
-        R.execute(load_job(["experiment=table2", "scale=smoke", f"results_dir={root}", "logging=disabled",
+        runner.execute(load_job(["experiment=table2", "scale=smoke", f"results_dir={root}", "logging=disabled",
                             "suite=glue8", "method=adamw", "privacy=eps6", f"seed={seed}"]), stub)
     return sorted(p for p in (root / "runs").iterdir() if p.is_dir() and not p.name.startswith("_"))
 
@@ -120,7 +119,7 @@ def test_a_copied_run_is_refused_and_a_run_listed_twice_counts_once(tmp_path: Pa
 
 def test_runs_from_commits_whose_mechanism_differs_are_flagged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     commits = iter([("0" * 40, False), ("1" * 40, False)])  # unknown to git: it cannot say prism/ is the same
-    monkeypatch.setattr(R, "git_state", lambda: next(commits))
+    monkeypatch.setattr(runner, "git_state", lambda: next(commits))
     _runs(tmp_path)
     result, _ = _table(tmp_path)
     assert any("MIXED CODE" in w and "0000000000, 1111111111" in w for w in result.warnings)

@@ -1,4 +1,4 @@
-"""pipelines.run.execute with an injected trainer: skip, resume, force, lock, corrupt folders, W&B."""
+"""pipelines.runs.runner.execute with an injected trainer: skip, resume, force, lock, corrupt folders, W&B."""
 from __future__ import annotations
 
 import json
@@ -10,9 +10,9 @@ import pytest
 from filelock import FileLock
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines import store
-from pipelines.compose import job_config
-from pipelines.run import ConfigError, check, execute
+from pipelines.config.compose import job_config
+from pipelines.runs import store
+from pipelines.runs.runner import ConfigError, check, execute
 from tests.oracles import read_metrics
 
 
@@ -180,7 +180,7 @@ def test_the_trainer_flushes_subnormals_only_while_it_trains(monkeypatch: pytest
     import torch
 
     import prism.train
-    from pipelines import run
+    from pipelines.runs import runner
 
     subnormal = lambda: float(torch.tensor(1e-40, dtype=torch.float32) * 1.0)  # noqa: E731
     seen = {}
@@ -190,6 +190,6 @@ def test_the_trainer_flushes_subnormals_only_while_it_trains(monkeypatch: pytest
         return {}
 
     monkeypatch.setattr(prism.train, "train_and_evaluate", train)
-    assert run.default_trainer(None, Path("."), lambda record: None) == {}
+    assert runner.default_trainer(None, Path("."), lambda record: None) == {}
     assert seen["during"] == 0.0
     assert subnormal() > 0.0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import compose
+from pipelines.config import compose, identity
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,16 +23,16 @@ def test_a_seed_sweep_multiplies_every_grid(experiment: str) -> None:
 
 
 def test_seeds_are_separate_runs_of_one_cell(tmp_path: Path) -> None:
-    from pipelines import store
+    from pipelines.runs import store
 
     jobs = compose.experiment_jobs("table2", ["scale=smoke", f"results_dir={tmp_path}", "method=prism",
                                            "privacy=eps6", "suite=glue8", "seed=42,43"])
     cfgs = [compose.job_config(j) for j in jobs if "train.steps=0" not in j]  # the cell, not its 0-step model
     assert [c.seed for c in cfgs] == [42, 43] and len({store.run_hash(c) for c in cfgs}) == 2
-    fields = [store.result_fields(c) for c in cfgs]
+    fields = [identity.result_fields(c) for c in cfgs]
     for f in fields:
         f.pop("seed")
-    assert store.canonical(fields[0]) == store.canonical(fields[1])  # the aggregator's "same cell but the seed"
+    assert identity.canonical(fields[0]) == identity.canonical(fields[1])  # the aggregator's "same cell but the seed"
 
 
 def test_make_passes_seeds_to_every_reproduce_target_and_the_slurm_job_list() -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import tiny_cfg
 
-from pipelines import store
+from pipelines.runs import store
 from prism import train as T
 from prism.privacy.selection import calibrate_candidate_sigma, selection_epsilon
 
@@ -66,7 +66,7 @@ def test_a_custom_task_candidate_trains_outside_the_validation_rows_it_scores(tm
     ``build_suite`` draws for ``suite.eval_split=validation`` (each row by its own draw, prism.data.custom)."""
     from omegaconf import OmegaConf
 
-    from pipelines.compose import compose_config, resolve
+    from pipelines.config.compose import compose_config, resolve
     from prism.data import build_suite, row_key
 
     lines = [{"prompt": f"Review {i}: {'great' if i % 2 else 'awful'}.", "target": "positive" if i % 2 else "negative"}

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from pipelines import store
-from pipelines.compose import experiment_jobs, job_config
-from pipelines.validate import load_job
+from pipelines.config.compose import experiment_jobs, job_config
+from pipelines.config.validate import load_job
+from pipelines.runs import store
 
 ORDINARY = [[], ["experiment=tune", "method=lamb"], ["protocol=released"], ["experiment=table5"],
             experiment_jobs("table2")[0], experiment_jobs("table2")[-1]]

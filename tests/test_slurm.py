@@ -50,7 +50,7 @@ def _wait_queue_empty(cluster: LocalSlurm, timeout: float) -> float:
 
 
 def _run_states(results_dir: Path) -> dict[str, str]:
-    from pipelines import store
+    from pipelines.runs import store
 
     root = results_dir / "runs"
     return {h: store.run_state(store.find_run(root, h)) for h in store.view(root, "table2")}

@@ -1,4 +1,4 @@
-"""The run-folder format of pipelines/store.py: atomic writes, metric replay, folder states."""
+"""The run-folder format of pipelines/runs/store.py: atomic writes, metric replay, folder states."""
 from __future__ import annotations
 
 import json
@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from pipelines import store
 from pipelines.__main__ import main as cli
+from pipelines.config import identity
+from pipelines.runs import store
 from tests.oracles import read_metrics
 
 
@@ -91,7 +92,7 @@ def test_files_are_group_readable(tmp_path: Path) -> None:
 def test_hash_covers_every_field_but_the_non_result_ones() -> None:
     """Blacklist, not whitelist: a group added later (e.g. ``protocol``) changes the hash;
     experiment, force, results_dir, logging and launcher settings do not."""
-    base = {k: {"x": 1} for k in store.REQUIRED_KEYS}
+    base = {k: {"x": 1} for k in identity.REQUIRED_KEYS}
     h = store.run_hash(base)
     assert store.run_hash({**base, "protocol": {"name": "released"}}) != h
     assert store.run_hash({**base, "protocol": {"name": "released"}}) != store.run_hash(

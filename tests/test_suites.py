@@ -185,7 +185,7 @@ def test_paper_math_bad_rows_skipped_and_counted(tmp_path) -> None:
 
 
 def test_fetch_data_offline_fails_in_one_line(tmp_path, monkeypatch, capsys) -> None:
-    from pipelines import fetch_data
+    from pipelines.verbs import fetch_data
 
     monkeypatch.setenv("PRISM_CACHE", str(tmp_path))
     monkeypatch.setattr(fetch_data, "reachable", lambda host, timeout=5.0: False)
@@ -218,7 +218,7 @@ def test_configured_scale_builds_its_sizes(scale: str, name: str) -> None:
     data seed, train rows disjoint from the eval rows, GLUE labels balanced."""
     from omegaconf import OmegaConf
 
-    from pipelines.compose import job_config
+    from pipelines.config.compose import job_config
 
     cfg = job_config([f"suite={name}", f"scale={scale}"])
     node = cfg.suite.embedded

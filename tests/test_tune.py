@@ -1,4 +1,4 @@
-"""pipelines.tune (rule, edge extension, store/resume, outputs), pipelines.tuned_rates (what the grid reads)
+"""pipelines.verbs.tune (rule, edge extension, store/resume, outputs), pipelines.config.tuned_rates (what the grid reads)
 and the validation split of prism.data (disjoint from training and evaluation rows)."""
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from pipelines import launch, tune, tuned_rates
 from pipelines.__main__ import main as cli
-from pipelines.compose import experiment_jobs, job_config
-from pipelines.run import execute
-from pipelines.validate import load_job
+from pipelines.config import tuned_rates
+from pipelines.config.compose import experiment_jobs, job_config
+from pipelines.config.validate import load_job
+from pipelines.runs import launch
+from pipelines.runs.runner import execute
+from pipelines.verbs import tune
 
 
 def _exact(scores: dict[float, float]) -> dict[float, tune.Score]:
@@ -195,7 +197,7 @@ def test_tuning_seeds_sweep_apart_from_the_tables_and_are_recorded(tmp_path: Pat
 
 
 def test_a_bad_validation_size_is_a_config_error_before_any_model_load() -> None:
-    from pipelines.validate import ConfigError
+    from pipelines.config.validate import ConfigError
 
     with pytest.raises(ConfigError, match="suite.validation_per_task=0 must be an integer >= 1"):
         load_job(["experiment=tune", "scale=smoke", "suite.validation_per_task=0"])
@@ -214,7 +216,7 @@ def test_a_users_task_is_tuned_beside_its_runs_and_only_its_comparison_reads_the
     """``make tune TASK=...``: the cells of ``make compare`` on that file, scored on rows held out of its
     training rows; the rates go to ``<results_dir>/tuned/`` and serve ``make compare`` on the same file
     (same sha256) only, never the paper suites' grid or another file."""
-    from pipelines import compare
+    from pipelines.verbs import compare
 
     monkeypatch.setenv("PRISM_TUNED_DIR", str(tmp_path / "conf_tuned"))
     trainer = ScoreByRate()

@@ -1,4 +1,4 @@
-"""`make wandb-sync` (pipelines/wandb_sync.py) against a real offline W&B run, without network.
+"""`make wandb-sync` (pipelines/runs/wandb_sync.py) against a real offline W&B run, without network.
 
 The pinned wandb's own `sync --dry-run` must accept the run folders we pass (the flags are the
 ones its `--help` documents; `--sync-all` is gone); an upload without an API key or without a
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import wandb_sync
 from pipelines.__main__ import main as cli
+from pipelines.runs import wandb_sync
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The local launcher's workers (pipelines/worker.py): a job run in a worker that keeps its backbone
+"""The local launcher's workers (pipelines/runs/worker.py): a job run in a worker that keeps its backbone
 loaded gives bitwise the numbers of a fresh ``python -m pipelines run`` of the same job, whatever
 ran in that worker before; a failing job fails alone."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import TINY_JOB
 
-from pipelines import launch, store
-from pipelines.compose import job_config
-from pipelines.validate import load_job
+from pipelines.config.compose import job_config
+from pipelines.config.validate import load_job
+from pipelines.runs import launch, store
 from prism.models import KeptBackbones, load_backbone
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,8 +81,10 @@ def test_a_failing_job_fails_alone_and_the_next_one_runs(tmp_path: Path) -> None
 
 WORKER_UNDER_SIGTERM = """
 import os, signal, sys, threading, time
-from pipelines import run, worker
-from pipelines.validate import load_job
+from pipelines.verbs import run
+from pipelines.runs import runner
+from pipelines.runs import worker
+from pipelines.config.validate import load_job
 
 cfg = load_job(sys.argv[2:])
 
@@ -99,7 +101,7 @@ def trainer(job, folder, log_fn, load=None):
     time.sleep(60)
 
 
-run.default_trainer = trainer
+runner.default_trainer = trainer
 worker.init()
 worker.run_job(cfg, sys.argv[1])
 print("run_job returned")

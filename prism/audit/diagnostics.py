@@ -4,7 +4,7 @@ Monte-Carlo noise energies of factor-space DP (eqs. 7–9, 32–33) and of PRISM
 rescaling ``(cA, c⁻¹B)`` (eq. 4, Thm. 3.3), per-example clip statistics under both norms (eq. 3 vs
 eq. 16), the factor-norm sum ``S_t`` of Fig. 3, ``‖ΔZ_t‖_F`` of Fig. 2 and the noise amplification
 ``‖P^{-1/2}ξ‖/‖ξ‖`` of the adaptive step (Figs. 4, 14–15). The closed forms they are checked against
-live in :mod:`prism.mechanism.geometry`; the experiment that runs them is ``pipelines/diagnostics.py``.
+live in :mod:`prism.mechanism.geometry`; the experiment that runs them is ``pipelines/verbs/diagnostics.py``.
 
 Notation as in :mod:`prism.mechanism.geometry`: ``A`` [m, r], ``B`` [n, r], ``τ`` the per-coordinate noise
 standard deviation (``σC/b``). Nothing forms an ``m×n`` matrix.

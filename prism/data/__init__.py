@@ -6,7 +6,7 @@ scores; paper and embedded suites share the prompt, tokenisation, decoding and m
 rows, as the paper's runs share one training file; without it the rows follow the run seed).
 ``suite.eval_split=validation`` scores ``validation_per_task`` rows per task drawn from the training pool,
 disjoint from the training and evaluation rows (:func:`validation_split`; the learning-rate sweep of
-``pipelines/tune.py``; ``suite=custom`` holds each training row out by its own draw instead,
+``pipelines/verbs/tune.py``; ``suite=custom`` holds each training row out by its own draw instead,
 ``suite.custom.validation_fraction``). The scale's own node ``cfg_suite[scale]`` is read by :mod:`prism.data.embedded`,
 :mod:`prism.data.glue` and :mod:`prism.data.math10k`; ``suite=custom`` by :mod:`prism.data.custom`.
 """

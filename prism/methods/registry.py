@@ -4,7 +4,7 @@ The shipped methods are listed once, in :data:`SHIPPED` (the step audit's seed o
 config dataclasses, so the validator reads a node's dataclass without importing torch; their classes
 load on first use. A method defined elsewhere names its class in its yaml (``_target_:
 package.module.Class``), imported on the first lookup of its name. The shipped yamls carry no
-``_target_``: their run hashes (:mod:`pipelines.store`) stayed what they were.
+``_target_``: their run hashes (:mod:`pipelines.runs.store`) stayed what they were.
 """
 from __future__ import annotations
 

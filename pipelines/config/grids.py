@@ -1,0 +1,139 @@
+"""The grids of the verbs that plan their own jobs: a user's task as overrides (``python -m pipelines compare``,
+``tune task=``, ``grid experiment=compare``; docs/custom-task.md), the privacy settings of ``eps=``, the cells
+of the Table 2 grid (``tune``, ``select``) and the comma-separated lists they are given."""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipelines.config.compose import hydra_value
+from prism.data.custom import file_id
+from prism.methods import registry
+
+EXPERIMENT = "compare"  # the experiment of a user's task: conf/experiment/compare.yaml, its view in the store
+KEY_OVERRIDES = {"task": "suite.custom.train", "eval": "suite.custom.eval", "type": "suite.custom.type",
+                 "labels": "suite.custom.labels", "model": "backbone.path", "methods": "method"}
+"""The override each key of ``python -m pipelines compare`` (and of ``tune``'s task sweep) becomes; an error line about the
+override names the key the user typed (:func:`pipelines.__main__.as_typed`)."""
+EPSILONS = (math.inf, 6.0, 3.0)
+PRIVACY_GROUPS = {math.inf: "nondp", 6.0: "eps6", 3.0: "eps3"}
+
+
+def privacy_overrides(epsilon: float) -> list[str]:
+    """The overrides of one privacy setting: the shipped group for ∞/6/3, else ε=6's group at this ε."""
+    if epsilon in PRIVACY_GROUPS:
+        return [f"privacy={PRIVACY_GROUPS[epsilon]}"]
+    return ["privacy=eps6", f"privacy.epsilon={epsilon:g}", f"privacy.name=eps{epsilon:g}"]
+
+
+def comma_list(value: str, key: str) -> list[str]:
+    items = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+    if not items:
+        raise ValueError(f"{key}= is empty, give a comma-separated list, e.g. {key}=a,b")
+    return items
+
+
+def quoted(text: str) -> str:
+    """``text`` as a quoted Hydra string, so ``labels=true,false`` or ``1,2,3`` stay the text typed (unquoted,
+    Hydra reads them as booleans and numbers)."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _epsilon(text: str) -> float:
+    try:
+        value = math.inf if text.lower() in ("inf", "nondp", "non-dp") else float(text)
+    except ValueError:
+        raise ValueError(f"eps={text} is not a number, list privacy budgets like eps=inf,6,3") from None
+    if not value > 0:
+        raise ValueError(f"eps={text} must be > 0 (or inf for non-DP)")
+    return value
+
+
+def pinned(role: str, path: Path) -> list[str]:
+    """The overrides naming a task file (``role``: train or eval) as this command does: its absolute
+    path and its identifier (:func:`~prism.data.custom.file_id`), so the same file gives the same runs
+    however it was named."""
+    return [f"suite.custom.{role}={hydra_value(str(path))}", f"suite.custom.{role}_sha256={file_id(path)}"]
+
+
+def pin_task_files(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` with each ``suite.custom.train=`` / ``eval=`` file made absolute and pinned by its
+    identifier (:func:`pinned`) unless the user pinned it: the jobs ``slurm/submit.sh compare`` writes are
+    then the runs of ``make compare`` on the same file. A missing file is left for validation to name."""
+    given = {o.split("=", 1)[0] for o in overrides}
+    out = []
+    for override in overrides:
+        key, _, value = override.partition("=")
+        role = key.removeprefix("suite.custom.")
+        path = Path(value).expanduser()
+        if key in ("suite.custom.train", "suite.custom.eval") and path.is_file() and f"{key}_sha256" not in given:
+            out += pinned(role, path.resolve())
+        else:
+            out.append(override)
+    return out
+
+
+def absolute(text: str, key: str) -> Path:
+    """The path ``key=text`` names, absolute; ``ValueError`` naming the key where it cannot be followed
+    (a symlink loop: ``RuntimeError`` before Python 3.13, ``OSError`` after)."""
+    try:
+        return Path(text).expanduser().resolve()
+    except (OSError, RuntimeError) as err:
+        raise ValueError(f"{key}={text} cannot be followed ({err}), "
+                         f"point {key}= at the real file or folder") from None
+
+
+def task_overrides(keys: dict[str, str], overrides: Sequence[str]) -> list[str]:
+    """The overrides that name the task and model of ``keys`` (``task``, ``eval``, ``type``, ``labels``,
+    ``model``), files absolute and pinned by their identifiers (:func:`pinned`); ``ValueError`` for a missing file."""
+    task = absolute(keys["task"], "task")
+    if not task.is_file():
+        raise ValueError(f"task={keys['task']}: no such task file; give a .jsonl or .csv file of prompt/target rows")
+    out = ["suite=custom", *pinned("train", task)]
+    if "eval" in keys:
+        eval_file = absolute(keys["eval"], "eval")
+        if not eval_file.is_file():
+            raise ValueError(f"eval={keys['eval']}: no such file")
+        out += pinned("eval", eval_file)
+    if "type" in keys:
+        out.append(f"{KEY_OVERRIDES['type']}={keys['type']}")
+    if "labels" in keys:
+        out.append(f"{KEY_OVERRIDES['labels']}=[{','.join(map(quoted, comma_list(keys['labels'], 'labels')))}]")
+    if keys.get("model"):
+        if any(o.startswith("backbone=") for o in overrides):
+            raise ValueError("model= and backbone= both choose the model, give one of them")
+        out += ["backbone=local", f"{KEY_OVERRIDES['model']}={hydra_value(str(absolute(keys['model'], 'model')))}"]
+    return out
+
+
+def budgets(keys: dict[str, str]) -> list[float]:
+    """The privacy budgets of ``eps=`` (default ∞, 6, 3)."""
+    return [_epsilon(e) for e in comma_list(keys["eps"], "eps")] if "eps" in keys else list(EPSILONS)
+
+
+def default_methods() -> list[str]:
+    """The registered methods ``make compare`` runs without ``methods=`` (trait ``compare_by_default``)."""
+    return [n for n in registry.names() if registry.lookup(n).compare_by_default]
+
+
+def names(text: str, allowed: Sequence[str], flag: str) -> list[str]:
+    """The comma-separated names of ``text`` (the value of ``flag=``), each one of ``allowed``."""
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise ValueError(f"{flag}={text!r} names {unknown or 'nothing'}; choose from {','.join(allowed)}")
+    return names
+
+
+@dataclass(frozen=True, order=True)
+class Cell:
+    """One cell of the Table 2 grid: its group choices."""
+
+    suite: str
+    privacy: str
+    method: str
+
+    def overrides(self) -> list[str]:
+        return [f"method={self.method}", f"privacy={self.privacy}", f"suite={self.suite}"]
