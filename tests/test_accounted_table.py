@@ -66,6 +66,7 @@ def test_a_selection_publishes_the_best_noised_candidate_and_its_table_says_epsi
     monkeypatch.setattr(Figure, "suptitle", lambda fig, text, **kw: titles.append(text) or suptitle(fig, text, **kw))
     tiny = [o for o in TINY_RUN if o not in ("suite=glue8", "logging=disabled")]  # the plan sets the cells
     args = ["select", "methods=prism,adamw", "eps=6", "suites=glue8", *tiny, "suite.validation_per_task=2",
+            "suite.embedded.unscored=[]",  # both GLUE8 stand-ins scored: two columns
             f"results_dir={tmp_path}", "jobs=1", *offline_wandb(tmp_path, monkeypatch)]
     assert cli([*args, "method=lamb"]) == 2  # a cell's key among the overrides is refused in one line
     assert "method=lamb: the plan sets" in capsys.readouterr().err

@@ -18,7 +18,7 @@ SELECTION = ["+privacy.selection={mean:3.0,shape:1.0,score_noise:5.0,candidate:1
 
 
 def test_a_candidate_trains_at_the_selections_sigma_and_records_only_the_noised_count(tmp_path: Path) -> None:
-    cfg = tiny_cfg("privacy=eps6", *SELECTION)
+    cfg = tiny_cfg("privacy=eps6", "suite.embedded.unscored=[]", *SELECTION)  # both stand-ins scored: 2 × 3 rows
     final = T.train_and_evaluate(cfg, tmp_path, lambda record: None)
     q, steps = 8 / 32, 3
     sigma = calibrate_candidate_sigma(6.0, 1e-5, q, steps, score_sigma=5.0, mean=3.0, shape=1.0)
