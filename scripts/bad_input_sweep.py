@@ -111,7 +111,7 @@ def _grid(*argv: str) -> str:
 def _reproduce(*argv: str, results: bool = True) -> str:
     tail = ", 'results_dir=' + RES" if results else ""
     args = ["reproduce", f"experiment=table{argv[0]}", *argv[1:]]
-    return ("from pipelines import launch\nfrom pipelines.__main__ import main as cli\n"
+    return ("from pipelines.runs import launch\nfrom pipelines.__main__ import main as cli\n"
             "launch.launch = lambda *a, **k: ((T / 'LAUNCHED').write_text('x'), (True, ''))[1]\n"
             "launch.aggregate = lambda *a, **k: None\n"
             f"sys.exit(cli([*{args!r}{tail}]))")

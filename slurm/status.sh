@@ -29,7 +29,7 @@ cd "$repo"
 "${PRISM_PYTHON:-$repo/.venv/bin/python}" - "$dir/jobs.txt" <<'PY'
 import shlex, sys
 from collections import Counter
-from pipelines import store
+from pipelines.runs import store
 from pipelines.config.compose import job_config
 
 counts, failed = Counter(), []
