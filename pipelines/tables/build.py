@@ -588,8 +588,7 @@ def claims(spec: TableSpec, frame: pd.DataFrame, intervals: Mapping[tuple, iv.In
 
     def verdict(claim: str, diff: iv.Interval, what: str, sign: int) -> None:
         side = _side(spec, diff)
-        word = ("undecided" if not side or math.isnan(diff.lo) else
-                "confirmed" if (side == "beats") == (sign > 0) else "refuted")
+        word = "undecided" if not side else "confirmed" if (side == "beats") == (sign > 0) else "refuted"
         p = "" if math.isnan(diff.p) else f", p={diff.p:.2g}"
         ci = "no interval" if math.isnan(diff.lo) else f"[{diff.lo:+.3f}, {diff.hi:+.3f}]"
         out.append(f"{claim}: **{word}** ({what} {diff.value:+.3f} {ci}{p}).")
