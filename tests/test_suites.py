@@ -245,10 +245,11 @@ def test_train_per_task_mapping() -> None:
         _embedded("glue8", 3, train_per_task="many")
 
 
-def test_scored_tasks_leave_training_and_validation_rows_as_they_are() -> None:
+def test_unscored_tasks_leave_training_rows_and_are_scored_in_neither_split() -> None:
     """``suite.embedded.unscored`` drops those tasks' evaluation rows and nothing else: the training rows
     are those of the unrestricted suite (their evaluation rows are still drawn and kept out of training),
-    the scored tasks' evaluation rows are unchanged, and validation rows (the rate sweep) cover every task."""
+    the scored tasks' evaluation rows are unchanged, and the validation rows (the rate sweep) cover the
+    scored tasks only, each the same rows as in a sweep that scores every task."""
     full = _embedded("math10k", 5)
     part = _embedded("math10k", 5, unscored=["arith_choice", "gsm_symbolic"])
     assert part.train == full.train
@@ -257,7 +258,13 @@ def test_scored_tasks_leave_training_and_validation_rows_as_they_are() -> None:
     assert part.task_columns == {"basic_arithmetic": "MAWPS", "leg_counting": "SVAMP"}
     val = build_suite({"name": "math10k", "scale": "embedded", "eval_split": "validation", "validation_per_task": 4,
                        "embedded": {**SIZES, "unscored": ["gsm_symbolic", "arith_choice", "leg_counting"]}}, 5)
-    assert list(val.eval) == list(EMBEDDED_TASKS["math10k"]) and val.train == full.train
+    every = build_suite({"name": "math10k", "scale": "embedded", "eval_split": "validation", "validation_per_task": 4,
+                         "embedded": {**SIZES, "unscored": []}}, 5)
+    assert list(val.eval) == ["basic_arithmetic"] and val.train == full.train == every.train
+    assert list(every.eval) == list(EMBEDDED_TASKS["math10k"])
+    assert val.eval["basic_arithmetic"] == every.eval["basic_arithmetic"]
+    held_out = {(ex.instruction, ex.input) for ex in val.eval["basic_arithmetic"]}
+    assert not held_out & {(ex.instruction, ex.input) for ex in [*full.train, *full.eval["basic_arithmetic"]]}
     for bad in (["basic_arithmetic"], ["syllogism"]):  # nothing left to score / not a math10k task
         with pytest.raises(ValueError, match="suite.embedded.unscored"):
             _embedded("math10k", 5, tasks=["basic_arithmetic", "gsm_symbolic"], unscored=["gsm_symbolic", *bad])

@@ -159,7 +159,7 @@ def test_sweep_runs_through_the_store_extends_edges_resumes_and_writes_the_rates
     assert (tmp_path / "tables" / "tune.smoke.png").read_bytes()[:4] == b"\x89PNG"
     conf = yaml.safe_load((tmp_path / "tuned" / "smoke.yaml").read_text())
     assert conf["generated"]["command"].startswith("python -m pipelines tune scale=smoke")
-    assert "commit" in conf["generated"] and conf["generated"]["validation_per_task"] == 50
+    assert "commit" in conf["generated"] and conf["generated"]["validation_per_task"] == 200
     assert {k: conf["generated"][k] for k in tuned_rates.COVERS} == {"suites": ["glue8"], "methods": ["adamw"],
                                                                      "epsilons": [6.0]}  # the cells it swept
     by_method = {e["method"]: e for e in conf["rates"]}

@@ -256,13 +256,18 @@ def train_size(sizes: Any, task: str) -> int:
 
 def build(suite: str, node: Any, seed: int, n_validation: int = 0):
     """Embedded suite, deterministic in `seed`: (train, eval per scored task, scored task → column, skipped
-    rows). ``n_validation`` > 0 replaces each task's evaluation rows by that many rows of a second draw of
-    its training pool outside the run's training and evaluation rows (:func:`prism.data.validation_split`)."""
+    rows). ``n_validation`` > 0 replaces each scored task's evaluation rows by that many rows of a second
+    draw of its training pool outside the run's training and evaluation rows
+    (:func:`prism.data.validation_split`), so the rate sweep scores the columns the table averages."""
     available = EMBEDDED_TASKS[suite]
     tasks = list(node.get("tasks") or available)
     unknown = [t for t in tasks if t not in available]
     if unknown:
         raise ValueError(f"unknown embedded {suite} task(s) {unknown}; valid: {', '.join(available)}")
+    unscored = set(node.get("unscored") or ())
+    if unscored - set(available) or unscored >= set(tasks):
+        raise ValueError(f"suite.embedded.unscored={sorted(unscored)} must name {suite} tasks and leave at least "
+                         f"one of suite.embedded.tasks {tasks} scored")
     sizes = node.get("train_per_task", DEFAULT_TRAIN_PER_TASK[suite])
     n_eval = int(node.get("eval_per_task", DEFAULT_EVAL_PER_TASK))
     train: list[Example] = []
@@ -278,7 +283,7 @@ def build(suite: str, node: Any, seed: int, n_validation: int = 0):
                 f"embedded task {task} yields {len(task_train)} train / {len(task_eval)} eval rows, fewer than "
                 f"requested ({n_train} / {n_eval}): lower suite.embedded.train_per_task or eval_per_task"
             )
-        if n_validation:
+        if n_validation and task not in unscored:  # the sweep scores what the table scores
             pool, _, _ = make(n_train + n_validation, n_eval, sub_seed(seed, task, "validation"), node)
             task_eval = validation_split(pool, [*task_train, *task_eval], n_validation, balance=suite == "glue8")
             if len(task_eval) < n_validation:
@@ -290,11 +295,6 @@ def build(suite: str, node: Any, seed: int, n_validation: int = 0):
         if bad:
             skipped[f"embedded/{task}"] = bad
     random.Random(sub_seed(seed, suite, "train-mix")).shuffle(train)
-    if not n_validation:
-        unscored = set(node.get("unscored") or ())
-        if unscored - set(available) or unscored >= set(tasks):
-            raise ValueError(f"suite.embedded.unscored={sorted(unscored)} must name {suite} tasks and leave at least "
-                             f"one of suite.embedded.tasks {tasks} scored")
-        evals = {t: rows for t, rows in evals.items() if t not in unscored}
-        columns = {t: column for t, column in columns.items() if t not in unscored}
+    evals = {t: rows for t, rows in evals.items() if t not in unscored}
+    columns = {t: column for t, column in columns.items() if t not in unscored}
     return train, evals, columns, skipped
