@@ -60,6 +60,29 @@ def test_a_rates_standard_error_is_the_binomial_one_of_its_validation_rows() -> 
     assert math.isnan(tune.score_of([final, {}], [1, 2]).mean)  # a seed without a score
 
 
+def _point(cell: tune.Cell, epsilon: float, factor: float, seed: int, score: float) -> tune.Point:
+    return tune.Point(cell, factor, factor * 1e-3, 1e-3, seed, None, {"epsilon": epsilon}, {"average": score})
+
+
+def test_pick_changes_count_the_cells_whose_tuning_seeds_pick_different_rates_and_how_far_apart() -> None:
+    """Scores without per-row outcomes (SE 0: the rule takes the best): a private cell whose seeds peak at
+    ×0.1 and ×10 (four steps of √10 apart), a private cell both of whose seeds peak at ×1, a non-private
+    cell peaking at ×1 and ×3.16 (one step); one seed alone measures nothing."""
+    far, same, near = (tune.Cell("glue8", p, "prism") for p in ("eps6", "eps3", "nondp"))
+    peaks = {(far, 1): 0.1, (far, 2): 10.0, (same, 1): 1.0, (same, 2): 1.0, (near, 1): 1.0, (near, 2): 3.16}
+    eps = {far: 6.0, same: 3.0, near: math.inf}
+    points = [_point(c, eps[c], f, s, 0.9 if f == peak else 0.5 - abs(math.log(f)) / 100)
+              for (c, s), peak in peaks.items() for f in (0.1, 0.316, 1.0, 3.16, 10.0)]
+    assert tune.seed_picks(points) == {far: {1: 0.1, 2: 10.0}, same: {1: 1.0, 2: 1.0}, near: {1: 1.0, 2: 3.16}}
+    changes = tune.pick_changes(points)
+    assert changes == {"private": [1, 2], "non_private": [1, 1], "steps": [1, 0, 0, 1]}
+    assert tune.pick_changes_line(changes, [1, 2]) == (
+        "Picked from each tuning seed alone (1, 2), the rule's rate differs between seeds in 1 of 2 private cells "
+        "and 1 of 1 non-private cells (1 by 1 grid step, 1 by 4 grid steps); the chosen rates use the mean over "
+        "the seeds.")
+    assert tune.pick_changes([p for p in points if p.seed == 1]) is None
+
+
 def test_an_edge_optimum_extends_the_grid_by_one_step_at_most_twice() -> None:
     base = [0.1, 0.316, 1.0, 3.16, 10.0]
     rising = {f: f for f in base}
@@ -190,6 +213,10 @@ def test_tuning_seeds_sweep_apart_from_the_tables_and_are_recorded(tmp_path: Pat
     assert cli(["tune", *args]) == 0 and trainer.calls == 2 * (2 + 2)  # 2 seeds × (base grid + 2 extensions)
     path = tmp_path / "tuned" / "smoke.yaml"
     assert yaml.safe_load(path.read_text())["generated"]["seeds"] == [1, 2]
+    # the same score on both seeds: no pick moves, and the table says so
+    assert yaml.safe_load(path.read_text())["generated"]["pick_changes"] == {"private": [0, 1], "non_private": [0, 0],
+                                                                             "steps": []}
+    assert "differs between seeds in 0 of 1 private cells" in (tmp_path / "tables" / "tune.smoke.md").read_text()
     assert tuned_rates.tuning_seeds(path) == [1, 2]
     legacy = tmp_path / "legacy.yaml"  # a file written before the seed list was recorded
     legacy.write_text("generated:\n  seed: 42\nrates: []\n")

@@ -263,6 +263,49 @@ def scores_by_cell(points: Iterable[Point]) -> dict[Cell, dict[float, Score]]:
             for cell, rates in by_rate(points).items()}
 
 
+def seed_picks(points: Iterable[Point]) -> dict[Cell, dict[int, float | None]]:
+    """Cell → {tuning seed: the factor :data:`RULE` picks from that seed's runs alone} (None: no score)."""
+    out: dict[Cell, dict[int, float | None]] = {}
+    for cell, rates in by_rate(points).items():
+        seeds = sorted({p.seed for ps in rates.values() for p in ps})
+        out[cell] = {s: choose({f: score_of([p.final or {}], [s]) for f, ps in rates.items() for p in ps if p.seed == s})
+                     for s in seeds}
+    return out
+
+
+def pick_changes(points: Sequence[Point]) -> dict[str, list[int]] | None:
+    """How far :data:`RULE`'s pick moves with the tuning seed: per privacy kind (``private``: finite ε,
+    ``non_private``) ``[cells whose seeds pick different rates, cells]``, and ``steps``: the count of
+    those cells by the largest move between two seeds, in steps of the base grid (a factor of √10),
+    index 0 for one step; None with fewer than two tuning seeds."""
+    picks = seed_picks(points)
+    if not picks or max(len(by_seed) for by_seed in picks.values()) < 2:
+        return None
+    private = {p.cell: math.isfinite(float(p.fields["epsilon"])) for p in points}
+    out: dict[str, list[int]] = {"private": [0, 0], "non_private": [0, 0], "steps": []}
+    for cell, by_seed in picks.items():
+        kind = out["private" if private[cell] else "non_private"]
+        kind[1] += 1
+        chosen = [f for f in by_seed.values() if f is not None]
+        if len(set(chosen)) > 1:
+            kind[0] += 1
+            steps = max(1, round(math.log(max(chosen) / min(chosen)) / math.log(math.sqrt(10))))
+            out["steps"] += [0] * (steps - len(out["steps"]))
+            out["steps"][steps - 1] += 1
+    return out
+
+
+def pick_changes_line(changes: Mapping[str, list[int]] | None, seeds: Sequence[int]) -> str:
+    """One sentence of :func:`pick_changes` ('' with one tuning seed)."""
+    if changes is None:
+        return ""
+    (moved_p, cells_p), (moved_n, cells_n) = changes["private"], changes["non_private"]
+    by_steps = ", ".join(f"{n} by {k + 1} grid step{'s' if k else ''}" for k, n in enumerate(changes["steps"]) if n)
+    return (f"Picked from each tuning seed alone ({', '.join(map(str, seeds))}), the rule's rate differs between seeds "
+            f"in {moved_p} of {cells_p} private cells and {moved_n} of {cells_n} non-private cells"
+            + (f" ({by_steps})" if by_steps else "") + "; the chosen rates use the mean over the seeds.")
+
+
 # ------------------------------------------------------------------------------------------- outputs
 
 def frame(points: Sequence[Point]) -> pd.DataFrame:
@@ -290,6 +333,7 @@ def to_markdown(df: pd.DataFrame, scale: str, header: Mapping[str, object], titl
              f"{header['validation']}. Columns: the rate as a multiple of the default rate (Table 8 × train.lr_multiplier); "
              "cells: validation score, the chosen rate's in **bold** (± its standard error in the last column); an edge "
              "optimum adds a rate past the edge.",
+             *(["", pick_changes_line(header["pick_changes"], header["seeds"])] if "pick_changes" in header else []),
              "", "Choosing a rate on private validation data is not covered by ε.", "",
              "| suite | privacy | method | default lr | " + " | ".join(f"×{f:.3g}" for f in factors)
              + " | chosen lr | validation score |", "|" + "---|" * (6 + len(factors))]
@@ -388,7 +432,7 @@ def main(overrides: Sequence[str], *, jobs: int | None = None, task: str | None 
     header = {"command": shlex.join(command), "commit": commit, "dirty": dirty,
               "date": store.utc_stamp(), "seeds": sorted({p.seed for p in points}),
               "validation_per_task": n_validation,
-              "validation": f"{n_validation} per task from the training pool, disjoint from the training and "
+              "validation": f"{n_validation} per scored task from the training pool, disjoint from the training and "
                             "evaluation rows",
               "rule": RULE, "grid": sorted({p.factor for p in points}),
               **{key: list(dict.fromkeys(p.fields[field] for p in points)) for key, field in COVERS.items()}}
@@ -403,6 +447,8 @@ def main(overrides: Sequence[str], *, jobs: int | None = None, task: str | None 
                       validation_fraction=fraction,
                       validation=f"held out of the training rows, each row by its own draw with chance {fraction:g}, "
                                  "never the evaluation rows")
+    if (changes := pick_changes(points)) is not None:  # two or more tuning seeds: how much the pick moves
+        header["pick_changes"] = changes
     df = frame(points)
     out = results / "tables"
     out.mkdir(parents=True, exist_ok=True)
