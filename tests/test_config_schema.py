@@ -15,10 +15,11 @@ import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+import prism.data.config
+import prism.job
 from pipelines.config import compose, validate
-from pipelines.config import schema as config_schema
 from pipelines.config.compose import job_config
-from pipelines.config.schema import ConfigError, JobConfig, conform
+from pipelines.config.schema import ConfigError, JobConfig, conform, record
 from pipelines.runs import launch, runner, store, worker
 from pipelines.verbs import run
 
@@ -30,7 +31,7 @@ def _schemas(node: type) -> list[type]:
     out = [node]
     for f in fields(node):
         for kind in re.findall(r"\w+Config", str(f.type)):
-            cls = getattr(config_schema, kind)
+            cls = vars(prism.job).get(kind) or vars(prism.data.config)[kind]
             if is_dataclass(cls) and cls not in out:
                 out += [c for c in _schemas(cls) if c not in out]
     return out
@@ -50,9 +51,10 @@ def test_every_group_is_registered_and_every_field_has_help() -> None:
                                  ["experiment=diagnostics"], ["scale=paper", "suite=math10k"]])
 def test_the_schema_adds_no_key_and_changes_no_hash(job: list[str]) -> None:
     cfg = job_config(job)
-    typed = conform(cfg)
+    typed = record(cfg)
     assert OmegaConf.to_container(typed) == OmegaConf.to_container(cfg)
     assert store.run_hash(typed) == store.run_hash(cfg)
+    assert isinstance(conform(cfg), JobConfig)
 
 
 def test_an_int_for_a_float_is_that_float_and_a_float_for_an_int_is_refused() -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from pipelines.config.schema import ConfigError, positive_int, require
-from prism.data.config import EmbeddedDataConfig
+from prism.data.config import EmbeddedDataConfig, SuiteConfig
 from prism.privacy.budget import total_steps
 from prism.typed import node_of
 
@@ -134,7 +134,7 @@ def _suite(cfg: DictConfig) -> int | None:
 
         try:
             check_task(suite.custom, cfg.train.batch_size, suite.cutoff_len, token_counter(cfg.backbone), cfg.backbone.name,
-                       validating(suite, cfg.privacy.get("selection") is not None))
+                       validating(node_of(SuiteConfig, suite), cfg.privacy.get("selection") is not None))
         except TaskFileError as err:
             raise ConfigError(str(err)) from None
         return
