@@ -118,12 +118,13 @@ def public_record(record: dict[str, Any], log_private_stats: bool) -> dict[str, 
     return record if log_private_stats else {k: v for k, v in record.items() if k not in PRIVATE_STATS}
 
 
-def selection_of(cfg: JobConfig) -> SelectionConfig | None:
+def selection_of(cfg: JobConfig | DictConfig) -> SelectionConfig | None:
     """``privacy.selection`` of a private run (a selection's candidate), else None."""
-    return cfg.privacy.selection if is_private(cfg) else None
+    job = job_of(cfg)
+    return job.privacy.selection if is_private(job) else None
 
 
-def run_seed(cfg: JobConfig) -> int:
+def run_seed(cfg: JobConfig | DictConfig) -> int:
     """The seed of the initialisation, the batches and the noise: ``seed``, or for candidate k of a private
     selection one derived from ``seed`` and k, so that its candidates are independent runs."""
     selection = selection_of(cfg)

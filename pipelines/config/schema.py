@@ -85,9 +85,10 @@ def record(cfg: DictConfig) -> DictConfig:
 
 
 def _keep(typed: Any, plain: Any) -> Any:
-    """``typed`` cut down to the keys of ``plain`` (the schema's absent keys are not added)."""
+    """``typed`` cut down to the keys of ``plain`` (the schema's absent keys are not added; a key the
+    dataclass does not hold, a method yaml's ``_target_``, as given)."""
     if isinstance(plain, dict) and isinstance(typed, dict):
-        return {k: _keep(typed[k], v) for k, v in plain.items()}
+        return {k: _keep(typed[k], v) if k in typed else v for k, v in plain.items()}
     return typed
 
 
