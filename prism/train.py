@@ -11,6 +11,7 @@ dropped from the logs), are explained in docs/PRIVACY.md.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import random
@@ -22,16 +23,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from prism.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from prism.data import Suite, build_suite, sub_seed
+from prism.data.config import SuiteConfig
 from prism.data.custom import TASK, answer_room, check_task, validating
 from prism.data.prompts import collate, tokenize_example, tokenize_train_set
 from prism.evaluation.evaluate import evaluate_suite, new_tokens
 from prism.fastpath.prefix import PrefixCache, prefix_cache
 from prism.fastpath.transfer import batch_to_device
+from prism.job import JobConfig, SelectionConfig, job_of
 from prism.methods import PrivacySpec, build_method
 from prism.methods.base import Method
 from prism.methods.hf_baseline import HFRecipe, HFTrainerBaseline, holdout_loss, holdout_split
@@ -105,7 +108,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def logs_private_stats(cfg: DictConfig) -> bool:
+def logs_private_stats(cfg: JobConfig | DictConfig) -> bool:
     """``privacy.log_private_stats``: whether the logs may carry times, memory and :data:`PRIVATE_STATS`."""
     return bool(cfg.privacy.log_private_stats)
 
@@ -115,21 +118,33 @@ def public_record(record: dict[str, Any], log_private_stats: bool) -> dict[str, 
     return record if log_private_stats else {k: v for k, v in record.items() if k not in PRIVATE_STATS}
 
 
-def selection_of(cfg: DictConfig) -> DictConfig | None:
+def selection_of(cfg: JobConfig | DictConfig) -> SelectionConfig | None:
     """``privacy.selection`` of a private run (a selection's candidate), else None."""
-    return cfg.privacy.get("selection") if is_private(cfg) else None
+    job = job_of(cfg)
+    return job.privacy.selection if is_private(job) else None
 
 
-def run_seed(cfg: DictConfig) -> int:
+def run_seed(cfg: JobConfig | DictConfig) -> int:
     """The seed of the initialisation, the batches and the noise: ``seed``, or for candidate k of a private
     selection one derived from ``seed`` and k, so that its candidates are independent runs."""
     selection = selection_of(cfg)
-    return int(cfg.seed) if selection is None else sub_seed(cfg.seed, "selection-candidate", str(selection.candidate))
+    return cfg.seed if selection is None else sub_seed(cfg.seed, "selection-candidate", str(selection.candidate))
 
 
-def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = load_backbone) -> Setup:
-    """Model, data, privacy calibration and method for one resolved config (``suite``: a prebuilt one, e.g.
-    ``make gpu-check``'s; ``load``: :func:`prism.models.load_backbone` or :class:`prism.models.KeptBackbones`)."""
+def validation_node(suite: SuiteConfig) -> SuiteConfig:
+    """``suite`` scoring its validation rows (``suite.eval_split=validation``): what a selection's candidate
+    scores. Its other fields stay as checked (a custom task's validation rows are drawn by
+    ``suite.custom.validation_fraction``, without ``suite.validation_per_task``)."""
+    node = copy.copy(suite)
+    node.eval_split = "validation"
+    return node
+
+
+def build(cfg: JobConfig | DictConfig, suite: Suite | None = None, load: BackboneLoader = load_backbone) -> Setup:
+    """Model, data, privacy calibration and method for one job (a :class:`~prism.job.JobConfig`, or a resolved
+    config :func:`prism.job.job_of` types; ``suite``: a prebuilt one, e.g. ``make gpu-check``'s; ``load``:
+    :func:`prism.models.load_backbone` or :class:`prism.models.KeptBackbones`)."""
+    cfg = job_of(cfg)
     selection, seed = selection_of(cfg), run_seed(cfg)
     random.seed(seed)
     np.random.seed(seed)
@@ -139,7 +154,7 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
     suite = suite if suite is not None else build_suite(cfg.suite, cfg.seed)  # before the model: a data error costs no model load
     validation = None
     if selection is not None:  # a candidate trains outside the validation rows it scores (the scored tasks')
-        validation = build_suite({**OmegaConf.to_container(cfg.suite), "eval_split": "validation"}, cfg.seed)
+        validation = build_suite(validation_node(cfg.suite), cfg.seed)
         suite.train, validation.eval = validation.train, {t: validation.eval[t] for t in suite.eval}
     recipe = HFRecipe.from_config(cfg, len(suite.train))  # train.nondp_trainer=hf: docs/DECISIONS.md D7
     if recipe is not None:
@@ -174,7 +189,7 @@ def build(cfg: DictConfig, suite: Suite | None = None, load: BackboneLoader = lo
     for caveat in dp_caveats(cfg, lookup(cfg.method).tangent):  # protocol=released: docs/DECISIONS.md
         log.warning("NOT a valid DP guarantee as stated: %s", caveat)
     params = trainable_parameters(model)
-    privacy = PrivacySpec(sigma=sigma, clip_norm=float(cfg.privacy.clip_norm)) if dp else None
+    privacy = PrivacySpec(sigma=sigma, clip_norm=cfg.privacy.clip_norm) if dp else None
     method = build_method(cfg.method, params, privacy)
     params = {name: p for name, p in params.items() if p.requires_grad}  # FFA freezes peft lora_A
     narrate("frozen-prefix cache (train.prefix_cache=%s) for %d training examples", cfg.train.prefix_cache,
@@ -259,7 +274,7 @@ def _restore(s: Setup, state: dict[str, Any]) -> int:
     return int(state["step"])
 
 
-def train_step(s: Setup, cfg: DictConfig, diagnostics: bool = True, indices: Tensor | None = None) -> dict[str, Any]:
+def train_step(s: Setup, cfg: JobConfig, diagnostics: bool = True, indices: Tensor | None = None) -> dict[str, Any]:
     """One logical step: Poisson batch → micro-batches → clip & sum → noise once → update; statistics stay 0-dim
     device tensors (``diagnostics``, off only in mechanism benchmarks: the noise and update norms too).
     ``indices``: the logical batch, drawn from the sampler when None (the record-and-replay audit,
@@ -288,11 +303,12 @@ def train_step(s: Setup, cfg: DictConfig, diagnostics: bool = True, indices: Ten
     return {"loss": loss_sum / len(indices), "batch_size": len(indices), **stats}
 
 
-def train_and_evaluate(cfg: DictConfig, run_dir: Path, log_fn: LogFn | None = None,
+def train_and_evaluate(cfg: JobConfig | DictConfig, run_dir: Path, log_fn: LogFn | None = None,
                        load: BackboneLoader = load_backbone) -> dict[str, Any]:
     """Train (resuming from ``run_dir/checkpoint`` when present), evaluate, return the final record
-    (``load``: as in :func:`build`)."""
+    (``cfg`` and ``load``: as in :func:`build`)."""
     started = time.time()
+    cfg = job_of(cfg)
     s = build(cfg, load=load)
     log = log_fn or (lambda record: None)
     ckpt_dir = Path(run_dir) / "checkpoint"
@@ -363,7 +379,7 @@ class _SecureDraws:
         return loc + scale * float(SecureNoise().normal((1,), torch.device("cpu")))
 
 
-def _selection_score(s: Setup, cfg: DictConfig) -> dict[str, Any]:
+def _selection_score(s: Setup, cfg: JobConfig) -> dict[str, Any]:
     """A candidate's ``selection`` block (the fields of :class:`pipelines.runs.store.SelectionBlock`): the count of
     its correct validation rows plus Gaussian noise of ``privacy.selection.score_noise`` rows (a generator
     seeded by the run seed, the cell (method, suite, ε) and the candidate, so that no two cells share a
@@ -376,10 +392,10 @@ def _selection_score(s: Setup, cfg: DictConfig) -> dict[str, Any]:
     draws = _SecureDraws() if s.secure else np.random.default_rng(
         sub_seed(cfg.seed, "selection-score", cfg.method.name, cfg.suite.name, str(cfg.privacy.epsilon),
                  str(selection.candidate)))
-    knobs = dict(score_sigma=float(selection.score_noise), mean=float(selection.mean), shape=float(selection.shape))
-    epsilon = selection_epsilon(s.sigma, s.sampler.sample_rate, total_steps(cfg), float(cfg.privacy.delta), **knobs)
+    knobs = dict(score_sigma=selection.score_noise, mean=selection.mean, shape=selection.shape)
+    epsilon = selection_epsilon(s.sigma, s.sampler.sample_rate, total_steps(cfg), cfg.privacy.delta, **knobs)
     return {"score": noised_count(correct, knobs["score_sigma"], draws), "rows": int(correct.size),
-            "candidate": int(selection.candidate), "mean": knobs["mean"], "shape": knobs["shape"],
+            "candidate": selection.candidate, "mean": knobs["mean"], "shape": knobs["shape"],
             "score_noise": knobs["score_sigma"], "sigma": s.sigma, "epsilon": epsilon}
 
 

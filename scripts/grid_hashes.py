@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from pipelines.config.compose import compose_config, compose_job, experiment_jobs, job_config
 from pipelines.config.identity import run_hash
-from pipelines.config.schema import conform
+from pipelines.config.schema import record
 
 REPO = Path(__file__).resolve().parents[1]
 SCALES = ("embedded", "paper")
@@ -40,7 +40,7 @@ def composed(experiment: str, overrides: Sequence[str]) -> list[tuple[list[str],
     """The distinct jobs of ``experiment``'s grid with their typed configs, as the runner hashes them."""
     distinct: dict[str, tuple[list[str], DictConfig]] = {}
     for job in experiment_jobs(experiment, overrides):
-        cfg = conform(compose_job(job))
+        cfg = record(compose_job(job))
         distinct.setdefault(run_hash(cfg), (job, cfg))
     return list(distinct.values())
 
@@ -51,7 +51,7 @@ def select_jobs(fixed: Sequence[str]) -> list[tuple[list[str], DictConfig]]:
     from pipelines.verbs import select
 
     params = compose_config([f"experiment={select.EXPERIMENT}"], with_hydra=True).hydra.sweeper.params
-    cfg = conform(job_config([f"experiment={select.EXPERIMENT}", *fixed]))
+    cfg = record(job_config([f"experiment={select.EXPERIMENT}", *fixed]))
     selections = select.plan(cfg, fixed, comma_list(str(params["method"]), "methods"), budgets({"eps": "6,3"}),
                              comma_list(str(params["suite"]), "suites"), [int(cfg.seed)])
     return [(job.overrides, job.cfg) for s in selections for job in s.jobs]
@@ -73,7 +73,7 @@ def main() -> int:
             print(*lines("table2-accounted", scale, select_jobs(remote)), sep="\n")
             print(*lines("compare", scale, compare_jobs(remote)), sep="\n")
         diagnostics = ["experiment=diagnostics", *remote[:1], *(["suite=math10k"] if scale == "paper" else [])]
-        print(*lines("diagnostics", scale, [(diagnostics, conform(job_config(diagnostics)))]), sep="\n")
+        print(*lines("diagnostics", scale, [(diagnostics, record(job_config(diagnostics)))]), sep="\n")
     return 0
 
 

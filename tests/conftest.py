@@ -85,6 +85,27 @@ def tiny_cfg(*overrides: str) -> DictConfig:
     return resolve(compose_config([*TINY_RUN, *overrides]))
 
 
+DECODING = {"num_beams": 1, "max_new_tokens": 8, "prompt_encoding": "text", "renormalize_logits": False,
+            "remove_invalid_values": False, "choice_regex": "lookaround", "shared_prefix": True,
+            "frozen_prefix": True}
+"""A complete ``suite.decoding`` node: greedy, 8 new tokens, each prompt tokenized alone."""
+
+
+def suite_node(name: str, scale: str = "embedded", embedded: dict | None = None, **keys: Any) -> dict:
+    """A complete ``suite`` node of suite ``name`` at ``scale`` for :func:`prism.data.build_suite`: its
+    family's template, Table 7's cut-off and loss, :data:`DECODING`, no row limit, the rows following the run
+    seed; with ``embedded``, that stand-in node training on every task and scoring them all; ``keys`` set the
+    rest."""
+    from prism.data.embedded import EMBEDDED_TASKS
+
+    family = "math" if name == "math10k" else "glue"
+    node = {"name": name, "scale": scale, "family": family, "train_on_inputs": family == "math",
+            "cutoff_len": 384 if family == "glue" else 256, "eval_limit": None, "decoding": DECODING, **keys}
+    if embedded is not None:
+        node["embedded"] = {"tasks": list(EMBEDDED_TASKS.get(name, ())), "unscored": [], **embedded}
+    return node
+
+
 TINY_JOB = ["backbone=tiny-llama", "backbone.lora_layers=null", "train.batch_size=4", "suite.eval_limit=2",
             "suite.cutoff_len=1024", "suite.embedded.train_per_task=16", "logging=disabled"]
 """The same tiny backbone for jobs a launcher or worker runs (each test adds its suite, method, steps,

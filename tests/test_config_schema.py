@@ -15,12 +15,15 @@ import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+import prism.data.config
+import prism.job
 from pipelines.config import compose, validate
-from pipelines.config import schema as config_schema
 from pipelines.config.compose import job_config
-from pipelines.config.schema import ConfigError, JobConfig, conform
+from pipelines.config.schema import ConfigError, JobConfig, conform, record
 from pipelines.runs import launch, runner, store, worker
 from pipelines.verbs import run
+from prism.data.config import DecodingConfig, EmbeddedDataConfig
+from prism.methods.schema import AdamWConfig
 
 TUNED = Path(__file__).resolve().parents[1] / "conf" / "tuned" / "embedded.yaml"
 
@@ -30,7 +33,7 @@ def _schemas(node: type) -> list[type]:
     out = [node]
     for f in fields(node):
         for kind in re.findall(r"\w+Config", str(f.type)):
-            cls = getattr(config_schema, kind)
+            cls = vars(prism.job).get(kind) or vars(prism.data.config)[kind]
             if is_dataclass(cls) and cls not in out:
                 out += [c for c in _schemas(cls) if c not in out]
     return out
@@ -50,9 +53,29 @@ def test_every_group_is_registered_and_every_field_has_help() -> None:
                                  ["experiment=diagnostics"], ["scale=paper", "suite=math10k"]])
 def test_the_schema_adds_no_key_and_changes_no_hash(job: list[str]) -> None:
     cfg = job_config(job)
-    typed = conform(cfg)
+    typed = record(cfg)
     assert OmegaConf.to_container(typed) == OmegaConf.to_container(cfg)
     assert store.run_hash(typed) == store.run_hash(cfg)
+    assert isinstance(conform(cfg), JobConfig)
+
+
+def test_conform_hands_prism_the_typed_job_and_the_hash_reads_only_the_yaml_keys() -> None:
+    """``conform`` builds the dataclass tree prism reads (the method node as its method's own dataclass, an
+    int given for a float that float); a key no yaml sets takes its dataclass default there and stays out
+    of ``record``, the config the run hash reads."""
+    cfg = job_config(["suite=math10k", "method=adamw", "method.lr=1"])
+    job = conform(cfg)
+    assert isinstance(job, JobConfig) and isinstance(job.method, AdamWConfig)
+    assert isinstance(job.suite.decoding, DecodingConfig)
+    assert isinstance(job.suite.embedded, EmbeddedDataConfig)
+    assert type(job.method.lr) is float and job.method.lr == 1.0
+    assert job.method.betas == tuple(cfg.method.betas)
+    assert job.suite.embedded.tasks == list(cfg.suite.embedded.tasks)
+    assert "eval_split" not in cfg.suite and job.suite.eval_split == "test"
+    assert "min_confidence" not in cfg.suite.embedded and job.suite.embedded.min_confidence == 0.8
+    kept = record(cfg)
+    assert type(kept.method.lr) is float and "eval_split" not in kept.suite
+    assert store.run_hash(kept) == store.run_hash(OmegaConf.merge(cfg, {"method": {"lr": 1.0}}))
 
 
 def test_an_int_for_a_float_is_that_float_and_a_float_for_an_int_is_refused() -> None:

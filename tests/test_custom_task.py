@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from conftest import suite_node
 
 from pipelines.__main__ import main as cli
 from pipelines.runs import runner
@@ -65,7 +66,8 @@ def _rows(n: int, start: int = 0) -> list[dict]:
 
 def _node(train: Path, **extra) -> dict:
     return {"train": str(train), "eval": None, "eval_fraction": 0.25, "validation_fraction": 0.25,
-            "type": "classification", "labels": list(LABELS), "tolerance": 1e-3, **extra}
+            "type": "classification", "labels": list(LABELS), "tolerance": 1e-3, "train_sha256": None,
+            "eval_sha256": None, **extra}
 
 
 def test_split_is_fixed_disjoint_and_examples_reuse_the_template(tmp_path: Path) -> None:
@@ -76,7 +78,7 @@ def test_split_is_fixed_disjoint_and_examples_reuse_the_template(tmp_path: Path)
     assert not {ex.instruction for ex in a.train} & {ex.instruction for ex in a.eval}
     ex = a.train[0]
     assert ex.input == "" and ex.answer == LABELS.index(ex.output)
-    suite = build_suite({"name": "custom", "scale": "embedded", "custom": _node(train)}, seed=3)
+    suite = build_suite(suite_node("custom", custom=_node(train)), seed=3)
     assert suite.family == "glue" and suite.task_columns == {"custom": "Accuracy"} and suite.train == a.train
     assert suite.source["train_sha256"] and suite.rules["custom"].labels == LABELS
 
@@ -169,7 +171,8 @@ def test_validation_rows_are_held_out_of_the_training_rows_never_the_evaluation_
     key = lambda rows: [ex.instruction for ex in rows]  # noqa: E731
     assert val.eval and val.train and sorted(key(val.train + val.eval)) == sorted(key(test.train))
     assert not set(key(val.eval)) & set(key(test.eval))  # the evaluation rows stay out of both
-    node = {"name": "custom", "scale": "embedded", "custom": _node(train), "eval_split": "validation"}
+    node = suite_node("custom", custom=_node(train), eval_split="validation",
+                      validation_per_task=200)  # as experiment/tune.yaml; a custom task's draw ignores it
     assert key(build_suite(node, seed=1).eval["custom"]) == key(build_suite(node, seed=2).eval["custom"]) == key(val.eval)
     assert build_suite(node, seed=1).source["split"] == "validation"
     held = _write(tmp_path / "e.jsonl", _rows(6, start=100))  # an evaluation file: the pool is the whole train file
@@ -267,7 +270,7 @@ def test_evaluation_examples_carry_no_id(tmp_path: Path) -> None:
     renamed = _write(tmp_path / "b.jsonl", [{**r, "id": f"x{k * 7}"} for k, r in enumerate(rows)])
     plain = _write(tmp_path / "c.jsonl", [{k: v for k, v in r.items() if k != "id"} for r in rows])
     held = _write(tmp_path / "e.jsonl", _rows(4, start=0))  # ids r0..r3 again, and the same prompts
-    suites = [build_suite({"name": "custom", "scale": "embedded", "custom": _node(f, eval=str(held))}, seed=0)
+    suites = [build_suite(suite_node("custom", custom=_node(f, eval=str(held))), seed=0)
               for f in (numbered, renamed, plain)]
     assert all(s.train == suites[0].train and s.eval == suites[0].eval for s in suites)
 

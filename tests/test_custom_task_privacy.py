@@ -26,6 +26,8 @@ from prism.fileio import sha256_file
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tweet_sentiment"
 LABELS = "positive,negative,neutral"
+UNPINNED = {"tolerance": 1e-3, "train_sha256": None, "eval_sha256": None}
+"""The ``suite.custom`` keys of a classification task whose files are not pinned (suite/custom.yaml's)."""
 
 
 def _config(train: Path, *overrides: str) -> object:
@@ -85,7 +87,7 @@ def test_rows_repeating_a_prompt_land_on_one_side_so_the_hold_out_never_repeats_
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     node = {"train": str(path), "eval": None, "eval_fraction": 0.2, "validation_fraction": 0.2,
-            "type": "classification", "labels": LABELS.split(",")}
+            "type": "classification", "labels": LABELS.split(","), **UNPINNED}
     for validating in (False, True):
         task, _ = load_task(node, validating)
         assert task.warning is None and len(task.eval) % 2 == 0 and len(task.train) % 2 == 0
@@ -98,7 +100,7 @@ def test_the_hold_out_sizes_are_binomial_at_the_configured_fractions(tmp_path: P
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"row {i}", "target": "positive"}) + "\n" for i in range(n)))
     node = {"train": str(path), "eval": None, "eval_fraction": 0.2, "validation_fraction": 0.17,
-            "type": "classification", "labels": LABELS.split(",")}
+            "type": "classification", "labels": LABELS.split(","), **UNPINNED}
     test, _ = load_task(node)
     held = len(test.eval)
     assert abs(held - 0.2 * n) < 4.5 * (n * 0.2 * 0.8) ** 0.5, held
@@ -113,7 +115,7 @@ def test_an_empty_side_is_one_line_naming_the_fraction(fraction: float, words: s
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"row {i}", "target": "positive"}) + "\n" for i in range(5)))
     node = {"train": str(path), "eval": None, "eval_fraction": fraction, "validation_fraction": fraction,
-            "type": "classification", "labels": LABELS.split(",")}
+            "type": "classification", "labels": LABELS.split(","), **UNPINNED}
     with pytest.raises(TaskFileError) as err:
         load_task(node)
     message = str(err.value)
@@ -168,8 +170,8 @@ def test_a_pinned_identifier_still_catches_a_changed_file_and_a_plain_sha256(tmp
     task = tmp_path / "train.jsonl"
     task.write_bytes((EXAMPLE / "train.jsonl").read_bytes())
     identifier, _ = _published(task)
-    node = {"train": str(task), "eval": None, "eval_fraction": 0.2, "type": "classification",
-            "labels": LABELS.split(","), "train_sha256": identifier}
+    node = {"train": str(task), "eval": None, "eval_fraction": 0.2, "validation_fraction": 0.2,
+            "type": "classification", "labels": LABELS.split(","), **UNPINNED, "train_sha256": identifier}
     assert load_task(node)[0].source["train_sha256"] == identifier
     with pytest.raises(TaskFileError, match="plain sha256") as err:
         load_task({**node, "train_sha256": sha256_file(task)})

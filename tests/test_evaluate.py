@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import char_tokenizer
+from conftest import DECODING, char_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from prism.data import Example, Suite
@@ -69,7 +69,7 @@ def test_scripted_glue_scores_columns_and_failures() -> None:
     tok = char_tokenizer()
     model = ScriptedModel(tok, _nli_answer)
     model.train()
-    decoding = {"num_beams": 1, "max_new_tokens": 8, "shared_prefix": False}  # a scripted model has no KV cache
+    decoding = {**DECODING, "shared_prefix": False}  # a scripted model has no KV cache
     res = evaluate_suite(model, tok, _glue_suite(), decoding, batch_size=4)
     assert set(res) == KEYS and model.training  # mode restored
     assert res["n"] == {"mnli_matched": 6, "mnli_mismatched": 4, "tweet_sentiment": 5}
@@ -97,7 +97,8 @@ def test_scripted_math_template_and_extraction() -> None:
         i = int(prompt.split("What is ")[1].split("+")[0])
         return f"{i}+{i} is {2 * i:,}." if i != 4 else "I cannot tell."
 
-    res = evaluate_suite(ScriptedModel(tok, answer), tok, _math_suite(), {"num_beams": 4, "max_new_tokens": 10}, 2)
+    decoding = {**DECODING, "num_beams": 4, "max_new_tokens": 10}
+    res = evaluate_suite(ScriptedModel(tok, answer), tok, _math_suite(), decoding, 2)
     assert res["scores"] == {"gsm_symbolic": pytest.approx(4 / 5), "arith_choice": 0.5}
     assert res["parse_failure"] == {"gsm_symbolic": pytest.approx(1 / 5), "arith_choice": 0.0}
     assert res["columns"] == {"GSM8K": pytest.approx(0.8), "AQuA": 0.5}
@@ -114,14 +115,14 @@ def test_tiny_llama_end_to_end() -> None:
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
     model = LlamaForCausalLM(config)
     suite = _glue_suite()
-    for decoding in ({"num_beams": 1, "max_new_tokens": 4}, {"num_beams": 2, "max_new_tokens": 3}):
+    for decoding in ({**DECODING, "max_new_tokens": 4}, {**DECODING, "num_beams": 2, "max_new_tokens": 3}):
         res = evaluate_suite(model, tok, suite, decoding, batch_size=4)
         assert set(res) == KEYS and set(res["columns"]) == {"MNLI", "SST-2"}
         assert all(0.0 <= f <= 1.0 for f in res["parse_failure"].values())
     # the reported failure rate is what the rules give on the same (greedy, deterministic) responses
     examples = suite.eval["mnli_matched"]
     texts = generate_responses(model, tok, [eval_prompt(ex, "glue") for ex in examples],
-                               {"num_beams": 2, "max_new_tokens": 3}, batch_size=3)
+                               {**DECODING, "num_beams": 2, "max_new_tokens": 3}, batch_size=3)
     assert res["samples"]["mnli_matched"] == texts[:3]
     failures = sum(not parse_glue_label("mnli", t)[1] for t in texts)
     assert res["parse_failure"]["mnli_matched"] == pytest.approx(failures / len(texts))
@@ -148,7 +149,7 @@ def test_batched_shared_prefix_greedy_equals_unbatched(backbone: str) -> None:
     assert common_prefix_length([encode_prompt_as_trained(tok, p) for p in prompts[:5]]) > 100
     reference = [_greedy_alone(model, tok, p, 6) for p in prompts]
     assert sum(n for _, n in reference) > 3 * len(prompts)  # the comparison covers generated tokens
-    decoding = {"num_beams": 1, "max_new_tokens": 6, "prompt_encoding": "as_trained"}
+    decoding = {**DECODING, "num_beams": 1, "max_new_tokens": 6, "prompt_encoding": "as_trained"}
     for batch_size in (4, 6):
         assert generate_responses(model, tok, prompts, decoding, batch_size) == [text for text, _ in reference]
 
@@ -171,7 +172,7 @@ def test_frozen_prompt_cache_generates_what_the_full_model_does(backbone: str, t
               "Sentence: twelve chars", "Sentence: !"]
     prompts = [eval_prompt(Example("t", "Task: SST-2.", text, "", 0), "glue") for text in inputs]
     prompts.append(eval_prompt(Example("t", "What is 2+2?", "", "", 4.0), "math"))
-    greedy = {"num_beams": 1, "max_new_tokens": 6, "prompt_encoding": "as_trained"}
+    greedy = {**DECODING, "num_beams": 1, "max_new_tokens": 6, "prompt_encoding": "as_trained"}
     for seed in (0, 1):
         model, tok = load_backbone({"name": backbone}, "cpu")
         model = attach_lora(model, lora, {"name": backbone, "lora_layers": 1}, init="peft",
@@ -199,7 +200,7 @@ def test_math_eval_template_reaches_the_prompts() -> None:
         return str(2 * int(prompt.split("What is ")[1].split("+")[0])) if "What is " in prompt else "(B)"
 
     suite = _math_suite()
-    base = {"num_beams": 1, "max_new_tokens": 8, "shared_prefix": False}
+    base = {**DECODING, "shared_prefix": False}
     default = evaluate_suite(ScriptedModel(tok, answer), tok, suite, base, batch_size=4)
     switched = evaluate_suite(ScriptedModel(tok, answer), tok, suite, {**base, "math_eval_template": "train"}, 4)
     assert default["scores"] == {"gsm_symbolic": 0.0, "arith_choice": 0.0}
@@ -210,7 +211,7 @@ def test_per_task_token_cap_reaches_generate() -> None:
     """``max_new_tokens_per_task`` caps the named task; the others keep ``max_new_tokens``."""
     tok = char_tokenizer()
     model = ScriptedModel(tok, lambda prompt: "(A)." if "Pick" in prompt else "2.")
-    decoding = {"num_beams": 1, "max_new_tokens": 8, "max_new_tokens_per_task": {"gsm_symbolic": 12},
+    decoding = {**DECODING, "max_new_tokens_per_task": {"gsm_symbolic": 12},
                 "shared_prefix": False}
     evaluate_suite(model, tok, _math_suite(), decoding, 8)
     assert [call["max_new_tokens"] for call in model.calls] == [12, 8]  # gsm_symbolic, then arith_choice

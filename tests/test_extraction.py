@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import suite_node
 
 from prism.data import PAPER_COLUMNS, build_suite
 from prism.data.math10k import MATH_TESTS
@@ -94,9 +95,9 @@ def test_real_llm_adapters_golds_score_100(llm_adapters_dir, tmp_path, monkeypat
     """Gold answers of the real GSM8K/AQuA/SVAMP/MAWPS test files, written as model outputs after the
     question (whose numbers and choice letters must not confuse extraction), score 100 %."""
     monkeypatch.setenv("PRISM_CACHE", str(tmp_path))
-    cfg = {"name": "math10k", "scale": "paper",
-           "paper": {"train_file": str(llm_adapters_dir / "ft-training_set" / "math_data.json"),
-                     "llm_adapters": str(llm_adapters_dir)}}
+    paper = {"train_file": str(llm_adapters_dir / "ft-training_set" / "math_data.json"),
+             "llm_adapters": str(llm_adapters_dir)}
+    cfg = suite_node("math10k", "paper", paper=paper)
     suite = build_suite(cfg, seed=42)
     assert len(suite.train) == 3257 and suite.skipped == {"math10k/train": 3}  # 3 rows have an empty output
     assert {t: len(v) for t, v in suite.eval.items()} == {t: rows for t, (_, _, rows) in MATH_TESTS.items()}

@@ -69,12 +69,14 @@ def test_a_train_per_task_mapping_is_accepted_and_read() -> None:
 
 def test_eval_rows_beyond_a_stand_ins_supply_are_refused_before_the_run() -> None:
     """The stand-in's own builder refuses the same request (after model load, before this check)."""
+    from prism.data.config import EmbeddedDataConfig
     from prism.data.embedded import build
 
     with pytest.raises(ConfigError, match="tweet_sentiment yields 1600 train / [0-9]+ eval rows"):
         load_job(["suite.embedded.eval_per_task=5000"])
+    node = EmbeddedDataConfig(tasks=["tweet_sentiment"], train_per_task=1600, eval_per_task=5000, unscored=[])
     with pytest.raises(ValueError, match="fewer than requested"):
-        build("glue8", {"tasks": ["tweet_sentiment"], "train_per_task": 1600, "eval_per_task": 5000}, 42)
+        build("glue8", node, 42)
     assert load_job(["suite.embedded.eval_per_task=300"]).suite.embedded.eval_per_task == 300
 
 

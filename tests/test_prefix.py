@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LENGTHS, N_LAYERS, TARGETS, VOCAB, features, tiny_model
+from conftest import LENGTHS, N_LAYERS, TARGETS, VOCAB, features, suite_node, tiny_model
 from torch import Tensor, nn
 
 import prism.fastpath.prefix as prefix
@@ -263,8 +263,7 @@ def test_real_backbone_cache_matches_full_forward(tmp_path: Path) -> None:
     model, tokenizer = load_backbone(backbone, torch.device("cpu"))
     lora = {"r": 16, "alpha": 16, "dropout": 0.0, "targets": TARGETS}
     model = attach_lora(model, lora, backbone, init="spectral", generator=torch.Generator().manual_seed(0))
-    suite = build_suite({"name": "glue8", "scale": "embedded", "family": "glue", "train_on_inputs": False,
-                         "cutoff_len": 384, "embedded": {}}, 0)
+    suite = build_suite(suite_node("glue8", embedded={"train_per_task": 500, "eval_per_task": 200}), 0)
     feats = [tokenize_example(tokenizer, ex, 384, False) for ex in suite.train[:4]]
     assert prefix_depth(model) == 26
     cache = PrefixCache.build(model, feats, cache_dir=tmp_path, name="smollm2-135m")

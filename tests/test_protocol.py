@@ -11,7 +11,7 @@ from pathlib import Path
 import dp_accounting
 import pytest
 import torch
-from conftest import TARGETS, tiny_cfg
+from conftest import DECODING, TARGETS, tiny_cfg
 from omegaconf import OmegaConf
 from opacus import GradSampleModule
 from peft import LoraConfig, get_peft_model
@@ -365,7 +365,7 @@ def test_generation_options_reach_generate(monkeypatch: pytest.MonkeyPatch) -> N
     prompts = ["### Response:\n", "x ### Response:\n"]
     out = {}
     for flag in (False, True):
-        decoding = {"num_beams": 1, "max_new_tokens": 3, "prompt_encoding": "text",
+        decoding = {**DECODING, "num_beams": 1, "max_new_tokens": 3, "prompt_encoding": "text",
                     "renormalize_logits": flag, "remove_invalid_values": flag}
         out[flag] = generate_responses(model, tok, prompts, decoding, batch_size=2)
         assert seen[-1]["renormalize_logits"] is flag and seen[-1]["remove_invalid_values"] is flag

@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import suite_node
 
 from pipelines.__main__ import main as cli
 from prism.data import DataUnavailableError, build_suite
@@ -20,7 +21,7 @@ SIZES = {"train_per_task": 24, "eval_per_task": 8}
 
 
 def _embedded(name: str, seed: int, **extra):
-    return build_suite({"name": name, "scale": "embedded", "embedded": {**SIZES, **extra}}, seed)
+    return build_suite(suite_node(name, embedded={**SIZES, **extra}), seed)
 
 
 @pytest.mark.parametrize("name", ["glue8", "math10k"])
@@ -92,20 +93,19 @@ def test_embedded_equation_targets_recompute_from_the_question() -> None:
 
 
 def test_embedded_task_subset_and_eval_limit() -> None:
-    suite = build_suite({"name": "math10k", "scale": "embedded", "eval_limit": 3,
-                         "embedded": {**SIZES, "tasks": ["leg_counting"]}}, 1)
+    suite = build_suite(suite_node("math10k", eval_limit=3, embedded={**SIZES, "tasks": ["leg_counting"]}), 1)
     assert suite.task_columns == {"leg_counting": "SVAMP"} and len(suite.eval["leg_counting"]) == 3
 
 
 @pytest.mark.parametrize(
     ("cfg", "match"),
     [
-        ({"name": "superglue", "scale": "embedded"}, "glue8, math10k"),
-        ({"name": "glue8", "scale": "huge"}, "embedded, paper"),
-        ({"name": "glue8", "scale": "embedded", "family": "math"}, "family"),
-        ({"name": "glue8", "scale": "embedded", "embedded": {"tasks": ["cola"]}}, "tweet_sentiment, syllogism"),
-        ({"name": "glue8", "scale": "paper", "paper": {"tasks": ["wnli"]}}, "cola, sst2"),
-        ({"name": "math10k", "scale": "paper", "paper": {"tests": ["asdiv"]}}, "gsm8k, aqua"),
+        (suite_node("superglue", embedded=SIZES), "glue8, math10k"),
+        (suite_node("glue8", "huge"), "embedded, paper"),
+        (suite_node("glue8", embedded=SIZES, family="math"), "family"),
+        (suite_node("glue8", embedded={**SIZES, "tasks": ["cola"]}), "tweet_sentiment, syllogism"),
+        (suite_node("glue8", "paper", paper={"tasks": ["wnli"]}), "cola, sst2"),
+        (suite_node("math10k", "paper", paper={"tests": ["asdiv"]}), "gsm8k, aqua"),
     ],
 )
 def test_unknown_names_list_valid_ones(cfg: dict, match: str) -> None:
@@ -116,7 +116,7 @@ def test_unknown_names_list_valid_ones(cfg: dict, match: str) -> None:
 def test_paper_math_unavailable_names_the_fix(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PRISM_CACHE", str(tmp_path))
     with pytest.raises(DataUnavailableError, match=r"make data.* scale=embedded") as err:
-        build_suite({"name": "math10k", "scale": "paper", "paper": {}}, 0)
+        build_suite(suite_node("math10k", "paper", paper={}), 0)
     assert "\n" not in str(err.value) and "math_10k.json" in str(err.value)
 
 
@@ -140,8 +140,8 @@ def test_paper_glue_from_cache_stratified(tmp_path, monkeypatch) -> None:
     for split in ("train", "validation_matched", "validation_mismatched"):
         _write_jsonl(root / "mnli" / f"{split}.jsonl",
                      [{"premise": f"p{i}", "hypothesis": "h", "label": i % 3} for i in range(30)])
-    suite = build_suite({"name": "glue8", "scale": "paper", "paper": {"tasks": ["rte", "stsb", "mnli"],
-                                                                       "train_per_task": 20}}, 42)
+    node = suite_node("glue8", "paper", paper={"tasks": ["rte", "stsb", "mnli"], "train_per_task": 20})
+    suite = build_suite(node, 42)
     by_task = Counter(ex.task for ex in suite.train)
     assert by_task == {"rte": 20, "stsb": 20, "mnli": 20}
     assert Counter(ex.answer for ex in suite.train if ex.task == "rte") == {0: 15, 1: 5}  # 3:1 kept
@@ -151,9 +151,7 @@ def test_paper_glue_from_cache_stratified(tmp_path, monkeypatch) -> None:
     assert suite.task_columns == {"rte": "RTE", "stsb": "STS-B", "mnli_matched": "MNLI", "mnli_mismatched": "MNLI"}
     assert [ex.input for ex in suite.eval["rte"]] == ["Premise: a\nHypothesis: b"]
     assert suite.skipped == {"glue/rte": 2}  # label −1 and a missing sentence
-    assert suite.train_on_inputs is False and suite.cutoff_len == 384
-    again = build_suite({"name": "glue8", "scale": "paper", "paper": {"tasks": ["rte", "stsb", "mnli"],
-                                                                       "train_per_task": 20}}, 42)
+    again = build_suite(node, 42)
     assert again.train == suite.train
 
 
@@ -172,16 +170,16 @@ def test_paper_math_bad_rows_skipped_and_counted(tmp_path) -> None:
         (root / "dataset" / folder).mkdir(parents=True)
         (root / "dataset" / folder / "test.json").write_text(json.dumps(rows))
     node = {"train_file": str(root / "ft" / "math_10k.json"), "llm_adapters": str(root), "train_rows": 5}
-    suite = build_suite({"name": "math10k", "scale": "paper", "paper": node}, 0)
-    assert len(suite.train) == 4 and suite.train_on_inputs is True and suite.cutoff_len == 256
+    suite = build_suite(suite_node("math10k", "paper", paper=node), 0)
+    assert len(suite.train) == 4
     assert [ex.answer for ex in suite.eval["gsm8k"]] == [1234.0]
     assert [ex.answer for ex in suite.eval["aqua"]] == ["B"]
     assert [ex.answer for ex in suite.eval["svamp"]] == [-2.5]
     assert suite.skipped == {"math10k/train": 1, "math/gsm8k": 1, "math/aqua": 1, "math/svamp": 1}
     with pytest.raises(DataUnavailableError, match="rows, expected 9919"):
-        build_suite({"name": "math10k", "scale": "paper", "paper": {**node, "train_rows": 9919}}, 0)
+        build_suite(suite_node("math10k", "paper", paper={**node, "train_rows": 9919}), 0)
     with pytest.raises(DataUnavailableError, match="sha256"):
-        build_suite({"name": "math10k", "scale": "paper", "paper": {**node, "train_sha256": "0342d0d8...0418b8"}}, 0)
+        build_suite(suite_node("math10k", "paper", paper={**node, "train_sha256": "0342d0d8...0418b8"}), 0)
 
 
 def test_fetch_data_offline_fails_in_one_line(tmp_path, monkeypatch, capsys) -> None:
@@ -256,10 +254,10 @@ def test_unscored_tasks_leave_training_rows_and_are_scored_in_neither_split() ->
     assert list(part.eval) == ["basic_arithmetic", "leg_counting"]
     assert all(part.eval[t] == full.eval[t] for t in part.eval)
     assert part.task_columns == {"basic_arithmetic": "MAWPS", "leg_counting": "SVAMP"}
-    val = build_suite({"name": "math10k", "scale": "embedded", "eval_split": "validation", "validation_per_task": 4,
-                       "embedded": {**SIZES, "unscored": ["gsm_symbolic", "arith_choice", "leg_counting"]}}, 5)
-    every = build_suite({"name": "math10k", "scale": "embedded", "eval_split": "validation", "validation_per_task": 4,
-                         "embedded": {**SIZES, "unscored": []}}, 5)
+    validation = {"eval_split": "validation", "validation_per_task": 4}
+    val = build_suite(suite_node("math10k", **validation, embedded={
+        **SIZES, "unscored": ["gsm_symbolic", "arith_choice", "leg_counting"]}), 5)
+    every = build_suite(suite_node("math10k", **validation, embedded=SIZES), 5)
     assert list(val.eval) == ["basic_arithmetic"] and val.train == full.train == every.train
     assert list(every.eval) == list(EMBEDDED_TASKS["math10k"])
     assert val.eval["basic_arithmetic"] == every.eval["basic_arithmetic"]

@@ -22,7 +22,9 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from pipelines.config.schema import ConfigError, positive_int, require
+from prism.data.config import EmbeddedDataConfig, SuiteConfig
 from prism.privacy.budget import total_steps
+from prism.typed import node_of
 
 
 def validate(cfg: DictConfig, *, here: bool = True) -> None:
@@ -132,7 +134,7 @@ def _suite(cfg: DictConfig) -> int | None:
 
         try:
             check_task(suite.custom, cfg.train.batch_size, suite.cutoff_len, token_counter(cfg.backbone), cfg.backbone.name,
-                       validating(suite, cfg.privacy.get("selection") is not None))
+                       validating(node_of(SuiteConfig, suite), cfg.privacy.get("selection") is not None))
         except TaskFileError as err:
             raise ConfigError(str(err)) from None
         return
@@ -200,15 +202,15 @@ def _tasks(node: Mapping, key: str, valid: Mapping, where: str) -> list[str]:
 
 
 def _embedded_size(name: str, node: Mapping) -> int:
-    from prism.data.embedded import DEFAULT_EVAL_PER_TASK, DEFAULT_TRAIN_PER_TASK, EMBEDDED_TASKS
+    from prism.data.embedded import EMBEDDED_TASKS
 
     tasks = _tasks(node, "tasks", EMBEDDED_TASKS[name], "suite.embedded")
-    unscored = node.get("unscored") or []
+    typed = node_of(EmbeddedDataConfig, node)
+    unscored = typed.unscored
     require(set(unscored) <= set(EMBEDDED_TASKS[name]) and not set(tasks) <= set(unscored),
             f"suite.embedded.unscored={list(unscored)} must name {name} tasks ({', '.join(EMBEDDED_TASKS[name])}) and "
             f"leave one of suite.embedded.tasks={tasks} scored, e.g. suite.embedded.unscored=[]")
-    sizes = node.get("train_per_task")
-    sizes = DEFAULT_TRAIN_PER_TASK[name] if sizes is None else sizes
+    sizes = typed.train_per_task
     if isinstance(sizes, Mapping):  # task -> count; tasks it omits train on nothing
         unknown = sorted(set(sizes) - set(tasks))
         require(not unknown, f"suite.embedded.train_per_task names {unknown}, not among suite.embedded.tasks {tasks}")
@@ -217,10 +219,10 @@ def _embedded_size(name: str, node: Mapping) -> int:
     else:
         positive_int(sizes, "suite.embedded.train_per_task")
         sizes = dict.fromkeys(tasks, sizes)
-    n_eval = int(node.get("eval_per_task") or DEFAULT_EVAL_PER_TASK)
+    n_eval = typed.eval_per_task
     for task in set(tasks) & set(FINITE_POOLS):
         n_task = int(sizes.get(task, 0))
-        got_train, got_eval = _pool_supply(task, n_task, n_eval, float(node.get("min_confidence") or 0.8))
+        got_train, got_eval = _pool_supply(task, n_task, n_eval, typed.min_confidence)
         require(got_train >= n_task and got_eval >= n_eval,
                 f"the embedded task {task} yields {got_train} train / {got_eval} eval rows, fewer than the "
                 f"{n_task} / {n_eval} asked for: lower suite.embedded.train_per_task or suite.embedded.eval_per_task")
@@ -235,7 +237,9 @@ def _pool_supply(task: str, n_train: int, n_eval: int, min_confidence: float) ->
     """(train, eval) rows the stand-in yields for this request (its own builder, no model)."""
     from prism.data.embedded import tweet_sentiment
 
-    train, evals, _ = {"tweet_sentiment": tweet_sentiment}[task](n_train, n_eval, 0, {"min_confidence": min_confidence})
+    node = EmbeddedDataConfig(tasks=[task], train_per_task=n_train, eval_per_task=n_eval, unscored=[],
+                              min_confidence=min_confidence)
+    train, evals, _ = {"tweet_sentiment": tweet_sentiment}[task](n_train, n_eval, 0, node)
     return len(train), len(evals)
 
 

@@ -1,8 +1,8 @@
 """One validation pass over a job's whole config, before any model load, W&B init or run folder.
 
 A job is composed once (:func:`pipelines.config.compose.compose_job`) and validated once (:func:`check`): the
-schema (:func:`pipelines.config.schema.conform`), then the cross-field rules
-(:func:`pipelines.config.rules.validate`). A bad input is one :class:`ConfigError` line, ``<what>, <how
+schema (:func:`pipelines.config.schema.record`: :func:`~pipelines.config.schema.conform`'s types), then the
+cross-field rules (:func:`pipelines.config.rules.validate`). A bad input is one :class:`ConfigError` line, ``<what>, <how
 to fix>``, naming the field; a grid (:func:`load_grid`, :func:`load_experiment`, :func:`load_sweep`:
 ``python -m pipelines grid``, ``... reproduce``, ``slurm/submit.sh``, ``... run -m``) is validated
 whole before any job is launched, and the configs returned are what the runs receive. Nothing here
@@ -16,16 +16,17 @@ from omegaconf import DictConfig
 
 from pipelines.config import compose, identity
 from pipelines.config.rules import validate
-from pipelines.config.schema import ConfigError, conform
+from pipelines.config.schema import ConfigError, record
 
 __all__ = ["ConfigError", "check", "load_experiment", "load_grid", "load_job", "load_sweep"]
 
 
 def check(cfg: DictConfig, *, here: bool = True) -> DictConfig:
     """The resolved job config ``cfg`` validated: the schema, then the cross-field rules. Returns the
-    typed config (an int given for a float is that float). ``here=False`` for a job that runs on another
-    machine (a SLURM array task): the local device and memory are not checked."""
-    cfg = conform(cfg)
+    typed config with exactly its keys (an int given for a float is that float; the run's record, hashed and
+    written to its folder). ``here=False`` for a job that runs on another machine (a SLURM array task): the
+    local device and memory are not checked."""
+    cfg = record(cfg)
     validate(cfg, here=here)
     return cfg
 

@@ -84,7 +84,7 @@ def sub_config(cfg: DictConfig, method: str, epsilon: float, steps: int,
 
 
 def validate_diagnostics(cfg: DictConfig) -> None:
-    """What the diagnostics need beyond the schema (:class:`pipelines.config.schema.DiagnosticsConfig`
+    """What the diagnostics need beyond the schema (:class:`prism.job.DiagnosticsConfig`
     checks the budgets): the ``train.diagnostics`` node, a finite ε and the methods it names."""
     d = cfg.train.get("diagnostics")
     if d is None:

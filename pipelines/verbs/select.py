@@ -45,10 +45,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipelines.config import grids
+from pipelines.config import grids, schema
 from pipelines.config.compose import compose_config, job_config
 from pipelines.config.grids import Cell
-from pipelines.config.schema import conform
 from pipelines.config.validate import load_grid
 from pipelines.runs import launch, store, wandb_log
 from pipelines.tables import build_table, read_run_folders, to_markdown, write_outputs
@@ -240,7 +239,7 @@ def main(overrides: Sequence[str], *, methods: str | None = None, eps: str | Non
     epsilons = grids.budgets({"eps": eps or "6,3"})
     if not all(e < float("inf") for e in epsilons):
         raise ValueError(f"eps={eps}: a private selection needs a finite ε, e.g. eps=6,3")
-    cfg = conform(job_config([f"experiment={EXPERIMENT}", *overrides]))  # privacy.selection's ranges, before K is drawn
+    cfg = schema.record(job_config([f"experiment={EXPERIMENT}", *overrides]))  # privacy.selection's ranges, before K is drawn
     seeds_text = grids.comma_list(seed, "seed") if seed else [str(cfg.seed)]
     if not all(s.isdigit() for s in seeds_text):
         raise ValueError(f"seed={seed} must list integers, e.g. seed=42,43,44")

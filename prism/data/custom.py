@@ -1,6 +1,6 @@
 """A task from the user's own file (``suite=custom``, docs/custom-task.md), read and checked without torch.
 
-Node ``suite.custom`` fields (the key names are fixed):
+Node ``suite.custom`` (:class:`prism.data.config.CustomTaskConfig`; the key names are fixed):
 
 * ``train`` – a JSON Lines (``.jsonl``) or ``.csv`` file of rows ``{"prompt": ..., "target": ..., "id": ...}``
   (``id`` optional, unique within its file; evaluation records are identified by their prompts' sha256);
@@ -41,10 +41,12 @@ from pathlib import Path
 from typing import Any
 
 from prism.backbones import cache_root
+from prism.data.config import CustomTaskConfig, SuiteConfig
 from prism.data.prompts import train_prompt
 from prism.data.rows import DataUnavailableError, Example
-from prism.evaluation.metrics import MATH_TOLERANCE, TASK_KINDS, TaskRule, extract_number, normalize_exact
+from prism.evaluation.metrics import TASK_KINDS, TaskRule, extract_number, normalize_exact
 from prism.fileio import hmac_sha256_file, sha256_file
+from prism.typed import node_of
 
 TASK = "custom"
 """The suite's one evaluation task (its table columns are the task's metrics)."""
@@ -174,13 +176,13 @@ def read_rows(path: str | Path) -> list[Row]:
 
 
 # ------------------------------------------------------------------------------------------ checking
-def task_rule(node: Mapping[str, Any]) -> TaskRule:
+def task_rule(node: CustomTaskConfig) -> TaskRule:
     """The scoring rule of ``suite.custom`` (type, labels, tolerance); :class:`TaskFileError` naming
     the field when it is unusable."""
-    kind = node.get("type")
+    kind = node.type
     if kind not in TASK_KINDS:
         raise TaskFileError(f"suite.custom.type={kind!r} is not a task type; use one of {', '.join(TASK_KINDS)}")
-    labels = node.get("labels")
+    labels = node.labels
     if kind == "classification":
         typed = [] if isinstance(labels, str) else [x for x in labels or () if isinstance(x, (bool, int, float))]
         if typed:  # Hydra reads unquoted true/false and numbers as values, not as the text typed
@@ -197,8 +199,7 @@ def task_rule(node: Mapping[str, Any]) -> TaskRule:
         if len({normalize_exact(x) for x in labels}) != len(labels):
             raise TaskFileError(f"suite.custom.labels={list(labels)} repeats a label (compared lower-cased); "
                                 "list each label once")
-    tolerance = node.get("tolerance")
-    tolerance = MATH_TOLERANCE if tolerance is None else float(tolerance)
+    tolerance = node.tolerance
     if not tolerance >= 0:
         raise TaskFileError(f"suite.custom.tolerance={tolerance} must be >= 0, e.g. 1e-3")
     return TaskRule(kind, tuple(str(x).strip() for x in labels or ()) if kind == "classification" else (),
@@ -335,26 +336,26 @@ def row_draw(row: Row, hold_out: str) -> float:
     return (int.from_bytes(mac[:8], "big") >> 11) / 2**53
 
 
-def hold_out(path: Path, rows: Sequence[Row], node: Mapping[str, Any], name: str) -> tuple[list[Row], list[Row]]:
+def hold_out(path: Path, rows: Sequence[Row], node: CustomTaskConfig, name: str) -> tuple[list[Row], list[Row]]:
     """(kept, held) rows of ``name``'s hold-out: held when the row's :func:`row_draw` is below the fraction
     ``p`` of ``suite.custom`` (each prompt independently: for distinct prompts the held count is
     Binomial(len(rows), p), rows repeating a prompt go together); a
     :class:`TaskFileError` naming the fraction when it is not in (0, 1) or leaves either side empty."""
     key = HOLD_OUTS[name][0]
-    fraction = node.get(key)
-    if fraction is None or not 0 < float(fraction) < 1:
+    fraction = getattr(node, key)
+    if not 0 < fraction < 1:
         raise TaskFileError(f"suite.custom.{key}={fraction!r}: give the fraction in (0, 1) of the training rows to "
                             f"hold out for {name}, e.g. 0.2")
-    draws = [row_draw(row, name) < float(fraction) for row in rows]
+    draws = [row_draw(row, name) < fraction for row in rows]
     held = [row for row, below in zip(rows, draws) if below]
     kept = [row for row, below in zip(rows, draws) if not below]
     other = " or give suite.custom.eval=PATH" if name == "evaluation" else ""
     if not held:
-        raise TaskFileError(f"{path}: no row fell in the hold-out of suite.custom.{key}={float(fraction):g} (each of "
+        raise TaskFileError(f"{path}: no row fell in the hold-out of suite.custom.{key}={fraction:g} (each of "
                             f"the {len(rows)} rows is held out for {name} by its own draw, with that probability); "
                             f"add rows, raise suite.custom.{key}{other}")
     if not kept:
-        raise TaskFileError(f"{path}: every row fell in the hold-out of suite.custom.{key}={float(fraction):g} "
+        raise TaskFileError(f"{path}: every row fell in the hold-out of suite.custom.{key}={fraction:g} "
                             f"({len(rows)} rows), none is left for training; add rows, lower suite.custom.{key}{other}")
     return kept, held
 
@@ -370,36 +371,38 @@ class CustomTask:
     warning: str | None = None  # :func:`leakage`
 
 
-def load_task(node: Mapping[str, Any], validating: bool = False) -> tuple[CustomTask, list[tuple[Path, list[Row]]]]:
-    """Read and check the files of ``suite.custom`` (all checks but lengths and batch size): the task (when
+def load_task(node: CustomTaskConfig | Mapping[str, Any],
+              validating: bool = False) -> tuple[CustomTask, list[tuple[Path, list[Row]]]]:
+    """Read and check the files of ``suite.custom`` (a :class:`CustomTaskConfig`, or a mapping
+    :func:`prism.typed.node_of` builds one of; all checks but lengths and batch size): the task (when
     ``validating``, validation rows held out of the training rows are its evaluation rows) and every row of
     each file, the training file's first."""
-    if not node.get("train"):
+    node = node_of(CustomTaskConfig, node)
+    if not node.train:
         raise TaskFileError("suite.custom.train is not set; give suite.custom.train=PATH (a .jsonl or .csv file)")
     rule = task_rule(node)
-    train_path = Path(str(node["train"])).expanduser()
+    train_path = Path(node.train).expanduser()
     train_rows = read_rows(train_path)
-    source: dict[str, Any] = {"train": str(node["train"]), "train_sha256": _verified(train_path, node.get("train_sha256"),
-                                                                                     "train_sha256")}
+    source: dict[str, Any] = {"train": node.train, "train_sha256": _verified(train_path, node.train_sha256, "train_sha256")}
     check_ids(train_path, train_rows)
     files = [(train_path, train_rows)]
-    if node.get("eval"):
-        eval_path = Path(str(node["eval"])).expanduser()
+    if node.eval:
+        eval_path = Path(node.eval).expanduser()
         eval_rows = read_rows(eval_path)
         check_ids(eval_path, eval_rows)
         files.append((eval_path, eval_rows))
-        source.update(eval=str(node["eval"]), eval_sha256=_verified(eval_path, node.get("eval_sha256"), "eval_sha256"))
+        source.update(eval=node.eval, eval_sha256=_verified(eval_path, node.eval_sha256, "eval_sha256"))
     else:
         train_rows, eval_rows = hold_out(train_path, train_rows, node, "evaluation")
-        source.update(eval=f"{len(eval_rows)} rows held out of {node['train']} (each row by its own draw, "
-                      f"eval_fraction={float(node['eval_fraction']):g})")
+        source.update(eval=f"{len(eval_rows)} rows held out of {node.train} (each row by its own draw, "
+                      f"eval_fraction={node.eval_fraction:g})")
     eval_path = files[-1][0]
     if validating:
         train_rows, eval_rows = hold_out(train_path, train_rows, node, "validation")
         eval_path = train_path
         source.update(split="validation", eval=f"{len(eval_rows)} validation rows held out of the training rows of "
-                      f"{node['train']} (each row by its own draw, validation_fraction="
-                      f"{float(node['validation_fraction']):g}; the evaluation rows are not scored)")
+                      f"{node.train} (each row by its own draw, validation_fraction="
+                      f"{node.validation_fraction:g}; the evaluation rows are not scored)")
     train = [example(row, gold(rule, row, train_path)) for row in train_rows]
     evals = [example(row, gold(rule, row, eval_path)) for row in eval_rows]
     source.update(type=rule.kind, n_train=len(train), n_eval=len(evals))
@@ -407,17 +410,18 @@ def load_task(node: Mapping[str, Any], validating: bool = False) -> tuple[Custom
     return CustomTask(train, evals, rule, source, warning), files
 
 
-def validating(cfg_suite: Mapping[str, Any], selecting: bool = False) -> bool:
+def validating(cfg_suite: SuiteConfig, selecting: bool = False) -> bool:
     """Whether a run of ``cfg_suite`` holds validation rows out of the training rows and scores them:
     under ``suite.eval_split=validation`` or in a private selection's candidate (``selecting``)."""
-    return selecting or cfg_suite.get("eval_split") == "validation"
+    return selecting or cfg_suite.eval_split == "validation"
 
 
-def check_task(node: Mapping[str, Any], batch_size: int, cutoff_len: int, count_tokens: TokenCounter | None,
-               backbone: str, validation: bool = False) -> CustomTask:
+def check_task(node: CustomTaskConfig | Mapping[str, Any], batch_size: int, cutoff_len: int,
+               count_tokens: TokenCounter | None, backbone: str, validation: bool = False) -> CustomTask:
     """Every check of a custom task that needs no model: :func:`load_task`, the row lengths when the tokenizer
     is readable without a model (``count_tokens``), enough rows for ``train.batch_size``; a :func:`leakage`
     warning is logged once per process."""
+    node = node_of(CustomTaskConfig, node)
     task, files = load_task(node, validation)
     train_path = files[0][0]
     if count_tokens is not None:
@@ -425,7 +429,7 @@ def check_task(node: Mapping[str, Any], batch_size: int, cutoff_len: int, count_
             check_lengths(path, rows, cutoff_len, count_tokens, backbone, evaluation=k > 0)
     if len(task.train) < batch_size:
         held = f" after holding out {len(task.eval)} for validation" if validation else (
-            "" if node.get("eval") else f" after holding out {len(task.eval)} for evaluation")
+            "" if node.eval else f" after holding out {len(task.eval)} for evaluation")
         raise TaskFileError(f"{train_path}: {len(task.train)} training rows{held}, fewer than train.batch_size="
                             f"{batch_size}; add rows or lower train.batch_size to at most {len(task.train)}")
     if task.warning and task.warning not in _warned:
@@ -434,7 +438,8 @@ def check_task(node: Mapping[str, Any], batch_size: int, cutoff_len: int, count_
     return task
 
 
-def build(cfg_suite: Any) -> tuple[list[Example], dict[str, list[Example]], dict[str, str], TaskRule, dict[str, Any]]:
+def build(cfg_suite: SuiteConfig) -> tuple[list[Example], dict[str, list[Example]], dict[str, str], TaskRule,
+                                          dict[str, Any]]:
     """``suite=custom`` for :func:`prism.data.build_suite`: (train, eval by task, task → column, rule, file facts)."""
-    task, _ = load_task(cfg_suite.get("custom") or {}, validating(cfg_suite))
+    task, _ = load_task(cfg_suite.custom, validating(cfg_suite))
     return task.train, {TASK: task.eval}, {TASK: task.rule.columns[0]}, task.rule, task.source

@@ -20,9 +20,10 @@ stand-in stays hard. A label-balanced SST-2 stand-in has at most about 4,000 tra
 the paper's fixed test sets), training rows from ``suite.data_seed`` without any evaluation question;
 GLUE-style classes are balanced in both. Math targets: :func:`math_target` (docs/DECISIONS.md D62).
 
-Node ``suite.embedded`` fields: ``tasks`` (default: all of the suite's), ``unscored`` (trained on, their
-evaluation rows drawn and kept out of training but not scored), ``train_per_task`` (a count, or a mapping
-task → count), ``eval_per_task``, ``min_confidence`` (tweets; 0.8), ``target`` (Math, :data:`TARGET_STYLES`).
+Node ``suite.embedded`` (:class:`prism.data.config.EmbeddedDataConfig`): ``tasks``, ``unscored`` (trained on,
+their evaluation rows drawn and kept out of training but not scored), ``train_per_task`` (a count, or a
+mapping task → count), ``eval_per_task``, ``min_confidence`` (tweets), ``target`` (Math,
+:data:`prism.data.config.TARGET_STYLES`).
 """
 from __future__ import annotations
 
@@ -36,13 +37,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from prism.data.config import TARGET_STYLES, EmbeddedDataConfig
 from prism.data.glue import glue_example
 from prism.data.math10k import parse_gold_number
 from prism.data.rows import DataUnavailableError, Example, sub_seed, validation_split
 
 EVAL_SEED = 20260601
-DEFAULT_TRAIN_PER_TASK = {"glue8": 500, "math10k": 250}
-DEFAULT_EVAL_PER_TASK = 200
 
 Split = tuple[list[Example], list[Example], int]  # train, eval, malformed rows skipped
 
@@ -104,9 +104,9 @@ def _tweets(min_conf: float) -> tuple[tuple[Example, ...], int]:
     return tuple(examples), bad
 
 
-def tweet_sentiment(n_train: int, n_eval: int, seed: int, node: Any) -> Split:
+def tweet_sentiment(n_train: int, n_eval: int, seed: int, node: EmbeddedDataConfig) -> Split:
     """SST-2 stand-in: positive/negative tweets with crowd confidence ≥ ``min_confidence`` (0.8)."""
-    examples, bad = _tweets(float(node.get("min_confidence", 0.8)))
+    examples, bad = _tweets(node.min_confidence)
     eval_pool, train_pool = list(examples), list(examples)
     random.Random(sub_seed(EVAL_SEED, "tweet_sentiment")).shuffle(eval_pool)
     random.Random(sub_seed(seed, "tweet_sentiment", "train")).shuffle(train_pool)
@@ -124,7 +124,7 @@ def _gym(name: str, seed: int, size: int, **config) -> list[dict]:
 _PREMISE = re.compile(r"[.?!\s]+$")
 
 
-def syllogism(n_train: int, n_eval: int, seed: int, node: Any) -> Split:
+def syllogism(n_train: int, n_eval: int, seed: int, node: EmbeddedDataConfig) -> Split:
     """RTE stand-in: premise = the two statements, hypothesis = the conclusion, Yes → entailment."""
     del node
 
@@ -163,9 +163,6 @@ def _disjoint_balanced(train_pool: list[Example], eval_pool: list[Example], n_tr
 _ARITH = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],
           "allow_parentheses": False, "allow_negation": False, "format_style": "natural"}
 _LEGS = {"min_animals": 1, "max_animals": 2, "max_instances": 3}
-
-
-TARGET_STYLES = ("bare", "sentence", "equation")
 
 
 def math_target(answer: str, style: str, equation: str | None = None) -> str:
@@ -213,9 +210,9 @@ def _choice(items: list[dict], seed: int, style: str) -> tuple[list[Example], in
 
 
 def _math_task(generator: str, config: dict, choice: bool = False):
-    def build(n_train: int, n_eval: int, seed: int, node: Any) -> Split:
+    def build(n_train: int, n_eval: int, seed: int, node: EmbeddedDataConfig) -> Split:
         task = "arith_choice" if choice else generator
-        style = str(node.get("target", "bare"))
+        style = node.target
 
         def make(stream_seed: int, size: int) -> tuple[list[Example], int]:
             items = _gym(generator, stream_seed, size, **config)
@@ -254,22 +251,21 @@ def train_size(sizes: Any, task: str) -> int:
     raise ValueError(f"suite.embedded.train_per_task={sizes!r}: give a count or a mapping task -> count")
 
 
-def build(suite: str, node: Any, seed: int, n_validation: int = 0):
+def build(suite: str, node: EmbeddedDataConfig, seed: int, n_validation: int = 0):
     """Embedded suite, deterministic in `seed`: (train, eval per scored task, scored task → column, skipped
     rows). ``n_validation`` > 0 replaces each scored task's evaluation rows by that many rows of a second
     draw of its training pool outside the run's training and evaluation rows
     (:func:`prism.data.validation_split`), so the rate sweep scores the columns the table averages."""
     available = EMBEDDED_TASKS[suite]
-    tasks = list(node.get("tasks") or available)
+    tasks = list(node.tasks)
     unknown = [t for t in tasks if t not in available]
     if unknown:
         raise ValueError(f"unknown embedded {suite} task(s) {unknown}; valid: {', '.join(available)}")
-    unscored = set(node.get("unscored") or ())
+    unscored = set(node.unscored)
     if unscored - set(available) or unscored >= set(tasks):
         raise ValueError(f"suite.embedded.unscored={sorted(unscored)} must name {suite} tasks and leave at least "
                          f"one of suite.embedded.tasks {tasks} scored")
-    sizes = node.get("train_per_task", DEFAULT_TRAIN_PER_TASK[suite])
-    n_eval = int(node.get("eval_per_task", DEFAULT_EVAL_PER_TASK))
+    sizes, n_eval = node.train_per_task, node.eval_per_task
     train: list[Example] = []
     evals: dict[str, list[Example]] = {}
     columns: dict[str, str] = {}

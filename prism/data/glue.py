@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
+from prism.data.config import PaperDataConfig
 from prism.data.rows import DataUnavailableError, Example, cache_dir, well_formed
 
 GLUE_HUB_ID = "nyu-mll/glue"
@@ -136,13 +136,15 @@ def stratified_indices(labels: list[float], n: int, seed: int, regression: bool)
     return sorted(int(i) for i in picked)
 
 
-def build_paper(node: Any, seed: int):
+def build_paper(node: PaperDataConfig, seed: int):
     """Paper-scale GLUE8: (train, eval per task, task → column, skipped rows)."""
-    tasks = list(node.get("tasks") or GLUE_TASKS)
+    tasks = list(node.tasks or GLUE_TASKS)
     unknown = [t for t in tasks if t not in GLUE_TASKS]
     if unknown:
         raise ValueError(f"unknown GLUE task(s) {unknown}; valid tasks: {', '.join(GLUE_TASKS)}")
-    per_task = int(node.get("train_per_task", 1250))
+    per_task = node.train_per_task
+    if per_task is None:
+        raise ValueError("suite.paper.train_per_task is not set; restore it (suite_scale/glue8_paper.yaml: 1250)")
     train: list[Example] = []
     evals: dict[str, list[Example]] = {}
     columns: dict[str, str] = {}

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from prism.data.config import PaperDataConfig
 from prism.data.rows import DataUnavailableError, Example, cache_dir, well_formed
 from prism.fileio import sha256_file
 
@@ -98,31 +99,31 @@ def testset_location(root: str, folder: str) -> str:
     return f"{root.rstrip('/')}/dataset/{folder}/test.json" if is_url(root) else str(Path(root) / "dataset" / folder / "test.json")
 
 
-def build_paper(node: Any, seed: int):
+def build_paper(node: PaperDataConfig, seed: int):
     """Paper-scale Math-10K: (train, eval per test set, task → column, skipped rows)."""
     del seed  # the mixture and test sets are used whole, in file order
-    tests = list(node.get("tests") or MATH_TESTS)
+    tests = list(node.tests or MATH_TESTS)
     unknown = [t for t in tests if t not in MATH_TESTS]
     if unknown:
         raise ValueError(f"unknown Math-10K test set(s) {unknown}; valid: {', '.join(MATH_TESTS)}")
-    train_spec = str(node.get("train_file") or MATH10K_URL)
+    train_spec = node.train_file or MATH10K_URL
     train_path = resolve(train_spec, "Math-10K training file math_10k.json")
     raw = read_json_rows(train_path, "math_10k.json")
-    rows_expected = node.get("train_rows")
-    if rows_expected is not None and len(raw) != int(rows_expected):
+    rows_expected = node.train_rows
+    if rows_expected is not None and len(raw) != rows_expected:
         raise DataUnavailableError(
             f"{train_path} has {len(raw)} rows, expected {rows_expected}: fetch the original math_10k.json "
             "(`make data`) or set suite.paper.train_rows=null"
         )
-    sha_expected = node.get("train_sha256")
-    if sha_expected and not sha256_matches(sha256_file(train_path), str(sha_expected)):
+    sha_expected = node.train_sha256
+    if sha_expected and not sha256_matches(sha256_file(train_path), sha_expected):
         raise DataUnavailableError(
             f"{train_path} sha256 does not match {sha_expected}: re-fetch it (`make data`) or set "
             "suite.paper.train_sha256=null"
         )
     skipped: dict[str, int] = {}
     train = well_formed([math_example("math10k", row, "train") for row in raw], skipped, "math10k/train")
-    root = str(node.get("llm_adapters") or LLM_ADAPTERS_URL)
+    root = node.llm_adapters or LLM_ADAPTERS_URL
     evals: dict[str, list[Example]] = {}
     columns: dict[str, str] = {}
     for task in tests:

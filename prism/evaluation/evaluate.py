@@ -15,12 +15,13 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from prism.data import Suite
+from prism.data.config import DecodingConfig
 from prism.data.prompts import collate, encode_prompt_as_trained, eval_prompt, response_text
 from prism.evaluation.metrics import (
     extract_choice,
@@ -36,6 +37,7 @@ from prism.evaluation.metrics import (
 from prism.fastpath.grouped_attention import grouped_eager
 from prism.fastpath.prefix import common_prefix_length
 from prism.fastpath.prompt_cache import FrozenPrompts
+from prism.typed import node_of
 
 __all__ = [
     "evaluate_suite", "generate_responses", "parse_glue_label", "extract_number", "math_correct",
@@ -72,32 +74,31 @@ def generate_responses(
     model: Any,
     tokenizer: Any,
     prompts: Sequence[str],
-    cfg_decoding: Any,
+    cfg_decoding: DecodingConfig | Mapping[str, Any],
     batch_size: int,
     max_new_tokens: int | None = None,
 ) -> list[str]:
     """Responses (text after the first ``### Response:``) for `prompts`, in input order, batched by length
-    and decoded with ``do_sample=False``. `cfg_decoding`: ``num_beams``, ``max_new_tokens`` (the argument
+    and decoded with ``do_sample=False``. `cfg_decoding` (a :class:`~prism.data.config.DecodingConfig`, or a
+    mapping :func:`prism.typed.node_of` builds one of): ``num_beams``, ``max_new_tokens`` (the argument
     wins), ``max_input_length`` (keep a longer prompt's last tokens), ``shared_prefix`` / ``frozen_prefix``
     (module docstring), ``prompt_encoding`` (``text``, the released code's, or ``as_trained``:
     :func:`prism.data.prompts.encode_prompt_as_trained`), ``renormalize_logits`` / ``remove_invalid_values``
     (passed to ``generate``; the released evaluation sets both)."""
-    max_input = cfg_decoding.get("max_input_length")
+    decoding = node_of(DecodingConfig, cfg_decoding)
+    max_input = decoding.max_input_length
     # padding: the tokenizer's pad, else EOS, else 0 (the released code's choice)
     pad = next((int(c) for c in (tokenizer.pad_token_id, tokenizer.eos_token_id) if c is not None), 0)
     device = next(model.parameters()).device
-    encoding = cfg_decoding.get("prompt_encoding", "text")
-    if encoding == "as_trained":
+    if decoding.prompt_encoding == "as_trained":
         encoded = [encode_prompt_as_trained(tokenizer, p) for p in prompts]
-    elif encoding == "text":
-        encoded = [list(tokenizer(p)["input_ids"]) for p in prompts]
     else:
-        raise ValueError(f"decoding.prompt_encoding={encoding!r}: use 'as_trained' or 'text'")
+        encoded = [list(tokenizer(p)["input_ids"]) for p in prompts]
     if max_input:
-        encoded = [ids[-int(max_input):] for ids in encoded]
-    num_beams = int(cfg_decoding.get("num_beams", 1))
-    share = num_beams == 1 and bool(cfg_decoding.get("shared_prefix", True))
-    frozen = FrozenPrompts.build(model, encoded) if share and cfg_decoding.get("frozen_prefix", True) else None
+        encoded = [ids[-max_input:] for ids in encoded]
+    num_beams = decoding.num_beams
+    share = num_beams == 1 and decoding.shared_prefix
+    frozen = FrozenPrompts.build(model, encoded) if share and decoding.frozen_prefix else None
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
     out: list[str] = [""] * len(prompts)
     for start in range(0, len(order), batch_size):
@@ -114,25 +115,26 @@ def generate_responses(
                 **batch,
                 do_sample=False,
                 num_beams=num_beams,
-                max_new_tokens=int(max_new_tokens or cfg_decoding.get("max_new_tokens", 8)),
+                max_new_tokens=max_new_tokens or decoding.max_new_tokens,
                 pad_token_id=pad,
                 eos_token_id=tokenizer.eos_token_id,
-                renormalize_logits=bool(cfg_decoding.get("renormalize_logits", False)),
-                remove_invalid_values=bool(cfg_decoding.get("remove_invalid_values", False)),
+                renormalize_logits=decoding.renormalize_logits,
+                remove_invalid_values=decoding.remove_invalid_values,
             )
         for i, text in zip(idx, tokenizer.batch_decode(generated, skip_special_tokens=True)):
             out[i] = response_text(text)
     return out
 
 
-def new_tokens(cfg_decoding: Any, task: str) -> int:
+def new_tokens(cfg_decoding: DecodingConfig, task: str) -> int:
     """The generation cap of `task`: ``max_new_tokens_per_task[task]`` when set (one task's longer answers leave
-    the others' decoding as it was), else ``max_new_tokens`` (default 8)."""
-    per_task = cfg_decoding.get("max_new_tokens_per_task") or {}
-    return int(per_task.get(task) or cfg_decoding.get("max_new_tokens", 8))
+    the others' decoding as it was), else ``max_new_tokens``."""
+    per_task = cfg_decoding.max_new_tokens_per_task or {}
+    return per_task.get(task) or cfg_decoding.max_new_tokens
 
 
-def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, batch_size: int) -> dict:
+def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: DecodingConfig | Mapping[str, Any],
+                   batch_size: int) -> dict:
     """Evaluate every task of `suite`: ``scores`` (task → score), ``columns`` (Table 2 column → mean of its
     tasks' scores), ``average`` (mean over the suite's columns; a user task's score), ``parse_failure`` (task →
     fraction of responses the rules could not parse; still scored), ``unparseable`` (task → their count),
@@ -143,6 +145,7 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
     ``column``, :func:`prism.evaluation.metrics.row_outcomes` of the scored rows in order, and ``rows``: the
     sha256 of their prompts, so the aggregator's bootstrap can resample and pair runs on them; a user
     classification task also has ``<task>/Macro-F1``: each row's parsed and gold label and the label count)."""
+    decoding = node_of(DecodingConfig, cfg_decoding)
     was_training = model.training
     model.eval()
     result: dict[str, dict] = {k: {} for k in ("scores", "parse_failure", "n", "skipped", "samples", "seconds",
@@ -152,12 +155,11 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, cfg_decoding: Any, 
             column, rule = suite.task_columns[task], suite.rules.get(task)
             rows = examples if rule else [ex for ex in examples if gold_is_valid(column, ex.answer)]
             started = time.perf_counter()
-            template = cfg_decoding.get("math_eval_template", "llm_adapters")
             texts = generate_responses(
-                model, tokenizer, [eval_prompt(ex, suite.family, template) for ex in rows], cfg_decoding, batch_size,
-                max_new_tokens=new_tokens(cfg_decoding, task),
+                model, tokenizer, [eval_prompt(ex, suite.family, decoding.math_eval_template) for ex in rows], decoding,
+                batch_size, max_new_tokens=new_tokens(decoding, task),
             )
-            golds, choice_rule = [ex.answer for ex in rows], cfg_decoding.get("choice_regex", "lookaround")
+            golds, choice_rule = [ex.answer for ex in rows], decoding.choice_regex
             keys = "\x1e".join(f"{ex.instruction}\x1f{ex.input}" for ex in rows)
             rows_hash = hashlib.sha256(keys.encode()).hexdigest()[:16]
             if rule:  # a user task (suite=custom): its metrics are its columns; per row, the first one's (Accuracy)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from prism.methods import registry
+from prism.methods.schema import MethodConfig
 
 if TYPE_CHECKING:
     from torch import nn
@@ -18,10 +19,12 @@ if TYPE_CHECKING:
     from prism.methods.base import Method, PrivacySpec
 
 
-def build_method(cfg: DictConfig, params: Mapping[str, nn.Parameter], privacy: PrivacySpec | None) -> Method:
-    """The method ``cfg.name`` (a ``conf/method/*.yaml`` node, ``cfg.lr`` a float) over ``params``: its
-    registered class given its config dataclass, built (and checked) from the node."""
-    return registry.lookup(cfg)(registry.check(cfg), params, privacy)
+def build_method(cfg: MethodConfig | DictConfig | Mapping[str, Any], params: Mapping[str, nn.Parameter],
+                 privacy: PrivacySpec | None) -> Method:
+    """The method ``cfg.name`` over ``params``: its registered class given its config dataclass (``cfg`` itself,
+    or built and checked from a ``conf/method/*.yaml`` node)."""
+    config = cfg if isinstance(cfg, MethodConfig) else registry.check(cfg)
+    return registry.lookup(cfg)(config, params, privacy)
 
 
 def __getattr__(name: str) -> Any:

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from prism.data.prompts import collate
@@ -46,9 +45,9 @@ class HFRecipe:
     weight_decay: float  # the HF Trainer's AdamW default: 0
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, n_examples: int) -> HFRecipe | None:
+    def from_config(cls, cfg: Any, n_examples: int) -> HFRecipe | None:
         """The recipe when ``train.nondp_trainer == "hf"`` and the run is a non-private baseline, else None."""
-        trainer = cfg.train.get("nondp_trainer", "shared")
+        trainer = cfg.train.nondp_trainer
         if trainer not in TRAINERS:
             raise ValueError(f"train.nondp_trainer={trainer!r}; choose one of {TRAINERS}")
         method = lookup(cfg.method)

@@ -43,9 +43,12 @@ def names() -> tuple[str, ...]:
     return (*SHIPPED, *(n for n in _loaded if n not in SHIPPED))
 
 
-def lookup(node: Mapping[str, Any] | str) -> type[Method]:
-    """The class of method ``node`` (a method node, or a name); :class:`SchemaError` names the fix."""
-    name, target = (node, None) if isinstance(node, str) else (str(node.get("name")), node.get(TARGET))
+def lookup(node: Mapping[str, Any] | MethodConfig | str) -> type[Method]:
+    """The class of method ``node`` (a method node, its dataclass, or a name); :class:`SchemaError` names the fix."""
+    if isinstance(node, str | MethodConfig):
+        name, target = (node if isinstance(node, str) else node.name), None
+    else:
+        name, target = str(node.get("name")), node.get(TARGET)
     if name in _loaded:
         return _loaded[name]
     if name in SHIPPED:

@@ -8,7 +8,7 @@ import copy
 import json
 import re
 import resource
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -97,7 +97,8 @@ class KeptBackbones:
         self._kept: dict[tuple[str, str], tuple[PreTrainedModel, PreTrainedTokenizerFast]] = {}
 
     def __call__(self, cfg_backbone: Any, device: str | torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-        key = (repr(sorted((str(k), repr(v)) for k, v in cfg_backbone.items())), str(torch.device(device)))
+        fields = cfg_backbone.items() if isinstance(cfg_backbone, Mapping) else vars(cfg_backbone).items()
+        key = (repr(sorted((str(k), repr(v)) for k, v in fields)), str(torch.device(device)))
         if key not in self._kept:
             self._kept[key] = load_backbone(cfg_backbone, device)
         model, tokenizer = self._kept[key]

@@ -7,9 +7,8 @@ status they imply, into ``final.json``. docs/DECISIONS.md lists every item with 
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
-
-from omegaconf import DictConfig, OmegaConf
 
 # item → its config key (docs/DECISIONS.md D1–D12)
 ITEMS: dict[str, str] = {
@@ -30,7 +29,12 @@ ITEMS: dict[str, str] = {
 NOT_DP_AS_STATED = "not a valid DP guarantee as stated"
 
 
-def dp_caveats(cfg: DictConfig, tangent: bool) -> list[str]:
+def value(cfg: Any, key: str) -> Any:
+    """The value of dotted ``key`` (an :data:`ITEMS` value) in a run's job (:class:`prism.job.JobConfig`)."""
+    return functools.reduce(getattr, key.split("."), cfg)
+
+
+def dp_caveats(cfg: Any, tangent: bool) -> list[str]:
     """Why the accounted (ε, δ) does not hold for this run's mechanism as run (empty: it holds);
     ``tangent``: the method noises in the tangent space, where ``noise_damping`` acts (PRISM)."""
     from prism.privacy.accounting import is_private  # here: the aggregator imports this module, Opacus not
@@ -38,29 +42,28 @@ def dp_caveats(cfg: DictConfig, tangent: bool) -> list[str]:
     if not is_private(cfg):
         return []
     caveats = []
-    if OmegaConf.select(cfg, "privacy.per_example_scale", default="record") == "released":
+    if cfg.privacy.per_example_scale == "released":
         caveats.append("per_example_scale=released: a record's gradient is weighted by k^p·T_i/T_micro, which "
                        "depends on the other records of its micro-batch, so the clipped sum's sensitivity is not C")
-    if OmegaConf.select(cfg, "privacy.denominator", default="expected") == "realised":
+    if cfg.privacy.denominator == "realised":
         caveats.append("denominator=realised: the noise scale σC/|batch| reveals the realised batch size")
-    damping = OmegaConf.select(cfg, "method.noise_damping", default=None)
+    damping = cfg.method.noise_damping
     if damping and tangent:
         caveats.append(f"noise_damping={damping}: the tangent noise covariance is (N + {damping}·I)^-1, "
                        "below the N^-1 the accountant assumes")
     return caveats
 
 
-def protocol_record(cfg: DictConfig, tangent: bool) -> dict[str, Any]:
-    """The ``protocol`` block of ``final.json``: preset name, every item's value (``None`` where a config
-    lacks the key), DP status (``non-private``, ``(ε, δ)-DP as accounted`` or :data:`NOT_DP_AS_STATED`)
+def protocol_record(cfg: Any, tangent: bool) -> dict[str, Any]:
+    """The ``protocol`` block of ``final.json``: preset name, every item's value, DP status (``non-private``, ``(ε, δ)-DP as accounted`` or :data:`NOT_DP_AS_STATED`)
     and caveats (``tangent``: as in :func:`dp_caveats`)."""
     from prism.privacy.accounting import is_private
 
     caveats = dp_caveats(cfg, tangent)
     guarantee = (NOT_DP_AS_STATED if caveats else "(ε, δ)-DP as accounted") if is_private(cfg) else "non-private"
     return {
-        "name": OmegaConf.select(cfg, "protocol.name", default=None),
-        "items": {item: OmegaConf.select(cfg, key, default=None) for item, key in ITEMS.items()},
+        "name": cfg.protocol.name,
+        "items": {item: value(cfg, key) for item, key in ITEMS.items()},
         "dp_guarantee": guarantee,
         "dp_caveats": caveats,
     }
