@@ -179,6 +179,16 @@ class DiagnosticsConfig:
 
 
 @dataclass
+class LrSource:
+    """``train.lr_source``: the tuned entry that set ``method.lr``, recorded when the config is composed
+    (``pipelines.config.tuned_rates.lr_source``; not hashed: ``pipelines.config.identity.NON_RESULT_KEYS``)."""
+
+    file: str = help_field("the tuned-rate file (relative to the repository when inside it)")
+    entry_sha256: str = help_field("sha256 of the canonical JSON of the file's entry that set the rate")
+    seeds: list[int] = help_field("the seeds the file's rates were chosen on (its generated.seeds)")
+
+
+@dataclass
 class TrainConfig:
     """``train`` (config.yaml, scale/, suite_scale/, protocol/): the loop's budget and execution."""
 
@@ -196,6 +206,8 @@ class TrainConfig:
     nondp_trainer: str = help_field("D7: non-private baselines: shared (the loop) | hf (the released recipe)")
     hf_trainer: HfTrainerConfig = help_field("the hf recipe (nondp_trainer=hf)")
     diagnostics: DiagnosticsConfig | None = help_field("experiment=diagnostics: the selected scale's budgets", None)
+    lr_source: LrSource | None = help_field("recorded at compose: the tuned entry that set method.lr; null: no tuned "
+                                            "entry did (the default rate, a tune.lr_factor multiple, a typed method.lr)")
 
     def __post_init__(self) -> None:
         positive_int(self.steps, "train.steps", minimum=0)  # 0: the untrained reference model (config_rules)

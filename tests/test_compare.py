@@ -65,6 +65,23 @@ def test_slurm_job_list_of_compare_is_the_runs_of_make_compare(tmp_path: Path, m
     assert len(from_grid) == 2 and from_grid == planned
 
 
+def test_compare_plans_each_run_once_as_the_grid_verb_plans_the_same_sweep(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """compare expands its grid as every verb does (experiment=compare's sweep, one per privacy setting): a method
+    or seed listed twice is one run, and the runs are those of ``grid experiment=compare`` on the same sweep."""
+    from pipelines.config.compose import job_config
+
+    task = _task(tmp_path / "t.jsonl")
+    planned = [j.run_hash for j in _plan(_args(task, tmp_path / "r", "methods=prism,adamw,prism", "eps=inf,6",
+                                               "seed=1,1")).jobs]
+    fixed = [f"suite.custom.train={task}", "suite.custom.labels=[yes,no]", "backbone=tiny-llama", "suite.cutoff_len=1024",
+             f"results_dir={tmp_path / 'r'}"]
+    assert cli(["grid", "experiment=compare", *fixed, "method=prism,adamw,prism", "privacy=nondp,eps6", "seed=1,1",
+                "--remote"]) == 0
+    from_grid = [store.run_hash(job_config(shlex.split(line))) for line in capsys.readouterr().out.splitlines()]
+    assert len(planned) == 4 and sorted(planned) == sorted(from_grid)
+
+
 def task_id(path: Path) -> str:
     """The identifier ``make compare`` pins: the file's keyed hash on this machine (prism.data.custom.file_id)."""
     from prism.data.custom import file_id
@@ -75,7 +92,7 @@ def task_id(path: Path) -> str:
 @pytest.mark.parametrize("extra, words", [
     (["eps=0"], "eps=0 must be > 0"),
     (["methods=prism,sgd"], "methods=sgd"),  # the key typed, not the override it became (method=)
-    (["seed=a"], "seed=a must list integers"),
+    (["seed=a"], "seed=a: 'a' is not an integer"),
     (["model=/nonexistent/model"], "model= and backbone= both"),
 ])
 def test_bad_input_is_one_line_before_any_run(extra: list[str], words: str, tmp_path: Path,

@@ -37,7 +37,8 @@ def test_a_candidate_differs_from_its_ordinary_job_only_in_the_selection_keys() 
     accounted = ["experiment=table2-accounted", *cell, "privacy.selection.candidate=2"]
     candidate = _flat(OmegaConf.to_container(load_job([*accounted, "tune.lr_factor=3.16"], here=False)))
     differ = {k for k in ordinary.keys() | candidate.keys() if ordinary.get(k, "absent") != candidate.get(k, "absent")}
-    assert differ - {"method.lr"} == {"experiment", "tune.lr_factor", "suite.validation_per_task",
+    provenance = {k for k in differ if k.startswith("train.lr_source")}  # method.lr's source: tuned file vs factor
+    assert differ - {"method.lr", *provenance} == {"experiment", "tune.lr_factor", "suite.validation_per_task",
                                       *(f"privacy.selection.{k}" for k in ("mean", "shape", "score_noise", "candidate"))}
     assert candidate["privacy.selection.candidate"] == 2 and candidate["tune.lr_factor"] == 3.16
     default = load_job([*accounted, "tune.lr_factor=1.0"], here=False).method.lr  # the sweep's centre: no tuned file

@@ -29,9 +29,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pipelines.config.schema import ConfigError, conform
-from pipelines.config.tuned_rates import method_lr
+from pipelines.config.tuned_rates import lr_source, method_lr
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+RECORDED = "lr_source"  # train.lr_source: written by resolve(), never typed
 
 
 def by_family(family: str, table: Mapping[str, Any], multiplier: float = 1.0) -> float:
@@ -63,13 +64,17 @@ def compose_config(overrides: Sequence[str], with_hydra: bool = False) -> DictCo
 
 def resolve(cfg: DictConfig) -> DictConfig:
     """The resolved job config the core reads (no ``hydra`` node, no interpolations, struct mode;
-    a leading ``~`` in ``results_dir`` and ``logging.dir`` expanded, as a shell would unquoted)."""
+    a leading ``~`` in ``results_dir`` and ``logging.dir`` expanded, as a shell would unquoted), with the
+    provenance of its learning rate in ``train.lr_source`` where conf/config.yaml declares the key
+    (:func:`pipelines.config.tuned_rates.lr_source`)."""
     plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     plain.pop("hydra", None)
     for node, key in ((plain, "results_dir"), (plain.get("logging"), "dir")):  # not hashed: no machine's home
         if isinstance(node, dict) and isinstance(node.get(key), str) and node[key].startswith("~"):
             node[key] = os.path.expanduser(node[key])  # a leading ~ is the home folder, also when quoted
     resolved = OmegaConf.create(plain)
+    if isinstance(plain.get("train"), dict) and RECORDED in plain["train"]:
+        resolved.train.lr_source = lr_source(resolved)
     OmegaConf.set_struct(resolved, True)
     return resolved
 
@@ -138,6 +143,9 @@ def compose_job(overrides: Sequence[str]) -> DictConfig:
                               f"({key}=...)")
         if override.is_delete():
             raise ConfigError(f"~{key} deletes a key the run reads, set {key}=<value> (or null where allowed) instead")
+        if key.split(".")[:2] == ["train", RECORDED]:
+            raise ConfigError(f"{override.input_line}: train.{RECORDED} records which tuned entry set method.lr, "
+                              "it is not typed; leave it out (method.lr=<rate> sets a rate)")
     groups = tuple(o.input_line for o in parsed if _is_group(o))
     values = [o for o in parsed if not _is_group(o)]
     for override in values:

@@ -4,9 +4,10 @@ of the Table 2 grid (``tune``, ``select``) and the comma-separated lists they ar
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipelines.config.compose import hydra_value
 from prism.data.custom import file_id
@@ -28,10 +29,43 @@ def privacy_overrides(epsilon: float) -> list[str]:
     return ["privacy=eps6", f"privacy.epsilon={epsilon:g}", f"privacy.name=eps{epsilon:g}"]
 
 
-def comma_list(value: str, key: str) -> list[str]:
-    items = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
-    if not items:
-        raise ValueError(f"{key}= is empty, give a comma-separated list, e.g. {key}=a,b")
+@dataclass(frozen=True)
+class Kind:
+    """What each item of a comma-separated list is: its parse (``ValueError`` if the text is not one), its name
+    in an error line and an example list."""
+
+    parse: Callable[[str], Any]
+    noun: str
+    example: str
+
+
+def _budget(text: str) -> float:
+    return math.inf if text.lower() in ("inf", "nondp", "non-dp") else float(text)
+
+
+NAMES = Kind(str, "a name", "a,b")
+INTEGERS = Kind(int, "an integer", "42,43")
+NUMBERS = Kind(float, "a number", "6,3")
+BUDGETS = Kind(_budget, "a number or inf (non-DP)", "inf,6,3")
+
+
+def comma_list(value: str, key: str, kind: Kind = NAMES, choices: Sequence[str] | None = None) -> list[Any]:
+    """The items of ``key=value``, a comma-separated list as typed (``[a,b]`` as Hydra writes a list), each
+    parsed by ``kind`` and, with ``choices``, one of them; ``ValueError`` on one line naming ``key=`` as typed,
+    the item at fault and a list that works, when it lists nothing or an item that does not parse or is no choice."""
+    texts = [v.strip() for v in str(value).strip().strip("[]").split(",") if v.strip()]
+    among = f" among {','.join(choices)}" if choices else ""
+    fix = f"give a comma-separated list{among}, e.g. {key}={','.join(choices[:2]) if choices else kind.example}"
+    if not texts:
+        raise ValueError(f"{key}={value} lists nothing; {fix}")
+    if choices and (unknown := [t for t in texts if t not in choices]):
+        raise ValueError(f"{key}={value}: {', '.join(unknown)} is not a choice; {fix}")
+    items = []
+    for text in texts:
+        try:
+            items.append(kind.parse(text))
+        except ValueError:
+            raise ValueError(f"{key}={value}: {text!r} is not {kind.noun}; {fix}") from None
     return items
 
 
@@ -39,16 +73,6 @@ def quoted(text: str) -> str:
     """``text`` as a quoted Hydra string, so ``labels=true,false`` or ``1,2,3`` stay the text typed (unquoted,
     Hydra reads them as booleans and numbers)."""
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def _epsilon(text: str) -> float:
-    try:
-        value = math.inf if text.lower() in ("inf", "nondp", "non-dp") else float(text)
-    except ValueError:
-        raise ValueError(f"eps={text} is not a number, list privacy budgets like eps=inf,6,3") from None
-    if not value > 0:
-        raise ValueError(f"eps={text} must be > 0 (or inf for non-DP)")
-    return value
 
 
 def pinned(role: str, path: Path) -> list[str]:
@@ -110,21 +134,17 @@ def task_overrides(keys: dict[str, str], overrides: Sequence[str]) -> list[str]:
 
 def budgets(keys: dict[str, str]) -> list[float]:
     """The privacy budgets of ``eps=`` (default ∞, 6, 3)."""
-    return [_epsilon(e) for e in comma_list(keys["eps"], "eps")] if "eps" in keys else list(EPSILONS)
+    if "eps" not in keys:
+        return list(EPSILONS)
+    values = comma_list(keys["eps"], "eps", BUDGETS)
+    if bad := [e for e in values if not e > 0]:
+        raise ValueError(f"eps={bad[0]:g} must be > 0 (or inf for non-DP)")
+    return values
 
 
 def default_methods() -> list[str]:
     """The registered methods ``make compare`` runs without ``methods=`` (trait ``compare_by_default``)."""
     return [n for n in registry.names() if registry.lookup(n).compare_by_default]
-
-
-def names(text: str, allowed: Sequence[str], flag: str) -> list[str]:
-    """The comma-separated names of ``text`` (the value of ``flag=``), each one of ``allowed``."""
-    names = [n for n in text.split(",") if n]
-    unknown = [n for n in names if n not in allowed]
-    if unknown or not names:
-        raise ValueError(f"{flag}={text!r} names {unknown or 'nothing'}; choose from {','.join(allowed)}")
-    return names
 
 
 @dataclass(frozen=True, order=True)

@@ -13,9 +13,9 @@ from omegaconf import DictConfig, OmegaConf
 
 REQUIRED_KEYS = ("seed", "backbone", "suite", "method", "privacy", "lora", "train")
 NON_RESULT_KEYS = frozenset({"experiment", "force", "results_dir", "logging", "launcher", "hydra",
-                             "suite.decoding.shared_prefix", "suite.decoding.frozen_prefix"})
-"""Dotted keys of the resolved config that cannot change a result: bookkeeping, and the evaluation's exact
-speed-ups (docs/DECISIONS.md D59)."""
+                             "suite.decoding.shared_prefix", "suite.decoding.frozen_prefix", "train.lr_source"})
+"""Dotted keys of the resolved config that cannot change a result: bookkeeping (``train.lr_source`` records where
+``method.lr``, which is hashed, came from), and the evaluation's exact speed-ups (docs/DECISIONS.md D59)."""
 HASH_LEN = 12
 HASH_RE = re.compile(rf"[0-9a-f]{{{HASH_LEN}}}")
 

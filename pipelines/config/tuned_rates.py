@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -36,10 +37,13 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
 
+from pipelines.config.identity import canonical
 from pipelines.config.schema import ConfigError, help_field, require
+from prism.job import LrSource
 from prism.methods.schema import KINDS
 
-TUNED_DIR = Path(__file__).resolve().parents[2] / "conf" / "tuned"
+REPO = Path(__file__).resolve().parents[2]
+TUNED_DIR = REPO / "conf" / "tuned"
 MATCH = {  # entry field -> config field it must equal
     "method": "method.name", "suite": "suite.name", "scale": "suite.scale", "epsilon": "privacy.epsilon",
     "backbone": "backbone.name", "lora_layers": "backbone.lora_layers",
@@ -210,14 +214,14 @@ def cell_fields(cfg: DictConfig) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if k not in OPTIONAL or v is not None}
 
 
-def lookup(cfg: DictConfig) -> tuple[float, Path] | None:
-    """The tuned rate of ``cfg``'s cell and its file (:func:`tuned_dir` or the run's :func:`user_tuned_dir`),
+def lookup(cfg: DictConfig) -> tuple[dict[str, Any], Path] | None:
+    """The tuned entry of ``cfg``'s cell and its file (:func:`tuned_dir` or the run's :func:`user_tuned_dir`),
     or None; two files with the cell are an error. A paper-suite run (no OPTIONAL fields) matches no user entry."""
     fields = cell_fields(cfg)  # an OPTIONAL field left out is null: it matches only an entry without it
     results = OmegaConf.select(cfg, "results_dir", default=None)
     folders = (tuned_dir(), *([user_tuned_dir(str(results))] if results else []))
     files = [path for f in folders for path in sorted(f.glob("*.yaml"))]
-    found = [(float(e["lr"]), path) for path in files for e in _load(str(path), path.stat().st_mtime_ns)
+    found = [(e, path) for path in files for e in _load(str(path), path.stat().st_mtime_ns)
              if all(e.get(k) == fields.get(k) for k in MATCH)]
     if len(found) > 1:
         raise ConfigError(f"tuned rates for the same cell in {', '.join(str(p) for _, p in found)}: keep one "
@@ -225,15 +229,40 @@ def lookup(cfg: DictConfig) -> tuple[float, Path] | None:
     return found[0] if found else None
 
 
-def tuned_source(config: Mapping[str, Any] | DictConfig) -> Path | None:
-    """The tuned-rate file whose rate a run's resolved config (``config.yaml``) trained at, or None (also for a
-    run at a factor of the sweep's grid, ``tune.lr_factor``, which never reads a tuned file)."""
-    cfg = config if isinstance(config, DictConfig) else OmegaConf.create(dict(config))
+def lr_source(cfg: DictConfig) -> dict[str, Any] | None:
+    """What ``train.lr_source`` records when ``cfg`` is composed (:class:`~pipelines.config.schema.LrSource`):
+    the tuned-rate file whose entry set ``method.lr`` (relative to the repository when inside it), the sha256 of
+    that entry's canonical JSON and the seeds the file's rates were chosen on (:func:`tuning_seeds`); None when
+    no tuned entry set the rate (the default rate, a sweep's ``tune.lr_factor`` multiple of it, a typed
+    ``method.lr=``). Readers take it from the run's stored config (:func:`recorded_lr_source`), so a later
+    ``make tune`` never changes what an earlier run claims."""
     if OmegaConf.select(cfg, "tune.lr_factor", default=None) is not None:
         return None
     hit = lookup(cfg)
     lr = OmegaConf.select(cfg, "method.lr", default=None)
-    return hit[1] if hit is not None and isinstance(lr, (int, float)) and math.isclose(hit[0], lr, rel_tol=1e-9) else None
+    if hit is None or not isinstance(lr, (int, float)) or not math.isclose(float(hit[0]["lr"]), lr, rel_tol=1e-9):
+        return None
+    entry, path = hit
+    file = path.resolve()
+    return {"file": str(file.relative_to(REPO) if file.is_relative_to(REPO) else file),
+            "entry_sha256": hashlib.sha256(canonical(entry).encode()).hexdigest(), "seeds": tuning_seeds(path)}
+
+
+def lr_source_recorded(config: Mapping[str, Any] | DictConfig) -> bool:
+    """Whether a run's stored config has ``train.lr_source`` (a run stored before it was recorded has not: its
+    rate's provenance is not recorded, and is never looked up again in today's tuned files)."""
+    train = config.get("train")
+    return isinstance(train, (Mapping, DictConfig)) and "lr_source" in train
+
+
+def recorded_lr_source(config: Mapping[str, Any] | DictConfig) -> LrSource | None:
+    """The tuned-rate file and entry a run's stored config records as its rate's source, None when it records
+    none (or nothing: :func:`lr_source_recorded`)."""
+    node = config.get("train", {}).get("lr_source") if lr_source_recorded(config) else None
+    if node is None:
+        return None
+    plain = OmegaConf.to_container(node) if isinstance(node, DictConfig) else dict(node)
+    return LrSource(str(plain["file"]), str(plain["entry_sha256"]), [int(s) for s in plain.get("seeds") or []])
 
 
 def tuning_seeds(path: Path) -> list[int]:
@@ -247,8 +276,7 @@ def tuning_seeds(path: Path) -> list[int]:
 def seed_overlap_line(cfgs: Sequence[DictConfig]) -> str:
     """The one line a table grid (its jobs' configs) prints when its seeds include a seed its tuned rates
     were chosen on ('' if none)."""
-    files = {path for cfg in cfgs if (path := tuned_source(cfg)) is not None}
-    tuned_on = sorted({s for path in files for s in tuning_seeds(path)})
+    tuned_on = sorted({s for cfg in cfgs if (source := recorded_lr_source(cfg)) is not None for s in source.seeds})
     table = sorted({int(cfg.seed) for cfg in cfgs})
     shared = sorted(set(tuned_on) & set(table))
     if not shared:
@@ -270,4 +298,4 @@ def method_lr(default: float, *, _root_: DictConfig) -> float:
     if factor is not None:
         return float(f"{float(default) * float(factor):.6g}")
     hit = lookup(_root_)
-    return hit[0] if hit else float(default)
+    return float(hit[0]["lr"]) if hit else float(default)

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from pipelines.config import identity
-from pipelines.config.tuned_rates import tuned_source, tuning_seeds
+from pipelines.config.tuned_rates import lr_source_recorded, recorded_lr_source
 from pipelines.runs import store
 from pipelines.tables import intervals as iv
 from pipelines.tables.records import AggregateError, RunRecord
@@ -362,17 +362,19 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str,
     trained = {s: [r for r in rs if not is_reference(r)] for s, rs in used.items()}  # the 0-step model has no budget
     header, fact_warnings = header_facts(spec, {s: rs for s, rs in trained.items() if rs})
     seen = {s: sorted({c for r in rs for c in r.final.get("columns", {})}) for s, rs in used.items()}
-    sources = [(r, tuned_source(r.config)) for rs in used.values() for r in rs]
+    sources = [(r, recorded_lr_source(r.config)) for rs in used.values() for r in rs]  # as recorded at compose
     not_dp = sum(isinstance(p := r.final.get("protocol"), Mapping) and p.get("dp_guarantee") == NOT_DP_AS_STATED
                  for r, _ in sources)
-    tuned = sum(is_private_run(r) and path is not None for r, path in sources)
+    tuned = sum(is_private_run(r) and source is not None for r, source in sources)
+    unrecorded = sum(is_private_run(r) and not lr_source_recorded(r.config) for r, _ in sources)
     table_seeds = sorted({_seed_of(r) for r, _ in sources})
     result = TableResult(spec, scale, frame, missing, ignored, protocol, stand_ins(records), header,
                          fact_warnings + mixed_code(spec, cells) + warnings, seen, len(sources), not_dp, tuned=tuned,
-                         tuning_seeds=sorted({s for path in {p for _, p in sources if p} for s in tuning_seeds(path)}),
+                         tuning_seeds=sorted({s for _, source in sources if source for s in source.seeds}),
                          table_seeds=table_seeds, differences=prism_minus_best(spec, frame, intervals, no_signal),
                          unscored=unscored_columns(finished),
-                         privacy=collect([r for r, _ in sources if is_private_run(r)], tuned=tuned, seeds=table_seeds),
+                         privacy=collect([r for r, _ in sources if is_private_run(r)], tuned=tuned, unrecorded=unrecorded,
+                                         seeds=table_seeds),
                          no_signal=no_signal, order=order, claims=claims(spec, frame, intervals))
     if spec.candidates:
         result.audit = pd.DataFrame([{**dict(zip(spec.keys, key)), "suite": suite, "seed": _seed_of(r), "K": len(drawn),

@@ -21,7 +21,8 @@ from pipelines.tables.specs import as_float
 class PrivacyFacts:
     """What the private runs of a table ran under: per suite the sampling rates q and step counts T
     (``final.json``'s ``sample_rate`` and ``steps``), the δs, whether runs are published private
-    selections (RDP accounting, ε includes tuning), how many ran at rates ``make tune`` chose, the noise
+    selections (RDP accounting, ε includes tuning), how many ran at rates ``make tune`` chose and how many were
+    stored without their rate's provenance (``train.lr_source``, recorded at compose), the noise
     sources (``privacy.noise_source``), whether runs logged un-noised per-step statistics
     (``privacy.log_private_stats``), the table's seeds and the number of private runs."""
 
@@ -29,6 +30,7 @@ class PrivacyFacts:
     deltas: tuple[str, ...] = ()
     selections: int = 0
     tuned: int = 0
+    unrecorded: int = 0
     noise_sources: tuple[str, ...] = ()
     private_stats: bool = False
     seeds: tuple[int, ...] = ()
@@ -39,8 +41,9 @@ def _values(records: Sequence[RunRecord], get) -> tuple[str, ...]:
     return tuple(sorted({v for v in (get(r) for r in records) if v is not None}, key=lambda v: (len(v), v)))
 
 
-def collect(private: Sequence[RunRecord], *, tuned: int, seeds: Sequence[int]) -> PrivacyFacts:
-    """The :class:`PrivacyFacts` of a table's private runs ``private`` (``tuned`` of them at tuned rates)."""
+def collect(private: Sequence[RunRecord], *, tuned: int, seeds: Sequence[int], unrecorded: int = 0) -> PrivacyFacts:
+    """The :class:`PrivacyFacts` of a table's private runs ``private`` (``tuned`` of them at tuned rates,
+    ``unrecorded`` without their rate's provenance)."""
     suites = list(dict.fromkeys(str(r.get("suite.name")) for r in private))
 
     def number(value: object, fmt: str) -> str | None:
@@ -53,7 +56,7 @@ def collect(private: Sequence[RunRecord], *, tuned: int, seeds: Sequence[int]) -
     return PrivacyFacts(
         sampling=sampling, deltas=_values(private, lambda r: number(r.get("privacy.delta"), "g")),
         selections=sum(store.SelectionBlock.from_final(r.final) is not None for r in private), tuned=tuned,
-        noise_sources=_values(private, lambda r: str(r.get("privacy.noise_source") or "seeded")),
+        unrecorded=unrecorded, noise_sources=_values(private, lambda r: str(r.get("privacy.noise_source") or "seeded")),
         private_stats=any(r.get("privacy.log_private_stats", True) is not False for r in private),
         seeds=tuple(seeds), private=len(private))
 
@@ -76,9 +79,11 @@ def statement(facts: PrivacyFacts) -> str:
                  "candidates stay unpublished)"
     else:
         accountant = "PRV (Opacus) per run"
-        tuning = (f"ε excludes the rate tuning: {facts.tuned} of the {facts.private} private runs use rates "
-                  "`make tune` chose on their data" if facts.tuned else
-                  "ε without tuning: every rate was fixed before training (defaults or method.lr)")
+        told = [f"ε excludes the rate tuning: {facts.tuned} of the {facts.private} private runs use rates "
+                "`make tune` chose on their data"] if facts.tuned else []
+        told += [f"whether `make tune` chose the rates of {facts.unrecorded} of the {facts.private} private runs "
+                 "is not recorded (stored without train.lr_source)"] if facts.unrecorded else []
+        tuning = "; ".join(told) or "ε without tuning: every rate was fixed before training (defaults or method.lr)"
     seeds = ", ".join(map(str, facts.seeds))
     if facts.noise_sources == ("os",):  # a selection under the OS source draws K and the rates from it too
         what = "noise, batches, K and the rates" if facts.selections else "noise and batches"

@@ -49,7 +49,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from pipelines.config.grids import names
+from pipelines.config.grids import comma_list
 from pipelines.runs.runner import PRINT
 from prism.audit.step import ThresholdAudit, gdp_epsilon, snr, threshold_audit
 from prism.mechanism import geometry
@@ -306,8 +306,8 @@ def main(*, draws: int = 2000, sigma: float = 0.6, methods: str = ",".join(regis
     multiplier ``sigma`` on ``workers`` processes, then the neighbouring-datasets replay (``neighbour_draws`` per
     cell, 0: skipped); exit 1 if a μ lower bound exceeds 1/σ or a corrected replay cell fails. Bad arguments
     raise a one-line ``ValueError`` before any draw."""
-    method_names = names(methods, registry.names(), "methods")
-    case_names = names(cases, CASES, "cases")
+    method_names = comma_list(methods, "methods", choices=registry.names())
+    case_names = comma_list(cases, "cases", choices=CASES)
     if draws < 8:
         raise ValueError(f"draws={draws} is too few; use at least 8 (2000 for the audit)")
     if not sigma > 0:

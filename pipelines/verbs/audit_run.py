@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipelines.config.grids import names
+from pipelines.config.grids import NUMBERS, comma_list
 from pipelines.runs.runner import PRINT
 from prism.audit.canaries import CanaryMethod, Space, draw_directions
 from prism.audit.one_run import OneRunAudit, audit, expected_bounds, split_audit
@@ -237,11 +237,8 @@ def _gdp_cell(r: AuditRow) -> str:
 
 
 def _epsilons(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x]
-    except ValueError:
-        raise ValueError(f"epsilons={text!r} is not a comma-separated list of numbers; e.g. epsilons=6,3") from None
-    if not values or not all(0 < v < math.inf for v in values):
+    values = comma_list(text, "epsilons", NUMBERS)
+    if not all(0 < v < math.inf for v in values):
         raise ValueError(f"epsilons={text!r}: each ε must be finite and > 0 (the non-private control is its own row)")
     return values
 
@@ -271,7 +268,7 @@ def main(*, scale: str = "embedded", methods: str = "prism,adamw", epsilons: str
     k_pos = canaries // 4 if k_pos == -1 else k_pos
     if scale not in SCALES:
         raise ValueError(f"scale={scale!r}; choose one of {', '.join(SCALES)}")
-    method_names = names(methods, registry.names(), "methods")
+    method_names = comma_list(methods, "methods", choices=registry.names())
     budgets = _epsilons(epsilons)
     if canaries < 2:
         raise ValueError(f"canaries={canaries} must be ≥ 2 (30000 for the audit)")

@@ -33,6 +33,7 @@ import pandas as pd
 from pipelines.config import grids, tuned_rates
 from pipelines.config.grids import (
     EXPERIMENT,
+    INTEGERS,
     absolute,
     budgets,
     comma_list,
@@ -40,7 +41,7 @@ from pipelines.config.grids import (
     privacy_overrides,
     task_overrides,
 )
-from pipelines.config.validate import ConfigError, load_job
+from pipelines.config.validate import load_experiment
 from pipelines.runs import launch
 from pipelines.tables.build import TableResult, build_table
 from pipelines.tables.records import RunRecord, read_run_folder
@@ -53,15 +54,21 @@ KEY_OVERRIDES = grids.KEY_OVERRIDES  # the overrides of this command's keys (pip
 
 @dataclasses.dataclass
 class Plan:
-    """The comparison: its fixed overrides and its jobs, one per setting × method × seed in that order."""
+    """The comparison: per privacy setting the overrides of its grid (``experiment=compare``'s sweep, expanded as
+    every verb expands one: :func:`pipelines.config.validate.load_experiment`) and its jobs, methods × seeds."""
 
     task: Path
     file_id: str
-    fixed: list[str]
     settings: list[list[str]]
     methods: list[str]
     seeds: list[int]
-    jobs: list[launch.Job]
+    sweeps: list[list[str]]
+    grids: list[list[launch.Job]]
+
+    @property
+    def jobs(self) -> list[launch.Job]:
+        """Every job, one per setting × method × seed in that order."""
+        return [job for grid in self.grids for job in grid]
 
     @property
     def configs(self) -> list[Any]:
@@ -72,28 +79,17 @@ class Plan:
 def plan(keys: dict[str, Any], overrides: Sequence[str]) -> Plan:
     """Every job of the comparison, validated; ``ValueError`` / :class:`ConfigError` on one line.
     ``keys``: ``task`` and the other task keys of ``make compare``, ``seed`` (comma-separated)."""
-    fixed = [f"experiment={EXPERIMENT}", *task_overrides(keys, overrides), *overrides]
+    task_fixed = task_overrides(keys, overrides)
     task = absolute(keys["task"], "task")
     identifier = file_id(task)
     methods = comma_list(keys["methods"], "methods") if "methods" in keys else default_methods()
-    epsilons = budgets(keys)
-    settings = [privacy_overrides(e) for e in epsilons]
-    seeds_text = comma_list(keys["seed"], "seed") if "seed" in keys else []
-    if not all(s.isdigit() for s in seeds_text):
-        raise ValueError(f"seed={keys['seed']} must list integers, e.g. seed=1,2,3")
-    seeds = [int(s) for s in seeds_text]
-    jobs = []
-    for setting in settings:
-        for method in methods:
-            for seed in seeds or [None]:
-                own = [*setting, f"method={method}", *([f"seed={seed}"] if seed is not None else [])]
-                overrides_ = [fixed[0], *own, *fixed[1:]]  # what tells the jobs apart first (progress lines)
-                try:
-                    cfg = load_job(overrides_)
-                except ConfigError as err:
-                    raise ConfigError(f"in the job {' '.join(own)}: {err}") from None
-                jobs.append(launch.Job.of(overrides_, cfg))
-    return Plan(task, identifier, fixed, settings, methods, seeds, jobs)
+    settings = [privacy_overrides(e) for e in budgets(keys)]
+    seeds = comma_list(keys["seed"], "seed", INTEGERS) if "seed" in keys else []
+    sweeps = [[*setting, f"method={','.join(methods)}", *([f"seed={','.join(map(str, seeds))}"] if seeds else []),
+               *task_fixed, *overrides] for setting in settings]  # what tells the jobs apart first (progress lines)
+    grids_ = [[launch.Job.of(job, cfg) for job, cfg in load_experiment(EXPERIMENT, sweep, here=True)]
+              for sweep in sweeps]
+    return Plan(task, identifier, settings, methods, seeds, sweeps, grids_)
 
 
 # ------------------------------------------------------------------------------------------ table
@@ -118,7 +114,8 @@ def header(p: Plan, result: TableResult) -> list[str]:
     cfg = p.configs[0]
     custom, backbone = cfg.suite.custom, cfg.backbone
     model = f"{backbone.path} (backbone=local)" if backbone.name == "local" else backbone.name
-    finished = [r for r in (read_run_folder(j.folder) for j in p.jobs) if r.state == "finished"]
+    records = [read_run_folder(j.folder) for j in p.jobs]
+    finished = [r for r in records if r.state == "finished"]
     n_train = next((r.final.get("n_train") for r in finished), None)
     n_eval = next((sum(r.final.get("eval_rows", {}).values()) for r in finished), None)
     q = next((r.final.get("sample_rate") for r in finished), None)
@@ -127,11 +124,15 @@ def header(p: Plan, result: TableResult) -> list[str]:
     for c in p.configs:
         record = RunRecord("", "", config=dict(c))
         rates.setdefault(setting_label(record), {})[method_label(record)] = c.method.lr
-    tuned = {str(hit[1]) for c in p.configs if (hit := tuned_rates.lookup(c)) is not None}
-    source = (f"tuned on validation rows by `make tune` ({', '.join(sorted(tuned))}; ε covers one training "
-              "run per cell, not this tuning: one DP run per candidate rate on the same training rows, picked by "
-              "un-noised validation scores)" if tuned else
-              "the scale's defaults (Table 8 × train.lr_multiplier); `make tune TASK=...` tunes them")
+    stored = [r.config if r.state == "finished" else c for r, c in zip(records, p.configs)]  # as recorded at compose
+    tuned = {s.file for c in stored if (s := tuned_rates.recorded_lr_source(c)) is not None}
+    unrecorded = sum(not tuned_rates.lr_source_recorded(c) for c in stored)
+    told = [f"tuned on validation rows by `make tune` ({', '.join(sorted(tuned))}; ε covers one training run per "
+            "cell, not this tuning: one DP run per candidate rate on the same training rows, picked by un-noised "
+            "validation scores)"] if tuned else []
+    told += [f"whether `make tune` chose the rates of {unrecorded} of the {len(stored)} runs is not recorded "
+             "(stored without train.lr_source)"] if unrecorded else []
+    source = "; ".join(told) or "the scale's defaults (Table 8 × train.lr_multiplier); `make tune TASK=...` tunes them"
     lines = [f"# {result.spec.title}", "",
              f"- Task: `{p.task}` (identifier `{p.file_id}`, a keyed hash: docs/custom-task.md), type {custom.type}"
              + (f", labels {list(custom.labels)}" if custom.type == "classification" else "")
@@ -193,11 +194,9 @@ def main(overrides: Sequence[str], *, task: str, model: str | None = None, eval:
     if pending and launcher == "local":
         _, failure = launch.launch(EXPERIMENT, "local", pending, jobs, [], log_dir)
     elif pending:  # one Hydra multirun per privacy setting, sweeping methods and seeds
-        per_setting, waiting = len(p.jobs) // len(p.settings), {id(job) for job in pending}
-        for i, setting in enumerate(p.settings):
-            sweep = [*p.fixed[1:], *setting, f"method={','.join(p.methods)}",
-                     *([f"seed={','.join(map(str, p.seeds))}"] if p.seeds else [])]
-            todo = [job for job in p.jobs[i * per_setting:(i + 1) * per_setting] if id(job) in waiting]
+        waiting = {id(job) for job in pending}
+        for sweep, grid in zip(p.sweeps, p.grids, strict=True):
+            todo = [job for job in grid if id(job) in waiting]
             if todo:
                 submitted, failure = launch.launch(EXPERIMENT, launcher, todo, jobs, sweep, log_dir)
                 if failure and not submitted:

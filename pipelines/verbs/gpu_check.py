@@ -29,6 +29,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from pipelines.config.compose import compose_config, resolve
+from pipelines.config.grids import comma_list
 from prism import train as T
 from prism.checkpoint import load_checkpoint, save_checkpoint
 from prism.data import Example, Suite
@@ -274,11 +275,7 @@ def main(*, profile: str = "paper", device: str | None = None, methods: str | No
     profile's) for ``methods`` (a comma-separated subset of adamw,loraplus,prism; default all); exit 1
     when one fails. Bad arguments raise a one-line ``ValueError`` before any model."""
     known = list(dict.fromkeys(method for _, method, _ in TABLE5))
-    chosen = [m for m in (methods or "").split(",") if m] or None
-    unknown = sorted(set(chosen or ()) - set(known))
-    if unknown or (methods is not None and chosen is None):
-        raise ValueError(f"methods={methods} names {', '.join(unknown) or 'no method'}, not a checked method; give a "
-                         f"comma-separated subset of {','.join(known)} (or leave methods= out for all)")
+    chosen = None if methods is None else comma_list(methods, "methods", choices=known)
     if profile not in PROFILES:
         raise ValueError(f"profile={profile} is not a profile, use profile= one of {', '.join(sorted(PROFILES))}")
     spec = PROFILES[profile]

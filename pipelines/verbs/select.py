@@ -70,7 +70,7 @@ PLANNED = ("experiment", "method", "privacy", "suite", "seed", "tune.lr_factor",
 def tune_grid() -> list[float]:
     """The rate factors of ``conf/experiment/tune.yaml``'s sweep (``tune.lr_factor``)."""
     params = compose_config(["experiment=tune"], with_hydra=True).hydra.sweeper.params
-    return [float(f) for f in str(params["tune.lr_factor"]).split(",")]
+    return grids.comma_list(str(params["tune.lr_factor"]), "tune.lr_factor", grids.NUMBERS)
 
 
 PLAN_FILE = f"{EXPERIMENT}.plan.json"  # in the store: the plans drawn from the OS CSPRNG (noise_source=os)
@@ -240,10 +240,8 @@ def main(overrides: Sequence[str], *, methods: str | None = None, eps: str | Non
     if not all(e < float("inf") for e in epsilons):
         raise ValueError(f"eps={eps}: a private selection needs a finite ε, e.g. eps=6,3")
     cfg = schema.record(job_config([f"experiment={EXPERIMENT}", *overrides]))  # privacy.selection's ranges, before K is drawn
-    seeds_text = grids.comma_list(seed, "seed") if seed else [str(cfg.seed)]
-    if not all(s.isdigit() for s in seeds_text):
-        raise ValueError(f"seed={seed} must list integers, e.g. seed=42,43,44")
-    selections = plan(cfg, overrides, methods_, epsilons, suites_, [int(s) for s in seeds_text])
+    seeds = grids.comma_list(seed, "seed", grids.INTEGERS) if seed else [int(cfg.seed)]
+    selections = plan(cfg, overrides, methods_, epsilons, suites_, seeds)
     pending, _ = launch.split_finished(CANDIDATES, [job for s in selections for job in s.jobs])
     waiting = {job.run_hash for job in pending}
     todo = [s for s in selections if any(j.run_hash in waiting for j in s.jobs)]  # by selection: K stays unprinted
