@@ -18,6 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipelines.config.schema import ConfigError
 from pipelines.config.wandb_access import OFFLINE_FIX
+from pipelines.runs.store import RunBlock
+from prism.record import FinalRecord
 
 MODES = ("offline", "online", "disabled")
 INIT_TIMEOUT_S = 30.0  # logging=online: how long wandb.init may wait for the server (its default retries for minutes)
@@ -34,15 +36,14 @@ def _finite(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
-def summary_text(final: dict[str, Any]) -> dict[str, Any]:
+def summary_text(final: FinalRecord) -> dict[str, Any]:
     """The strings of ``final.json`` a reader of the W&B summary must see: the DP status (``protocol/dp_guarantee``,
     e.g. "not a valid DP guarantee as stated") and its caveats, which :func:`_finite` would drop."""
-    protocol = final.get("protocol") if isinstance(final.get("protocol"), dict) else {}
     out: dict[str, Any] = {}
-    if "dp_guarantee" in protocol:
-        out["protocol/dp_guarantee"] = str(protocol["dp_guarantee"])
-    if protocol.get("dp_caveats"):
-        out["protocol/dp_caveats"] = "; ".join(map(str, protocol["dp_caveats"]))
+    if final.dp_guarantee is not None:
+        out["protocol/dp_guarantee"] = str(final.dp_guarantee)
+    if final.dp_caveats:
+        out["protocol/dp_caveats"] = "; ".join(map(str, final.dp_caveats))
     return out
 
 
@@ -125,6 +126,7 @@ class WandbRun:
         if self.run is None:
             return
         if final:
-            self.run.summary.update({**_finite({k: v for k, v in final.items() if k != "run"}), **summary_text(final)})
+            self.run.summary.update({**_finite({k: v for k, v in final.items() if k != RunBlock.KEY}),
+                                     **summary_text(FinalRecord.from_json(final))})
         self.run.finish(exit_code=exit_code)
         self.run = None
