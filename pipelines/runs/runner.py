@@ -209,7 +209,7 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
                 wb.finish(None, exit_code=1, history=store.read_metrics(folder))
         raise
     with contextlib.suppress(Exception):  # the result is on disk; a W&B upload failure does not undo it
-        wb.finish(final, history=store.read_metrics(folder))
+        wb.finish(final, history=store.read_metrics(folder), record=core)
     took = f" in {run.wall_time_s:.0f} s" if run.wall_time_s is not None else ""
     log.info("run %s finished%s: %s; results in %s", run_hash, took, scores_line(core), folder / "final.json")
     return "finished"

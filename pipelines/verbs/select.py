@@ -216,8 +216,9 @@ def log_published(cfg: DictConfig, job: launch.Job) -> bool:
     public = OmegaConf.merge(job.cfg, {"experiment": EXPERIMENT, "logging": cfg.logging})
     with open_dict(public):
         del public.privacy.selection.candidate
-    final = store.read_record(job.folder).published_json()
-    return wandb_log.log_record(public, store.run_hash(public), final, store.read_metrics(job.folder))
+    record = store.read_record(job.folder)
+    return wandb_log.log_record(public, store.run_hash(public), record.published_json(), store.read_metrics(job.folder),
+                                record)
 
 
 def main(overrides: Sequence[str], *, methods: str | None = None, eps: str | None = None, suites: str | None = None,
