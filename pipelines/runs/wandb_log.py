@@ -124,8 +124,8 @@ class WandbRun:
         if self.deferred and self._open is not None:
             self._open()
             self.deferred = False
-            for record in history:
-                self.log_step(record)
+            for step in history:
+                self.log_step(step)
         if self.run is None:
             return
         if final:
