@@ -62,7 +62,7 @@ def test_a_rates_standard_error_is_the_binomial_one_of_its_validation_rows() -> 
 
 
 def _point(cell: tune.Cell, epsilon: float, factor: float, seed: int, score: float) -> tune.Point:
-    return tune.Point(cell, factor, factor * 1e-3, 1e-3, seed, None, {"epsilon": epsilon}, {"average": score})
+    return tune.Point(cell, factor, factor * 1e-3, 1e-3, seed, None, {"epsilon": epsilon}, FinalRecord(average=score))
 
 
 def test_pick_changes_count_the_cells_whose_tuning_seeds_pick_different_rates_and_how_far_apart() -> None:

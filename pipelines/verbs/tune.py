@@ -278,7 +278,7 @@ def seed_picks(points: Iterable[Point]) -> dict[Cell, dict[int, float | None]]:
     out: dict[Cell, dict[int, float | None]] = {}
     for cell, rates in by_rate(points).items():
         seeds = sorted({p.seed for ps in rates.values() for p in ps})
-        out[cell] = {s: choose({f: score_of([p.final or {}], [s]) for f, ps in rates.items() for p in ps if p.seed == s})
+        out[cell] = {s: choose({f: score_of([p.final or FinalRecord()], [s]) for f, ps in rates.items() for p in ps if p.seed == s})
                      for s in seeds}
     return out
 
