@@ -6,7 +6,7 @@ noises and updates. A private selection's candidate (``privacy.selection``, docs
 tuning") trains at the selection's σ (:func:`prism.privacy.selection.calibrate_candidate_sigma`) from seeds
 of its own, outside the validation rows, and publishes the noised count of its correct validation rows.
 The two privacy switches, ``privacy.noise_source`` (``os``: every step is checkpointed before it is
-logged) and ``privacy.log_private_stats`` (off: :data:`PRIVATE_STATS` and :data:`PRIVATE_FINAL` are
+logged) and ``privacy.log_private_stats`` (off: :data:`PRIVATE_STATS` and :data:`prism.record.PRIVATE_FINAL` are
 dropped from the logs), are explained in docs/PRIVACY.md.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,14 +63,12 @@ from prism.privacy.per_example import TokenBatch, enable_activation_checkpointin
 from prism.privacy.protocol import dp_caveats, protocol_record
 from prism.privacy.sampling import noise_denominator
 from prism.privacy.selection import calibrate_candidate_sigma, noised_count, selection_epsilon
+from prism.record import FinalRecord, SelectionBlock
 
 LogFn = Callable[[dict[str, Any]], None]
 narrate = logging.getLogger("prism.train").info  # one line per phase (pipelines/runs/runner.py prints it)
 # Per-step record fields computed from un-noised data, not covered by ε (docs/PRIVACY.md).
 PRIVATE_STATS = ("loss", "clip_fraction", "grad_norm_mean", "noise_norm", "batch_size", "step_time_s")
-# final.json fields that grow with the realised batch sizes, count empty batches, or are times.
-PRIVATE_FINAL = ("empty_batches", "train_time_s", "wall_time_s", "peak_memory_mb", "prefix_build_s", "step_time_s",
-                 "seconds")
 log = logging.getLogger(__name__)
 
 
@@ -346,30 +344,31 @@ def train_and_evaluate(cfg: JobConfig | DictConfig, run_dir: Path, log_fn: LogFn
             log(public_record(record, log_private))
     train_time = time.time() - started
     measured = step_times[benchmark.warmup:] if benchmark else step_times
-    final: dict[str, Any] = {
-        "sigma": s.sigma,
-        "sample_rate": s.sampler.sample_rate,
-        "steps": steps,
-        "empty_batches": empty,
-        "n_train": len(s.suite.train),
-        "epsilon_spent": s.accountant.epsilon(cfg.privacy.delta) if s.method.dp else math.inf,
-        "peak_memory_mb": peak_memory_mb(s.device),
-        "train_time_s": train_time,
-        "prefix_depth": s.prefix.depth if s.prefix is not None else None,
-        "prefix_build_s": s.prefix.build_seconds if s.prefix is not None else 0.0,
-        "protocol": protocol_record(cfg, lookup(cfg.method).tangent),
-        "step_time_s": float(np.mean(measured)) if measured else float("nan"),
-    }
+    record = FinalRecord(
+        sigma=s.sigma,
+        sample_rate=s.sampler.sample_rate,
+        steps=steps,
+        empty_batches=empty,
+        n_train=len(s.suite.train),
+        epsilon_spent=s.accountant.epsilon(cfg.privacy.delta) if s.method.dp else math.inf,
+        peak_memory_mb=peak_memory_mb(s.device),
+        train_time_s=train_time,
+        prefix_depth=s.prefix.depth if s.prefix is not None else None,
+        prefix_build_s=s.prefix.build_seconds if s.prefix is not None else 0.0,
+        protocol=protocol_record(cfg, lookup(cfg.method).tangent),
+        step_time_s=float(np.mean(measured)) if measured else float("nan"),
+    )
     if not benchmark:
         if isinstance(s.method, HFTrainerBaseline):  # released non-DP recipe: the best hold-out checkpoint
-            final["best_step"] = s.method.restore_best()
+            record = replace(record, best_step=s.method.restore_best())
         if selection_of(cfg) is not None:
-            final["selection"] = _selection_score(s, cfg)
+            record = replace(record, selection=_selection_score(s, cfg))
         narrate("evaluating %d tasks (%d rows)", len(s.suite.eval), sum(map(len, s.suite.eval.values())))
-        final.update(evaluate_suite(s.model, s.tokenizer, s.suite, cfg.suite.decoding, cfg.train.eval_batch_size))
+        record = record.with_evaluation(evaluate_suite(s.model, s.tokenizer, s.suite, cfg.suite.decoding,
+                                                       cfg.train.eval_batch_size))
         export_adapter(s.model, Path(run_dir) / "adapter")
-    final["wall_time_s"] = time.time() - started
-    return final if log_private else {k: v for k, v in final.items() if k not in PRIVATE_FINAL}
+    record = replace(record, wall_time_s=time.time() - started)
+    return (record if log_private else record.without_private()).to_json()
 
 
 class _SecureDraws:
@@ -379,8 +378,8 @@ class _SecureDraws:
         return loc + scale * float(SecureNoise().normal((1,), torch.device("cpu")))
 
 
-def _selection_score(s: Setup, cfg: JobConfig) -> dict[str, Any]:
-    """A candidate's ``selection`` block (the fields of :class:`pipelines.runs.store.SelectionBlock`): the count of
+def _selection_score(s: Setup, cfg: JobConfig) -> SelectionBlock:
+    """A candidate's :class:`~prism.record.SelectionBlock`: the count of
     its correct validation rows plus Gaussian noise of ``privacy.selection.score_noise`` rows (a generator
     seeded by the run seed, the cell (method, suite, ε) and the candidate, so that no two cells share a
     score's noise, or the OS CSPRNG under ``privacy.noise_source=os``), and the
@@ -394,9 +393,9 @@ def _selection_score(s: Setup, cfg: JobConfig) -> dict[str, Any]:
                  str(selection.candidate)))
     knobs = dict(score_sigma=selection.score_noise, mean=selection.mean, shape=selection.shape)
     epsilon = selection_epsilon(s.sigma, s.sampler.sample_rate, total_steps(cfg), cfg.privacy.delta, **knobs)
-    return {"score": noised_count(correct, knobs["score_sigma"], draws), "rows": int(correct.size),
-            "candidate": selection.candidate, "mean": knobs["mean"], "shape": knobs["shape"],
-            "score_noise": knobs["score_sigma"], "sigma": s.sigma, "epsilon": epsilon}
+    return SelectionBlock(score=noised_count(correct, knobs["score_sigma"], draws), rows=int(correct.size),
+                          candidate=selection.candidate, mean=knobs["mean"], shape=knobs["shape"],
+                          score_noise=knobs["score_sigma"], sigma=s.sigma, epsilon=epsilon)
 
 
 def _assert_moved(params: dict[str, nn.Parameter], initial: dict[str, Tensor]) -> None:

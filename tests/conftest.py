@@ -223,7 +223,7 @@ def make_run(root: Path, run_hash: str, *, method: str, privacy: str, suite: str
         run = store.RunBlock(hash=run_hash, experiment=experiment or root.name, attempts=1, versions={},
                              git_commit=final_extra.pop("git_commit", None),
                              git_dirty=final_extra.pop("git_dirty", None), hostname="test").to_json()
-        final = {"scores": {}, "columns": columns or {}, "epsilon_spent": None if eps == math.inf else eps - 0.01,
+        final = {"scores": {}, "columns": columns or {}, "epsilon_spent": eps if eps == math.inf else eps - 0.01,
                  "per_example": {c: _rows(c, v) for c, v in (columns or {}).items()}, "run": run, **final_extra}
         (folder / "final.json").write_text(final_text if final_text is not None else json.dumps(final))
     return folder

@@ -103,19 +103,19 @@ def test_a_selection_publishes_the_best_noised_candidate_and_its_table_says_epsi
         assert set(rows["K"]) == {len(factors)} == {len(mine)} and list(rows["candidate"]) == list(range(len(mine)))
         assert list(rows["lr_factor"]) == pytest.approx(factors)
         assert list(rows["lr"]) == pytest.approx([r.get("method.lr") for r in mine])
-        assert list(rows["noised_score"]) == pytest.approx([store.SelectionBlock.from_final(r.final).score
+        assert list(rows["noised_score"]) == pytest.approx([r.final.selection.score
                                                              for r in mine], rel=1e-5)
         assert [r.get("privacy.selection.candidate") for r in mine] == list(range(len(mine)))
         # the published run is the argmax of the noised scores (ties: the lowest index)
-        scores = [store.SelectionBlock.from_final(r.final).score for r in mine]
+        scores = [r.final.selection.score for r in mine]
         assert record.run_id == mine[int(np.argmax(scores))].run_id
         assert list(rows["published"]) == [k == int(np.argmax(scores)) for k in range(len(mine))]
         # every candidate trained at the selection's σ for its q and T
         for r in mine:
-            block = store.SelectionBlock.from_final(r.final)
-            sigma = calibrate_candidate_sigma(6.0, 1e-5, r.final["sample_rate"], r.final["steps"], score_sigma=5.0,
+            block = r.final.selection
+            sigma = calibrate_candidate_sigma(6.0, 1e-5, r.final.sample_rate, r.final.steps, score_sigma=5.0,
                                               mean=3.0, shape=1.0)
-            assert r.final["sigma"] == block.sigma == sigma and block.epsilon <= 6.0
+            assert r.final.sigma == block.sigma == sigma and block.epsilon <= 6.0
     assert len(trained) == len(candidates) == 4  # K = 2 for both methods at seed 42
     md = (tmp_path / "tables" / "table2-accounted.embedded.md").read_text()
     assert md.startswith("# Table 2: Utility on GLUE8 and Math-10K, r=16, ε includes tuning")
@@ -143,7 +143,7 @@ def test_a_selection_publishes_the_best_noised_candidate_and_its_table_says_epsi
     candidate_hashes = {r.run_id for r in candidates}
     assert len(logged) == 2 and all("-table2-accounted-" in p.name for p in logged)
     assert not any(h in p.name for p in logged for h in candidate_hashes)
-    scores = {store.SelectionBlock.from_final(r.final).score for r in published.values()}
+    scores = {r.final.selection.score for r in published.values()}
     for p in logged:  # the offline log holds the run's config and summary as JSON text
         log = next(p.glob("run-*.wandb")).read_bytes()
         assert b'"score_noise"' in log and b"selection/score" in log and b"candidate" not in log

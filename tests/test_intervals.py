@@ -10,6 +10,7 @@ from sklearn.metrics import matthews_corrcoef
 
 from pipelines.tables import intervals as iv
 from prism.evaluation.metrics import glue_score, row_outcomes, score_outputs
+from prism.record import FinalRecord, Outcome
 
 
 def two_way_variance(x: np.ndarray) -> float:
@@ -23,9 +24,9 @@ def two_way_variance(x: np.ndarray) -> float:
     return float((alpha ** 2).mean() / s + (beta ** 2).mean() / n + (gamma ** 2).mean() / (s * n))
 
 
-def _finals(x: np.ndarray, rows: str = "rows-a", column: str = "SST-2") -> list[dict]:
-    return [{"columns": {column: float(r.mean())},
-             "per_example": {"t": {"column": column, "correct": r.astype(int).tolist(), "rows": rows}}} for r in x]
+def _finals(x: np.ndarray, rows: str = "rows-a", column: str = "SST-2") -> list[FinalRecord]:
+    return [FinalRecord.from_json({"columns": {column: float(r.mean())}, "per_example": {
+        "t": {"column": column, "correct": r.astype(int).tolist(), "rows": rows}}}) for r in x]
 
 
 def test_bootstrap_over_rows_and_seeds_matches_the_closed_form_variance() -> None:
@@ -84,7 +85,7 @@ def test_statistic_columns_are_recomputed_on_each_draw() -> None:
     gold = rng.integers(0, 2, 120)
     pred = np.where(rng.random(120) < 0.75, gold, 1 - gold)
     draws = np.concatenate(list(iv.row_draws("cola", 120, 200)))
-    reps = iv.task_replicates("CoLA", {"pred": pred.tolist(), "gold": gold.tolist()}, draws)
+    reps = iv.task_replicates("CoLA", Outcome(pred=pred.tolist(), gold=gold.tolist()), draws)
     ref = [matthews_corrcoef(gold[d], pred[d]) for d in draws]
     assert reps == pytest.approx(ref)
 

@@ -10,6 +10,7 @@ from conftest import fake_setup, tiny_pair_params
 from omegaconf import OmegaConf
 
 from prism import train as T
+from prism.record import PRIVATE_FINAL
 
 
 @pytest.mark.parametrize("log_private_stats", [True, False])
@@ -32,6 +33,6 @@ def test_log_private_stats_false_drops_unnoised_statistics(
     private = {"loss", "clip_fraction", "grad_norm_mean", "noise_norm", "batch_size", "step_time_s"}
     if log_private_stats:
         # a benchmark run has no evaluation, hence no evaluation seconds
-        assert private <= logged and set(T.PRIVATE_FINAL) - {"step_time_s", "seconds"} <= set(final)
+        assert private <= logged and set(PRIVATE_FINAL) - {"step_time_s", "seconds"} <= set(final)
     else:
-        assert not private & logged and not set(T.PRIVATE_FINAL) & set(final)
+        assert not private & logged and not set(PRIVATE_FINAL) & set(final)

@@ -68,8 +68,8 @@ def test_a_method_outside_prism_trains_through_the_runner_and_is_its_own_row(
     records = agg.read_run_folders(results / "runs", "adhoc")
     assert sorted(r.state for r in records) == ["finished", "finished"]
     toy = next(r for r in records if r.get("method.name") == "toy_sgd")
-    assert toy.final["epsilon_spent"] <= 6.0 and toy.get("method._target_") == "tests.toy_method.toy.ToySGDMethod"
+    assert toy.final.epsilon_spent <= 6.0 and toy.get("method._target_") == "tests.toy_method.toy.ToySGDMethod"
     table = agg.build_table(agg.SPECS["table2"], records, str(toy.get("suite.scale"))).frame
     rows = table[table["Setting"] == "ε=6"].set_index("Method")
     assert {"Toy SGD", "AdamW"} <= set(rows.index)
-    assert rows.loc["Toy SGD", "SST-2"] == pytest.approx(toy.final["columns"]["SST-2"])
+    assert rows.loc["Toy SGD", "SST-2"] == pytest.approx(toy.final.columns["SST-2"])

@@ -80,6 +80,26 @@ def test_a_realised_epsilon_above_the_cell_is_refused(tmp_path: Path) -> None:
     assert any("realised ε=60" in m and str(runs[0]) in m for m in result.missing)
 
 
+MISTYPED = {  # a field of the core's record given a value of another type -> what its one line says
+    "sigma as text": (lambda f: f.update(sigma="0.9"), "final.json's `sigma` is str, not a number"),
+    "a count as a list": (lambda f: f.update(n_train=[32]), "final.json's `n_train` is list, not an integer"),
+    "outcomes as text": (lambda f: f["per_example"]["sst2"].update(correct="1011"),
+                         "final.json's `per_example` of sst2's `correct` is str, not a list"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISTYPED))
+def test_a_record_that_does_not_parse_into_its_type_is_refused_not_averaged(tmp_path: Path, case: str) -> None:
+    runs = _runs(tmp_path)
+    change, expected = MISTYPED[case]
+    _edit(runs[0], change)
+    result, row = _table(tmp_path)
+    assert row["SST-2_n"] == 1
+    assert row["SST-2"] == (0.25 if runs[0] == _seed_42(runs) else 0.75)  # the other seed's value
+    refused = [m for m in result.missing if expected in m]
+    assert len(refused) == 1 and str(runs[0]) in refused[0] and "refused" in refused[0]
+
+
 CONTRADICTIONS = {  # a record's fields against each other or its row (ε = 6) -> what its one line says
     "epsilon far below the row": (lambda f: f.update(epsilon_spent=1.5), "realised ε=1.5 is more than 0.03 below"),
     "no noise beside a finite ε": (lambda f: f.update(sigma=0.0), "σ=0 (no noise) beside the row's ε=6"),

@@ -13,6 +13,7 @@ from conftest import tiny_cfg
 from pipelines.runs import store
 from prism import train as T
 from prism.privacy.selection import calibrate_candidate_sigma, selection_epsilon
+from prism.record import SelectionBlock
 
 SELECTION = ["+privacy.selection={mean:3.0,shape:1.0,score_noise:5.0,candidate:1}", "+suite.validation_per_task=3"]
 
@@ -22,7 +23,7 @@ def test_a_candidate_trains_at_the_selections_sigma_and_records_only_the_noised_
     final = T.train_and_evaluate(cfg, tmp_path, lambda record: None)
     q, steps = 8 / 32, 3
     sigma = calibrate_candidate_sigma(6.0, 1e-5, q, steps, score_sigma=5.0, mean=3.0, shape=1.0)
-    block = store.SelectionBlock.from_final(final)
+    block = SelectionBlock.from_json(final["selection"])
     assert final["sample_rate"] == pytest.approx(q) and final["sigma"] == block.sigma == sigma
     assert block.epsilon == pytest.approx(selection_epsilon(sigma, q, steps, 1e-5, score_sigma=5.0, mean=3.0,
                                                             shape=1.0)) and block.epsilon <= 6.0
@@ -31,7 +32,7 @@ def test_a_candidate_trains_at_the_selections_sigma_and_records_only_the_noised_
     # the test rows are published as usual; no per-row or un-noised validation figure is kept anywhere
     assert set(final["per_example"]) == {"tweet_sentiment", "syllogism"} and final["eval_rows"] == {
         "tweet_sentiment": 2, "syllogism": 2}
-    assert set(final[store.SelectionBlock.KEY]) == {"score", "rows", "candidate", "mean", "shape", "score_noise",
+    assert set(final["selection"]) == {"score", "rows", "candidate", "mean", "shape", "score_noise",
                                                     "sigma", "epsilon"}
     # the embedded training rows are the ordinary run's (the validation rows are drawn outside them)
     assert final["n_train"] == 32

@@ -17,6 +17,7 @@ from pipelines.config.validate import load_job
 from pipelines.runs import launch
 from pipelines.runs.runner import execute
 from pipelines.verbs import tune
+from prism.record import FinalRecord
 
 
 def _exact(scores: dict[float, float]) -> dict[float, tune.Score]:
@@ -53,15 +54,15 @@ def test_a_rates_standard_error_is_the_binomial_one_of_its_validation_rows() -> 
     final = {"scores": {"sst2": 0.3, "rte": 0.6}, "columns": {"SST-2": 0.3, "RTE": 0.6}, "average": 0.45,
              "per_example": {"sst2": {"column": "SST-2", "correct": [1] * 120 + [0] * 280, "rows": "a"},
                              "rte": {"column": "RTE", "correct": [1] * 240 + [0] * 160, "rows": "b"}}}
-    score = tune.score_of([final], [1], b=4000)
+    score = tune.score_of([FinalRecord.from_json(final)], [1], b=4000)
     assert score.mean == pytest.approx(0.45)
     assert score.se == pytest.approx(math.sqrt(0.3 * 0.7 / n + 0.6 * 0.4 / n) / 2, rel=0.08)
-    assert tune.score_of([{"average": 0.45}], [1]) == tune.Score(0.45, 0.0)
-    assert math.isnan(tune.score_of([final, {}], [1, 2]).mean)  # a seed without a score
+    assert tune.score_of([FinalRecord(average=0.45)], [1]) == tune.Score(0.45, 0.0)
+    assert math.isnan(tune.score_of([FinalRecord.from_json(final), FinalRecord()], [1, 2]).mean)  # a seed without a score
 
 
 def _point(cell: tune.Cell, epsilon: float, factor: float, seed: int, score: float) -> tune.Point:
-    return tune.Point(cell, factor, factor * 1e-3, 1e-3, seed, None, {"epsilon": epsilon}, {"average": score})
+    return tune.Point(cell, factor, factor * 1e-3, 1e-3, seed, None, {"epsilon": epsilon}, FinalRecord(average=score))
 
 
 def test_pick_changes_count_the_cells_whose_tuning_seeds_pick_different_rates_and_how_far_apart() -> None:

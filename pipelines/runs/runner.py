@@ -37,6 +37,7 @@ from pipelines.runs import store
 from pipelines.runs.wandb_log import WandbRun
 from prism.fileio import write_text_atomic
 from prism.privacy.budget import total_steps
+from prism.record import FinalRecord, RecordError
 
 log = logging.getLogger("pipelines.runs.runner")
 REPO = Path(__file__).resolve().parents[2]
@@ -140,8 +141,11 @@ class StoreError(OSError):
 
 
 def _skipped(folder: Path, run_hash: str, why: str) -> str:
-    log.info("run %s already finished, skipped (%s): %s; results in %s", run_hash, why,
-             scores_line(store.read_json(folder / "final.json")), folder / "final.json")
+    try:
+        scores = scores_line(FinalRecord.from_json(store.read_json(folder / "final.json")))
+    except RecordError as err:
+        scores = f"a record the tables refuse ({err})"
+    log.info("run %s already finished, skipped (%s): %s; results in %s", run_hash, why, scores, folder / "final.json")
     return "skipped"
 
 
@@ -188,13 +192,13 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
             raise StoreError(f"no space left on the disk of results_dir={cfg.results_dir} (writing {folder}); "
                              "free space there or point results_dir elsewhere, then rerun the same command "
                              "to resume from the last checkpoint") from None
-        store.SelectionBlock.from_final(record)  # a candidate's block as the store declares it
+        core = FinalRecord.from_json(record)  # the trainer's record parses into the core's type
         commit, dirty = git_state()
         times = dict(wall_time_s=time.time() - t0, started=started, ended=store.utc_stamp(),
                      peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0) if timed else {}
         run = store.RunBlock(hash=run_hash, experiment=str(cfg.experiment), attempts=attempts, versions=versions(),
                              git_commit=commit, git_dirty=dirty, hostname=socket.gethostname(), **times)
-        final = {**record, "run": run.to_json()}
+        final = {**record, store.RunBlock.KEY: run.to_json()}
         store.write_json_atomic(folder / "final.json", final)
         store.write_status(folder, "finished", started=started, attempts=attempts, ended=run.ended)
     except BaseException as exc:
@@ -205,9 +209,9 @@ def _train(cfg: DictConfig, folder: Path, run_hash: str, attempts: int, trainer:
                 wb.finish(None, exit_code=1, history=store.read_metrics(folder))
         raise
     with contextlib.suppress(Exception):  # the result is on disk; a W&B upload failure does not undo it
-        wb.finish(final, history=store.read_metrics(folder))
+        wb.finish(final, history=store.read_metrics(folder), record=core)
     took = f" in {run.wall_time_s:.0f} s" if run.wall_time_s is not None else ""
-    log.info("run %s finished%s: %s; results in %s", run_hash, took, scores_line(final), folder / "final.json")
+    log.info("run %s finished%s: %s; results in %s", run_hash, took, scores_line(core), folder / "final.json")
     return "finished"
 
 
@@ -257,17 +261,17 @@ def _record_failure(folder: Path, run_hash: str, exc: BaseException, started: st
         log.error("run %s failed; its traceback is in %s", run_hash, folder / "traceback.txt")
 
 
-def scores_line(final: dict[str, Any]) -> str:
+def scores_line(final: FinalRecord) -> str:
     """The headline numbers of a ``final.json``: Table 2 columns and their average, or the Table 5
     step time and memory of a benchmark run."""
-    columns = final.get("columns") or final.get("scores") or {}
+    columns = final.columns or final.scores or {}
     parts = [f"{name} {value:.4g}" for name, value in columns.items() if isinstance(value, (int, float))]
-    if isinstance(final.get("average"), (int, float)):
-        parts.append(f"average {final['average']:.4g}")
-    if not parts and isinstance(final.get("step_time_s"), (int, float)):
-        parts.append(f"step time {final['step_time_s']:.3g} s, peak memory {final.get('peak_memory_mb', 0):.0f} MiB")
-    eps = final.get("epsilon_spent")
-    if isinstance(eps, (int, float)) and math.isfinite(eps):
+    if final.average is not None:
+        parts.append(f"average {final.average:.4g}")
+    if not parts and final.step_time_s is not None:
+        parts.append(f"step time {final.step_time_s:.3g} s, peak memory {final.peak_memory_mb or 0:.0f} MiB")
+    eps = final.epsilon_spent
+    if eps is not None and math.isfinite(eps):
         parts.append(f"ε spent {eps:.3g}")
     return ", ".join(parts) or "no scores"
 

@@ -37,7 +37,8 @@ Inside a run folder:
   ``"run"``: ``{hash, experiment (the one that trained it), wall_time_s (whole job incl. loading),
   peak_rss_mb, started, ended, attempts, versions {…}, git_commit, git_dirty, hostname}``; under
   ``privacy.log_private_stats=false`` neither block holds a time or memory figure. A private selection's
-  candidate (``privacy.selection``) also has the core's ``selection`` block (:class:`SelectionBlock`).
+  candidate (``privacy.selection``) also has the core's ``selection`` block. The core's fields are typed by
+  :class:`prism.record.FinalRecord` (written and read through it), the ``run`` block by :class:`RunBlock`.
 * ``status.json`` — written atomically (tmp + ``os.replace``): ``{state: running|finished|failed|stopped,
   error: str|null, started, ended, attempts}`` (times ISO-8601 UTC, absent under
   ``privacy.log_private_stats=false``; ``attempts`` counts job starts).
@@ -72,6 +73,7 @@ from pipelines.config.identity import HASH_RE, canonical, hash_payload, run_hash
 from pipelines.config.schema import ConfigError
 from prism.evaluation.metrics import COLUMN_RULES, gold_is_valid
 from prism.fileio import write_text_atomic
+from prism.record import FinalRecord, Outcome, RecordError
 
 VIEWS = "_views"
 STATUS_STATES = ("running", "finished", "failed", "stopped")  # status.json's `state` (stopped: by a signal)
@@ -247,8 +249,8 @@ def seal_metrics(folder: Path) -> None:
 @dataclass(frozen=True)
 class RunBlock:
     """``final.json``'s ``run`` block: who trained the run, where and with which code. Written by
-    :mod:`pipelines.runs.runner` through :meth:`to_json` and read back only through :meth:`from_final`; the times
-    and memory are ``None`` (absent from the file) under ``privacy.log_private_stats=false``."""
+    :mod:`pipelines.runs.runner` through :meth:`to_json` and read back only through :meth:`from_final` (or
+    :func:`read_final`); the times and memory are ``None`` (absent from the file) under ``privacy.log_private_stats=false``."""
 
     hash: str
     experiment: str
@@ -263,6 +265,7 @@ class RunBlock:
     peak_rss_mb: float | None = None
 
     TIMES = ("wall_time_s", "started", "ended", "peak_rss_mb")
+    KEY = "run"  # its key in final.json, beside the core's fields
 
     def to_json(self) -> dict[str, Any]:
         """The block as written (the times only when recorded)."""
@@ -271,7 +274,7 @@ class RunBlock:
     @classmethod
     def from_final(cls, final: Mapping[str, Any]) -> RunBlock:
         """The block of a parsed ``final.json``; :class:`RecordError` naming the first missing field."""
-        block = final.get("run")
+        block = final.get(cls.KEY)
         if not isinstance(block, Mapping):
             raise RecordError("final.json has no `run` block")
         names = [f.name for f in fields(cls)]
@@ -281,97 +284,68 @@ class RunBlock:
         return cls(**{n: block[n] for n in names if n in block})
 
 
-class RecordError(ValueError):
-    """A run record that cannot be trusted: the aggregator refuses it in one line naming the run."""
-
-
-@dataclass(frozen=True)
-class SelectionBlock:
-    """``final.json``'s ``selection`` block: what a private selection's candidate (``privacy.selection``;
-    docs/PRIVACY.md "ε includes tuning") publishes besides its test rows. Written by the core
-    (:func:`prism.train.train_and_evaluate`), checked by :mod:`pipelines.runs.runner` before ``final.json`` is
-    written and read back only through :meth:`from_final`. Nothing un-noised about the validation rows
-    is in it: their per-row outcomes and their count are not recorded."""
-
-    score: float  # the count of correct validation rows plus N(0, score_noise²)
-    rows: int  # validation rows scored (public: the config fixes them)
-    candidate: int
-    mean: float  # E[K]
-    shape: float  # η of K's law
-    score_noise: float
-    sigma: float  # the candidate's training σ (prism.privacy.selection.calibrate_candidate_sigma)
-    epsilon: float  # ε at privacy.delta of the whole selection (prism.privacy.selection.selection_epsilon)
-
-    KEY = "selection"
-
-    @classmethod
-    def from_final(cls, final: Mapping[str, Any]) -> SelectionBlock | None:
-        """The block of a parsed ``final.json`` (None for an ordinary run); :class:`RecordError` naming the
-        first missing field."""
-        block = final.get(cls.KEY)
-        if block is None:
-            return None
-        if not isinstance(block, Mapping):
-            raise RecordError("final.json's `selection` block is not a mapping")
-        names = [f.name for f in fields(cls)]
-        if missing := [n for n in names if n not in block]:
-            raise RecordError(f"final.json's `selection` block lacks `{missing[0]}`")
-        return cls(**{n: block[n] for n in names})
-
-
 SCORED_FIELDS = ("columns", "epsilon_spent", "per_example")
-"""``final.json`` fields every scored (non-benchmark) run writes: its columns, its realised ε and the
-per-row outcomes of its evaluation rows (the tables' intervals are bootstraps over them)."""
+""":class:`~prism.record.FinalRecord` fields every scored (non-benchmark) run writes: its columns, its realised ε and
+the per-row outcomes of its evaluation rows (the tables' intervals are bootstraps over them)."""
+
+
+def read_final(final: Mapping[str, Any]) -> tuple[FinalRecord, RunBlock]:
+    """The core's record and the runner's :class:`RunBlock` of a parsed ``final.json``; :class:`RecordError` naming
+    the first missing or mistyped field."""
+    run = RunBlock.from_final(final)
+    return FinalRecord.from_json(final), run
+
+
+def read_record(folder: Path) -> FinalRecord:
+    """The core's record of a run folder's ``final.json``: ``ValueError`` (:class:`RecordError` included) when it
+    does not parse, ``FileNotFoundError`` when it is absent."""
+    return FinalRecord.from_json(read_json(folder / "final.json"))
 
 
 def final_problem(final: Mapping[str, Any]) -> str:
-    """Why a parsed ``final.json`` cannot be averaged ('' when it can): a missing field of
-    :data:`SCORED_FIELDS` (a run that scored columns), or of its :class:`RunBlock` or :class:`SelectionBlock`."""
+    """Why a parsed ``final.json`` cannot be averaged ('' when it can): a field that does not parse into its
+    :class:`RunBlock` or :class:`~prism.record.FinalRecord` (its :class:`~prism.record.SelectionBlock` included),
+    or a problem of its scores (:func:`scores_problem`)."""
     try:
-        RunBlock.from_final(final)
-        SelectionBlock.from_final(final)
+        record, _ = read_final(final)
     except RecordError as err:
         return str(err)
-    return scores_problem(final)
+    return scores_problem(record)
 
 
-def scores_problem(final: Mapping[str, Any]) -> str:
-    """Why the scores of a ``final.json`` (or of a W&B summary, which carries no run block) cannot be
+def scores_problem(record: FinalRecord) -> str:
+    """Why the scores of a record (a ``final.json``, or a W&B summary, which carries no run block) cannot be
     averaged ('' when they can): a missing field of :data:`SCORED_FIELDS`, or a column without rows."""
-    if final.get("columns"):
-        missing = [f for f in SCORED_FIELDS if f not in final]
+    if record.columns:
+        missing = [f for f in SCORED_FIELDS if getattr(record, f) is None]
         if missing:
             return f"final.json lacks `{missing[0]}`"
-        outcomes = final["per_example"] if isinstance(final["per_example"], Mapping) else {}
-        scored = {o.get("column") for o in outcomes.values() if isinstance(o, Mapping)}
-        unscored = [c for c in final["columns"] if c not in scored]
+        scored = {o.column for o in record.per_example.values()}
+        unscored = [c for c in record.columns if c not in scored]
         if unscored:
             return f"final.json's `per_example` has no rows of column {unscored[0]}"
-        scored_rows = final.get("n") if isinstance(final.get("n"), Mapping) else {}
-        for name, outcome in outcomes.items():
+        scored_rows = record.n or {}
+        for name, outcome in record.per_example.items():
             if why := outcome_problem(outcome, scored_rows.get(name.split("/")[0])):
                 return f"final.json's `per_example` of {name}: {why}"
     return ""
 
 
-def outcome_problem(outcome: Any, scored: Any) -> str:
+def outcome_problem(outcome: Outcome, scored: Any) -> str:
     """Why one task's per-row outcomes (:func:`prism.evaluation.metrics.row_outcomes`; a user classification
     task's ``Macro-F1`` labels) disagree with their metric or with ``scored``, the rows the evaluation scored
     (``final.json`` ``n``; None if not recorded) ('' when they agree): a correctness outside 0/1, a label
     outside the task's labels, a gold answer its column's rule would have skipped, or another row count."""
-    if not isinstance(outcome, Mapping):
-        return "not a mapping"
-    if "correct" in outcome:
-        rows = outcome["correct"]
+    if outcome.correct is not None:
+        rows = outcome.correct
         if bad := [c for c in rows if c not in (0, 1)]:
             return f"correct={bad[0]!r} is not 0 or 1"
     else:
-        rows, preds, labels = outcome.get("gold", ()), outcome.get("pred", ()), outcome.get("labels")
-        if isinstance(labels, int):  # Macro-F1: labels 0..labels-1, an unparsed prediction -1
+        rows, preds, labels = outcome.gold or [], outcome.pred or [], outcome.labels
+        if labels is not None:  # Macro-F1: labels 0..labels-1, an unparsed prediction -1
             bad = [g for g in rows if g not in range(labels)] or [p for p in preds if p not in range(-1, labels)]
         else:
-            column = outcome.get("column")
-            bad = [g for g in rows if column in COLUMN_RULES and not gold_is_valid(column, g)]
+            bad = [g for g in rows if outcome.column in COLUMN_RULES and not gold_is_valid(outcome.column, g)]
         if bad:
             return f"{bad[0]!r} is outside the labels or answers of its column"
         if len(preds) != len(rows):

@@ -18,6 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipelines.config.schema import ConfigError
 from pipelines.config.wandb_access import OFFLINE_FIX
+from pipelines.runs.store import RunBlock
+from prism.record import FinalRecord
 
 MODES = ("offline", "online", "disabled")
 INIT_TIMEOUT_S = 30.0  # logging=online: how long wandb.init may wait for the server (its default retries for minutes)
@@ -34,15 +36,14 @@ def _finite(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
-def summary_text(final: dict[str, Any]) -> dict[str, Any]:
+def summary_text(final: FinalRecord) -> dict[str, Any]:
     """The strings of ``final.json`` a reader of the W&B summary must see: the DP status (``protocol/dp_guarantee``,
     e.g. "not a valid DP guarantee as stated") and its caveats, which :func:`_finite` would drop."""
-    protocol = final.get("protocol") if isinstance(final.get("protocol"), dict) else {}
     out: dict[str, Any] = {}
-    if "dp_guarantee" in protocol:
-        out["protocol/dp_guarantee"] = str(protocol["dp_guarantee"])
-    if protocol.get("dp_caveats"):
-        out["protocol/dp_caveats"] = "; ".join(map(str, protocol["dp_caveats"]))
+    if final.dp_guarantee is not None:
+        out["protocol/dp_guarantee"] = str(final.dp_guarantee)
+    if final.dp_caveats:
+        out["protocol/dp_caveats"] = "; ".join(map(str, final.dp_caveats))
     return out
 
 
@@ -51,13 +52,15 @@ def run_id(cfg: DictConfig, run_hash: str, generation: int = 0) -> str:
     return f"{cfg.experiment}-{run_hash}" + (f"-f{generation}" if generation else "")
 
 
-def log_record(cfg: DictConfig, run_hash: str, final: dict[str, Any], history: Sequence[dict[str, Any]]) -> bool:
-    """Log a finished run from its local record (``history``: its step records, then ``final``) as one W&B run
-    of ``cfg``, opened and closed at once (no time of training reaches W&B); False, logging nothing, when
-    ``logging.mode`` is disabled or ``logging.dir`` already holds a W&B run of that id (a rerun logs it once)."""
+def log_record(cfg: DictConfig, run_hash: str, final: dict[str, Any], history: Sequence[dict[str, Any]],
+               record: FinalRecord | None = None) -> bool:
+    """Log a finished run from its local record (``history``: its step records, then ``final``, the summary, and
+    ``record``, as in :meth:`WandbRun.finish`) as one W&B run of ``cfg``, opened and closed at once (no time of
+    training reaches W&B); False, logging nothing, when ``logging.mode`` is disabled or ``logging.dir`` already
+    holds a W&B run of that id (a rerun logs it once)."""
     if str(cfg.logging.mode) == "disabled" or any(Path(cfg.logging.dir).rglob(f"*run-*-{run_id(cfg, run_hash)}")):
         return False
-    WandbRun(cfg, run_hash, deferred=True).finish(final, history=history)
+    WandbRun(cfg, run_hash, deferred=True).finish(final, history=history, record=record)
     return True
 
 
@@ -114,17 +117,19 @@ class WandbRun:
         self.run.log(_finite(record), step=int(step) if step is not None else None)
 
     def finish(self, final: dict[str, Any] | None, exit_code: int = 0,
-               history: Sequence[dict[str, Any]] = ()) -> None:
+               history: Sequence[dict[str, Any]] = (), record: FinalRecord | None = None) -> None:
         """Write the final scores to the run summary and close the run; a ``deferred`` run is opened
-        here and first logs ``history`` (the run folder's step records)."""
+        here and first logs ``history`` (the run folder's step records). ``record``: the core's record whose
+        DP status the summary states (:func:`summary_text`; by default ``final`` parsed)."""
         if self.deferred and self._open is not None:
             self._open()
             self.deferred = False
-            for record in history:
-                self.log_step(record)
+            for step in history:
+                self.log_step(step)
         if self.run is None:
             return
         if final:
-            self.run.summary.update({**_finite({k: v for k, v in final.items() if k != "run"}), **summary_text(final)})
+            self.run.summary.update({**_finite({k: v for k, v in final.items() if k != RunBlock.KEY}),
+                                     **summary_text(record or FinalRecord.from_json(final))})
         self.run.finish(exit_code=exit_code)
         self.run = None

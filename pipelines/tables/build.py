@@ -39,6 +39,7 @@ from pipelines.tables.statement import PrivacyFacts, collect
 from prism.methods import registry
 from prism.privacy.limits import CALIBRATED_BELOW
 from prism.privacy.protocol import NOT_DP_AS_STATED
+from prism.record import FinalRecord
 
 PAPER_DIR = Path(__file__).resolve().parent / "paper"
 SCALES = ("embedded", "paper")
@@ -95,10 +96,10 @@ def is_private_run(record: RunRecord) -> bool:
 
 
 def spent_epsilon(record: RunRecord) -> float | None:
-    """A run's realised ε: its private selection's (a published candidate's :class:`~pipelines.runs.store.SelectionBlock`:
+    """A run's realised ε: its private selection's (a published candidate's :class:`~prism.record.SelectionBlock`:
     every candidate and score included), else its accountant's ``epsilon_spent``."""
-    block = store.SelectionBlock.from_final(record.final)
-    return block.epsilon if block is not None else as_float(record.final.get("epsilon_spent"))
+    block = record.final.selection
+    return block.epsilon if block is not None else as_float(record.final.epsilon_spent)
 
 
 def epsilon_problem(record: RunRecord) -> str:
@@ -109,14 +110,14 @@ def epsilon_problem(record: RunRecord) -> str:
     (docs/DECISIONS.md D1), so a lower one is a run with more noise than its row's. The released protocol's
     ``epochs`` calibration is for more steps than the run takes, so its realised ε lies lower by design."""
     target = as_float(record.get("privacy.epsilon"))
-    if target is None or "epsilon_spent" not in record.final:
+    if target is None or record.final.epsilon_spent is None:
         return ""
     spent = spent_epsilon(record)
     if math.isinf(target):
         return "" if spent is None or math.isinf(spent) else f"non-DP config but realised ε={spent:g}"
     if spent is None or math.isnan(spent) or spent > target * (1 + EPS_RTOL):
         return f"realised ε={spent} exceeds the row's ε={target:g}"
-    if as_float(record.final.get("sigma")) == 0:
+    if as_float(record.final.sigma) == 0:
         return f"σ=0 (no noise) beside the row's ε={target:g}"
     if record.get("privacy.calibration", "exact") == "exact" and spent < target - CALIBRATED_BELOW:
         return (f"realised ε={spent:g} is more than {CALIBRATED_BELOW:g} below the row's ε={target:g}, which a σ "
@@ -185,9 +186,9 @@ def fmt_key(spec: TableSpec, key: tuple) -> str:
 
 # ----------------------------------------------------------------------------------------- header
 
-def _eval_rows(final: Mapping[str, Any]) -> str | None:
-    rows = final.get("eval_rows")
-    if not isinstance(rows, Mapping) or not rows:
+def _eval_rows(final: FinalRecord) -> str | None:
+    rows = final.eval_rows
+    if not rows:
         return None
     counts = sorted({int(v) for v in rows.values()})
     per = str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
@@ -209,10 +210,8 @@ def _backbone(record: RunRecord) -> str:
 def _code(record: RunRecord) -> str | None:
     """The commit that trained a run (its :class:`~pipelines.runs.store.RunBlock`'s ``git_commit``, 10 digits;
     ``+dirty`` with local changes)."""
-    if "run" not in record.final:  # a W&B summary carries no run block
-        return None
-    block = store.RunBlock.from_final(record.final)
-    if not block.git_commit:
+    block = record.run
+    if block is None or not block.git_commit:  # a W&B summary carries no run block
         return None
     return str(block.git_commit)[:10] + ("+dirty" if block.git_dirty else "")
 
@@ -250,7 +249,7 @@ FACTS = (  # (header column, config field it comes from or None, value of one ru
     ("backbone", "backbone", _backbone),
     ("steps", "train", _steps),
     ("batch", "train", lambda r: str(r.get("train.batch_size"))),
-    ("N (train)", "suite", lambda r: None if r.final.get("n_train") is None else str(r.final["n_train"])),
+    ("N (train)", "suite", lambda r: None if r.final.n_train is None else str(r.final.n_train)),
     ("eval rows", "suite", lambda r: _eval_rows(r.final)),
     ("protocol", "protocol", lambda r: None if r.get("protocol.name") is None else str(r.get("protocol.name"))),
     ("code", "code", _code),
@@ -361,10 +360,9 @@ def build_table(spec: TableSpec, records: Sequence[RunRecord], scale: str,
     used = {s: [r for by_suite in cells.values() for r in by_suite.get(s, [])] for s in spec.suites}
     trained = {s: [r for r in rs if not is_reference(r)] for s, rs in used.items()}  # the 0-step model has no budget
     header, fact_warnings = header_facts(spec, {s: rs for s, rs in trained.items() if rs})
-    seen = {s: sorted({c for r in rs for c in r.final.get("columns", {})}) for s, rs in used.items()}
+    seen = {s: sorted({c for r in rs for c in r.final.columns or {}}) for s, rs in used.items()}
     sources = [(r, recorded_lr_source(r.config)) for rs in used.values() for r in rs]  # as recorded at compose
-    not_dp = sum(isinstance(p := r.final.get("protocol"), Mapping) and p.get("dp_guarantee") == NOT_DP_AS_STATED
-                 for r, _ in sources)
+    not_dp = sum(r.final.dp_guarantee == NOT_DP_AS_STATED for r, _ in sources)
     tuned = sum(is_private_run(r) and source is not None for r, source in sources)
     unrecorded = sum(is_private_run(r) and not lr_source_recorded(r.config) for r, _ in sources)
     table_seeds = sorted({_seed_of(r) for r, _ in sources})
@@ -400,9 +398,9 @@ def component_columns(spec: TableSpec, by_suite: Mapping[str, Sequence[RunRecord
     in the suite that has it, or for an average every paper column its suites' runs scored but ``drop``."""
     if spec.averages and col in spec.averages:
         return [(s, c) for s in spec.averages[col] for c in sorted({c for r in by_suite.get(s, [])
-                                                                     for c in r.final.get("columns", {})} - set(drop))]
+                                                                     for c in r.final.columns or {}} - set(drop))]
     def scored(suite: str) -> set[str]:  # a user task (suite=custom) has the columns its runs scored
-        return set(SUITE_TASKS.get(suite, ())) or {c for r in by_suite.get(suite, []) for c in r.final.get("columns", {})}
+        return set(SUITE_TASKS.get(suite, ())) or {c for r in by_suite.get(suite, []) for c in r.final.columns or {}}
 
     return [(s, col) for s in spec.suites if col in scored(s)]
 

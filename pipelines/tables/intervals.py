@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from prism.evaluation.metrics import COLUMN_RULES, glue_score, macro_f1
+from prism.record import FinalRecord, Outcome
 
 B = 2000  # bootstrap replicates per cell
 CHUNK = 4_000_000  # row indices drawn at once
@@ -63,42 +64,41 @@ def row_draws(rows: str, n: int, b: int = B) -> Iterator[np.ndarray]:
         yield rng.integers(0, n, size=(min(per, b - start), n))
 
 
-def task_replicates(column: str, outcome: Mapping, draws: np.ndarray) -> np.ndarray:
+def task_replicates(column: str, outcome: Outcome, draws: np.ndarray) -> np.ndarray:
     """The task score of one run on each of ``draws`` (``[b, n]`` row indices) → ``[b]``."""
-    if "correct" in outcome:
-        return np.asarray(outcome["correct"], dtype=float)[draws].mean(axis=1)
-    pred, gold = np.asarray(outcome["pred"]), np.asarray(outcome["gold"])
+    if outcome.correct is not None:
+        return np.asarray(outcome.correct, dtype=float)[draws].mean(axis=1)
+    pred, gold = np.asarray(outcome.pred), np.asarray(outcome.gold)
     if column == "Macro-F1":  # a user's classification task
-        return macro_f1(pred[draws], gold[draws], int(outcome["labels"]))
+        return macro_f1(pred[draws], gold[draws], int(outcome.labels))
     rule = COLUMN_RULES[column]
     return np.array([glue_score(rule, pred[idx], gold[idx]) for idx in draws])
 
 
-def has_rows(final: Mapping, column: str) -> bool:
+def has_rows(final: FinalRecord, column: str) -> bool:
     """Whether a run's ``final.json`` has the per-row outcomes of every task it scores in ``column``."""
-    per = final.get("per_example")
-    if not isinstance(per, Mapping) or column not in (final.get("columns") or {}):
+    if final.per_example is None or column not in (final.columns or {}):
         return False
-    return any(isinstance(o, Mapping) and o.get("column") == column for o in per.values())
+    return any(o.column == column for o in final.per_example.values())
 
 
-def column_replicates(finals: Sequence[Mapping], seeds: Sequence[int], column: str, b: int = B) -> np.ndarray:
+def column_replicates(finals: Sequence[FinalRecord], seeds: Sequence[int], column: str, b: int = B) -> np.ndarray:
     """Replicates of the seed-mean score of ``column`` over runs ``finals`` (one per seed, in ``seeds``
     order): per run and task, the score on the task's row draws; per run, the mean of its tasks (MNLI:
     matched and mismatched); then the mean over each replicate's drawn seeds → ``[b]``."""
     per_run = []
     for final in finals:
         reps = []
-        for outcome in (o for o in final["per_example"].values() if o.get("column") == column):
-            n = len(outcome.get("correct", outcome.get("pred", ())))
+        for outcome in (o for o in final.per_example.values() if o.column == column):
+            n = len(outcome.correct if outcome.correct is not None else outcome.pred or ())
             reps.append(np.concatenate([task_replicates(column, outcome, draws)
-                                        for draws in row_draws(str(outcome.get("rows")), n, b)]))
+                                        for draws in row_draws(str(outcome.rows), n, b)]))
         per_run.append(np.mean(reps, axis=0))
     scores = np.stack(per_run)  # [S, b]
     return scores[seed_draws(seeds, b), np.arange(b)[:, None]].mean(axis=1)
 
 
-def weighted_outcomes(parts: Sequence[tuple[str, Sequence[Mapping], Sequence[int]]]) -> dict | None:
+def weighted_outcomes(parts: Sequence[tuple[str, Sequence[FinalRecord], Sequence[int]]]) -> dict | None:
     """The 0/1 outcomes behind a cell that is the mean over ``parts`` ((column, finals, seeds), one per scored
     suite column) of the seed mean of the task mean of row correctness: (column, seed, task, rows hash) →
     (outcomes, weight), the weight of each row in the cell's value (Σ weight·outcome = the value). None where
@@ -106,12 +106,12 @@ def weighted_outcomes(parts: Sequence[tuple[str, Sequence[Mapping], Sequence[int
     out = {}
     for column, finals, seeds in parts:
         for final, seed in zip(finals, seeds):
-            tasks = [(t, o) for t, o in final["per_example"].items() if o.get("column") == column]
+            tasks = [(t, o) for t, o in final.per_example.items() if o.column == column]
             for task, outcome in tasks:
-                if "correct" not in outcome:
+                if outcome.correct is None:
                     return None
-                x = np.asarray(outcome["correct"], dtype=float)
-                out[column, seed, task, str(outcome.get("rows"))] = (x, 1 / (len(parts) * len(seeds) * len(tasks) * len(x)))
+                x = np.asarray(outcome.correct, dtype=float)
+                out[column, seed, task, str(outcome.rows)] = (x, 1 / (len(parts) * len(seeds) * len(tasks) * len(x)))
     return out
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from pipelines.runs import store
+from prism.record import FinalRecord, RecordError
 
 
 class AggregateError(ValueError):
@@ -29,7 +30,8 @@ class RunRecord:
     state: str  # finished | running | stale | failed | corrupt | incomplete | refused (a record that cannot be trusted)
     problem: str = ""
     config: dict[str, Any] = field(default_factory=dict)
-    final: dict[str, Any] = field(default_factory=dict)
+    final: FinalRecord = field(default_factory=FinalRecord)  # the core's fields (all None until finished)
+    run: store.RunBlock | None = None  # final.json's run block (a W&B summary has none)
 
     def get(self, dotted: str, default: Any = None) -> Any:
         """A config field by dotted name (``privacy.epsilon``), ``default`` when absent."""
@@ -54,16 +56,13 @@ def _load_config(folder: Path) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else None
 
 
-def columns_problem(final: Mapping[str, Any], config: Mapping[str, Any], source: str = "final.json") -> str:
+def columns_problem(final: FinalRecord, config: Mapping[str, Any], source: str = "final.json") -> str:
     """Why a finished run's ``source`` (its final.json or W&B summary) holds no scores a table reads ('' when it
-    does): its ``columns`` must map each column to its score; only a Table 5 benchmark run (``train.benchmark``
-    set) may have none."""
-    columns = final.get("columns")
-    if columns is None and (config.get("train") or {}).get("benchmark") is not None:
-        return ""
-    if not isinstance(columns, Mapping):
-        return f"{source} has no `columns` (column -> score)" if columns is None else \
-            f"{source}'s `columns` is {type(columns).__name__}, not a mapping of column -> score"
+    does): its ``columns`` must map each column to its score (a mapping of another type is refused when it is
+    parsed, :class:`~prism.record.RecordError`); only a Table 5 benchmark run (``train.benchmark`` set) may have
+    none."""
+    if final.columns is None and (config.get("train") or {}).get("benchmark") is None:
+        return f"{source} has no `columns` (column -> score)"
     return ""
 
 
@@ -84,10 +83,13 @@ def read_run_folder(folder: Path) -> RunRecord:
     if state == "failed":
         error = (info.status or {}).get("error") or ""
         return RunRecord(run_id, "failed", "failed" + (f": {error}" if error else ""), config)
-    final = json.loads((folder / "final.json").read_text())
-    if why := columns_problem(final, config) or store.final_problem(final):
+    try:
+        final, run = store.read_final(json.loads((folder / "final.json").read_text()))
+    except RecordError as err:
+        return RunRecord(run_id, "refused", f"refused: {err}", config)
+    if why := columns_problem(final, config) or store.scores_problem(final):
         return RunRecord(run_id, "refused", f"refused: {why}", config)
-    return RunRecord(run_id, "finished", "", config, final)
+    return RunRecord(run_id, "finished", "", config, final, run)
 
 
 def read_run_folders(runs_dir: Path, experiment: str) -> list[RunRecord]:

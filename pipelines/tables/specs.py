@@ -85,8 +85,8 @@ def backbone_label(record: RunRecord, paper_backbones: Iterable[str]) -> str:
 
 def suite_columns(records: Sequence[RunRecord]) -> dict[str, float]:
     """Per paper column, the mean over the finished runs (seeds) of one cell and suite."""
-    names = sorted({c for r in records for c in r.final.get("columns", {})})
-    return {c: mean(as_float(r.final["columns"].get(c)) for r in records) for c in names}
+    names = sorted({c for r in records for c in r.final.columns or {}})
+    return {c: mean(as_float(r.final.columns.get(c)) for r in records) for c in names}
 
 
 def _task_values(spec: TableSpec, by_suite: BySuite) -> dict[str, float]:
@@ -110,8 +110,8 @@ def _rank_values(spec: TableSpec, by_suite: BySuite) -> dict[str, float]:
 def _cost_values(spec: TableSpec, by_suite: BySuite) -> dict[str, float]:
     """Table 5: mean step time and peak memory of the benchmark runs."""
     rs = by_suite.get("math10k", [])
-    return {"Step_time_s": mean(as_float(r.final.get("step_time_s")) for r in rs),
-            "Peak_memory_MB": mean(as_float(r.final.get("peak_memory_mb")) for r in rs)}
+    return {"Step_time_s": mean(as_float(r.final.step_time_s) for r in rs),
+            "Peak_memory_MB": mean(as_float(r.final.peak_memory_mb) for r in rs)}
 
 
 # ----------------------------------------------------------------------------------------- specs

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipelines.runs import store
 from pipelines.tables.records import RunRecord
 from pipelines.tables.specs import as_float
 
@@ -50,12 +49,12 @@ def collect(private: Sequence[RunRecord], *, tuned: int, seeds: Sequence[int], u
         x = as_float(value)
         return None if x is None else format(x, fmt)
 
-    sampling = tuple((s, _values(mine, lambda r: number(r.final.get("sample_rate"), ".4g")),
-                      _values(mine, lambda r: number(r.final.get("steps"), ".0f")))
+    sampling = tuple((s, _values(mine, lambda r: number(r.final.sample_rate, ".4g")),
+                      _values(mine, lambda r: number(r.final.steps, ".0f")))
                      for s in suites for mine in [[r for r in private if str(r.get("suite.name")) == s]])
     return PrivacyFacts(
         sampling=sampling, deltas=_values(private, lambda r: number(r.get("privacy.delta"), "g")),
-        selections=sum(store.SelectionBlock.from_final(r.final) is not None for r in private), tuned=tuned,
+        selections=sum(r.final.selection is not None for r in private), tuned=tuned,
         unrecorded=unrecorded, noise_sources=_values(private, lambda r: str(r.get("privacy.noise_source") or "seeded")),
         private_stats=any(r.get("privacy.log_private_stats", True) is not False for r in private),
         seeds=tuple(seeds), private=len(private))

@@ -12,6 +12,7 @@ from typing import Any
 from pipelines.config.wandb_access import access_problem
 from pipelines.runs import store
 from pipelines.tables.records import AggregateError, RunRecord, columns_problem
+from prism.record import FinalRecord, RecordError
 
 TIMEOUT_S = 30
 
@@ -41,11 +42,15 @@ def record_from_wandb(run: Any) -> RunRecord:
     run_id = f"wandb:{run.id}"
     if state != "finished":
         return RunRecord(run_id, state, f"W&B state {run.state}", config)
-    if why := columns_problem(final, config, "the W&B summary"):
+    try:
+        record = FinalRecord.from_json(final)
+    except RecordError as err:
+        return RunRecord(run_id, "corrupt", f"finished but the W&B summary does not parse: {err}", config)
+    if why := columns_problem(record, config, "the W&B summary"):
         return RunRecord(run_id, "corrupt", f"finished but {why}", config)
-    if why := store.scores_problem(final):
+    if why := store.scores_problem(record):
         return RunRecord(run_id, "refused", f"refused: {why}", config)
-    return RunRecord(run_id, "finished", "", config, dict(final))
+    return RunRecord(run_id, "finished", "", config, record)
 
 
 def latest_generation(runs: Iterable[Any]) -> list[Any]:

@@ -116,10 +116,10 @@ def header(p: Plan, result: TableResult) -> list[str]:
     model = f"{backbone.path} (backbone=local)" if backbone.name == "local" else backbone.name
     records = [read_run_folder(j.folder) for j in p.jobs]
     finished = [r for r in records if r.state == "finished"]
-    n_train = next((r.final.get("n_train") for r in finished), None)
-    n_eval = next((sum(r.final.get("eval_rows", {}).values()) for r in finished), None)
-    q = next((r.final.get("sample_rate") for r in finished), None)
-    sigmas = {setting_label(r): r.final.get("sigma") for r in finished}
+    n_train = next((r.final.n_train for r in finished), None)
+    n_eval = next((sum((r.final.eval_rows or {}).values()) for r in finished), None)
+    q = next((r.final.sample_rate for r in finished), None)
+    sigmas = {setting_label(r): r.final.sigma for r in finished}
     rates: dict[str, dict[str, float]] = {}
     for c in p.configs:
         record = RunRecord("", "", config=dict(c))

@@ -141,7 +141,7 @@ class Selection:
         for job in self.jobs:
             if store.inspect_run(job.folder).state != "finished":
                 return None
-            scores.append(store.SelectionBlock.from_final(store.read_json(job.folder / "final.json")).score)
+            scores.append(store.read_record(job.folder).selection.score)
         return self.jobs[int(np.argmax(scores))] if scores else None
 
 
@@ -182,7 +182,7 @@ def table_spec(cfg: DictConfig, trained: Sequence[RunRecord]) -> TableSpec:
         out, selection = [], (record.get("seed"), fixed_config(record, SELECTED))
         for k, factor in enumerate(plans.factors(cell, int(record.get("seed")))):
             run = runs.get((*selection, k))
-            block = store.SelectionBlock.from_final(run.final) if run else None
+            block = run.final.selection if run else None
             out.append({"candidate": k, "lr_factor": factor, "lr": run.get("method.lr") if run else math.nan,
                         "noised_score": block.score if block else math.nan})
         return out
@@ -215,9 +215,9 @@ def log_published(cfg: DictConfig, job: launch.Job) -> bool:
     public = OmegaConf.merge(job.cfg, {"experiment": EXPERIMENT, "logging": cfg.logging})
     with open_dict(public):
         del public.privacy.selection.candidate
-    final = store.read_json(job.folder / "final.json")
-    final[store.SelectionBlock.KEY] = {k: v for k, v in final[store.SelectionBlock.KEY].items() if k != "candidate"}
-    return wandb_log.log_record(public, store.run_hash(public), final, store.read_metrics(job.folder))
+    record = store.read_record(job.folder)
+    return wandb_log.log_record(public, store.run_hash(public), record.published_json(), store.read_metrics(job.folder),
+                                record)
 
 
 def main(overrides: Sequence[str], *, methods: str | None = None, eps: str | None = None, suites: str | None = None,
@@ -266,7 +266,7 @@ def main(overrides: Sequence[str], *, methods: str | None = None, eps: str | Non
         if job is None:
             what = "not every candidate finished" if s.jobs else "nothing to publish (a Poisson K drew none)"
         else:
-            score = store.SelectionBlock.from_final(store.read_json(job.folder / "final.json")).score
+            score = store.read_record(job.folder).selection.score
             what = f"rate x{s.factors[s.jobs.index(job)]:g}, noised score {score:.2f}"
             published.append(job)
             log_published(cfg, job)

@@ -58,6 +58,7 @@ from pipelines.config.tuned_rates import COVERS, cell_fields, tuned_dir, user_tu
 from pipelines.runs import launch, store
 from pipelines.tables import intervals
 from prism.fileio import write_text_atomic
+from prism.record import FinalRecord, RecordError
 
 EXPERIMENT = "tune"
 MAX_EXTEND = 2  # extra rates past an edge, per side
@@ -79,7 +80,7 @@ class Point:
     seed: int
     job: launch.Job
     fields: dict
-    final: dict | None = None
+    final: FinalRecord | None = None
 
     @classmethod
     def of(cls, job: launch.Job) -> Point:
@@ -92,8 +93,8 @@ class Point:
     @property
     def score(self) -> float:
         """The run's validation score (its suite average), NaN when it has none."""
-        value = (self.final or {}).get("average")
-        return float(value) if isinstance(value, (int, float)) else math.nan
+        value = self.final.average if self.final is not None else None
+        return float(value) if value is not None else math.nan
 
 
 @dataclass(frozen=True)
@@ -104,18 +105,19 @@ class Score:
     se: float
 
 
-def score_of(finals: Sequence[Mapping], seeds: Sequence[int], b: int = intervals.B) -> Score:
+def score_of(finals: Sequence[FinalRecord], seeds: Sequence[int], b: int = intervals.B) -> Score:
     """The :class:`Score` of one rate from its runs' ``final.json`` (one per seed, in ``seeds`` order):
     the mean of their suite averages, and the standard deviation of the bootstrap replicates of that mean
     (:func:`pipelines.tables.intervals.column_replicates`: the validation rows and the seeds redrawn,
     the columns averaged as the suite average averages them). A run without per-row outcomes gives
     standard error 0 (the rule then takes the best score); NaN mean when a seed lacks a score."""
-    averages = [f.get("average") for f in finals]
-    if not finals or not all(isinstance(a, (int, float)) and not math.isnan(a) for a in averages):
+    averages = [f.average for f in finals]
+    if not finals or not all(a is not None and not math.isnan(a) for a in averages):
         return Score(math.nan, math.nan)
     mean = float(np.mean(averages))
-    per = [f.get("per_example") if isinstance(f.get("per_example"), Mapping) else {} for f in finals]
-    columns = sorted({str(p[t]["column"]) for f, p in zip(finals, per) for t in f.get("scores", p) if t in p})
+    per = [f.per_example or {} for f in finals]
+    columns = sorted({str(p[t].column) for f, p in zip(finals, per) for t in (p if f.scores is None else f.scores)
+                      if t in p})
     if not columns or not all(intervals.has_rows(f, c) for f in finals for c in columns):
         return Score(mean, 0.0)
     reps = np.mean([intervals.column_replicates(finals, seeds, c, b) for c in columns], axis=0)
@@ -236,7 +238,7 @@ def sweep(overrides: Sequence[str], launcher: str, workers: int | None, log_dir:
         failures += launch_round(launcher, [(g, pending) for g, pending, _ in planned], workers, log_dir)
         for p in new:
             folder = p.job.folder
-            p.final = store.read_json(folder / "final.json") if store.inspect_run(folder).state == "finished" else None
+            p.final = _record(folder) if store.inspect_run(folder).state == "finished" else None
             points[p.cell, p.factor, p.seed] = p
         if round_ == 0:
             base = sorted({p.factor for p in new})
@@ -249,6 +251,14 @@ def sweep(overrides: Sequence[str], launcher: str, workers: int | None, log_dir:
     return sorted(points.values(), key=lambda p: (p.cell, p.factor, p.seed)), failures
 
 
+def _record(folder: Path) -> FinalRecord | None:
+    """A finished tuning run's record; None (no score) when it does not parse into the core's type."""
+    try:
+        return store.read_record(folder)
+    except RecordError:
+        return None
+
+
 def by_rate(points: Iterable[Point]) -> dict[Cell, dict[float, list[Point]]]:
     """Cell → {factor: its runs, one per tuning seed, in seed order}."""
     out: dict[Cell, dict[float, list[Point]]] = {}
@@ -259,7 +269,7 @@ def by_rate(points: Iterable[Point]) -> dict[Cell, dict[float, list[Point]]]:
 
 def scores_by_cell(points: Iterable[Point]) -> dict[Cell, dict[float, Score]]:
     """Cell → {factor: :class:`Score` over its seeds (NaN while a seed's run lacks a score)}."""
-    return {cell: {f: score_of([p.final or {} for p in ps], [p.seed for p in ps]) for f, ps in rates.items()}
+    return {cell: {f: score_of([p.final or FinalRecord() for p in ps], [p.seed for p in ps]) for f, ps in rates.items()}
             for cell, rates in by_rate(points).items()}
 
 
@@ -268,7 +278,7 @@ def seed_picks(points: Iterable[Point]) -> dict[Cell, dict[int, float | None]]:
     out: dict[Cell, dict[int, float | None]] = {}
     for cell, rates in by_rate(points).items():
         seeds = sorted({p.seed for ps in rates.values() for p in ps})
-        out[cell] = {s: choose({f: score_of([p.final or {}], [s]) for f, ps in rates.items() for p in ps if p.seed == s})
+        out[cell] = {s: choose({f: score_of([p.final or FinalRecord()], [s]) for f, ps in rates.items() for p in ps if p.seed == s})
                      for s in seeds}
     return out
 
