@@ -260,7 +260,7 @@ def test_make_refuses_a_variable_no_target_reads_with_the_closest_name(typed: st
 
 @pytest.mark.parametrize(("typed", "said", "internal"), [
     (["TYPE=zzz"], "TYPE='zzz' is not a task type", "type="),  # the override suite.custom.type=, from type=
-    (["EPS=abc"], "EPS=abc is not a number", "eps="),
+    (["EPS=abc"], "EPS=abc: 'abc' is not a number", "eps="),
     (["METHODS=prizm"], "METHODS=prizm is not an option of method", "method="),  # the override, from methods=
 ])
 def test_make_error_lines_name_the_variable_the_user_typed(typed: list[str], said: str, internal: str,

@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import fake_setup, tiny_pair_params
-from omegaconf import OmegaConf
+from conftest import fake_setup, tiny_cfg, tiny_pair_params
 
 from prism import train as T
 from prism.record import PRIVATE_FINAL
@@ -20,12 +19,9 @@ def test_log_private_stats_false_drops_unnoised_statistics(
     """Every record handed to the metrics/W&B writer, and final.json, lack the private statistics."""
     monkeypatch.setattr(T, "build", lambda cfg, **_: fake_setup(tiny_pair_params(6)))
     monkeypatch.setattr(T, "micro_batch", lambda s, indices, *_: indices)
-    cfg = OmegaConf.create({
-        "train": {"batch_size": 4, "micro_batch_size": 2, "steps": 4, "benchmark": {"warmup": 0, "measure": 4},
-                  "padding_side": "right"},
-        "privacy": {"epsilon": 6.0, "delta": 1e-5, "log_private_stats": log_private_stats, "denominator": "expected"},
-        "method": {"name": "prism"},
-    })
+    cfg = tiny_cfg("method=prism", "privacy=eps6", "train.batch_size=4", "train.micro_batch_size=2", "train.steps=4",
+                   "train.benchmark={warmup:0,measure:4}", "train.padding_side=right", "privacy.denominator=expected",
+                   f"privacy.log_private_stats={str(log_private_stats).lower()}")
     records: list[dict] = []
     final = T.train_and_evaluate(cfg, tmp_path, records.append)
     logged = {key for record in records for key in record}

@@ -11,8 +11,7 @@ import pytest
 import scipy.special
 import scipy.stats
 import torch
-from conftest import F64, fake_setup, tiny_pair_params
-from omegaconf import OmegaConf
+from conftest import F64, fake_setup, tiny_cfg, tiny_pair_params
 
 from prism import train as T
 from prism.privacy import PoissonSampler
@@ -112,13 +111,9 @@ def test_os_noise_checkpoints_every_step_before_logging_it(tmp_path: Path, monke
     monkeypatch.setattr(T, "save_checkpoint", lambda path, state: events.append(("ckpt", state["step"])))
     monkeypatch.setattr(T, "evaluate_suite", lambda *a, **k: {})
     monkeypatch.setattr(T, "export_adapter", lambda *a, **k: None)
-    cfg = OmegaConf.create({
-        "train": {"batch_size": 4, "micro_batch_size": 2, "steps": 4, "checkpoint_every": 3, "eval_batch_size": 2,
-                  "benchmark": None, "padding_side": "right"},
-        "privacy": {"epsilon": 6.0, "delta": 1e-5, "noise_source": source, "denominator": "expected",
-                    "log_private_stats": True},
-        "method": {"name": "prism"}, "suite": {"decoding": {}},
-    })
+    cfg = tiny_cfg("method=prism", "privacy=eps6", "train.batch_size=4", "train.micro_batch_size=2", "train.steps=4",
+                   "train.checkpoint_every=3", "train.eval_batch_size=2", "train.padding_side=right",
+                   f"privacy.noise_source={source}", "privacy.denominator=expected", "privacy.log_private_stats=true")
     T.train_and_evaluate(cfg, tmp_path, lambda record: events.append(("log", record["step"])))
     if secure:
         assert events == [e for t in range(1, 5) for e in (("ckpt", t), ("log", t))]

@@ -7,8 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import fake_setup, tiny_pair_params
-from omegaconf import OmegaConf
+from conftest import fake_setup, tiny_cfg, tiny_pair_params
 
 from pipelines.runs import store
 from prism import train as T
@@ -48,12 +47,9 @@ def test_the_trainer_returns_the_fields_it_returned_before_in_that_order(tmp_pat
     """A Table 5 benchmark run (no evaluation) of the real loop on a stand-in setup."""
     monkeypatch.setattr(T, "build", lambda cfg, **_: fake_setup(tiny_pair_params(6)))
     monkeypatch.setattr(T, "micro_batch", lambda s, indices, *_: indices)
-    cfg = OmegaConf.create({
-        "train": {"batch_size": 4, "micro_batch_size": 2, "steps": 4, "benchmark": {"warmup": 0, "measure": 4},
-                  "padding_side": "right"},
-        "privacy": {"epsilon": 6.0, "delta": 1e-5, "log_private_stats": True, "denominator": "expected"},
-        "method": {"name": "prism"},
-    })
+    cfg = tiny_cfg("method=prism", "privacy=eps6", "train.batch_size=4", "train.micro_batch_size=2", "train.steps=4",
+                   "train.benchmark={warmup:0,measure:4}", "train.padding_side=right", "privacy.denominator=expected",
+                   "privacy.log_private_stats=true")
     final = T.train_and_evaluate(cfg, tmp_path)
     assert list(final) == ["sigma", "sample_rate", "steps", "empty_batches", "n_train", "epsilon_spent",
                            "peak_memory_mb", "train_time_s", "prefix_depth", "prefix_build_s", "protocol", "step_time_s",
