@@ -12,7 +12,6 @@ import math
 import subprocess
 import sys
 import time
-import typing
 from dataclasses import fields
 from pathlib import Path
 
@@ -66,6 +65,30 @@ def test_bad_method_values_are_refused_by_the_validator_and_the_method(method: s
     assert str(built.value).split(" ", 1)[1] == line.split(" ", 1)[1]  # same rule (the validator makes 0 a 0.0)
 
 
+# (method, a method key, a key of another section of the same type, the value typed for both)
+SAME_TYPE = [
+    ("prism", "method.lr", "lora.dropout", "abc"),
+    ("prism", "method.lr", "lora.dropout", "true"),
+    ("prism", "method.lr", "lora.dropout", "null"),
+    ("prism", "method.debias", "force", "maybe"),
+    ("lamb", "method.n_sma_threshold", "train.steps", "2.5"),
+    ("adamw", "method.betas", "lora.targets", "0.9"),
+]
+
+
+@pytest.mark.parametrize("method, key, other, value", SAME_TYPE)
+def test_a_wrong_method_type_is_worded_as_in_every_other_section(method: str, key: str, other: str,
+                                                                 value: str) -> None:
+    """The method node is typed by OmegaConf's structured config of its class, as every other section is:
+    the same wrong value gets the same line, but for the key's name."""
+    lines = []
+    for name in (key, other):
+        with pytest.raises(ConfigError) as refused:
+            load_job([f"method={method}", f"{name}={value}"])
+        lines.append(str(refused.value).replace(name, "<key>"))
+    assert lines[0] == lines[1] and "<key>" in lines[0]
+
+
 @pytest.mark.parametrize("protocol", ["corrected", "released"])
 @pytest.mark.parametrize("method", METHODS)
 def test_schema_covers_the_shipped_method_nodes(method: str, protocol: str) -> None:
@@ -81,9 +104,9 @@ def test_schema_choices_are_the_runtime_choices() -> None:
     from prism.methods.prism import COMPUTE_DTYPES
     from prism.models.spectral import SVD_MODES
 
-    hints = typing.get_type_hints(schema.PrismConfig)
-    assert set(typing.get_args(hints["compute_dtype"])) == set(COMPUTE_DTYPES)
-    assert typing.get_args(hints["init_svd"]) == SVD_MODES
+    choices = {f.name: f.metadata["choices"] for f in fields(schema.PrismConfig)}
+    assert set(choices["compute_dtype"]) == set(COMPUTE_DTYPES)
+    assert choices["init_svd"] == SVD_MODES
     base = OmegaConf.to_container(load_job(["method=prism"]).method)
     assert schema.PrismConfig.from_node(base).cond_max == base["cond_max"]
     for field, value in [("cond_max", 0.5), ("beta1", 1.0), ("floor_factor", -1.0), ("horizontalize", "x")]:

@@ -5,8 +5,8 @@ The dataclasses themselves, one per config group, are the typed job that ``prism
 (the suite node's in :mod:`prism.data.config`, the method's in :mod:`prism.methods.schema`). :func:`conform`
 merges a resolved job config into :class:`~prism.job.JobConfig` in struct mode (an unknown key, a wrong
 type or a ``null`` where none is allowed is refused; an int given for a float becomes that float), builds
-the dataclasses (running every ``__post_init__``; the ``method`` node through its method's dataclass,
-:func:`prism.methods.registry.check`) and returns the :class:`~prism.job.JobConfig`. :func:`record` is the
+the dataclasses (running every ``__post_init__``; the ``method`` node is merged the same way into its
+method's dataclass, :func:`prism.methods.registry.check`, so its errors are worded here too) and returns the :class:`~prism.job.JobConfig`. :func:`record` is the
 job config typed so, with exactly the keys it had: what the run hash
 (:func:`pipelines.config.identity.run_hash`) and the run folder's ``config.yaml`` see, no key the yaml lacks.
 What needs two groups, the backbone's weights, the data or this machine is in :mod:`pipelines.config.rules`.
@@ -40,12 +40,12 @@ from prism.job import (
     TuneConfig,
     job_of,
 )
-from prism.methods import registry
 from prism.typed import ConfigError, help_field, positive_int, require
 
-__all__ = ["GROUPS", "ConfigError", "JobConfig", "conform", "help_field", "positive_int", "record", "require"]
+__all__ = ["GROUPS", "KINDS", "ConfigError", "JobConfig", "conform", "help_field", "positive_int", "record", "require"]
 
 GROUPS = get_type_hints(JobConfig)
+KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}  # what a value must be
 _STORE = ConfigStore.instance()
 _STORE.store(name="job_schema", node=JobConfig)
 for _node in (BackboneConfig, SuiteConfig, PrivacyConfig, LoraConfig, TrainConfig, ProtocolConfig, LoggingConfig,
@@ -71,8 +71,6 @@ def conform(cfg: DictConfig) -> JobConfig:
         raise ConfigError(f"{err.full_key} is missing, restore it (it is in the composed defaults)") from None
     except ValidationError as err:
         raise _wrong_type(str(err.full_key), err) from None
-    except registry.SchemaError as err:
-        raise ConfigError(str(err)) from None
 
 
 def record(cfg: DictConfig) -> DictConfig:
@@ -119,10 +117,12 @@ def _wrong_type(key: str, err: ValidationError) -> ConfigError:
     shown = "?" if value is None else repr(value.group(1)) if value.group(2) == "str" else value.group(1)
     if "Incompatible value 'None'" in text or "field of type" in text and "None" in text:
         return ConfigError(f"{key} may not be null, give it a value")
-    for name, kind in (("Integer", "an integer"), ("Float", "a number"), ("Boolean", "true or false"),
-                       ("valid bool", "true or false")):
+    for name, kind in (("Integer", KINDS[int]), ("Float", KINDS[float]), ("Boolean", KINDS[bool]),
+                       ("valid bool", KINDS[bool])):
         if name in text:
             return ConfigError(f"{key} must be {kind}, got {shown}; write e.g. {key}=<{kind.split()[-1]}>")
+    if "is not a ListConfig" in text:
+        return ConfigError(f"{key} must be a list, got a single value; write e.g. {key}=[a,b]")
     if "is not a subclass of" in text or "Merge error" in text:
         return ConfigError(f"{key} must be a section with its keys, got a value; set one of its keys instead")
     return ConfigError(f"{key} has the wrong type ({text}), check its value")

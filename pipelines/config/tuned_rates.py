@@ -38,9 +38,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
 
 from pipelines.config.identity import canonical
-from pipelines.config.schema import ConfigError, help_field, require
+from pipelines.config.schema import KINDS, ConfigError, help_field, require
 from prism.job import LrSource
-from prism.methods.schema import KINDS
 
 REPO = Path(__file__).resolve().parents[2]
 TUNED_DIR = REPO / "conf" / "tuned"
@@ -170,7 +169,7 @@ def _entry(path: str, index: int, node: yaml.Node, value: Any) -> tuple[int, dic
         raise ConfigError(f"{path}:{line}: rates[{index}] lacks {err.key}, {FIX}") from None
     except ValidationError as err:
         wanted = TunedRate.__dataclass_fields__[str(err.key)].type
-        shown = next((v for k, (_, v) in KINDS.items() if k.__name__ in str(wanted)), "of its type")
+        shown = next((v for k, v in KINDS.items() if k.__name__ in str(wanted)), "of its type")
         raise ConfigError(f"{path}:{key_lines.get(err.key, line)}: rates[{index}].{err.key}={value.get(err.key)!r} "
                           f"must be {shown}, {FIX}") from None
     except ConfigError as err:

@@ -1,34 +1,35 @@
 """Each method's config: one dataclass, the object the method receives (docs/DECISIONS.md D78).
 
-A field carries its type (``Literal``: the choices; ``X | None``: null allowed; ``tuple[float, float]``:
-a pair), default (none: the yaml must give it), help and numeric range (:func:`key`), which
-:meth:`MethodConfig.__post_init__` checks (one :class:`SchemaError` line per bad value).
-``conf/method/<name>.yaml`` gives the values. No torch here: the pre-run validator calls :func:`check`.
+A field carries its type (``X | None``: null allowed; ``tuple[float, float]``: a pair), default (none:
+the yaml must give it), help, choices and numeric range (:func:`key`). :meth:`MethodConfig.from_node`
+types a method node by OmegaConf's structured config of the method's class, as every other job section
+(:func:`prism.typed.node_of`); :meth:`MethodConfig.__post_init__` checks the choices and ranges, which
+OmegaConf cannot express (one :class:`SchemaError` line per bad value). ``conf/method/<name>.yaml``
+gives the values. No torch here: the pre-run validator calls :func:`prism.methods.registry.check`.
 """
 from __future__ import annotations
 
-import functools
 import math
 import re
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Literal
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from prism.typed import ConfigError, choice, node_of, require, shown
 
 __all__ = ["AdamWConfig", "LambConfig", "LoraPlusConfig", "LoraRiteConfig", "MethodConfig", "PrismConfig",
            "SchemaError"]
 
 
-class SchemaError(ValueError):
-    """A method key with a value its dataclass refuses; one line naming ``method.<key>`` and the fix."""
+SchemaError = ConfigError  # a method key its dataclass refuses: every section's one line naming the key and the fix
 
 
-def key(help: str, default: Any = MISSING, range: str | None = None) -> Any:
-    """A config field: its default (none: the yaml must give it), help and numeric ``range``."""
-    return field(default=default, metadata={"help": help, "range": range})
+def key(help: str, default: Any = MISSING, range: str | None = None, choices: tuple[Any, ...] | None = None) -> Any:
+    """A config field: its default (none: the yaml must give it), help, numeric ``range`` (``"[0, 1)"``,
+    ``inf`` for no bound) and ``choices`` (a ``Literal``'s, which OmegaConf cannot type)."""
+    return field(default=default, metadata={"help": help, "range": range, "choices": choices})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,40 +38,40 @@ class MethodConfig:
 
     name: str = key("the method, chosen by method=<name>")
     lr: float = key("learning rate, Table 8", range="(0, inf)")
-    init: Literal["peft", "spectral"] = key("LoRA init: peft (B = 0) or spectral residual (docs/DECISIONS.md D14)",
-                                            "peft")
-    init_svd: Literal["auto", "randomized"] = key(
-        "SVD of the spectral init: exact up to 1024, randomized above (auto) or always randomized", "auto")
+    init: str = key("LoRA init: peft (B = 0) or spectral residual (docs/DECISIONS.md D14)", "peft",
+                    choices=("peft", "spectral"))
+    init_svd: str = key("SVD of the spectral init: exact up to 1024, randomized above (auto) or always randomized",
+                        "auto", choices=("auto", "randomized"))
     noise_damping: float | None = key(
         "released protocol's (N + δI)^-1/2 whitening, null for exact (PRISM only)", None, "[0, inf)")
     pinv_rcond: float | None = key(
         "released protocol's eigen-cut pseudo-inverses in the lift, null for exact (PRISM only)", None, "[0, 1)")
 
     def __post_init__(self) -> None:
-        """Check every field against its type, choices and range; numbers become floats, pairs tuples."""
-        hints = _hints(type(self))
+        """Check every field's choices and range (its :func:`key` metadata; the types are OmegaConf's,
+        :meth:`from_node`); a pair becomes a tuple."""
         for f in fields(self):
-            value = getattr(self, f.name)
-            if (why := _problem(hints[f.name], f.metadata, value)) is not None:
-                raise SchemaError(f"method.{f.name}={_shown(value)} {why}")
-            if _is_number(value) and _base(hints[f.name])[0] is float:
-                object.__setattr__(self, f.name, float(value))
-            elif isinstance(value, list | tuple):
-                object.__setattr__(self, f.name, tuple(float(v) for v in value))
+            value, name, doc = getattr(self, f.name), f"method.{f.name}", f" ({f.metadata['help']})"
+            if f.metadata.get("choices") is not None:
+                choice(value, name, f.metadata["choices"], doc)
+            pair = isinstance(value, list | tuple)
+            if pair:
+                require(len(value) == 2, f"{name}={shown(value)} must be two numbers [a, b]{doc}")
+                object.__setattr__(self, f.name, tuple(value))
+            for x in value if pair else [value]:
+                if isinstance(x, int | float) and not isinstance(x, bool):
+                    bound = _outside(f.metadata.get("range"), x)
+                    require(bound is None, f"{name}={shown(value)} must be {'two numbers each ' * pair}{bound}{doc}")
 
     @classmethod
     def from_node(cls, node: Mapping[str, Any]) -> MethodConfig:
-        """The dataclass of a method node (a yaml's keys, ``_target_`` aside: the registry reads it);
-        an unknown or missing key is a :class:`SchemaError`."""
+        """The dataclass of a method node (a yaml's keys, ``_target_`` aside: the registry reads it) through
+        OmegaConf's structured config of ``cls`` (:func:`prism.typed.node_of`): an unknown key, a wrong type
+        or a missing key is OmegaConf's error naming ``method.<key>``, a refused choice or range a
+        :class:`SchemaError`."""
         plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
         plain.pop("_target_", None)
-        keys = [f.name for f in fields(cls)]
-        if unknown := [k for k in plain if k not in keys]:
-            raise SchemaError(f"unknown key method.{unknown[0]} for method {plain.get('name')}, "
-                              f"its keys are {', '.join(keys)}")
-        if missing := [f.name for f in fields(cls) if f.name not in plain and f.default is MISSING]:
-            raise SchemaError(f"method.{missing[0]} is missing, add it to conf/method/{plain.get('name')}.yaml")
-        return cls(**plain)
+        return node_of(cls, plain, at="method")
 
     def options(self) -> dict[str, Any]:
         """``lr`` and the method's own keys (those of the subclass): an optimizer's keyword arguments."""
@@ -83,23 +84,24 @@ class PrismConfig(MethodConfig):
     """``prism`` / ``prism_paper``: the rank-space adaptive transform (eqs. 24–26, :mod:`prism.mechanism.adaptive`)
     and the lift; the defaults are the released code's (method ``prism``)."""
 
-    init: Literal["spectral"] = key(
-        "PRISM needs full-rank factors, and peft's B = 0 has rank 0: use the spectral init (D14)", "spectral")
-    preconditioner: Literal["floor", "ridge", "none"] = key(
-        "rank-space preconditioner: released floor, eq. 25 ridge, or none", "floor")
+    init: str = key("PRISM needs full-rank factors, and peft's B = 0 has rank 0: use the spectral init (D14)",
+                    "spectral", choices=("spectral",))
+    preconditioner: str = key("rank-space preconditioner: released floor, eq. 25 ridge, or none", "floor",
+                              choices=("floor", "ridge", "none"))
     beta1: float = key("first-moment decay", 0.9, "[0, 1)")
     beta2: float = key("second-moment decay", 0.999, "[0, 1)")
     eps: float = key("moment offset", 1e-8, "[0, inf)")
-    floor_mode: Literal["scalar", "geometry"] = key("eigenvalue floor: released scalar or eq. 26 geometry", "scalar")
+    floor_mode: str = key("eigenvalue floor: released scalar or eq. 26 geometry", "scalar",
+                          choices=("scalar", "geometry"))
     floor_factor: float = key("floor / ridge constant (eq. 26)", 0.5, "[0, inf)")
     cond_max: float | None = key("condition-number clamp, null for none", 1e4, "[1, inf)")
     debias: bool = key("eq. 50 noise debias of the second moment (App. A.26)", False)
     bias_correction: bool = key("Adam-style bias correction of the moments", True)
-    horizontalize: Literal["both", "pre_retract", "none"] = key(
-        "horizontal projection of the lift: both, pre_retract or none", "both")
-    rank_fallback: Literal["floor"] | None = key(
-        "a rank-deficient Gram matrix: null (an error, D20) or floor its spectrum", None)
-    compute_dtype: Literal["float32", "float64"] = key("dtype of snapshots, rank check and moments", "float32")
+    horizontalize: str = key("horizontal projection of the lift: both, pre_retract or none", "both",
+                             choices=("both", "pre_retract", "none"))
+    rank_fallback: str | None = key("a rank-deficient Gram matrix: null (an error, D20) or floor its spectrum", None,
+                                    choices=("floor", None))
+    compute_dtype: str = key("dtype of snapshots, rank check and moments", "float32", choices=("float32", "float64"))
 
 
 BETAS = "Adam's moment decays"
@@ -144,8 +146,8 @@ class LambConfig(MethodConfig):
     foreach: bool = key(LAMB_FLAG + "foreach")
     maximize: bool = key(LAMB_FLAG + "maximize")
     n_sma_threshold: int = key("RAdam's SMA threshold (rectify only)", range="[0, inf)")
-    max_grad_norm: Literal[0.0] = key(f"must stay 0: {RESCALING}")
-    pre_norm: Literal[False] = key(f"must stay false: {RESCALING}")
+    max_grad_norm: float = key(f"must stay 0: {RESCALING}", choices=(0.0,))
+    pre_norm: bool = key(f"must stay false: {RESCALING}", choices=(False,))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,60 +161,13 @@ class LoraRiteConfig(MethodConfig):
                                        range="[0, inf)")
 
 
-# ------------------------------------------------------------------------------ field checks
-_hints = functools.cache(typing.get_type_hints)
-
-
-def _base(hint: Any) -> tuple[Any, tuple[Any, ...] | None, bool]:
-    """``(kind, choices, nullable)`` of a field's type: kind ``float``/``int``/``bool``/``str`` or
-    ``"pair"``; choices from a ``Literal`` (``None`` first where ``null`` is allowed)."""
-    args = typing.get_args(hint)
-    nullable = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
-    if nullable:
-        hint = next(a for a in args if a is not type(None))
-    if typing.get_origin(hint) is Literal:
-        choices = typing.get_args(hint)
-        return type(choices[0]), ((None,) if nullable else ()) + choices, nullable
-    return ("pair" if typing.get_origin(hint) is tuple else hint), None, nullable
-
-
-def _problem(hint: Any, meta: Mapping[str, Any], value: Any) -> str | None:
-    """Why ``value`` is invalid for a field (the fix included), or None."""
-    kind, choices, nullable = _base(hint)
-    doc = meta["help"]
-    if value is None:
-        return None if nullable else f"may not be null ({doc})"
-    if kind == "pair":
-        if not (isinstance(value, list | tuple) and len(value) == 2 and all(_is_number(v) for v in value)):
-            return f"must be two numbers [a, b] ({doc})"
-        bad = next((why for v in value if (why := _range(meta.get("range"), float(v)))), None)
-        return None if bad is None else f"must be two numbers each {bad} ({doc})"
-    if kind in KINDS and not KINDS[kind][0](value):
-        return f"must be {KINDS[kind][1]} ({doc})"
-    if choices is not None and value not in choices:
-        names = ", ".join(_shown(c) for c in choices)
-        return f"must be {'one of ' if len(choices) > 1 else ''}{names} ({doc})"
-    if kind in (int, float):
-        bad = _range(meta.get("range"), float(value))
-        return None if bad is None else f"must be {bad} ({doc})"
-    return None
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-KINDS = {  # a field's kind -> (does a value have it, what a value must be)
-    bool: (lambda v: isinstance(v, bool), "true or false"),
-    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
-    float: (_is_number, "a number"),
-    str: (lambda v: isinstance(v, str), "a string"),
-}
+# ------------------------------------------------------------------------------ ranges
 INTERVAL = re.compile(r"([\[(])(\S+), (\S+)([\])])")
 
 
-def _range(interval: str | None, x: float) -> str | None:
-    """Why ``x`` lies outside ``interval`` (``"[0, 1)"``; ``inf`` for no bound), or None."""
+def _outside(interval: str | None, x: float) -> str | None:
+    """What ``x`` must be when it lies outside ``interval`` (``"[0, 1)"``; ``inf`` for no bound) or is not
+    finite, else None."""
     if not math.isfinite(x):
         return "a finite number"
     if interval is None:
@@ -224,7 +179,3 @@ def _range(interval: str | None, x: float) -> str | None:
     if math.isinf(hi):
         return f"{'>' if left == '(' else '>='} {lo:g}"
     return f"in {interval}"
-
-
-def _shown(value: Any) -> str:
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
