@@ -16,6 +16,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue
 
 from prism.typed import ConfigError, choice, node_of, require, shown
 
@@ -66,12 +67,19 @@ class MethodConfig:
     @classmethod
     def from_node(cls, node: Mapping[str, Any]) -> MethodConfig:
         """The dataclass of a method node (a yaml's keys, ``_target_`` aside: the registry reads it) through
-        OmegaConf's structured config of ``cls`` (:func:`prism.typed.node_of`): an unknown key, a wrong type
-        or a missing key is OmegaConf's error naming ``method.<key>``, a refused choice or range a
-        :class:`SchemaError`."""
+        OmegaConf's structured config of ``cls`` (:func:`prism.typed.node_of`): an unknown or missing key,
+        a refused choice or range is a :class:`SchemaError` naming ``method.<key>``; a wrong type is OmegaConf's
+        ``ValidationError`` (a ``ValueError``) naming it, which the pipeline's validator words as every other
+        section's (``pipelines/config/schema.py``)."""
         plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
         plain.pop("_target_", None)
-        return node_of(cls, plain, at="method")
+        try:
+            return node_of(cls, plain, at="method")
+        except ConfigKeyError as err:
+            raise SchemaError(f"unknown key {err.full_key} for method {plain.get('name')}, "
+                              f"its keys are {', '.join(f.name for f in fields(cls))}") from None
+        except MissingMandatoryValue as err:
+            raise SchemaError(f"{err.full_key} is missing, add it to conf/method/{plain.get('name')}.yaml") from None
 
     def options(self) -> dict[str, Any]:
         """``lr`` and the method's own keys (those of the subclass): an optimizer's keyword arguments."""
