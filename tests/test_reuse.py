@@ -21,6 +21,7 @@ from pipelines import tables as agg
 from pipelines.config.compose import job_config
 from pipelines.runs import launch, store
 from pipelines.runs.runner import execute
+from pipelines.verbs.reproduce import supersede
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["backbone=tiny-llama", "method=prism,adamw", "train.steps=2", "logging=disabled", "suite.cutoff_len=1024"]
@@ -66,6 +67,31 @@ def test_table4_trains_only_the_runs_table2_lacks(tmp_path: Path) -> None:
             row = table[(table["Rank"] == rank) & (table["Method"] == method)].iloc[0]
             assert row["GLUE8_Avg"] == pytest.approx(0.5 + 0.01 * rank) and row["n_runs"] == 2
     assert grid("table4", T4, tmp_path, trainer) == (0, 8) and len(trainer.trained) == 14  # nothing left
+
+
+def test_a_grid_rerun_at_another_rate_replaces_the_earlier_runs_in_the_table_and_keeps_their_folders(
+        tmp_path: Path) -> None:
+    trainer = CountingTrainer()
+    grid("table2", T2, tmp_path, trainer)
+    root, earlier = tmp_path / "runs", set(trainer.trained)
+    pending43, finished43 = launch.plan("table2", [*T2, "seed=43", f"results_dir={tmp_path}"])
+    assert supersede("table2", pending43 + finished43) == ""  # another seed's cells replace nothing
+    assert set(store.view(root, "table2")) == earlier
+
+    pending, finished = launch.plan("table2", [*T2, "train.lr_multiplier=2", f"results_dir={tmp_path}"])
+    assert len(pending) == len(earlier) and not finished  # every run's rate moved, so every hash
+    for job in pending:
+        assert execute(job.cfg, trainer) == "finished"  # the config the grid validated, as its worker runs it
+    refused = agg.build_table(agg.SPECS["table2"], agg.read_run_folders(root, "table2"), "embedded").missing
+    assert sum("REFUSED" in line for line in refused) == len(earlier)  # both rates in one cell: each cell refused
+
+    line = supersede("table2", pending)
+    assert line.startswith(f"table2: {len(earlier)} runs") and "differing: method.lr" in line
+    assert set(store.view(root, "table2")) == {job.run_hash for job in pending}
+    assert all((root / run_hash).is_dir() for run_hash in earlier)  # left the view, not the store
+    table = agg.build_table(agg.SPECS["table2"], agg.read_run_folders(root, "table2"), "embedded")
+    assert not [line for line in table.missing if "REFUSED" in line]
+    assert {n for n in table.frame["n_runs"] if n} == {2}  # per row: one run of each suite, at the new rate
 
 
 def test_force_reruns_a_shared_run_and_keeps_the_old_one(tmp_path: Path) -> None:

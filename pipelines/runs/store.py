@@ -132,6 +132,11 @@ def tag(root: Path, experiment: str, run_hash_: str) -> bool:
     return True
 
 
+def untag(root: Path, experiment: str, run_hash_: str) -> None:
+    """Take run ``run_hash_`` out of the view of ``experiment``; its folder stays in the store."""
+    (Path(root) / VIEWS / experiment / run_hash_).unlink(missing_ok=True)
+
+
 def view(root: Path, experiment: str) -> list[str]:
     """Run hashes of ``experiment``'s view (:func:`refuse_older_layout` first); a view (or ``_views``) that is
     not a folder is one :class:`ConfigError` line, not an empty view."""

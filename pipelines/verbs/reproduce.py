@@ -18,8 +18,11 @@ exit code 1); a failed ``sbatch`` is reported as ``0 of N submitted: <reason>`` 
 traceback, no table touched); a signal stops the multirun and its local jobs
 (:func:`pipelines.runs.launch.run_hydra_multirun`). Finished runs — of
 this experiment or of any other whose grid holds the same config (the run store is shared, see
-:mod:`pipelines.runs.store`) — are skipped and tagged into this experiment's view; nothing is deleted,
-and the aggregator runs at the end when a run was trained. A grid whose seeds include a seed its tuned
+:mod:`pipelines.runs.store`) — are skipped and tagged into this experiment's view. A run of the view
+that holds the same table cell, suite, seed, scale and protocol as a planned job at another config
+(e.g. at a rate ``make tune`` has changed since) leaves the view, with one line naming the fields that
+differ (:func:`supersede`), so the table shows the grid that was run instead of refusing the cell;
+nothing is deleted, and the aggregator runs at the end when a run was trained. A grid whose seeds include a seed its tuned
 rates were chosen on prints one line saying so (:func:`pipelines.config.tuned_rates.seed_overlap_line`).
 """
 from __future__ import annotations
@@ -28,8 +31,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from pipelines.config import tuned_rates
-from pipelines.runs import launch
+from pipelines.runs import launch, store
+from pipelines.runs.launch import Job
+from pipelines.tables.build import differing_fields, load_paper, protocol_of
+from pipelines.tables.records import RunRecord, read_run_folder
+from pipelines.tables.specs import SPECS
 
 TABLES = ("table2", "table3", "table4", "table5")
 
@@ -50,6 +59,8 @@ def main(overrides: Sequence[str], *, experiment: str, jobs: int | None = None) 
           f"{len(pending)} to run", flush=True)
     if overlap := tuned_rates.seed_overlap_line([job.cfg for job in pending + finished]):
         print(overlap, flush=True)
+    if replaced := supersede(experiment, pending + finished):
+        print(replaced, flush=True)
     submitted, failure = True, ""
     if pending:
         submitted, failure = launch.launch(experiment, launcher, pending, jobs, overrides,
@@ -60,3 +71,33 @@ def main(overrides: Sequence[str], *, experiment: str, jobs: int | None = None) 
         print(failure, file=sys.stderr)
         return 1
     return 0
+
+
+def supersede(experiment: str, jobs: Sequence[Job]) -> str:
+    """Take out of ``experiment``'s view every run that a planned job replaces: one of the same table cell
+    (the table's row key), suite, seed, scale and protocol at another config (another hash). Their folders
+    stay in the store (rerunning an older grid tags them back). Returns the line that says how many left
+    and on which fields they differ from the grid's runs ('' when none)."""
+    spec, paper = SPECS[experiment], load_paper(experiment)
+
+    def slot(record: RunRecord) -> tuple:
+        return (spec.cell_key(record, paper), record.get("suite.name"), record.get("seed"),
+                record.get("suite.scale"), protocol_of(record))
+
+    planned = {job.run_hash: RunRecord(job.run_hash, "planned", config=OmegaConf.to_container(job.cfg, resolve=True))
+               for job in jobs}
+    by_slot = {slot(record): record for record in planned.values()}
+    left, fields = 0, set()
+    for root in {job.root for job in jobs}:
+        for run_hash_ in store.view(root, experiment):
+            record = read_run_folder(store.find_run(root, run_hash_))
+            if run_hash_ in planned or not record.config or (new := by_slot.get(slot(record))) is None:
+                continue
+            store.untag(root, experiment, run_hash_)
+            left += 1
+            fields |= {part.split(":")[0] for part in differing_fields([record, new], limit=99).split("; ") if part}
+    if not left:
+        return ""
+    return (f"{experiment}: {left} run{'s' * (left != 1)} of the grid's cells and seeds at an earlier config left its "
+            f"view (their folders stay in the store; differing: {', '.join(sorted(fields)) or 'the hash only'})")
+
