@@ -560,15 +560,18 @@ def test_a_column_whose_best_is_not_above_the_0_step_model_is_gated_out_of_its_b
     """Per seed, 40 rows per task. The 0-step model is right on rows 0–19 of SST-2 and RTE and 0–9 of GSM8K.
     At ε=6 PRISM is right on every SST-2 row, on RTE's rows 0–19 (the 0-step model's rows: difference 0) and on
     30 GSM8K rows; AdamW on 24, 18 and 20. So RTE, and only RTE, has no privacy signal at ε=6: its averages are
-    the means of SST-2 and GSM8K, (1 + 0.75)/2 and (0.6 + 0.5)/2, its PRISM − best cell says so, and the best
-    Avg over all columns, Non-DP 1.0 ≥ ε=6 (1 + 0.5 + 0.75)/3, keeps the order."""
+    the means of SST-2 and GSM8K, (1 + 0.75)/2 and (0.6 + 0.5)/2, its PRISM − best cell says so, its
+    best-baseline cell names none (a dash, while the Non-DP block, AdamW on 30 rows of each, names AdamW there),
+    and the best Avg over all columns, Non-DP 1.0 ≥ ε=6 (1 + 0.5 + 0.75)/3, keeps the order."""
     root, n = tmp_path / "runs", 40
     right = {("ref", "SST-2"): 20, ("ref", "RTE"): 20, ("ref", "GSM8K"): 10, ("prism", "SST-2"): 40,
              ("prism", "RTE"): 20, ("prism", "GSM8K"): 30, ("adamw", "SST-2"): 24, ("adamw", "RTE"): 18,
-             ("adamw", "GSM8K"): 20, ("nondp", "SST-2"): 40, ("nondp", "RTE"): 40, ("nondp", "GSM8K"): 40}
+             ("adamw", "GSM8K"): 20, ("nondp", "SST-2"): 40, ("nondp", "RTE"): 40, ("nondp", "GSM8K"): 40,
+             ("adamw_nondp", "SST-2"): 30, ("adamw_nondp", "RTE"): 30, ("adamw_nondp", "GSM8K"): 30}
     tasks = {"glue8": {"tweet_sentiment": "SST-2", "syllogism": "RTE"}, "math10k": {"gsm_symbolic": "GSM8K"}}
     runs = {"ref": dict(method="adamw", privacy="nondp", steps=0), "prism": dict(method="prism", privacy="eps6"),
-            "adamw": dict(method="adamw", privacy="eps6"), "nondp": dict(method="prism", privacy="nondp")}
+            "adamw": dict(method="adamw", privacy="eps6"), "nondp": dict(method="prism", privacy="nondp"),
+            "adamw_nondp": dict(method="adamw", privacy="nondp")}
     for name, kw in runs.items():
         for suite, cols in tasks.items():
             for seed in (42, 43, 44):
@@ -589,6 +592,8 @@ def test_a_column_whose_best_is_not_above_the_0_step_model_is_gated_out_of_its_b
     assert "| 0-step model | no training | 3 | " in md
     assert "No privacy signal (ε=6: RTE): there the block's best method is not above the 0-step model" in md
     assert "| ε=6 | PRISM − best baseline | 3 | " in md and "| no privacy signal |" in md
+    vs_row = next(line for line in md.splitlines() if line.startswith("| ε=6 | (best baseline) |"))
+    assert [c.strip() for c in vs_row.strip("|").split("|")][3:6] == ["PRISM beats AdamW", "—", "PRISM beats AdamW"]
     assert (f"Non-DP 1.000 (PRISM) ≥ ε=6 {(1 + 0.5 + 0.75) / 3:.3f} (PRISM): holds.") in md
     assert "no privacy signal" in agg.to_latex(res)
     csv = to_csv_frame(res)

@@ -153,8 +153,9 @@ def _grid(result: TableResult, bold: tuple[str, str]) -> tuple[list[str], list[l
 
 def _vs_text(row: pd.Series, col: str) -> str:
     """The baseline a difference is against, ``PRISM beats <it>`` (``PRISM below <it>``) where the difference's
-    interval excludes 0."""
-    vs, mark = str(row.get(f"{col}_vs") or DASH), row.get(f"{col}_mark", "")
+    interval excludes 0; a dash where the column has none (a column without privacy signal in its block)."""
+    vs, mark = row.get(f"{col}_vs"), row.get(f"{col}_mark", "")
+    vs = DASH if vs is None or pd.isna(vs) or vs == "" else str(vs)
     return f"PRISM {mark} {vs}" if mark in ("beats", "below") else vs
 
 
